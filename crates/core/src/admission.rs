@@ -1,0 +1,164 @@
+//! Admission decisions (SPEC §4.1), pure: the order in which candidates are tried, and
+//! what to do when none is admitted. The async pick that asks the breaker store and the
+//! limiter lives in the facade and follows these decisions.
+
+use std::collections::BTreeSet;
+use std::time::Duration;
+
+use crate::ports::limiter::Refusal;
+use crate::ports::Rng;
+use crate::settings::OnNoRunnable;
+use crate::source::SourceConfig;
+
+/// The order in which to try the scope's sources (indices into `sources`).
+///
+/// Sources in `exclude` are left out (they record no reason). Sources that have not
+/// failed in this logical call come first; inside each group, priority tiers
+/// ascending; inside a tier, weighted random by `WEIGHT`.
+pub fn order_candidates(
+    sources: &[SourceConfig],
+    exclude: &BTreeSet<String>,
+    failed_in_call: &BTreeSet<String>,
+    rng: &dyn Rng,
+) -> Vec<usize> {
+    let mut groups: Vec<(bool, u32, Vec<usize>)> = Vec::new();
+    for (i, s) in sources.iter().enumerate() {
+        if exclude.contains(&s.name) {
+            continue;
+        }
+        let failed = failed_in_call.contains(&s.name);
+        match groups
+            .iter_mut()
+            .find(|(f, p, _)| *f == failed && *p == s.priority)
+        {
+            Some(g) => g.2.push(i),
+            None => groups.push((failed, s.priority, vec![i])),
+        }
+    }
+    groups.sort_by_key(|(failed, prio, _)| (*failed, *prio));
+    let mut out = Vec::with_capacity(sources.len());
+    for (_, _, mut members) in groups {
+        // Sequential weighted draws without replacement.
+        while !members.is_empty() {
+            let total: u64 = members
+                .iter()
+                .map(|&i| sources[i].weight.max(1) as u64)
+                .sum();
+            let mut r = rng.below(total);
+            let mut pick = 0;
+            for (j, &i) in members.iter().enumerate() {
+                let w = sources[i].weight.max(1) as u64;
+                if r < w {
+                    pick = j;
+                    break;
+                }
+                r -= w;
+            }
+            out.push(members.remove(pick));
+        }
+    }
+    out
+}
+
+/// What to do when no candidate was admitted.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum NoRunnable {
+    /// Wait this long (then bound by deadline and stall window) and pick again.
+    Wait(Duration),
+    /// Fail with `no_runnable_source`.
+    Fail,
+}
+
+/// Poll interval for refusals without a time hint (concurrency without a lease end).
+pub const DEFAULT_POLL: Duration = Duration::from_millis(50);
+
+/// SPEC §4.1: with `wait` and at least one refusal that passes with time, wait until
+/// the earliest hint; otherwise fail.
+pub fn on_no_runnable(refusals: &[(String, Refusal)], policy: OnNoRunnable) -> NoRunnable {
+    if policy == OnNoRunnable::Fail {
+        return NoRunnable::Fail;
+    }
+    refusals
+        .iter()
+        .filter(|(_, r)| r.reason.passes_with_time())
+        .map(|(_, r)| r.retry_after.unwrap_or(DEFAULT_POLL))
+        .min()
+        .map(|d| NoRunnable::Wait(d.max(Duration::from_millis(1))))
+        .unwrap_or(NoRunnable::Fail)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::error::RefusalReason;
+    use crate::ports::SplitMix64;
+
+    fn src(name: &str, prio: u32, weight: u32) -> SourceConfig {
+        let mut s = SourceConfig::new("p", 0, "http://x", "", "m");
+        s.name = name.to_string();
+        s.priority = prio;
+        s.weight = weight;
+        s
+    }
+
+    fn set(names: &[&str]) -> BTreeSet<String> {
+        names.iter().map(|s| s.to_string()).collect()
+    }
+
+    #[test]
+    fn tiers_then_failed_last_and_exclude() {
+        let s = vec![
+            src("a", 1, 1),
+            src("b", 0, 1),
+            src("c", 0, 1),
+            src("d", 2, 1),
+        ];
+        let rng = SplitMix64::new(3);
+        for _ in 0..50 {
+            let o = order_candidates(&s, &set(&["d"]), &set(&["b"]), &rng);
+            let names: Vec<&str> = o.iter().map(|&i| s[i].name.as_str()).collect();
+            assert_eq!(names, ["c", "a", "b"]);
+        }
+    }
+
+    #[test]
+    fn weights_shape_the_choice() {
+        let s = vec![src("a", 0, 1), src("b", 0, 3)];
+        let rng = SplitMix64::new(11);
+        let n = 4000;
+        let b_first = (0..n)
+            .filter(|_| order_candidates(&s, &set(&[]), &set(&[]), &rng)[0] == 1)
+            .count();
+        let share = b_first as f64 / n as f64;
+        assert!((0.70..0.80).contains(&share), "share {share}");
+    }
+
+    #[test]
+    fn no_runnable_table() {
+        let r = |reason, ms: Option<u64>| Refusal {
+            reason,
+            retry_after: ms.map(Duration::from_millis),
+        };
+        let dead_only = vec![("a".to_string(), r(RefusalReason::Dead, Some(1000)))];
+        assert_eq!(
+            on_no_runnable(&dead_only, OnNoRunnable::Wait),
+            NoRunnable::Fail
+        );
+        let mixed = vec![
+            ("a".to_string(), r(RefusalReason::Dead, Some(10))),
+            ("b".to_string(), r(RefusalReason::Rpm, Some(700))),
+            ("c".to_string(), r(RefusalReason::Cooldown, Some(300))),
+        ];
+        assert_eq!(
+            on_no_runnable(&mixed, OnNoRunnable::Wait),
+            NoRunnable::Wait(Duration::from_millis(300))
+        );
+        assert_eq!(on_no_runnable(&mixed, OnNoRunnable::Fail), NoRunnable::Fail);
+        let conc = vec![("a".to_string(), r(RefusalReason::Concurrency, None))];
+        assert_eq!(
+            on_no_runnable(&conc, OnNoRunnable::Wait),
+            NoRunnable::Wait(DEFAULT_POLL)
+        );
+        assert_eq!(on_no_runnable(&[], OnNoRunnable::Wait), NoRunnable::Fail);
+    }
+}

@@ -1,0 +1,434 @@
+//! Classification (SPEC §5): every way an attempt can fail, mapped to its class and
+//! telemetry label by one function. Transports describe what happened as a
+//! [`Failure`]; [`classify`] decides what it means.
+
+use std::time::Duration;
+
+use crate::error::{AttemptError, ErrorClass, ErrorLabel};
+
+/// What went wrong in an attempt, as the transport saw it.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Failure {
+    /// A non-2xx HTTP response.
+    Http {
+        /// The status code.
+        status: u16,
+        /// Retry-After, already resolved to a duration.
+        retry_after: Option<Duration>,
+        /// The provider's error code (`error.code`, else `error.type`), if the body had one.
+        code: Option<String>,
+        /// The provider's error message, if the body had one.
+        message: Option<String>,
+    },
+    /// Connection refused/reset before a response, DNS or TLS failure.
+    Connect {
+        /// What the connection layer said (no URL credentials, no key).
+        detail: String,
+    },
+    /// The whole-request timeout of a plain call (`TIMEOUT_S`).
+    Timeout,
+    /// No incremental chunk within the TTFT budget.
+    TtftTimeout {
+        /// The budget that ran out.
+        budget: Duration,
+    },
+    /// A gap between incremental chunks exceeded the inter-token budget.
+    StallTimeout {
+        /// The budget that ran out.
+        budget: Duration,
+    },
+    /// The stream ended or broke before any `finish_reason`.
+    Truncated {
+        /// How it ended (clean end of body, reset, …).
+        detail: String,
+    },
+    /// An error object inside a 200 body or an SSE event.
+    InBand {
+        /// A numeric status inside the object, if any.
+        status: Option<u16>,
+        /// `error.code` or `error.type`.
+        code: Option<String>,
+        /// `error.message`.
+        message: Option<String>,
+    },
+    /// Invalid JSON, no choices, a frame of the wrong shape.
+    Malformed {
+        /// What was wrong (never the raw body).
+        detail: String,
+    },
+    /// The body or the accumulated content exceeded the cap.
+    TooLarge {
+        /// The cap in bytes.
+        limit: usize,
+    },
+    /// A 200 that generated nothing (no content, reasoning or tool call) while
+    /// `finish_reason` is not `length`.
+    NothingGenerated {
+        /// The finish_reason given, if any.
+        finish_reason: Option<String>,
+    },
+}
+
+/// Class and label of an HTTP status (SPEC §5 table). `None` for 2xx.
+pub fn classify_status(status: u16) -> Option<(ErrorClass, ErrorLabel)> {
+    use ErrorClass as C;
+    use ErrorLabel as L;
+    Some(match status {
+        200..=299 => return None,
+        429 => (C::RateLimited, L::RateLimited),
+        408 => (C::Transient, L::Timeout),
+        409 => (C::Transient, L::ServerError),
+        500..=599 => (C::Transient, L::ServerError),
+        400 | 413 | 422 => (C::Rejected, L::Rejected),
+        401 | 403 | 404 => (C::Dead, L::Dead),
+        // 402 Payment Required: the account cannot pay; retrying it is pointless.
+        402 => (C::Dead, L::Dead),
+        // Any other 4xx is about the request.
+        400..=499 => (C::Rejected, L::Rejected),
+        // 1xx/3xx that reached us (redirects are not followed): the source misbehaves.
+        _ => (C::Invalid, L::Invalid),
+    })
+}
+
+/// Class and label of a provider error code or type found in a body (in-band errors,
+/// and 200 bodies that carry an error object). Unknown codes are `invalid`.
+pub fn classify_code(code: &str) -> (ErrorClass, ErrorLabel) {
+    use ErrorClass as C;
+    use ErrorLabel as L;
+    let c = code.to_ascii_lowercase();
+    let has = |needles: &[&str]| needles.iter().any(|n| c.contains(n));
+    if has(&["rate_limit", "ratelimit", "too_many_requests", "throttl"]) {
+        (C::RateLimited, L::RateLimited)
+    } else if has(&[
+        "context_length",
+        "content_policy",
+        "content_filter",
+        "invalid_request",
+        "invalid_prompt",
+        "string_above_max_length",
+        "max_tokens",
+        "safety",
+        "request_too_large",
+    ]) {
+        (C::Rejected, L::Rejected)
+    } else if has(&[
+        "invalid_api_key",
+        "authentication",
+        "unauthorized",
+        "permission",
+        "forbidden",
+        "model_not_found",
+        "not_found",
+        "insufficient_quota",
+        "billing",
+        "account_deactivated",
+    ]) {
+        (C::Dead, L::Dead)
+    } else if has(&[
+        "server_error",
+        "internal",
+        "overloaded",
+        "unavailable",
+        "timeout",
+        "bad_gateway",
+        "upstream",
+        "capacity",
+    ]) {
+        (C::Transient, L::ServerError)
+    } else {
+        (C::Invalid, L::Invalid)
+    }
+}
+
+/// The one classification function of SPEC §5.
+pub fn classify(failure: Failure) -> AttemptError {
+    use ErrorClass as C;
+    use ErrorLabel as L;
+    match failure {
+        Failure::Http {
+            status,
+            retry_after,
+            code,
+            message,
+        } => {
+            let (class, label) = classify_status(status).unwrap_or((C::Invalid, L::Invalid));
+            let detail = match (&code, &message) {
+                (_, Some(m)) => format!("HTTP {status}: {m}"),
+                (Some(c), None) => format!("HTTP {status}: {c}"),
+                (None, None) => format!("HTTP {status}"),
+            };
+            // Retry-After only means something for 429 and 503-like answers; keep it
+            // whenever given, the engine only uses it for rate limits and cooldown hints.
+            AttemptError::new(class, label, detail)
+                .with_status(status)
+                .with_retry_after(retry_after)
+                .with_provider(code, message)
+        }
+        Failure::Connect { detail } => AttemptError::new(
+            C::Transient,
+            L::Connect,
+            format!("connection failed: {detail}"),
+        ),
+        Failure::Timeout => AttemptError::new(C::Transient, L::Timeout, "request timed out"),
+        Failure::TtftTimeout { budget } => AttemptError::new(
+            C::Transient,
+            L::TtftTimeout,
+            format!(
+                "no incremental chunk within the TTFT budget of {:.3}s",
+                budget.as_secs_f64()
+            ),
+        ),
+        Failure::StallTimeout { budget } => AttemptError::new(
+            C::Transient,
+            L::StallTimeout,
+            format!(
+                "no incremental chunk for the inter-token budget of {:.3}s",
+                budget.as_secs_f64()
+            ),
+        ),
+        Failure::Truncated { detail } => AttemptError::new(
+            C::Transient,
+            L::Truncated,
+            format!("stream ended before a finish_reason: {detail}"),
+        ),
+        Failure::InBand {
+            status,
+            code,
+            message,
+        } => {
+            let by_status = status.and_then(classify_status);
+            let by_code = code.as_deref().map(classify_code);
+            let by_message = message.as_deref().map(classify_code);
+            let (class, label) = by_status
+                .or(by_code.filter(|(c, _)| *c != C::Invalid))
+                .or(by_message.filter(|(c, _)| *c != C::Invalid))
+                .unwrap_or((C::Invalid, L::Invalid));
+            let mut e = AttemptError::new(
+                class,
+                label,
+                format!(
+                    "error object in the response{}",
+                    message
+                        .as_deref()
+                        .map(|m| format!(": {m}"))
+                        .unwrap_or_default()
+                ),
+            )
+            .with_provider(code, message);
+            if let Some(s) = status {
+                e = e.with_status(s);
+            }
+            e
+        }
+        Failure::Malformed { detail } => AttemptError::new(
+            C::Invalid,
+            L::Invalid,
+            format!("malformed response: {detail}"),
+        ),
+        Failure::TooLarge { limit } => AttemptError::new(
+            C::Invalid,
+            L::Invalid,
+            format!("response exceeds the cap of {limit} bytes"),
+        ),
+        Failure::NothingGenerated { finish_reason } => AttemptError::new(
+            C::Invalid,
+            L::Invalid,
+            format!(
+                "nothing generated (no content, reasoning or tool call; finish_reason {})",
+                finish_reason.as_deref().unwrap_or("none")
+            ),
+        ),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use ErrorClass as C;
+    use ErrorLabel as L;
+
+    fn http(status: u16) -> AttemptError {
+        classify(Failure::Http {
+            status,
+            retry_after: None,
+            code: None,
+            message: None,
+        })
+    }
+
+    #[test]
+    fn http_status_table() {
+        let table: &[(u16, C, L)] = &[
+            (429, C::RateLimited, L::RateLimited),
+            (408, C::Transient, L::Timeout),
+            (409, C::Transient, L::ServerError),
+            (500, C::Transient, L::ServerError),
+            (502, C::Transient, L::ServerError),
+            (503, C::Transient, L::ServerError),
+            (504, C::Transient, L::ServerError),
+            (599, C::Transient, L::ServerError),
+            (400, C::Rejected, L::Rejected),
+            (413, C::Rejected, L::Rejected),
+            (422, C::Rejected, L::Rejected),
+            (401, C::Dead, L::Dead),
+            (403, C::Dead, L::Dead),
+            (404, C::Dead, L::Dead),
+            (402, C::Dead, L::Dead),
+            (418, C::Rejected, L::Rejected),
+            (302, C::Invalid, L::Invalid),
+        ];
+        for &(status, class, label) in table {
+            let e = http(status);
+            assert_eq!((e.class, e.label), (class, label), "HTTP {status}");
+            assert_eq!(e.http_status, Some(status));
+        }
+        assert_eq!(classify_status(200), None);
+    }
+
+    #[test]
+    fn budget_and_breaker_per_spec_row() {
+        // SPEC §5: 429 refunded/no breaker; transient 1/yes; rejected terminal/no;
+        // dead 1/opens-dead; invalid 1/no.
+        assert!(!http(429).class.consumes_budget() && !http(429).class.feeds_breaker());
+        for s in [408, 409, 500, 503] {
+            assert!(
+                http(s).class.consumes_budget() && http(s).class.feeds_breaker(),
+                "{s}"
+            );
+        }
+        for s in [400, 413, 422] {
+            assert!(http(s).class.is_terminal_for_call(), "{s}");
+            assert!(!http(s).class.feeds_breaker(), "{s}");
+        }
+        for s in [401, 403, 404] {
+            assert_eq!(http(s).class, C::Dead);
+            assert!(http(s).class.consumes_budget());
+        }
+    }
+
+    #[test]
+    fn transport_failure_kinds() {
+        let rows: Vec<(Failure, C, L)> = vec![
+            (
+                Failure::Connect {
+                    detail: "refused".into(),
+                },
+                C::Transient,
+                L::Connect,
+            ),
+            (Failure::Timeout, C::Transient, L::Timeout),
+            (
+                Failure::TtftTimeout {
+                    budget: Duration::from_secs(1),
+                },
+                C::Transient,
+                L::TtftTimeout,
+            ),
+            (
+                Failure::StallTimeout {
+                    budget: Duration::from_secs(1),
+                },
+                C::Transient,
+                L::StallTimeout,
+            ),
+            (
+                Failure::Truncated {
+                    detail: "eof".into(),
+                },
+                C::Transient,
+                L::Truncated,
+            ),
+            (
+                Failure::Malformed {
+                    detail: "bad json".into(),
+                },
+                C::Invalid,
+                L::Invalid,
+            ),
+            (Failure::TooLarge { limit: 10 }, C::Invalid, L::Invalid),
+            (
+                Failure::NothingGenerated {
+                    finish_reason: Some("stop".into()),
+                },
+                C::Invalid,
+                L::Invalid,
+            ),
+        ];
+        for (f, class, label) in rows {
+            let name = format!("{f:?}");
+            let e = classify(f);
+            assert_eq!((e.class, e.label), (class, label), "{name}");
+            assert_eq!(e.http_status, None);
+        }
+    }
+
+    #[test]
+    fn provider_code_and_retry_after_are_kept() {
+        let e = classify(Failure::Http {
+            status: 400,
+            retry_after: None,
+            code: Some("context_length_exceeded".into()),
+            message: Some("This model's maximum context length is 8192 tokens".into()),
+        });
+        assert_eq!(e.class, C::Rejected);
+        assert_eq!(e.provider_code.as_deref(), Some("context_length_exceeded"));
+        assert!(e.to_string().contains("context_length_exceeded"));
+        let e = classify(Failure::Http {
+            status: 429,
+            retry_after: Some(Duration::from_secs(7)),
+            code: None,
+            message: None,
+        });
+        assert_eq!(e.retry_after, Some(Duration::from_secs(7)));
+    }
+
+    #[test]
+    fn body_code_table() {
+        let table: &[(&str, C)] = &[
+            ("rate_limit_exceeded", C::RateLimited),
+            ("RateLimitError", C::RateLimited),
+            ("context_length_exceeded", C::Rejected),
+            ("content_policy_violation", C::Rejected),
+            ("content_filter", C::Rejected),
+            ("invalid_request_error", C::Rejected),
+            ("invalid_api_key", C::Dead),
+            ("model_not_found", C::Dead),
+            ("insufficient_quota", C::Dead),
+            ("server_error", C::Transient),
+            ("overloaded_error", C::Transient),
+            ("service_unavailable", C::Transient),
+            ("something_new", C::Invalid),
+        ];
+        for &(code, class) in table {
+            assert_eq!(classify_code(code).0, class, "{code}");
+        }
+    }
+
+    #[test]
+    fn in_band_errors_prefer_status_then_code_then_message() {
+        let e = classify(Failure::InBand {
+            status: Some(503),
+            code: Some("weird".into()),
+            message: None,
+        });
+        assert_eq!((e.class, e.http_status), (C::Transient, Some(503)));
+        let e = classify(Failure::InBand {
+            status: None,
+            code: Some("rate_limit_exceeded".into()),
+            message: Some("slow down".into()),
+        });
+        assert_eq!(e.class, C::RateLimited);
+        let e = classify(Failure::InBand {
+            status: None,
+            code: None,
+            message: Some("The server is overloaded".into()),
+        });
+        assert_eq!(e.class, C::Transient);
+        let e = classify(Failure::InBand {
+            status: None,
+            code: None,
+            message: Some("??".into()),
+        });
+        assert_eq!(e.class, C::Invalid);
+    }
+}

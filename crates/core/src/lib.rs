@@ -1,0 +1,51 @@
+//! polygw's pure core: the domain types, configuration and its guards, the decisions
+//! of a logical call, and the port traits the adapters implement.
+//!
+//! Nothing here does I/O or reads a clock: time and randomness come in through the
+//! [`ports::Clock`] and [`ports::Rng`] ports. The async engine in the `polygw` facade
+//! carries the decisions out.
+//!
+//! Map of the crate (one concept, one module):
+//! - types: [`request`], [`response`], [`source`], [`settings`], [`secret`], [`telemetry`]
+//! - errors: [`error`]
+//! - configuration: [`config`] (environment loading, guards)
+//! - decisions: [`classify`], [`settlement`], [`stall`], [`backoff`], [`admission`],
+//!   [`hedge`], [`retry`], [`breaker`], [`window`], [`body`], [`cache_key`]
+//! - ports: [`ports`]
+
+pub mod admission;
+pub mod backoff;
+pub mod body;
+pub mod breaker;
+pub mod cache_key;
+pub mod classify;
+pub mod config;
+pub mod error;
+pub mod hedge;
+pub mod ports;
+pub mod request;
+pub mod response;
+pub mod retry;
+pub mod secret;
+pub mod settings;
+pub mod settlement;
+pub mod source;
+pub mod stall;
+pub mod telemetry;
+pub mod window;
+
+pub use config::{ConfigWarning, LoadedScope};
+pub use error::{
+    AttemptError, CacheError, ConfigError, ErrorClass, ErrorLabel, FailureContext, GatewayError,
+    GovernanceError, RefusalReason, SourceReason, SourceReasons, TelemetryError, TerminalReason,
+};
+pub use request::{ChatRequest, Message};
+pub use response::{CallStats, LlmResponse, ToolCall, Usage, UsageSource};
+pub use secret::Secret;
+pub use settings::{
+    BreakerSettings, CacheSettings, HedgeSettings, OnNoRunnable, RetrySettings, ScopeKind,
+    ScopeLimits, ScopeSettings, StreamSettings,
+};
+pub use source::SourceConfig;
+pub use stall::StreamFigures;
+pub use telemetry::{RowKind, TelemetryRow};

@@ -1,0 +1,280 @@
+//! The `RateLimiter` port and the [`Permit`] it grants (SPEC §4.2).
+//!
+//! A permit is settled (`settle(tokens)`) and released (`release()`), both idempotent.
+//! Dropped without settlement (cancellation) it settles its reservation and releases
+//! through [`PermitBackend::settle_on_drop`], which must not block.
+
+use std::time::Duration;
+
+use async_trait::async_trait;
+
+use crate::error::{GovernanceError, RefusalReason};
+
+/// What one acquire asks for: the source's limits and the scope's, checked atomically.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct AcquireRequest<'a> {
+    /// Scope name (key namespace).
+    pub scope: &'a str,
+    /// Source name.
+    pub source: &'a str,
+    /// Source RPM (0 = unlimited).
+    pub rpm: u32,
+    /// Source TPM (0 = unlimited).
+    pub tpm: u64,
+    /// Source in-flight cap (0 = unlimited).
+    pub max_concurrency: u32,
+    /// Scope RPM (0 = unlimited).
+    pub scope_rpm: u32,
+    /// Scope TPM (0 = unlimited).
+    pub scope_tpm: u64,
+    /// Tokens to reserve (`effective_est_tokens()`).
+    pub est_tokens: u64,
+    /// How long the in-flight slot and reservation live if never settled (crash safety).
+    pub lease: Duration,
+}
+
+/// A refusal with its hint.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Refusal {
+    /// Why.
+    pub reason: RefusalReason,
+    /// When the refusal could pass, when known (quota windows, cooldowns, open breakers).
+    pub retry_after: Option<Duration>,
+}
+
+/// Result of an acquire.
+#[derive(Debug)]
+pub enum Admission {
+    /// Admitted: settle and release the permit when the attempt ends.
+    Admitted(Permit),
+    /// Refused, with a hint.
+    Refused(Refusal),
+}
+
+/// Enforces RPM, TPM and concurrency per source and per scope.
+#[async_trait]
+pub trait RateLimiter: Send + Sync + std::fmt::Debug {
+    /// Tries to admit one request; never waits for capacity.
+    async fn acquire(&self, req: &AcquireRequest<'_>) -> Result<Admission, GovernanceError>;
+
+    /// Current in-flight count of a source (tests, metrics).
+    async fn in_flight(&self, scope: &str, source: &str) -> Result<u32, GovernanceError>;
+
+    /// Flushes background work (drop-time settlements). Called on shutdown.
+    async fn flush(&self) -> Result<(), GovernanceError> {
+        Ok(())
+    }
+}
+
+/// The backend side of a permit.
+#[async_trait]
+pub trait PermitBackend: Send + Sync + std::fmt::Debug {
+    /// Replaces the reservation by `tokens`.
+    async fn settle(&self, tokens: u64) -> Result<(), GovernanceError>;
+    /// Frees the in-flight slot.
+    async fn release(&self) -> Result<(), GovernanceError>;
+    /// Both, in one backend operation where possible.
+    async fn settle_and_release(&self, tokens: u64) -> Result<(), GovernanceError> {
+        self.settle(tokens).await?;
+        self.release().await
+    }
+    /// Non-blocking: settle `tokens` (if `Some`) and release. Used from `Drop`.
+    fn settle_on_drop(&self, tokens: Option<u64>);
+}
+
+/// An admission. Settle then release (or [`Permit::finish`]); dropping it unsettled
+/// settles its reservation (`est`) and releases — the tokens may have been billed.
+#[derive(Debug)]
+pub struct Permit {
+    backend: Box<dyn PermitBackend>,
+    est: u64,
+    settled: bool,
+    released: bool,
+}
+
+impl Permit {
+    /// A permit over a backend handle, holding a reservation of `est` tokens.
+    pub fn new(est: u64, backend: Box<dyn PermitBackend>) -> Self {
+        Permit {
+            backend,
+            est,
+            settled: false,
+            released: false,
+        }
+    }
+
+    /// The reservation.
+    pub fn est_tokens(&self) -> u64 {
+        self.est
+    }
+
+    /// Whether `settle` has completed.
+    pub fn is_settled(&self) -> bool {
+        self.settled
+    }
+
+    /// Whether `release` has completed.
+    pub fn is_released(&self) -> bool {
+        self.released
+    }
+
+    /// Replaces the reservation by `tokens`. Idempotent: only the first call counts.
+    pub async fn settle(&mut self, tokens: u64) -> Result<(), GovernanceError> {
+        if self.settled {
+            return Ok(());
+        }
+        self.backend.settle(tokens).await?;
+        self.settled = true;
+        Ok(())
+    }
+
+    /// Frees the in-flight slot. Idempotent.
+    pub async fn release(&mut self) -> Result<(), GovernanceError> {
+        if self.released {
+            return Ok(());
+        }
+        self.backend.release().await?;
+        self.released = true;
+        Ok(())
+    }
+
+    /// Settles and releases (one backend operation where possible). Idempotent.
+    pub async fn finish(&mut self, tokens: u64) -> Result<(), GovernanceError> {
+        match (self.settled, self.released) {
+            (true, true) => Ok(()),
+            (true, false) => self.release().await,
+            (false, _) => {
+                self.backend.settle_and_release(tokens).await?;
+                self.settled = true;
+                self.released = true;
+                Ok(())
+            }
+        }
+    }
+
+    /// Hands settlement to the backend's non-blocking path now (used when awaiting
+    /// is not possible or the backend failed): settles `tokens` and releases.
+    pub fn finish_in_background(mut self, tokens: u64) {
+        if !self.settled {
+            self.backend.settle_on_drop(Some(tokens));
+        } else if !self.released {
+            self.backend.settle_on_drop(None);
+        }
+        self.settled = true;
+        self.released = true;
+    }
+}
+
+impl Drop for Permit {
+    fn drop(&mut self) {
+        if !self.settled {
+            self.backend.settle_on_drop(Some(self.est));
+        } else if !self.released {
+            self.backend.settle_on_drop(None);
+        }
+    }
+}
+
+/// A limiter that admits everything (governance off; tests).
+#[derive(Debug, Clone, Copy, Default)]
+pub struct UnlimitedLimiter;
+
+#[derive(Debug)]
+struct NoopPermit;
+
+#[async_trait]
+impl PermitBackend for NoopPermit {
+    async fn settle(&self, _tokens: u64) -> Result<(), GovernanceError> {
+        Ok(())
+    }
+    async fn release(&self) -> Result<(), GovernanceError> {
+        Ok(())
+    }
+    fn settle_on_drop(&self, _tokens: Option<u64>) {}
+}
+
+#[async_trait]
+impl RateLimiter for UnlimitedLimiter {
+    async fn acquire(&self, req: &AcquireRequest<'_>) -> Result<Admission, GovernanceError> {
+        Ok(Admission::Admitted(Permit::new(
+            req.est_tokens,
+            Box::new(NoopPermit),
+        )))
+    }
+    async fn in_flight(&self, _scope: &str, _source: &str) -> Result<u32, GovernanceError> {
+        Ok(0)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::{Arc, Mutex};
+
+    #[derive(Debug, Default)]
+    struct Log(Mutex<Vec<String>>);
+
+    #[derive(Debug)]
+    struct Rec(Arc<Log>);
+
+    #[async_trait]
+    impl PermitBackend for Rec {
+        async fn settle(&self, tokens: u64) -> Result<(), GovernanceError> {
+            self.0 .0.lock().unwrap().push(format!("settle {tokens}"));
+            Ok(())
+        }
+        async fn release(&self) -> Result<(), GovernanceError> {
+            self.0 .0.lock().unwrap().push("release".into());
+            Ok(())
+        }
+        fn settle_on_drop(&self, tokens: Option<u64>) {
+            self.0 .0.lock().unwrap().push(format!("drop {tokens:?}"));
+        }
+    }
+
+    fn block_on<F: std::future::Future>(f: F) -> F::Output {
+        // Futures here never pend; poll once with a no-op waker.
+        let mut f = std::pin::pin!(f);
+        let waker = std::task::Waker::noop();
+        let mut cx = std::task::Context::from_waker(waker);
+        match f.as_mut().poll(&mut cx) {
+            std::task::Poll::Ready(v) => v,
+            std::task::Poll::Pending => panic!("pending"),
+        }
+    }
+
+    #[test]
+    fn settle_and_release_are_idempotent() {
+        let log = Arc::new(Log::default());
+        let mut p = Permit::new(10, Box::new(Rec(log.clone())));
+        block_on(p.settle(5)).unwrap();
+        block_on(p.settle(7)).unwrap();
+        block_on(p.release()).unwrap();
+        block_on(p.release()).unwrap();
+        drop(p);
+        assert_eq!(*log.0.lock().unwrap(), ["settle 5", "release"]);
+    }
+
+    #[test]
+    fn drop_unsettled_settles_est() {
+        let log = Arc::new(Log::default());
+        drop(Permit::new(10, Box::new(Rec(log.clone()))));
+        let mut p = Permit::new(10, Box::new(Rec(log.clone())));
+        block_on(p.settle(3)).unwrap();
+        drop(p);
+        assert_eq!(
+            *log.0.lock().unwrap(),
+            ["drop Some(10)", "settle 3", "drop None"]
+        );
+    }
+
+    #[test]
+    fn finish_is_one_operation_and_idempotent() {
+        let log = Arc::new(Log::default());
+        let mut p = Permit::new(10, Box::new(Rec(log.clone())));
+        block_on(p.finish(4)).unwrap();
+        block_on(p.finish(9)).unwrap();
+        drop(p);
+        assert_eq!(*log.0.lock().unwrap(), ["settle 4", "release"]);
+    }
+}

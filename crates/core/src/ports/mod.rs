@@ -1,0 +1,25 @@
+//! The ports of SPEC §1: traits the adapters implement and tests swap. Each has a
+//! null (or trivial) implementation beside it where that makes sense.
+
+pub mod breaker;
+pub mod cache;
+pub mod clock;
+pub mod limiter;
+pub mod observer;
+pub mod rng;
+pub mod telemetry;
+pub mod transport;
+
+pub use breaker::{BreakerStore, NullBreakerStore};
+pub use cache::{NullCache, ResponseCache};
+pub use clock::{Clock, ManualClock};
+pub use limiter::{
+    AcquireRequest, Admission, Permit, PermitBackend, RateLimiter, Refusal, UnlimitedLimiter,
+};
+pub use observer::{ChunkObserver, NullObserver, StreamDelta, ToolCallDelta};
+pub use rng::{Rng, SplitMix64};
+pub use telemetry::{FlushReport, NullRecorder, TelemetryRecorder};
+pub use transport::{
+    ChatAttempt, EmbeddingResult, EmbeddingTransport, OcrResult, OcrTransport, Transport,
+    TransportResult,
+};

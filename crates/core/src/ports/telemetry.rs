@@ -1,0 +1,47 @@
+//! The `TelemetryRecorder` port (SPEC §8). `record` is synchronous and never blocks:
+//! rows go to a bounded queue (so `Drop` guards can record cancelled attempts).
+
+use async_trait::async_trait;
+use serde::{Deserialize, Serialize};
+
+use crate::error::TelemetryError;
+use crate::telemetry::TelemetryRow;
+
+/// What a flush achieved.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+pub struct FlushReport {
+    /// Rows written since the recorder started.
+    pub written: u64,
+    /// Rows dropped (queue overflow) since the recorder started.
+    pub dropped: u64,
+    /// Rows still queued after the flush (backend down).
+    pub pending: u64,
+}
+
+/// Records telemetry rows.
+#[async_trait]
+pub trait TelemetryRecorder: Send + Sync + std::fmt::Debug {
+    /// Queues a row; never blocks, never fails the caller.
+    fn record(&self, row: TelemetryRow);
+
+    /// Rows dropped so far because the queue overflowed.
+    fn dropped(&self) -> u64;
+
+    /// Writes what is queued (bounded wait) and reports.
+    async fn flush(&self) -> Result<FlushReport, TelemetryError>;
+}
+
+/// Telemetry off.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct NullRecorder;
+
+#[async_trait]
+impl TelemetryRecorder for NullRecorder {
+    fn record(&self, _row: TelemetryRow) {}
+    fn dropped(&self) -> u64 {
+        0
+    }
+    async fn flush(&self) -> Result<FlushReport, TelemetryError> {
+        Ok(FlushReport::default())
+    }
+}

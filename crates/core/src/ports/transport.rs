@@ -1,0 +1,123 @@
+//! The transport ports: chat ([`Transport`]), [`EmbeddingTransport`] and
+//! [`OcrTransport`], and what they return.
+
+use std::time::Duration;
+
+use async_trait::async_trait;
+use serde::{Deserialize, Serialize};
+
+use crate::error::AttemptError;
+use crate::ports::observer::ChunkObserver;
+use crate::request::ChatRequest;
+use crate::response::{ToolCall, Usage, UsageSource};
+use crate::source::SourceConfig;
+use crate::stall::StreamFigures;
+
+/// One chat attempt to one source.
+#[derive(Clone, Copy)]
+pub struct ChatAttempt<'a> {
+    /// The source to call.
+    pub source: &'a SourceConfig,
+    /// What to ask.
+    pub request: &'a ChatRequest,
+    /// The attempt's id (sent as `x-polygw-call-id` for upstream correlation).
+    pub call_id: &'a str,
+    /// `STREAM__STALL_THRESHOLD_MS` of the scope (metering only).
+    pub stall_threshold: Duration,
+    /// Called for every incremental chunk.
+    pub observer: &'a dyn ChunkObserver,
+}
+
+impl std::fmt::Debug for ChatAttempt<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ChatAttempt")
+            .field("source", &self.source.name)
+            .field("call_id", &self.call_id)
+            .field("stream", &self.request.stream)
+            .finish()
+    }
+}
+
+/// What a successful chat attempt produced.
+#[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
+pub struct TransportResult {
+    /// Answer text.
+    pub content: String,
+    /// Reasoning text, if any.
+    pub reasoning_content: Option<String>,
+    /// Assembled tool calls.
+    pub tool_calls: Vec<ToolCall>,
+    /// Last non-null finish_reason.
+    pub finish_reason: Option<String>,
+    /// The upstream's `model`, if it said.
+    pub model: Option<String>,
+    /// Usage (0/0 when unavailable).
+    pub usage: Usage,
+    /// Where usage came from.
+    pub usage_source: UsageSource,
+    /// HTTP status of the response.
+    pub http_status: u16,
+    /// Stream figures; `None` for plain calls.
+    pub stream: Option<StreamFigures>,
+    /// The stream broke after its finish_reason and was accepted (SPEC §5 salvage).
+    pub salvaged: bool,
+}
+
+/// Chat over an OpenAI-compatible `/chat/completions`.
+#[async_trait]
+pub trait Transport: Send + Sync + std::fmt::Debug {
+    /// Sends one attempt; the future is cancel-safe (dropping it closes the request).
+    async fn chat(&self, attempt: ChatAttempt<'_>) -> Result<TransportResult, AttemptError>;
+}
+
+/// What an embedding attempt produced.
+#[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
+pub struct EmbeddingResult {
+    /// One vector per input, in input order.
+    pub vectors: Vec<Vec<f32>>,
+    /// Usage (0/0 when unavailable).
+    pub usage: Usage,
+    /// Where usage came from.
+    pub usage_source: UsageSource,
+    /// The upstream's `model`, if it said.
+    pub model: Option<String>,
+    /// HTTP status.
+    pub http_status: u16,
+}
+
+/// Embeddings over `/embeddings`.
+#[async_trait]
+pub trait EmbeddingTransport: Send + Sync + std::fmt::Debug {
+    /// Embeds one batch.
+    async fn embed(
+        &self,
+        source: &SourceConfig,
+        texts: &[String],
+        call_id: &str,
+    ) -> Result<EmbeddingResult, AttemptError>;
+}
+
+/// What an OCR attempt produced.
+#[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
+pub struct OcrResult {
+    /// The recognized text.
+    pub text: String,
+    /// The upstream's `model`, if it said.
+    pub model: Option<String>,
+    /// HTTP status.
+    pub http_status: u16,
+}
+
+/// OCR through an OpenAI-compatible vision request.
+#[async_trait]
+pub trait OcrTransport: Send + Sync + std::fmt::Debug {
+    /// Recognizes the text of one image.
+    async fn recognize(
+        &self,
+        source: &SourceConfig,
+        image: &[u8],
+        mime: &str,
+        prompt: &str,
+        call_id: &str,
+    ) -> Result<OcrResult, AttemptError>;
+}

@@ -1,0 +1,176 @@
+//! What a caller asks for: [`ChatRequest`] and its [`Message`]s.
+
+use serde::{Deserialize, Serialize};
+use serde_json::{Map, Value};
+
+/// One chat message, OpenAI-shaped. Fields other than `role` and `content` (tool calls,
+/// `tool_call_id`, `name`, …) are kept verbatim in `extra`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Message {
+    /// `system`, `user`, `assistant`, `tool`, `developer`, …
+    pub role: String,
+    /// A string, or an array of typed parts (text, image_url, …); absent for some
+    /// assistant tool-call messages.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub content: Option<Value>,
+    /// Every other field of the message, passed through unchanged.
+    #[serde(flatten)]
+    pub extra: Map<String, Value>,
+}
+
+impl Message {
+    /// A message with a role and text content.
+    pub fn new(role: impl Into<String>, text: impl Into<String>) -> Self {
+        Message {
+            role: role.into(),
+            content: Some(Value::String(text.into())),
+            extra: Map::new(),
+        }
+    }
+
+    /// A `system` message.
+    pub fn system(text: impl Into<String>) -> Self {
+        Message::new("system", text)
+    }
+
+    /// A `user` message.
+    pub fn user(text: impl Into<String>) -> Self {
+        Message::new("user", text)
+    }
+
+    /// An `assistant` message.
+    pub fn assistant(text: impl Into<String>) -> Self {
+        Message::new("assistant", text)
+    }
+
+    /// The text of the message when its content is a plain string.
+    pub fn text(&self) -> Option<&str> {
+        self.content.as_ref().and_then(Value::as_str)
+    }
+}
+
+/// One logical chat call. `stream` chooses how the upstream is read; the library
+/// always returns the aggregated response.
+#[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
+pub struct ChatRequest {
+    /// The conversation.
+    pub messages: Vec<Message>,
+    /// Stream from the upstream (enables TTFT/stall figures and the stall hedge).
+    #[serde(default)]
+    pub stream: bool,
+    /// Sampling temperature.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub temperature: Option<f64>,
+    /// Output cap.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_tokens: Option<u32>,
+    /// `reasoning_effort` (e.g. `low`, `medium`, `high`), sent only when set.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reasoning_effort: Option<String>,
+    /// `response_format` (e.g. `{"type":"json_object"}`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub response_format: Option<Value>,
+    /// Tool definitions.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tools: Option<Vec<Value>>,
+    /// Merged into the request body (before the source's `EXTRA_BODY`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub overlay: Option<Map<String, Value>>,
+}
+
+impl ChatRequest {
+    /// A request with these messages and defaults elsewhere.
+    pub fn new(messages: Vec<Message>) -> Self {
+        ChatRequest {
+            messages,
+            ..Default::default()
+        }
+    }
+
+    /// A one-message user request.
+    pub fn user(text: impl Into<String>) -> Self {
+        ChatRequest::new(vec![Message::user(text)])
+    }
+
+    /// Sets `stream`.
+    pub fn with_stream(mut self, stream: bool) -> Self {
+        self.stream = stream;
+        self
+    }
+
+    /// Sets `max_tokens`.
+    pub fn with_max_tokens(mut self, max_tokens: u32) -> Self {
+        self.max_tokens = Some(max_tokens);
+        self
+    }
+
+    /// Sets `temperature`.
+    pub fn with_temperature(mut self, temperature: f64) -> Self {
+        self.temperature = Some(temperature);
+        self
+    }
+
+    /// Sets `reasoning_effort`.
+    pub fn with_reasoning_effort(mut self, effort: impl Into<String>) -> Self {
+        self.reasoning_effort = Some(effort.into());
+        self
+    }
+
+    /// Sets one overlay key.
+    pub fn with_overlay(mut self, key: impl Into<String>, value: Value) -> Self {
+        self.overlay
+            .get_or_insert_with(Map::new)
+            .insert(key.into(), value);
+        self
+    }
+
+    /// Checks what no upstream could accept, naming the field.
+    pub fn validate(&self) -> Result<(), (String, String)> {
+        if self.messages.is_empty() {
+            return Err(("messages".into(), "must hold at least one message".into()));
+        }
+        for (i, m) in self.messages.iter().enumerate() {
+            if m.role.trim().is_empty() {
+                return Err((format!("messages[{i}].role"), "must not be empty".into()));
+            }
+        }
+        if let Some(t) = self.temperature {
+            if !t.is_finite() || !(0.0..=2.0).contains(&t) {
+                return Err(("temperature".into(), format!("{t} is not in 0..=2")));
+            }
+        }
+        if self.max_tokens == Some(0) {
+            return Err(("max_tokens".into(), "must be at least 1".into()));
+        }
+        if let Some(rf) = &self.response_format {
+            if !rf.is_object() {
+                return Err(("response_format".into(), "must be a JSON object".into()));
+            }
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    #[test]
+    fn message_keeps_unknown_fields() {
+        let raw = json!({"role":"assistant","tool_calls":[{"id":"x"}],"name":"bot"});
+        let m: Message = serde_json::from_value(raw.clone()).unwrap();
+        assert_eq!(m.content, None);
+        assert_eq!(serde_json::to_value(&m).unwrap(), raw);
+    }
+
+    #[test]
+    fn validate_names_the_field() {
+        assert_eq!(ChatRequest::default().validate().unwrap_err().0, "messages");
+        let r = ChatRequest::user("hi").with_temperature(3.0);
+        assert_eq!(r.validate().unwrap_err().0, "temperature");
+        let r = ChatRequest::user("hi").with_max_tokens(0);
+        assert_eq!(r.validate().unwrap_err().0, "max_tokens");
+        assert!(ChatRequest::user("hi").validate().is_ok());
+    }
+}

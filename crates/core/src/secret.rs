@@ -1,0 +1,113 @@
+//! [`Secret`]: a string that is never printed, logged, serialized or shown in errors.
+
+use std::fmt;
+
+use serde::{Serialize, Serializer};
+
+/// The text every redacted value prints as.
+pub const REDACTED: &str = "<redacted>";
+
+/// A secret string (API keys, URLs with passwords). `Debug`, `Display` and `Serialize`
+/// print [`REDACTED`]; only [`Secret::expose`] gives the value, for the one place that
+/// must send it.
+#[derive(Clone, Default, PartialEq, Eq)]
+pub struct Secret(String);
+
+impl Secret {
+    /// Wraps a value.
+    pub fn new(value: impl Into<String>) -> Self {
+        Secret(value.into())
+    }
+
+    /// The value. Call it only where the secret is sent (an HTTP header, a connect call).
+    pub fn expose(&self) -> &str {
+        &self.0
+    }
+
+    /// Whether the secret is empty (local servers need no key).
+    pub fn is_empty(&self) -> bool {
+        self.0.is_empty()
+    }
+}
+
+impl fmt::Debug for Secret {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        if self.0.is_empty() {
+            f.write_str("\"\"")
+        } else {
+            f.write_str(REDACTED)
+        }
+    }
+}
+
+impl fmt::Display for Secret {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        fmt::Debug::fmt(self, f)
+    }
+}
+
+impl Serialize for Secret {
+    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_str(if self.0.is_empty() { "" } else { REDACTED })
+    }
+}
+
+impl From<&str> for Secret {
+    fn from(s: &str) -> Self {
+        Secret::new(s)
+    }
+}
+
+impl From<String> for Secret {
+    fn from(s: String) -> Self {
+        Secret::new(s)
+    }
+}
+
+/// A URL with any password (and the query, which may carry tokens) replaced by
+/// [`REDACTED`], for printing connection URLs.
+pub fn redact_url(raw: &str) -> String {
+    match url::Url::parse(raw) {
+        Ok(mut u) => {
+            if u.password().is_some() {
+                let _ = u.set_password(Some(REDACTED));
+            }
+            if u.query().is_some() {
+                u.set_query(Some(REDACTED));
+            }
+            u.to_string()
+        }
+        // Not a URL: print nothing of it that could be a credential.
+        Err(_) => match raw.split_once("://") {
+            Some((scheme, _)) => format!("{scheme}://{REDACTED}"),
+            None => REDACTED.to_string(),
+        },
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn secret_never_prints() {
+        let s = Secret::new("sk-very-secret");
+        assert_eq!(format!("{s:?}"), REDACTED);
+        assert_eq!(format!("{s}"), REDACTED);
+        assert_eq!(
+            serde_json::to_string(&s).unwrap(),
+            format!("\"{REDACTED}\"")
+        );
+        assert_eq!(s.expose(), "sk-very-secret");
+        assert_eq!(format!("{:?}", Secret::default()), "\"\"");
+    }
+
+    #[test]
+    fn urls_lose_passwords() {
+        let r = redact_url("postgres://user:hunter2@db:5432/x?sslpassword=zz");
+        assert!(!r.contains("hunter2") && !r.contains("zz"), "{r}");
+        assert!(r.contains("user"), "{r}");
+        assert_eq!(redact_url("sqlite://polygw.db"), "sqlite://polygw.db");
+        assert!(!redact_url("not a url hunter2").contains("hunter2"));
+    }
+}

@@ -1,0 +1,317 @@
+//! [`ScopeSettings`]: one logical endpoint and its sources, retry, limits, breaker,
+//! hedge, stream, cache, telemetry and governance settings (SPEC §2).
+
+use std::time::Duration;
+
+use serde::Serialize;
+
+use crate::secret::{redact_url, Secret};
+use crate::source::SourceConfig;
+
+/// What kind of client uses a scope (hedging is chat-only; OCR is RPM-governed).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ScopeKind {
+    /// `GatewayClient::chat`.
+    Chat,
+    /// `EmbeddingClient::embed`.
+    Embedding,
+    /// `OcrClient::recognize`.
+    Ocr,
+}
+
+impl ScopeKind {
+    /// The telemetry `operation` value.
+    pub fn operation(self) -> &'static str {
+        match self {
+            ScopeKind::Chat => "chat",
+            ScopeKind::Embedding => "embedding",
+            ScopeKind::Ocr => "ocr",
+        }
+    }
+}
+
+/// `RETRY__ON_NO_RUNNABLE`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum OnNoRunnable {
+    /// Wait for the earliest hint (bounded by deadline and stall window).
+    #[default]
+    Wait,
+    /// Fail with `no_runnable_source` at once.
+    Fail,
+}
+
+/// `{S}__RETRY__*`.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct RetrySettings {
+    /// Budget of budget-consuming rounds.
+    pub max_attempts: u32,
+    /// Max time without progress.
+    #[serde(with = "secs")]
+    pub stall_window: Duration,
+    /// Backoff base.
+    #[serde(with = "secs")]
+    pub backoff_base: Duration,
+    /// Backoff cap.
+    #[serde(with = "secs")]
+    pub backoff_max: Duration,
+    /// What to do when no source can be admitted.
+    pub on_no_runnable: OnNoRunnable,
+}
+
+impl Default for RetrySettings {
+    fn default() -> Self {
+        RetrySettings {
+            max_attempts: 3,
+            stall_window: Duration::from_secs(60),
+            backoff_base: Duration::from_millis(500),
+            backoff_max: Duration::from_secs(8),
+            on_no_runnable: OnNoRunnable::Wait,
+        }
+    }
+}
+
+/// `{S}__LIMITS__*`: scope-wide limits on top of each source's.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize)]
+pub struct ScopeLimits {
+    /// Scope requests per rolling 60 s; 0 = unlimited.
+    pub rpm: u32,
+    /// Scope tokens per rolling 60 s; 0 = unlimited.
+    pub tpm: u64,
+}
+
+/// `{S}__BREAKER__*`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+pub struct BreakerSettings {
+    /// Consecutive breaker-feeding failures that open the breaker.
+    pub failures: u32,
+    /// First open time (doubles on each re-open, up to 10×).
+    #[serde(with = "secs")]
+    pub open: Duration,
+    /// How long a dead source (401/403/404) stays out.
+    #[serde(with = "secs")]
+    pub dead: Duration,
+}
+
+impl Default for BreakerSettings {
+    fn default() -> Self {
+        BreakerSettings {
+            failures: 5,
+            open: Duration::from_secs(30),
+            dead: Duration::from_secs(300),
+        }
+    }
+}
+
+/// `{S}__HEDGE__*`. Both triggers off by default.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+pub struct HedgeSettings {
+    /// First-token trigger.
+    #[serde(with = "opt_secs")]
+    pub after: Option<Duration>,
+    /// Mid-stream stall trigger (streams only).
+    #[serde(with = "opt_secs")]
+    pub stall_after: Option<Duration>,
+    /// Extra legs per round, 1..=3.
+    pub max_extra: u32,
+    /// Cap on extra legs as % of calls over the last 60 s (0 = no cap).
+    pub budget_pct: u32,
+}
+
+impl Default for HedgeSettings {
+    fn default() -> Self {
+        HedgeSettings {
+            after: None,
+            stall_after: None,
+            max_extra: 1,
+            budget_pct: 20,
+        }
+    }
+}
+
+impl HedgeSettings {
+    /// Whether any trigger is configured.
+    pub fn enabled(&self) -> bool {
+        self.after.is_some() || self.stall_after.is_some()
+    }
+
+    /// Whether hedging can fire for a request streamed (`stream`) or not.
+    pub fn enabled_for(&self, stream: bool) -> bool {
+        self.after.is_some() || (stream && self.stall_after.is_some())
+    }
+}
+
+/// `{S}__STREAM__*`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+pub struct StreamSettings {
+    /// A gap between incremental chunks longer than this counts as a stall in metering.
+    #[serde(with = "millis")]
+    pub stall_threshold: Duration,
+}
+
+impl Default for StreamSettings {
+    fn default() -> Self {
+        StreamSettings {
+            stall_threshold: Duration::from_millis(1000),
+        }
+    }
+}
+
+/// `{S}__CACHE__*`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+pub struct CacheSettings {
+    /// Entry lifetime; `None` = cache off.
+    #[serde(with = "opt_secs")]
+    pub ttl: Option<Duration>,
+    /// Max entries.
+    pub capacity: usize,
+}
+
+impl Default for CacheSettings {
+    fn default() -> Self {
+        CacheSettings {
+            ttl: None,
+            capacity: 10_000,
+        }
+    }
+}
+
+/// The built-in OCR instruction (`{S}__OCR__PROMPT` overrides it).
+pub const DEFAULT_OCR_PROMPT: &str = "Transcribe all text in this image exactly as written. \
+Keep the reading order and line breaks. Output only the text, without commentary.";
+
+/// Default re-asks for structured output.
+pub const DEFAULT_MAX_REASKS: u32 = 2;
+
+/// One scope: a logical endpoint made of several sources.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct ScopeSettings {
+    /// Upper-case scope name (`LLM`).
+    pub name: String,
+    /// The sources, in configuration order.
+    pub sources: Vec<SourceConfig>,
+    /// Bound on the whole logical call.
+    #[serde(with = "opt_secs")]
+    pub call_deadline: Option<Duration>,
+    /// Retry loop.
+    pub retry: RetrySettings,
+    /// Scope-wide limits.
+    pub limits: ScopeLimits,
+    /// Breaker.
+    pub breaker: BreakerSettings,
+    /// Hedging.
+    pub hedge: HedgeSettings,
+    /// Stream metering.
+    pub stream: StreamSettings,
+    /// Response cache.
+    pub cache: CacheSettings,
+    /// `sqlite://path.db` or `postgres://…`; `None` = telemetry off.
+    #[serde(serialize_with = "ser_opt_url")]
+    pub telemetry_url: Option<Secret>,
+    /// Redis URL for limiter + breaker; `None` = in-memory governance.
+    #[serde(serialize_with = "ser_opt_url")]
+    pub redis_url: Option<Secret>,
+    /// Extra model names that select this scope in `polygw serve`.
+    pub model_aliases: Vec<String>,
+    /// Structured-output re-asks.
+    pub max_reasks: u32,
+    /// OCR instruction.
+    pub ocr_prompt: String,
+}
+
+impl ScopeSettings {
+    /// A scope with these sources and defaults everywhere else.
+    pub fn new(name: impl Into<String>, sources: Vec<SourceConfig>) -> Self {
+        ScopeSettings {
+            name: name.into().to_uppercase(),
+            sources,
+            call_deadline: None,
+            retry: RetrySettings::default(),
+            limits: ScopeLimits::default(),
+            breaker: BreakerSettings::default(),
+            hedge: HedgeSettings::default(),
+            stream: StreamSettings::default(),
+            cache: CacheSettings::default(),
+            telemetry_url: None,
+            redis_url: None,
+            model_aliases: Vec::new(),
+            max_reasks: DEFAULT_MAX_REASKS,
+            ocr_prompt: DEFAULT_OCR_PROMPT.to_string(),
+        }
+    }
+
+    /// The source with this name.
+    pub fn source(&self, name: &str) -> Option<&SourceConfig> {
+        self.sources.iter().find(|s| s.name == name)
+    }
+
+    /// `effective_est_tokens` of a source under this scope's limits.
+    pub fn est_tokens(&self, source: &SourceConfig) -> u64 {
+        source.effective_est_tokens(self.limits.tpm)
+    }
+}
+
+fn ser_opt_url<S: serde::Serializer>(v: &Option<Secret>, s: S) -> Result<S::Ok, S::Error> {
+    match v {
+        Some(u) => s.serialize_some(&redact_url(u.expose())),
+        None => s.serialize_none(),
+    }
+}
+
+mod secs {
+    use serde::Serializer;
+    use std::time::Duration;
+    pub fn serialize<S: Serializer>(d: &Duration, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_f64(d.as_secs_f64())
+    }
+}
+
+mod millis {
+    use serde::Serializer;
+    use std::time::Duration;
+    pub fn serialize<S: Serializer>(d: &Duration, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_u64(d.as_millis() as u64)
+    }
+}
+
+mod opt_secs {
+    use serde::Serializer;
+    use std::time::Duration;
+    pub fn serialize<S: Serializer>(d: &Option<Duration>, s: S) -> Result<S::Ok, S::Error> {
+        match d {
+            Some(d) => s.serialize_some(&d.as_secs_f64()),
+            None => s.serialize_none(),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn serialized_settings_hide_secrets() {
+        let mut s = ScopeSettings::new(
+            "llm",
+            vec![SourceConfig::new("a", 0, "http://x", "sk-123", "m")],
+        );
+        s.telemetry_url = Some(Secret::new("postgres://u:pw@h/db"));
+        s.redis_url = Some(Secret::new("redis://:pw2@h:6379"));
+        let json = serde_json::to_string(&s).unwrap();
+        assert!(!json.contains("sk-123"), "{json}");
+        assert!(!json.contains("pw@") && !json.contains("pw2"), "{json}");
+        assert_eq!(s.name, "LLM");
+    }
+
+    #[test]
+    fn hedge_enabled_for_plain_needs_first_token_trigger() {
+        let h = HedgeSettings {
+            stall_after: Some(Duration::from_secs(1)),
+            ..Default::default()
+        };
+        assert!(h.enabled());
+        assert!(!h.enabled_for(false));
+        assert!(h.enabled_for(true));
+    }
+}

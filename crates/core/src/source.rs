@@ -1,0 +1,252 @@
+//! [`SourceConfig`]: one upstream of a scope, and its derived token reservation.
+
+use std::time::Duration;
+
+use serde::Serialize;
+use serde_json::{Map, Value};
+
+use crate::secret::Secret;
+
+/// Default whole-request timeout (`TIMEOUT_S`).
+pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(60);
+/// Default embedding batch size (`BATCH_SIZE`).
+pub const DEFAULT_BATCH_SIZE: u32 = 64;
+
+/// One source (`{SCOPE}__{PROVIDER}__{N}__…`). Build with [`SourceConfig::new`] and the
+/// `with_*` methods, or load from the environment.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct SourceConfig {
+    /// `{provider}-{n}` lower-case.
+    pub name: String,
+    /// The provider segment, lower-case (e.g. `deepseek`).
+    pub provider: String,
+    /// e.g. `https://api.deepseek.com/v1` (no trailing slash).
+    pub base_url: String,
+    /// Never printed; may be empty for local servers.
+    pub api_key: Secret,
+    /// The upstream model id.
+    pub model: String,
+    /// Requests per rolling 60 s; 0 = unlimited.
+    pub rpm: u32,
+    /// Tokens per rolling 60 s; 0 = unlimited.
+    pub tpm: u64,
+    /// Tokens reserved at admission; 0 = derive (see [`SourceConfig::effective_est_tokens`]).
+    pub est_tokens: u64,
+    /// In-flight cap; 0 = unlimited.
+    pub max_concurrency: u32,
+    /// Whole-request timeout (plain); stream fallback.
+    #[serde(with = "secs")]
+    pub timeout: Duration,
+    /// Stream: time to the first incremental chunk.
+    #[serde(with = "opt_secs")]
+    pub ttft_timeout: Option<Duration>,
+    /// Stream: max gap between incremental chunks (falls back to `timeout`).
+    #[serde(with = "opt_secs")]
+    pub inter_token_timeout: Option<Duration>,
+    /// Lower = preferred tier.
+    pub priority: u32,
+    /// Weighted choice inside a tier (≥ 1).
+    pub weight: u32,
+    /// Currency units per 1M input tokens.
+    pub input_price: Option<f64>,
+    /// Currency units per 1M output tokens.
+    pub output_price: Option<f64>,
+    /// Price of one call (OCR sources).
+    pub price_per_call: Option<f64>,
+    /// Embedding batch size.
+    pub batch_size: u32,
+    /// Merged into every request body (after the caller's overlay).
+    pub extra_body: Map<String, Value>,
+}
+
+impl SourceConfig {
+    /// A source with defaults for everything but its identity, URL, key and model.
+    pub fn new(
+        provider: impl Into<String>,
+        index: u32,
+        base_url: impl Into<String>,
+        api_key: impl Into<Secret>,
+        model: impl Into<String>,
+    ) -> Self {
+        let provider = provider.into().to_lowercase();
+        SourceConfig {
+            name: format!("{provider}-{index}"),
+            provider,
+            base_url: base_url.into().trim_end_matches('/').to_string(),
+            api_key: api_key.into(),
+            model: model.into(),
+            rpm: 0,
+            tpm: 0,
+            est_tokens: 0,
+            max_concurrency: 0,
+            timeout: DEFAULT_TIMEOUT,
+            ttft_timeout: None,
+            inter_token_timeout: None,
+            priority: 0,
+            weight: 1,
+            input_price: None,
+            output_price: None,
+            price_per_call: None,
+            batch_size: DEFAULT_BATCH_SIZE,
+            extra_body: Map::new(),
+        }
+    }
+
+    /// Sets RPM.
+    pub fn with_rpm(mut self, rpm: u32) -> Self {
+        self.rpm = rpm;
+        self
+    }
+    /// Sets TPM.
+    pub fn with_tpm(mut self, tpm: u64) -> Self {
+        self.tpm = tpm;
+        self
+    }
+    /// Sets EST_TOKENS.
+    pub fn with_est_tokens(mut self, est: u64) -> Self {
+        self.est_tokens = est;
+        self
+    }
+    /// Sets MAX_CONCURRENCY.
+    pub fn with_max_concurrency(mut self, n: u32) -> Self {
+        self.max_concurrency = n;
+        self
+    }
+    /// Sets TIMEOUT_S.
+    pub fn with_timeout(mut self, t: Duration) -> Self {
+        self.timeout = t;
+        self
+    }
+    /// Sets TTFT_TIMEOUT_S.
+    pub fn with_ttft_timeout(mut self, t: Duration) -> Self {
+        self.ttft_timeout = Some(t);
+        self
+    }
+    /// Sets INTER_TOKEN_TIMEOUT_S.
+    pub fn with_inter_token_timeout(mut self, t: Duration) -> Self {
+        self.inter_token_timeout = Some(t);
+        self
+    }
+    /// Sets PRIORITY.
+    pub fn with_priority(mut self, p: u32) -> Self {
+        self.priority = p;
+        self
+    }
+    /// Sets WEIGHT.
+    pub fn with_weight(mut self, w: u32) -> Self {
+        self.weight = w;
+        self
+    }
+    /// Sets INPUT_PRICE and OUTPUT_PRICE (per 1M tokens).
+    pub fn with_prices(mut self, input: f64, output: f64) -> Self {
+        self.input_price = Some(input);
+        self.output_price = Some(output);
+        self
+    }
+    /// Sets PRICE_PER_CALL.
+    pub fn with_price_per_call(mut self, p: f64) -> Self {
+        self.price_per_call = Some(p);
+        self
+    }
+    /// Sets BATCH_SIZE.
+    pub fn with_batch_size(mut self, n: u32) -> Self {
+        self.batch_size = n;
+        self
+    }
+    /// Sets EXTRA_BODY.
+    pub fn with_extra_body(mut self, body: Map<String, Value>) -> Self {
+        self.extra_body = body;
+        self
+    }
+
+    /// Tokens reserved at admission (SPEC §4.2): `EST_TOKENS` if > 0; else, over the
+    /// non-zero TPM limits that apply (the source's and the scope's), `max(1, min/60)`;
+    /// else 0. "One call ≈ one second of quota": every quota size allows ≈ 60 in flight.
+    pub fn effective_est_tokens(&self, scope_tpm: u64) -> u64 {
+        effective_est_tokens(self.est_tokens, self.tpm, scope_tpm)
+    }
+
+    /// The stream watchdog's budget before the first incremental chunk.
+    pub fn ttft_budget(&self) -> Duration {
+        self.ttft_timeout.unwrap_or(self.timeout)
+    }
+
+    /// The stream watchdog's budget between incremental chunks.
+    pub fn inter_token_budget(&self) -> Duration {
+        self.inter_token_timeout.unwrap_or(self.timeout)
+    }
+
+    /// Whether any price is configured.
+    pub fn has_token_prices(&self) -> bool {
+        self.input_price.is_some() || self.output_price.is_some()
+    }
+}
+
+/// The pure rule behind [`SourceConfig::effective_est_tokens`].
+pub fn effective_est_tokens(est_tokens: u64, source_tpm: u64, scope_tpm: u64) -> u64 {
+    if est_tokens > 0 {
+        return est_tokens;
+    }
+    let tightest = [source_tpm, scope_tpm].into_iter().filter(|&t| t > 0).min();
+    match tightest {
+        Some(tpm) => (tpm / 60).max(1),
+        None => 0,
+    }
+}
+
+mod secs {
+    use serde::Serializer;
+    use std::time::Duration;
+    pub fn serialize<S: Serializer>(d: &Duration, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_f64(d.as_secs_f64())
+    }
+}
+
+mod opt_secs {
+    use serde::Serializer;
+    use std::time::Duration;
+    pub fn serialize<S: Serializer>(d: &Option<Duration>, s: S) -> Result<S::Ok, S::Error> {
+        match d {
+            Some(d) => s.serialize_some(&d.as_secs_f64()),
+            None => s.serialize_none(),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn effective_est_tokens_table() {
+        // (est, source tpm, scope tpm, expected)
+        let table = [
+            (0, 0, 0, 0),
+            (400, 0, 0, 400),
+            (400, 6000, 0, 400),
+            (0, 6000, 0, 100),
+            (0, 600_000, 0, 10_000),
+            (0, 30, 0, 1),
+            (0, 0, 6000, 100), // scope TPM alone is not toothless
+            (0, 600_000, 6000, 100),
+            (0, 6000, 600_000, 100),
+            (0, 59, 0, 1),
+            (0, 120, 0, 2),
+        ];
+        for (est, tpm, scope, want) in table {
+            assert_eq!(
+                effective_est_tokens(est, tpm, scope),
+                want,
+                "est={est} tpm={tpm} scope={scope}"
+            );
+        }
+    }
+
+    #[test]
+    fn new_normalizes_name_and_url() {
+        let s = SourceConfig::new("DeepSeek", 2, "https://x/v1/", "k", "m");
+        assert_eq!(s.name, "deepseek-2");
+        assert_eq!(s.base_url, "https://x/v1");
+        assert!(!format!("{s:?}").contains("\"k\""));
+    }
+}

@@ -1,0 +1,1 @@
+//! polygw-limiter-memory (being built).

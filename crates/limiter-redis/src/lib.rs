@@ -1,0 +1,1 @@
+//! polygw-limiter-redis (being built).

@@ -1,0 +1,1 @@
+//! polygw-mock-upstream (being built).

@@ -1,0 +1,1 @@
+//! polygw (being built).

@@ -1,0 +1,1 @@
+//! polygw-telemetry-sql (being built).

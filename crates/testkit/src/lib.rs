@@ -1,0 +1,1 @@
+//! polygw-testkit (being built).

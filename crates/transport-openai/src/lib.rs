@@ -1,0 +1,1 @@
+//! polygw-transport-openai (being built).
