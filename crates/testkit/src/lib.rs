@@ -1,1 +1,6 @@
-//! polygw-testkit (being built).
+//! Test support for polygw (dev-dependency only): a tokio clock, local-service
+//! discovery with the CI rule (mandatory under `CI=true`, skipped with a reason
+//! otherwise), and the port contract suites every implementation runs.
+
+pub mod clock;
+pub mod services;
