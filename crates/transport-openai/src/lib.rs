@@ -1,1 +1,171 @@
-//! polygw-transport-openai (being built).
+//! polygw-transport-openai: the chat, embedding and OCR transport ports of polygw-core
+//! over reqwest (rustls, one pooled client), for any OpenAI-compatible upstream.
+//!
+//! - [`OpenAiTransport`] implements [`Transport`](polygw_core::ports::Transport),
+//!   [`EmbeddingTransport`](polygw_core::ports::EmbeddingTransport) and
+//!   [`OcrTransport`](polygw_core::ports::OcrTransport); it is cheap to clone.
+//! - [`sse`] is the incremental SSE parser and [`aggregate`] the pure stream
+//!   aggregator; both are public so fuzzers and benchmarks can drive them.
+//! - [`failure`] maps HTTP and stream events to core's `Failure` (classified by
+//!   `polygw_core::classify::classify`, the one classification function).
+//!
+//! How HTTP and stream events map to outcomes is written down in `docs/TRANSPORT.md`.
+
+pub mod aggregate;
+mod chat;
+mod embed;
+pub mod failure;
+pub mod sse;
+
+use std::fmt;
+use std::sync::Arc;
+use std::time::Duration;
+
+use polygw_core::ports::Clock;
+use polygw_core::SourceConfig;
+use reqwest::header::{HeaderValue, ACCEPT, AUTHORIZATION, CONTENT_TYPE};
+
+/// Default cap of a response body and of accumulated content (16 MiB).
+pub const DEFAULT_MAX_BYTES: usize = 16 * 1024 * 1024;
+
+/// Tuning of the transport. `Default` gives the documented values.
+#[derive(Debug, Clone, PartialEq)]
+pub struct TransportConfig {
+    /// Cap of a plain response body, and of one SSE line/event (bytes). Over it the
+    /// attempt fails as result-invalid (`TooLarge`).
+    pub max_body_bytes: usize,
+    /// Cap of the accumulated content + reasoning + tool-call arguments (bytes).
+    pub max_content_bytes: usize,
+    /// Cap of the bytes of a whole stream (framing included); defence against an
+    /// upstream that streams without end.
+    pub max_stream_bytes: u64,
+    /// How much of a non-2xx body is read to find the provider's error (bytes).
+    pub max_error_body_bytes: usize,
+    /// TCP/TLS connect timeout.
+    pub connect_timeout: Duration,
+    /// After a `finish_reason`, how long the stream may stay silent before it is taken
+    /// as broken off (salvaged) instead of waiting for a usage frame, `[DONE]` or the
+    /// end of the body. Never longer than the inter-token budget.
+    pub finish_grace: Duration,
+    /// Idle pooled connections are closed after this.
+    pub pool_idle_timeout: Duration,
+    /// Idle pooled connections kept per host.
+    pub pool_max_idle_per_host: usize,
+    /// The `User-Agent` header.
+    pub user_agent: String,
+}
+
+impl Default for TransportConfig {
+    fn default() -> Self {
+        TransportConfig {
+            max_body_bytes: DEFAULT_MAX_BYTES,
+            max_content_bytes: DEFAULT_MAX_BYTES,
+            max_stream_bytes: 256 * 1024 * 1024,
+            max_error_body_bytes: 64 * 1024,
+            connect_timeout: Duration::from_secs(10),
+            finish_grace: Duration::from_secs(5),
+            pool_idle_timeout: Duration::from_secs(90),
+            pool_max_idle_per_host: 32,
+            user_agent: format!("polygw/{}", env!("CARGO_PKG_VERSION")),
+        }
+    }
+}
+
+/// The HTTP client could not be built (TLS backend initialisation).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("cannot build the HTTP client: {0}")]
+pub struct TransportBuildError(String);
+
+/// The OpenAI-compatible transport. Cheap to clone (one shared, pooled client).
+#[derive(Clone)]
+pub struct OpenAiTransport {
+    inner: Arc<Inner>,
+}
+
+struct Inner {
+    client: reqwest::Client,
+    cfg: TransportConfig,
+    clock: Arc<dyn Clock>,
+}
+
+impl fmt::Debug for OpenAiTransport {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        // The client holds no key (keys travel per request); still, print only config.
+        f.debug_struct("OpenAiTransport")
+            .field("config", &self.inner.cfg)
+            .finish_non_exhaustive()
+    }
+}
+
+impl OpenAiTransport {
+    /// A transport with the default configuration.
+    pub fn new(clock: Arc<dyn Clock>) -> Result<Self, TransportBuildError> {
+        OpenAiTransport::with_config(TransportConfig::default(), clock)
+    }
+
+    /// A transport with this configuration.
+    pub fn with_config(
+        cfg: TransportConfig,
+        clock: Arc<dyn Clock>,
+    ) -> Result<Self, TransportBuildError> {
+        let client = reqwest::Client::builder()
+            .connect_timeout(cfg.connect_timeout)
+            .pool_idle_timeout(cfg.pool_idle_timeout)
+            .pool_max_idle_per_host(cfg.pool_max_idle_per_host)
+            .user_agent(cfg.user_agent.clone())
+            .tcp_nodelay(true)
+            // A redirect would resend the Authorization header elsewhere; a 3xx is a
+            // misbehaving source (classified invalid).
+            .redirect(reqwest::redirect::Policy::none())
+            .build()
+            .map_err(|e| TransportBuildError(failure::describe(&e, "")))?;
+        Ok(OpenAiTransport {
+            inner: Arc::new(Inner { client, cfg, clock }),
+        })
+    }
+
+    /// The configuration in force.
+    pub fn config(&self) -> &TransportConfig {
+        &self.inner.cfg
+    }
+
+    /// A POST to `{base_url}/{path}` with the JSON body, the call id and, when the key
+    /// is non-empty, the bearer header (marked sensitive).
+    fn post(
+        &self,
+        source: &SourceConfig,
+        path: &str,
+        body: Vec<u8>,
+        call_id: &str,
+        stream: bool,
+    ) -> reqwest::RequestBuilder {
+        let url = format!("{}/{}", source.base_url, path);
+        let mut rb = self
+            .inner
+            .client
+            .post(url)
+            .header(CONTENT_TYPE, HeaderValue::from_static("application/json"))
+            .header(
+                ACCEPT,
+                HeaderValue::from_static(if stream {
+                    "text/event-stream"
+                } else {
+                    "application/json"
+                }),
+            )
+            .body(body);
+        if let Ok(v) = HeaderValue::from_str(call_id) {
+            rb = rb.header("x-polygw-call-id", v);
+        }
+        let key = source.api_key.expose();
+        if !key.is_empty() {
+            // An invalid key (control characters) is sent as no header at all rather
+            // than risking the key in an error message; the upstream answers 401.
+            if let Ok(mut v) = HeaderValue::from_str(&format!("Bearer {key}")) {
+                v.set_sensitive(true);
+                rb = rb.header(AUTHORIZATION, v);
+            }
+        }
+        rb
+    }
+}

@@ -1,0 +1,689 @@
+//! The pure stream aggregator: folds parsed `chat.completion.chunk` frames (and plain
+//! `chat.completion` messages) into one answer, following the rules of the recorded
+//! fixtures' `derive_expected.py` (SPEC §5):
+//!
+//! - only choice 0 counts (a choice's `index`, or its position when it has none);
+//! - `content` concatenates `delta.content` strings, and the text of Mistral's typed
+//!   `{"type":"text"}` parts; `reasoning` concatenates `reasoning_content`, then
+//!   `reasoning`, and the text of `{"type":"thinking"}` parts;
+//! - tool calls are assembled by their `index` (else their position in the delta's
+//!   array); id and name are the first non-empty values, arguments are concatenated;
+//! - `finish_reason` is the last non-null value;
+//! - usage is the last non-null usage object, top-level `usage` or `choices[0].usage`
+//!   (within one frame the top-level one wins);
+//! - a frame is *incremental* when choice 0's delta carries non-empty content, reasoning,
+//!   or a tool call with a non-empty name or arguments.
+//!
+//! Nothing here allocates per frame unless the caller asks for a [`StreamDelta`].
+
+use std::collections::BTreeMap;
+
+use polygw_core::ports::{StreamDelta, ToolCallDelta};
+use polygw_core::{ToolCall, Usage};
+use serde_json::{Map, Value};
+
+/// Where the final usage object was found.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum UsageLocation {
+    /// The frame's top-level `usage`.
+    TopLevel,
+    /// `choices[0].usage` (Moonshot).
+    Choice,
+}
+
+impl UsageLocation {
+    /// The name used by the fixtures' `expected.json`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            UsageLocation::TopLevel => "top-level",
+            UsageLocation::Choice => "choice",
+        }
+    }
+}
+
+/// What one frame contributed.
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct FrameOutcome {
+    /// The frame carried new content, reasoning or tool-call text.
+    pub incremental: bool,
+    /// The normalized chunk, when asked for.
+    pub delta: Option<StreamDelta>,
+}
+
+/// The aggregate of a stream (or of a plain message).
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct Aggregate {
+    /// Answer text.
+    pub content: String,
+    /// Reasoning text (empty when none).
+    pub reasoning: String,
+    /// Tool calls sorted by index.
+    pub tool_calls: Vec<ToolCall>,
+    /// Last non-null finish_reason.
+    pub finish_reason: Option<String>,
+    /// Last non-null usage.
+    pub usage: Option<Usage>,
+    /// Where that usage was.
+    pub usage_location: Option<UsageLocation>,
+    /// The first non-empty top-level `model`.
+    pub model: Option<String>,
+    /// Incremental frames seen.
+    pub incremental_chunks: u32,
+    /// Frames fed.
+    pub frames: u32,
+    /// Some `delta.content` was an array of typed parts.
+    pub content_parts_array: bool,
+}
+
+impl Aggregate {
+    /// Whether anything was generated: content, reasoning or a tool call.
+    pub fn generated_anything(&self) -> bool {
+        !self.content.is_empty() || !self.reasoning.is_empty() || !self.tool_calls.is_empty()
+    }
+}
+
+#[derive(Debug, Clone, Default)]
+struct ToolSlot {
+    id: Option<String>,
+    name: Option<String>,
+    arguments: String,
+}
+
+/// Folds frames one at a time.
+#[derive(Debug, Clone, Default)]
+pub struct StreamAggregator {
+    content: String,
+    reasoning: String,
+    tools: BTreeMap<u32, ToolSlot>,
+    args_bytes: usize,
+    finish_reason: Option<String>,
+    usage: Option<Usage>,
+    usage_location: Option<UsageLocation>,
+    model: Option<String>,
+    incremental_chunks: u32,
+    frames: u32,
+    content_parts_array: bool,
+}
+
+/// Choice 0 of a frame or completion: the choice whose `index` is 0, or, for a choice
+/// without `index`, the one at position 0.
+pub fn choice0(obj: &Map<String, Value>) -> Option<&Map<String, Value>> {
+    let choices = obj.get("choices")?.as_array()?;
+    choices.iter().enumerate().find_map(|(pos, c)| {
+        let c = c.as_object()?;
+        let is0 = match c.get("index") {
+            None => pos == 0,
+            Some(v) => v.as_u64() == Some(0) || v.as_f64() == Some(0.0),
+        };
+        is0.then_some(c)
+    })
+}
+
+fn tokens(v: Option<&Value>) -> Option<u64> {
+    let v = v?;
+    v.as_u64().or_else(|| {
+        v.as_f64()
+            .filter(|f| f.is_finite() && *f >= 0.0)
+            .map(|f| f as u64)
+    })
+}
+
+/// Parses an OpenAI usage object (`prompt_tokens`, `completion_tokens`,
+/// `completion_tokens_details.reasoning_tokens`); null or missing counts are 0, a
+/// missing reasoning count is `None`.
+pub fn parse_usage(u: &Map<String, Value>) -> Usage {
+    Usage {
+        prompt_tokens: tokens(u.get("prompt_tokens")).unwrap_or(0),
+        completion_tokens: tokens(u.get("completion_tokens")).unwrap_or(0),
+        reasoning_tokens: u
+            .get("completion_tokens_details")
+            .and_then(Value::as_object)
+            .and_then(|d| tokens(d.get("reasoning_tokens"))),
+    }
+}
+
+/// The usage a frame carries: top-level `usage` wins over `choices[0].usage`.
+pub fn frame_usage(obj: &Map<String, Value>) -> Option<(Usage, UsageLocation)> {
+    if let Some(u) = obj.get("usage").and_then(Value::as_object) {
+        return Some((parse_usage(u), UsageLocation::TopLevel));
+    }
+    choice0(obj)
+        .and_then(|c| c.get("usage"))
+        .and_then(Value::as_object)
+        .map(|u| (parse_usage(u), UsageLocation::Choice))
+}
+
+/// Text pieces of one delta (or message), before they are appended.
+#[derive(Default)]
+struct Pieces {
+    content: Option<String>,
+    reasoning: Option<String>,
+}
+
+impl StreamAggregator {
+    /// An empty aggregator.
+    pub fn new() -> Self {
+        StreamAggregator::default()
+    }
+
+    /// Bytes of content, reasoning and tool-call arguments accumulated (the content cap).
+    pub fn content_bytes(&self) -> usize {
+        self.content.len() + self.reasoning.len() + self.args_bytes
+    }
+
+    /// The last non-null finish_reason so far.
+    pub fn finish_reason(&self) -> Option<&str> {
+        self.finish_reason.as_deref()
+    }
+
+    /// The last usage so far.
+    pub fn usage(&self) -> Option<Usage> {
+        self.usage
+    }
+
+    /// Incremental frames so far.
+    pub fn incremental_chunks(&self) -> u32 {
+        self.incremental_chunks
+    }
+
+    /// Folds one frame (a JSON object). With `want_delta`, also returns the frame as a
+    /// [`StreamDelta`] (for passthrough streaming).
+    pub fn feed(&mut self, frame: &Map<String, Value>, want_delta: bool) -> FrameOutcome {
+        self.frames = self.frames.saturating_add(1);
+        if self.model.is_none() {
+            if let Some(m) = frame.get("model").and_then(Value::as_str) {
+                if !m.is_empty() {
+                    self.model = Some(m.to_string());
+                }
+            }
+        }
+        let mut delta_out = want_delta.then(StreamDelta::default);
+        let mut incremental = false;
+        let c0 = choice0(frame);
+        if let Some(c) = c0 {
+            if let Some(delta) = c.get("delta").and_then(Value::as_object) {
+                incremental = self.absorb(delta, delta_out.as_mut());
+            }
+            if let Some(fr) = c.get("finish_reason").and_then(Value::as_str) {
+                self.finish_reason = Some(fr.to_string());
+                if let Some(d) = delta_out.as_mut() {
+                    d.finish_reason = Some(fr.to_string());
+                }
+            }
+        }
+        if let Some((u, loc)) = frame_usage(frame) {
+            self.usage = Some(u);
+            self.usage_location = Some(loc);
+            if let Some(d) = delta_out.as_mut() {
+                d.usage = Some(u);
+            }
+        }
+        if let Some(d) = delta_out.as_mut() {
+            d.model = frame
+                .get("model")
+                .and_then(Value::as_str)
+                .filter(|m| !m.is_empty())
+                .map(str::to_string);
+        }
+        if incremental {
+            self.incremental_chunks = self.incremental_chunks.saturating_add(1);
+        }
+        FrameOutcome {
+            incremental,
+            delta: delta_out,
+        }
+    }
+
+    /// Folds a plain completion's `choices[0].message` (same rules as a delta), its
+    /// finish_reason and the completion's usage and model.
+    pub fn absorb_completion(
+        &mut self,
+        completion: &Map<String, Value>,
+        choice: &Map<String, Value>,
+    ) {
+        if let Some(m) = completion.get("model").and_then(Value::as_str) {
+            if !m.is_empty() {
+                self.model = Some(m.to_string());
+            }
+        }
+        let msg = choice
+            .get("message")
+            .or_else(|| choice.get("delta"))
+            .and_then(Value::as_object);
+        if let Some(msg) = msg {
+            if self.absorb(msg, None) {
+                self.incremental_chunks = self.incremental_chunks.saturating_add(1);
+            }
+        }
+        if let Some(fr) = choice.get("finish_reason").and_then(Value::as_str) {
+            self.finish_reason = Some(fr.to_string());
+        }
+        if let Some((u, loc)) = frame_usage(completion) {
+            self.usage = Some(u);
+            self.usage_location = Some(loc);
+        }
+    }
+
+    /// Appends one delta's text; returns whether it was incremental.
+    fn absorb(&mut self, delta: &Map<String, Value>, out: Option<&mut StreamDelta>) -> bool {
+        let want = out.is_some();
+        let mut incremental = false;
+        let mut pieces = Pieces::default();
+        match delta.get("content") {
+            Some(Value::String(s)) => {
+                self.content.push_str(s);
+                incremental |= !s.is_empty();
+                if want {
+                    pieces.content = Some(s.clone());
+                }
+            }
+            Some(Value::Array(parts)) => {
+                self.content_parts_array = true;
+                for part in parts {
+                    let Some(part) = part.as_object() else {
+                        continue;
+                    };
+                    match part.get("type").and_then(Value::as_str) {
+                        Some("text") => {
+                            if let Some(s) = part.get("text").and_then(Value::as_str) {
+                                self.content.push_str(s);
+                                incremental |= !s.is_empty();
+                                if want {
+                                    pieces.content.get_or_insert_with(String::new).push_str(s);
+                                }
+                            }
+                        }
+                        Some("thinking") => {
+                            let th = part.get("thinking");
+                            let items: &[Value] = match th {
+                                Some(Value::Array(a)) => a,
+                                Some(v) => std::slice::from_ref(v),
+                                None => &[],
+                            };
+                            for it in items {
+                                let s = match it {
+                                    Value::Object(o) => o.get("text").and_then(Value::as_str),
+                                    Value::String(s) => Some(s.as_str()),
+                                    _ => None,
+                                };
+                                if let Some(s) = s {
+                                    self.reasoning.push_str(s);
+                                    incremental |= !s.is_empty();
+                                    if want {
+                                        pieces
+                                            .reasoning
+                                            .get_or_insert_with(String::new)
+                                            .push_str(s);
+                                    }
+                                }
+                            }
+                        }
+                        _ => {}
+                    }
+                }
+            }
+            _ => {}
+        }
+        for key in ["reasoning_content", "reasoning"] {
+            if let Some(s) = delta.get(key).and_then(Value::as_str) {
+                self.reasoning.push_str(s);
+                incremental |= !s.is_empty();
+                if want {
+                    pieces.reasoning.get_or_insert_with(String::new).push_str(s);
+                }
+            }
+        }
+        let mut tool_deltas = Vec::new();
+        if let Some(tcs) = delta.get("tool_calls").and_then(Value::as_array) {
+            for (pos, tc) in tcs.iter().enumerate() {
+                let Some(tc) = tc.as_object() else {
+                    continue;
+                };
+                let idx = tc
+                    .get("index")
+                    .and_then(Value::as_u64)
+                    .and_then(|i| u32::try_from(i).ok())
+                    .unwrap_or(pos as u32);
+                let slot = self.tools.entry(idx).or_default();
+                let mut td = want.then(|| ToolCallDelta {
+                    index: idx,
+                    ..ToolCallDelta::default()
+                });
+                if let Some(id) = tc.get("id").and_then(Value::as_str) {
+                    if !id.is_empty() {
+                        if slot.id.is_none() {
+                            slot.id = Some(id.to_string());
+                        }
+                        if let Some(td) = td.as_mut() {
+                            td.id = Some(id.to_string());
+                        }
+                    }
+                }
+                if let Some(f) = tc.get("function").and_then(Value::as_object) {
+                    if let Some(name) = f.get("name").and_then(Value::as_str) {
+                        if !name.is_empty() {
+                            incremental = true;
+                            if slot.name.is_none() {
+                                slot.name = Some(name.to_string());
+                            }
+                            if let Some(td) = td.as_mut() {
+                                td.name = Some(name.to_string());
+                            }
+                        }
+                    }
+                    if let Some(args) = f.get("arguments").and_then(Value::as_str) {
+                        slot.arguments.push_str(args);
+                        self.args_bytes += args.len();
+                        incremental |= !args.is_empty();
+                        if let Some(td) = td.as_mut() {
+                            td.arguments.push_str(args);
+                        }
+                    }
+                }
+                if let Some(td) = td {
+                    tool_deltas.push(td);
+                }
+            }
+        }
+        if let Some(d) = out {
+            d.role = delta
+                .get("role")
+                .and_then(Value::as_str)
+                .map(str::to_string);
+            d.content = pieces.content;
+            d.reasoning = pieces.reasoning;
+            d.tool_calls = tool_deltas;
+        }
+        incremental
+    }
+
+    /// The aggregate so far.
+    pub fn finish(self) -> Aggregate {
+        Aggregate {
+            content: self.content,
+            reasoning: self.reasoning,
+            tool_calls: self
+                .tools
+                .into_iter()
+                .map(|(index, s)| ToolCall {
+                    index,
+                    id: s.id,
+                    name: s.name,
+                    arguments: s.arguments,
+                })
+                .collect(),
+            finish_reason: self.finish_reason,
+            usage: self.usage,
+            usage_location: self.usage_location,
+            model: self.model,
+            incremental_chunks: self.incremental_chunks,
+            frames: self.frames,
+            content_parts_array: self.content_parts_array,
+        }
+    }
+}
+
+/// An error object found in a body or a frame (`{"error":{...}}`, `{"error":"..."}`,
+/// or a top-level `{"message","code"}` shape for bodies that are known to be errors).
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct ProviderError {
+    /// A numeric HTTP-like status inside the object (`status`, or an integer `code`).
+    pub status: Option<u16>,
+    /// `code` (string or integer), else `type`.
+    pub code: Option<String>,
+    /// `message` (or `detail`).
+    pub message: Option<String>,
+}
+
+impl ProviderError {
+    fn is_empty(&self) -> bool {
+        self.status.is_none() && self.code.is_none() && self.message.is_none()
+    }
+}
+
+fn status_of(v: Option<&Value>) -> Option<u16> {
+    let n = v?.as_u64()?;
+    (100..=599).contains(&n).then_some(n as u16)
+}
+
+fn string_of(v: Option<&Value>) -> Option<String> {
+    match v? {
+        Value::String(s) if !s.trim().is_empty() => Some(s.trim().to_string()),
+        Value::Number(n) => Some(n.to_string()),
+        _ => None,
+    }
+}
+
+fn from_error_fields(o: &Map<String, Value>) -> ProviderError {
+    let status = status_of(o.get("status")).or_else(|| status_of(o.get("code")));
+    let code = string_of(o.get("code")).or_else(|| string_of(o.get("type")));
+    let message = string_of(o.get("message")).or_else(|| string_of(o.get("detail")));
+    ProviderError {
+        status,
+        code,
+        message,
+    }
+}
+
+/// The in-band error of a 200 body or an SSE frame: a non-null `error` member.
+pub fn in_band_error(obj: &Map<String, Value>) -> Option<ProviderError> {
+    match obj.get("error")? {
+        Value::Object(e) => {
+            let pe = from_error_fields(e);
+            Some(if pe.is_empty() {
+                ProviderError {
+                    message: Some("error object without a message".into()),
+                    ..pe
+                }
+            } else {
+                pe
+            })
+        }
+        Value::String(s) if !s.trim().is_empty() => Some(ProviderError {
+            message: Some(s.trim().to_string()),
+            ..ProviderError::default()
+        }),
+        Value::Null | Value::Bool(false) => None,
+        Value::String(_) => None,
+        other => Some(ProviderError {
+            message: Some(format!("error: {other}")),
+            ..ProviderError::default()
+        }),
+    }
+}
+
+/// The error described by a non-2xx body: `{"error":{...}}`, `{"error":"..."}`, a
+/// top-level `{"message","code","type"}` or `{"detail": ...}`; plain text becomes the
+/// message. `None` for an empty body.
+pub fn error_body(body: &[u8]) -> Option<ProviderError> {
+    let text = String::from_utf8_lossy(body);
+    let trimmed = text.trim();
+    if trimmed.is_empty() {
+        return None;
+    }
+    if let Ok(Value::Object(o)) = serde_json::from_str::<Value>(trimmed) {
+        if let Some(e) = in_band_error(&o) {
+            return Some(e);
+        }
+        let pe = from_error_fields(&o);
+        return (!pe.is_empty()).then_some(pe);
+    }
+    Some(ProviderError {
+        message: Some(polygw_core::error::shorten(trimmed.to_string(), 512)),
+        ..ProviderError::default()
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    fn obj(v: Value) -> Map<String, Value> {
+        match v {
+            Value::Object(o) => o,
+            _ => panic!("not an object"),
+        }
+    }
+
+    #[test]
+    fn content_reasoning_and_incremental_rule() {
+        let mut a = StreamAggregator::new();
+        let role = a.feed(
+            &obj(json!({"choices":[{"index":0,"delta":{"role":"assistant","content":""}}]})),
+            false,
+        );
+        assert!(!role.incremental);
+        let r = a.feed(
+            &obj(json!({"choices":[{"delta":{"reasoning_content":"think","reasoning":"!"}}]})),
+            false,
+        );
+        assert!(r.incremental);
+        let c = a.feed(
+            &obj(json!({"choices":[{"delta":{"content":"hi"},"finish_reason":null}]})),
+            false,
+        );
+        assert!(c.incremental);
+        let f = a.feed(
+            &obj(json!({"choices":[{"delta":{},"finish_reason":"stop"}]})),
+            false,
+        );
+        assert!(!f.incremental);
+        let u = a.feed(&obj(json!({"choices":[],"usage":{"prompt_tokens":3,"completion_tokens":2,"completion_tokens_details":{"reasoning_tokens":1}}})), false);
+        assert!(!u.incremental);
+        let agg = a.finish();
+        assert_eq!(agg.content, "hi");
+        assert_eq!(agg.reasoning, "think!");
+        assert_eq!(agg.finish_reason.as_deref(), Some("stop"));
+        assert_eq!(
+            agg.usage,
+            Some(Usage {
+                prompt_tokens: 3,
+                completion_tokens: 2,
+                reasoning_tokens: Some(1)
+            })
+        );
+        assert_eq!(agg.incremental_chunks, 2);
+    }
+
+    #[test]
+    fn only_choice_zero_counts() {
+        let mut a = StreamAggregator::new();
+        a.feed(&obj(json!({"choices":[{"index":1,"delta":{"content":"B"}},{"index":0,"delta":{"content":"A"}}]})), false);
+        a.feed(
+            &obj(json!({"choices":[{"delta":{"content":"C"}},{"delta":{"content":"D"}}]})),
+            false,
+        );
+        assert_eq!(a.finish().content, "AC");
+    }
+
+    #[test]
+    fn tool_calls_by_index_first_non_empty_id_and_name() {
+        let mut a = StreamAggregator::new();
+        a.feed(&obj(json!({"choices":[{"delta":{"tool_calls":[{"index":0,"id":"call_1","type":"function","function":{"name":"f","arguments":""}}]}}]})), false);
+        let o = a.feed(&obj(json!({"choices":[{"delta":{"tool_calls":[{"index":0,"id":"","function":{"name":"","arguments":"{\"a\""}}]}}]})), true);
+        assert!(o.incremental);
+        let d = o.delta.unwrap();
+        assert_eq!(
+            d.tool_calls,
+            vec![ToolCallDelta {
+                index: 0,
+                id: None,
+                name: None,
+                arguments: "{\"a\"".into()
+            }]
+        );
+        a.feed(&obj(json!({"choices":[{"delta":{"tool_calls":[{"function":{"arguments":":1}"}},{"function":{"name":"g","arguments":"{}"}}]}}]})), false);
+        let agg = a.finish();
+        assert_eq!(agg.tool_calls.len(), 2);
+        assert_eq!(agg.tool_calls[0].id.as_deref(), Some("call_1"));
+        assert_eq!(agg.tool_calls[0].name.as_deref(), Some("f"));
+        assert_eq!(agg.tool_calls[0].arguments, "{\"a\":1}");
+        assert_eq!(agg.tool_calls[1].name.as_deref(), Some("g"));
+    }
+
+    #[test]
+    fn mistral_typed_parts() {
+        let mut a = StreamAggregator::new();
+        let o = a.feed(
+            &obj(json!({"choices":[{"delta":{"content":[
+            {"type":"thinking","thinking":[{"type":"text","text":"hmm"}]},
+            {"type":"text","text":"ok"}]}}]})),
+            true,
+        );
+        assert!(o.incremental);
+        let d = o.delta.unwrap();
+        assert_eq!(
+            (d.content.as_deref(), d.reasoning.as_deref()),
+            (Some("ok"), Some("hmm"))
+        );
+        let agg = a.finish();
+        assert!(agg.content_parts_array);
+        assert_eq!(
+            (agg.content.as_str(), agg.reasoning.as_str()),
+            ("ok", "hmm")
+        );
+    }
+
+    #[test]
+    fn usage_top_level_wins_within_a_frame_and_last_wins_overall() {
+        let mut a = StreamAggregator::new();
+        a.feed(&obj(json!({"choices":[{"delta":{},"usage":{"prompt_tokens":1,"completion_tokens":1}}],"usage":{"prompt_tokens":9,"completion_tokens":9}})), false);
+        assert_eq!(a.usage().map(|u| u.prompt_tokens), Some(9));
+        a.feed(&obj(json!({"choices":[{"delta":{},"usage":{"prompt_tokens":5,"completion_tokens":null}}],"usage":null})), false);
+        let agg = a.finish();
+        assert_eq!(agg.usage, Some(Usage::new(5, 0)));
+        assert_eq!(agg.usage_location, Some(UsageLocation::Choice));
+    }
+
+    #[test]
+    fn deltas_for_every_frame_including_usage_only() {
+        let mut a = StreamAggregator::new();
+        let o = a.feed(
+            &obj(
+                json!({"model":"m","choices":[],"usage":{"prompt_tokens":2,"completion_tokens":3}}),
+            ),
+            true,
+        );
+        let d = o.delta.unwrap();
+        assert!(!o.incremental && !d.is_incremental());
+        assert_eq!(d.usage, Some(Usage::new(2, 3)));
+        assert_eq!(d.model.as_deref(), Some("m"));
+        let o = a.feed(
+            &obj(json!({"choices":[{"delta":{"role":"assistant"}}]})),
+            false,
+        );
+        assert!(o.delta.is_none(), "no delta work unless asked");
+    }
+
+    #[test]
+    fn error_shapes() {
+        let e = error_body(br#"{"error":{"message":"too long","type":"invalid_request_error","code":"context_length_exceeded"}}"#).unwrap();
+        assert_eq!(e.code.as_deref(), Some("context_length_exceeded"));
+        assert_eq!(e.message.as_deref(), Some("too long"));
+        let e =
+            error_body(br#"{"error":{"message":"m","type":"server_error","code":null}}"#).unwrap();
+        assert_eq!(e.code.as_deref(), Some("server_error"));
+        let e = error_body(br#"{"error":{"message":"slow","code":429}}"#).unwrap();
+        assert_eq!((e.status, e.code.as_deref()), (Some(429), Some("429")));
+        let e = error_body(br#"{"message":"bad","code":"invalid_prompt"}"#).unwrap();
+        assert_eq!(
+            (e.code.as_deref(), e.message.as_deref()),
+            (Some("invalid_prompt"), Some("bad"))
+        );
+        let e = error_body(br#"{"detail":"Not Found"}"#).unwrap();
+        assert_eq!(e.message.as_deref(), Some("Not Found"));
+        let e = error_body(b"<html>Bad Gateway</html>").unwrap();
+        assert_eq!(e.message.as_deref(), Some("<html>Bad Gateway</html>"));
+        assert_eq!(error_body(b"  "), None);
+        assert_eq!(error_body(b"{}"), None);
+        assert!(in_band_error(&obj(json!({"error":null,"choices":[]}))).is_none());
+        assert_eq!(
+            in_band_error(&obj(json!({"error":"boom"})))
+                .unwrap()
+                .message
+                .as_deref(),
+            Some("boom")
+        );
+    }
+}

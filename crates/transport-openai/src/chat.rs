@@ -1,0 +1,632 @@
+//! Chat over `/chat/completions`: the plain call (whole-request timeout), the streamed
+//! call (SSE, watchdogs, incremental chunks, salvage) and OCR (a plain vision call).
+
+use std::time::{Duration, Instant};
+
+use async_trait::async_trait;
+use base64::Engine as _;
+use polygw_core::body::{chat_body, ocr_body};
+use polygw_core::classify::Failure;
+use polygw_core::ports::{
+    ChatAttempt, ChunkObserver, Clock, OcrResult, OcrTransport, StreamDelta, ToolCallDelta,
+    Transport, TransportResult,
+};
+use polygw_core::stall::StallMeter;
+use polygw_core::{AttemptError, ErrorClass, SourceConfig, Usage, UsageSource};
+use serde_json::{Map, Value};
+use tokio::time::Instant as TokioInstant;
+
+use crate::aggregate::{choice0, error_body, in_band_error, Aggregate, StreamAggregator};
+use crate::failure::{fail, http_failure, retry_after, send_failure};
+use crate::sse::{SseError, SseEvent, SseParser};
+use crate::{OpenAiTransport, TransportConfig};
+
+/// Why reading a body stopped early.
+pub(crate) enum ReadError {
+    TooLarge,
+    Broken(reqwest::Error),
+}
+
+/// Reads a whole body, failing past `cap` bytes (checked against Content-Length first).
+pub(crate) async fn read_capped(
+    mut resp: reqwest::Response,
+    cap: usize,
+) -> Result<Vec<u8>, ReadError> {
+    if resp.content_length().is_some_and(|n| n > cap as u64) {
+        return Err(ReadError::TooLarge);
+    }
+    let mut buf = Vec::new();
+    while let Some(chunk) = resp.chunk().await.map_err(ReadError::Broken)? {
+        if buf.len() + chunk.len() > cap {
+            return Err(ReadError::TooLarge);
+        }
+        buf.extend_from_slice(&chunk);
+    }
+    Ok(buf)
+}
+
+/// Reads at most `cap` bytes of an (error) body; a broken body gives what was read.
+pub(crate) async fn read_prefix(mut resp: reqwest::Response, cap: usize) -> Vec<u8> {
+    let mut buf = Vec::new();
+    while let Ok(Some(chunk)) = resp.chunk().await {
+        let room = cap.saturating_sub(buf.len());
+        buf.extend_from_slice(&chunk[..chunk.len().min(room)]);
+        if buf.len() >= cap {
+            break;
+        }
+    }
+    buf
+}
+
+/// The failure of a non-2xx response (reads a bounded prefix of the error body).
+pub(crate) async fn status_failure(resp: reqwest::Response, cfg: &TransportConfig) -> Failure {
+    let status = resp.status().as_u16();
+    let ra = retry_after(resp.headers());
+    let body = read_prefix(resp, cfg.max_error_body_bytes).await;
+    http_failure(status, ra, error_body(&body))
+}
+
+/// Attaches measured usage to result-invalid failures (SPEC §4.3 settles it).
+fn with_usage_if_invalid(e: AttemptError, usage: Option<Usage>) -> AttemptError {
+    match usage {
+        Some(u) if e.class == ErrorClass::Invalid => e.with_usage(u, UsageSource::Measured),
+        _ => e,
+    }
+}
+
+fn in_band(pe: crate::aggregate::ProviderError) -> Failure {
+    Failure::InBand {
+        status: pe.status,
+        code: pe.code,
+        message: pe.message,
+    }
+}
+
+fn sse_failure(e: SseError) -> Failure {
+    match e {
+        SseError::LineTooLong { limit } | SseError::EventTooLarge { limit } => {
+            Failure::TooLarge { limit }
+        }
+    }
+}
+
+/// Parses a 2xx plain body into a JSON object (empty, invalid or non-object → invalid).
+pub(crate) fn parse_object(body: &[u8]) -> Result<Map<String, Value>, Failure> {
+    if body.iter().all(u8::is_ascii_whitespace) {
+        return Err(Failure::Malformed {
+            detail: "empty response body".into(),
+        });
+    }
+    match serde_json::from_slice::<Value>(body) {
+        Ok(Value::Object(o)) => Ok(o),
+        Ok(_) => Err(Failure::Malformed {
+            detail: "the response body is not a JSON object".into(),
+        }),
+        Err(e) => Err(Failure::Malformed {
+            detail: format!("invalid JSON body ({e})"),
+        }),
+    }
+}
+
+/// Folds a plain completion object; checks in-band errors, choices and caps.
+fn plain_aggregate(
+    obj: &Map<String, Value>,
+    cfg: &TransportConfig,
+) -> Result<Aggregate, PlainError> {
+    if let Some(pe) = in_band_error(obj) {
+        return Err(PlainError(in_band(pe), None));
+    }
+    let has_choices = obj
+        .get("choices")
+        .and_then(Value::as_array)
+        .is_some_and(|a| !a.is_empty());
+    let usage = crate::aggregate::frame_usage(obj).map(|(u, _)| u);
+    if !has_choices {
+        return Err(PlainError(
+            Failure::Malformed {
+                detail: "no choices in the response".into(),
+            },
+            usage,
+        ));
+    }
+    let Some(choice) = choice0(obj) else {
+        return Err(PlainError(
+            Failure::Malformed {
+                detail: "no choice with index 0 in the response".into(),
+            },
+            usage,
+        ));
+    };
+    let mut agg = StreamAggregator::new();
+    agg.absorb_completion(obj, choice);
+    if agg.content_bytes() > cfg.max_content_bytes {
+        return Err(PlainError(
+            Failure::TooLarge {
+                limit: cfg.max_content_bytes,
+            },
+            usage,
+        ));
+    }
+    let a = agg.finish();
+    if !a.generated_anything() && a.finish_reason.as_deref() != Some("length") {
+        return Err(PlainError(
+            Failure::NothingGenerated {
+                finish_reason: a.finish_reason.clone(),
+            },
+            a.usage,
+        ));
+    }
+    Ok(a)
+}
+
+/// A failure plus the usage seen before it.
+pub(crate) struct PlainError(Failure, Option<Usage>);
+
+impl PlainError {
+    fn into_error(self, key: &str) -> AttemptError {
+        with_usage_if_invalid(fail(self.0, key), self.1)
+    }
+}
+
+fn result_of(a: Aggregate, http_status: u16, salvaged: bool) -> TransportResult {
+    let usage_source = match (a.usage.is_some(), salvaged) {
+        (false, _) => UsageSource::Unavailable,
+        (true, false) => UsageSource::Measured,
+        (true, true) => UsageSource::Estimated,
+    };
+    TransportResult {
+        content: a.content,
+        reasoning_content: (!a.reasoning.is_empty()).then_some(a.reasoning),
+        tool_calls: a.tool_calls,
+        finish_reason: a.finish_reason,
+        model: a.model,
+        usage: a.usage.unwrap_or_default(),
+        usage_source,
+        http_status,
+        stream: None,
+        salvaged,
+    }
+}
+
+impl OpenAiTransport {
+    /// A plain POST under the whole-request timeout; returns the status and the parsed
+    /// JSON object of a 2xx body.
+    pub(crate) async fn plain_object(
+        &self,
+        source: &SourceConfig,
+        path: &str,
+        body: &Value,
+        call_id: &str,
+    ) -> Result<(u16, Map<String, Value>), AttemptError> {
+        let key = source.api_key.expose();
+        let cfg = &self.inner.cfg;
+        let bytes = serde_json::to_vec(body).unwrap_or_default();
+        let rb = self.post(source, path, bytes, call_id, false);
+        let work = async {
+            let resp = rb.send().await.map_err(|e| send_failure(&e, key))?;
+            let status = resp.status().as_u16();
+            if !resp.status().is_success() {
+                return Err(status_failure(resp, cfg).await);
+            }
+            let body = read_capped(resp, cfg.max_body_bytes)
+                .await
+                .map_err(|e| match e {
+                    ReadError::TooLarge => Failure::TooLarge {
+                        limit: cfg.max_body_bytes,
+                    },
+                    ReadError::Broken(e) => Failure::Connect {
+                        detail: format!(
+                            "the body broke off: {}",
+                            crate::failure::describe(&e, key)
+                        ),
+                    },
+                })?;
+            Ok((status, parse_object(&body)?))
+        };
+        match tokio::time::timeout(source.timeout, work).await {
+            Ok(Ok(v)) => Ok(v),
+            Ok(Err(f)) => Err(fail(f, key)),
+            Err(_) => Err(fail(Failure::Timeout, key)),
+        }
+    }
+
+    async fn chat_plain(&self, attempt: ChatAttempt<'_>) -> Result<TransportResult, AttemptError> {
+        let source = attempt.source;
+        let key = source.api_key.expose();
+        let body = chat_body(source, attempt.request);
+        let (status, obj) = self
+            .plain_object(source, "chat/completions", &body, attempt.call_id)
+            .await?;
+        let a = plain_aggregate(&obj, &self.inner.cfg).map_err(|e| e.into_error(key))?;
+        Ok(result_of(a, status, false))
+    }
+
+    async fn chat_stream(&self, attempt: ChatAttempt<'_>) -> Result<TransportResult, AttemptError> {
+        let source = attempt.source;
+        let key = source.api_key.expose();
+        let cfg = &self.inner.cfg;
+        let body = chat_body(source, attempt.request);
+        let bytes = serde_json::to_vec(&body).unwrap_or_default();
+        let rb = self.post(source, "chat/completions", bytes, attempt.call_id, true);
+
+        let ttft_budget = source.ttft_budget();
+        let itb = source.inter_token_budget();
+        let start = self.inner.clock.now();
+        let watchdog = tokio::time::sleep(ttft_budget);
+        tokio::pin!(watchdog);
+
+        let resp = tokio::select! {
+            biased;
+            r = rb.send() => r.map_err(|e| fail(send_failure(&e, key), key))?,
+            () = &mut watchdog => return Err(fail(Failure::TtftTimeout { budget: ttft_budget }, key)),
+        };
+        let status = resp.status().as_u16();
+        if !resp.status().is_success() {
+            let f = tokio::select! {
+                biased;
+                f = status_failure(resp, cfg) => f,
+                // Keep the status even when the error body never comes.
+                () = &mut watchdog => http_failure(status, None, None),
+            };
+            return Err(fail(f, key));
+        }
+
+        let mut st = StreamState {
+            agg: StreamAggregator::new(),
+            meter: StallMeter::new(start, attempt.stall_threshold),
+            observer: attempt.observer,
+            wants: attempt.observer.wants_deltas(),
+            clock: self.inner.clock.as_ref(),
+            max_content: cfg.max_content_bytes,
+            done: false,
+            events_seen: 0,
+        };
+
+        let is_json = resp
+            .headers()
+            .get(reqwest::header::CONTENT_TYPE)
+            .and_then(|v| v.to_str().ok())
+            .is_some_and(|ct| ct.trim_start().starts_with("application/json"));
+        if is_json {
+            // The upstream ignored `stream: true` and answered with a plain completion.
+            let body = tokio::select! {
+                biased;
+                b = read_capped(resp, cfg.max_body_bytes) => b,
+                () = &mut watchdog => return Err(fail(Failure::TtftTimeout { budget: ttft_budget }, key)),
+            };
+            let body = body.map_err(|e| match e {
+                ReadError::TooLarge => fail(
+                    Failure::TooLarge {
+                        limit: cfg.max_body_bytes,
+                    },
+                    key,
+                ),
+                ReadError::Broken(e) => fail(
+                    Failure::Truncated {
+                        detail: format!(
+                            "the body broke off: {}",
+                            crate::failure::describe(&e, key)
+                        ),
+                    },
+                    key,
+                ),
+            })?;
+            let obj = parse_object(&body).map_err(|f| fail(f, key))?;
+            let a = plain_aggregate(&obj, cfg).map_err(|e| e.into_error(key))?;
+            st.plain_as_chunk(&a);
+            let mut r = result_of(a, status, false);
+            r.stream = Some(st.meter.figures());
+            return Ok(r);
+        }
+
+        let mut parser = SseParser::with_limits(cfg.max_body_bytes, cfg.max_body_bytes);
+        let mut events: Vec<SseEvent> = Vec::new();
+        let mut total: u64 = 0;
+        let mut finish_seen = false;
+        let mut resp = resp;
+        let end = loop {
+            let next = tokio::select! {
+                biased;
+                c = resp.chunk() => c,
+                () = &mut watchdog => break End::Watchdog,
+            };
+            match next {
+                Ok(Some(chunk)) => {
+                    total += chunk.len() as u64;
+                    if total > cfg.max_stream_bytes {
+                        return Err(st.error(
+                            Failure::TooLarge {
+                                limit: usize::try_from(cfg.max_stream_bytes).unwrap_or(usize::MAX),
+                            },
+                            key,
+                        ));
+                    }
+                    parser
+                        .feed(&chunk, &mut events)
+                        .map_err(|e| st.error(sse_failure(e), key))?;
+                    let mut at = None;
+                    for ev in events.drain(..) {
+                        let incremental = st.on_event(ev, &mut at).map_err(|f| st.error(f, key))?;
+                        let finish_now = !finish_seen && st.agg.finish_reason().is_some();
+                        if incremental || finish_now {
+                            finish_seen |= finish_now;
+                            let now = TokioInstant::now();
+                            let budget = if finish_seen {
+                                itb.min(cfg.finish_grace)
+                            } else {
+                                itb
+                            };
+                            let next_deadline = now + budget;
+                            // After a finish_reason the deadline only shrinks (grace).
+                            let deadline = if finish_now && !incremental {
+                                watchdog.deadline().min(next_deadline)
+                            } else {
+                                next_deadline
+                            };
+                            watchdog.as_mut().reset(deadline);
+                        }
+                        if st.done {
+                            break;
+                        }
+                    }
+                    if st.done {
+                        break End::Done;
+                    }
+                }
+                Ok(None) => match parser.finish() {
+                    Ok(None) => break End::Eof,
+                    Ok(Some(ev)) => {
+                        let mut at = None;
+                        match st.on_event(ev, &mut at) {
+                            Ok(_) => break End::Eof,
+                            // An unterminated last event that does not parse is a body
+                            // cut mid-frame, not a malformed frame.
+                            Err(Failure::Malformed { .. }) => {
+                                break End::Broken("the body ended inside an event".into())
+                            }
+                            Err(f) => return Err(st.error(f, key)),
+                        }
+                    }
+                    Err(e) => return Err(st.error(sse_failure(e), key)),
+                },
+                Err(e) => break End::Broken(crate::failure::describe(&e, key)),
+            }
+        };
+        drop(resp);
+        st.finalize(end, status, ttft_budget, itb, key)
+    }
+
+    async fn recognize_impl(
+        &self,
+        source: &SourceConfig,
+        image: &[u8],
+        mime: &str,
+        prompt: &str,
+        call_id: &str,
+    ) -> Result<OcrResult, AttemptError> {
+        let key = source.api_key.expose();
+        let mime = if mime.trim().is_empty() {
+            "application/octet-stream"
+        } else {
+            mime.trim()
+        };
+        let uri = format!(
+            "data:{mime};base64,{}",
+            base64::engine::general_purpose::STANDARD.encode(image)
+        );
+        let body = ocr_body(source, &uri, prompt);
+        let (status, obj) = self
+            .plain_object(source, "chat/completions", &body, call_id)
+            .await?;
+        let a = plain_aggregate(&obj, &self.inner.cfg).map_err(|e| e.into_error(key))?;
+        Ok(OcrResult {
+            text: a.content,
+            model: a.model,
+            http_status: status,
+        })
+    }
+}
+
+/// How a stream stopped being read.
+enum End {
+    /// `data: [DONE]`.
+    Done,
+    /// Clean end of the body.
+    Eof,
+    /// The body broke (connection error, reset, cut mid-event).
+    Broken(String),
+    /// The watchdog fired.
+    Watchdog,
+}
+
+struct StreamState<'a> {
+    agg: StreamAggregator,
+    meter: StallMeter,
+    observer: &'a dyn ChunkObserver,
+    wants: bool,
+    clock: &'a dyn Clock,
+    max_content: usize,
+    done: bool,
+    events_seen: u64,
+}
+
+impl StreamState<'_> {
+    /// A classified failure with the usage seen so far (for result-invalid ones).
+    fn error(&self, f: Failure, key: &str) -> AttemptError {
+        with_usage_if_invalid(fail(f, key), self.agg.usage())
+    }
+
+    /// Handles one SSE event; returns whether it was an incremental chunk.
+    fn on_event(&mut self, ev: SseEvent, at: &mut Option<Instant>) -> Result<bool, Failure> {
+        self.events_seen += 1;
+        let data = ev.data.trim();
+        if data == "[DONE]" {
+            self.done = true;
+            return Ok(false);
+        }
+        let is_error_event = ev.event.as_deref() == Some("error");
+        if data.is_empty() {
+            if is_error_event {
+                return Err(Failure::InBand {
+                    status: None,
+                    code: None,
+                    message: Some("an `error` event without data".into()),
+                });
+            }
+            // An empty `data:` event carries no frame (some servers use it as a ping).
+            return Ok(false);
+        }
+        let obj = match serde_json::from_str::<Value>(data) {
+            Ok(Value::Object(o)) => o,
+            Ok(_) if is_error_event => {
+                return Err(in_band(error_body(data.as_bytes()).unwrap_or_default()))
+            }
+            Ok(_) => {
+                return Err(Failure::Malformed {
+                    detail: format!("SSE event #{} is not a JSON object", self.events_seen),
+                })
+            }
+            Err(e) if is_error_event => {
+                let _ = e;
+                return Err(in_band(error_body(data.as_bytes()).unwrap_or_default()));
+            }
+            Err(e) => {
+                return Err(Failure::Malformed {
+                    detail: format!("invalid JSON in SSE event #{} ({e})", self.events_seen),
+                })
+            }
+        };
+        if let Some(pe) = in_band_error(&obj) {
+            return Err(in_band(pe));
+        }
+        if is_error_event {
+            return Err(in_band(error_body(data.as_bytes()).unwrap_or_default()));
+        }
+        let out = self.agg.feed(&obj, self.wants);
+        if self.agg.content_bytes() > self.max_content {
+            return Err(Failure::TooLarge {
+                limit: self.max_content,
+            });
+        }
+        if out.incremental {
+            let t = *at.get_or_insert_with(|| self.clock.now());
+            self.meter.on_chunk(t);
+            self.observer.on_chunk(t);
+        }
+        if let Some(d) = out.delta {
+            self.observer.on_delta(&d);
+        }
+        Ok(out.incremental)
+    }
+
+    /// A plain completion received for a stream request counts as one chunk.
+    fn plain_as_chunk(&mut self, a: &Aggregate) {
+        if a.generated_anything() {
+            let t = self.clock.now();
+            self.meter.on_chunk(t);
+            self.observer.on_chunk(t);
+        }
+        if self.wants {
+            let d = StreamDelta {
+                role: Some("assistant".into()),
+                content: (!a.content.is_empty()).then(|| a.content.clone()),
+                reasoning: (!a.reasoning.is_empty()).then(|| a.reasoning.clone()),
+                tool_calls: a
+                    .tool_calls
+                    .iter()
+                    .map(|t| ToolCallDelta {
+                        index: t.index,
+                        id: t.id.clone(),
+                        name: t.name.clone(),
+                        arguments: t.arguments.clone(),
+                    })
+                    .collect(),
+                finish_reason: a.finish_reason.clone(),
+                usage: a.usage,
+                model: a.model.clone(),
+            };
+            self.observer.on_delta(&d);
+        }
+    }
+
+    fn finalize(
+        self,
+        end: End,
+        status: u16,
+        ttft_budget: Duration,
+        itb: Duration,
+        key: &str,
+    ) -> Result<TransportResult, AttemptError> {
+        let figures = self.meter.figures();
+        if self.agg.finish_reason().is_none() {
+            let f = match end {
+                End::Watchdog if self.meter.chunks() == 0 => Failure::TtftTimeout {
+                    budget: ttft_budget,
+                },
+                End::Watchdog => Failure::StallTimeout { budget: itb },
+                End::Done => Failure::Truncated {
+                    detail: "[DONE] came before any finish_reason".into(),
+                },
+                End::Eof => Failure::Truncated {
+                    detail: "the body ended cleanly without a finish_reason".into(),
+                },
+                End::Broken(d) => Failure::Truncated {
+                    detail: format!("the stream broke off: {d}"),
+                },
+            };
+            return Err(fail(f, key));
+        }
+        let salvaged = matches!(end, End::Broken(_) | End::Watchdog);
+        let a = self.agg.finish();
+        if !a.generated_anything() && a.finish_reason.as_deref() != Some("length") {
+            let usage = a.usage;
+            return Err(with_usage_if_invalid(
+                fail(
+                    Failure::NothingGenerated {
+                        finish_reason: a.finish_reason,
+                    },
+                    key,
+                ),
+                usage,
+            ));
+        }
+        let mut r = result_of(a, status, salvaged);
+        r.stream = Some(figures);
+        Ok(r)
+    }
+}
+
+#[async_trait]
+impl Transport for OpenAiTransport {
+    async fn chat(&self, attempt: ChatAttempt<'_>) -> Result<TransportResult, AttemptError> {
+        let r = if attempt.request.stream {
+            self.chat_stream(attempt).await
+        } else {
+            self.chat_plain(attempt).await
+        };
+        if let Err(e) = &r {
+            tracing::debug!(source = %attempt.source.name, call_id = attempt.call_id, error = %e, "chat attempt failed");
+        }
+        r
+    }
+}
+
+#[async_trait]
+impl OcrTransport for OpenAiTransport {
+    async fn recognize(
+        &self,
+        source: &SourceConfig,
+        image: &[u8],
+        mime: &str,
+        prompt: &str,
+        call_id: &str,
+    ) -> Result<OcrResult, AttemptError> {
+        let r = self
+            .recognize_impl(source, image, mime, prompt, call_id)
+            .await;
+        if let Err(e) = &r {
+            tracing::debug!(source = %source.name, call_id, error = %e, "OCR attempt failed");
+        }
+        r
+    }
+}
