@@ -1,0 +1,2 @@
+//! Telemetry benchmark (being built).
+fn main() {}

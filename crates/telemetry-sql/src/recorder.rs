@@ -1,0 +1,547 @@
+//! [`SqlRecorder`]: a bounded drop-oldest queue that `record()` fills without blocking,
+//! and one background task per recorder that writes it in batches, retrying with
+//! backoff while the database fails.
+//!
+//! Accounting: every row given to `record()` is, at any moment, exactly one of written,
+//! dropped or pending (`recorded = written + dropped + pending`), and [`FlushReport`]
+//! shows the three totals.
+
+use std::collections::VecDeque;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Duration;
+
+use async_trait::async_trait;
+use polygw_core::ports::telemetry::{FlushReport, TelemetryRecorder};
+use polygw_core::secret::redact_url;
+use polygw_core::{TelemetryError, TelemetryRow};
+use tokio::sync::Notify;
+use tokio::task::JoinHandle;
+use tokio::time::Instant;
+
+use crate::config::RecorderConfig;
+use crate::db::{describe, Backend, Db, OpenOptions};
+
+/// State shared by the recorder handles and the writer task.
+#[derive(Debug)]
+struct Shared {
+    queue: Mutex<VecDeque<TelemetryRow>>,
+    capacity: usize,
+    batch_size: usize,
+    /// Rows given to `record()`.
+    recorded: AtomicU64,
+    /// Rows in committed batches.
+    written: AtomicU64,
+    /// Rows dropped: queue overflow (oldest first), or recorded after the writer stopped.
+    dropped: AtomicU64,
+    /// Rows taken out of the queue by a batch being written.
+    in_flight: AtomicU64,
+    /// Shutdown asked (or the last handle dropped): the writer drains and stops.
+    closing: AtomicBool,
+    /// The writer has stopped; `record()` now counts rows as dropped.
+    stopped: AtomicBool,
+    /// The writer stopped without being asked (a panic).
+    crashed: AtomicBool,
+    /// A full batch is queued.
+    wake: Notify,
+    /// `flush()`, `shutdown()` or drop: write now, skip the current backoff.
+    urgent: Notify,
+    /// A batch was committed or rows were dropped, or the writer stopped.
+    progress: Notify,
+}
+
+impl Shared {
+    fn lock(&self) -> MutexGuard<'_, VecDeque<TelemetryRow>> {
+        // A panic while holding the lock cannot leave the deque inconsistent.
+        self.queue.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn report(&self) -> FlushReport {
+        let queued = self.lock().len() as u64;
+        FlushReport {
+            written: self.written.load(Ordering::SeqCst),
+            dropped: self.dropped.load(Ordering::SeqCst),
+            pending: queued + self.in_flight.load(Ordering::SeqCst),
+        }
+    }
+
+    fn settled(&self) -> u64 {
+        self.written.load(Ordering::SeqCst) + self.dropped.load(Ordering::SeqCst)
+    }
+
+    /// Takes up to `batch_size` rows from the front.
+    fn take_batch(&self) -> Vec<TelemetryRow> {
+        let mut q = self.lock();
+        let n = q.len().min(self.batch_size);
+        let batch: Vec<TelemetryRow> = q.drain(..n).collect();
+        self.in_flight.store(batch.len() as u64, Ordering::SeqCst);
+        batch
+    }
+
+    fn committed(&self, n: usize) {
+        {
+            let _q = self.lock();
+            self.written.fetch_add(n as u64, Ordering::SeqCst);
+            self.in_flight.store(0, Ordering::SeqCst);
+        }
+        self.progress.notify_waiters();
+    }
+
+    /// Puts a failed batch back at the front, in order, then drops the oldest rows
+    /// beyond capacity.
+    fn put_back(&self, batch: Vec<TelemetryRow>) {
+        let mut overflow = Vec::new();
+        {
+            let mut q = self.lock();
+            for row in batch.into_iter().rev() {
+                q.push_front(row);
+            }
+            self.in_flight.store(0, Ordering::SeqCst);
+            while q.len() > self.capacity {
+                if let Some(old) = q.pop_front() {
+                    overflow.push(old);
+                }
+            }
+            self.dropped
+                .fetch_add(overflow.len() as u64, Ordering::SeqCst);
+        }
+        if !overflow.is_empty() {
+            self.progress.notify_waiters();
+        }
+    }
+
+    fn is_empty(&self) -> bool {
+        self.lock().is_empty()
+    }
+
+    fn has_full_batch(&self) -> bool {
+        self.lock().len() >= self.batch_size
+    }
+}
+
+/// The writer's last act, also on panic or abort: mark it stopped and wake waiters.
+struct StopGuard(Arc<Shared>);
+
+impl Drop for StopGuard {
+    fn drop(&mut self) {
+        if !self.0.closing.load(Ordering::SeqCst) {
+            self.0.crashed.store(true, Ordering::SeqCst);
+        }
+        self.0.stopped.store(true, Ordering::SeqCst);
+        self.0.progress.notify_waiters();
+    }
+}
+
+/// What the writer remembers between batches: backoff and the warning rate limit.
+struct WriterState {
+    backoff: Duration,
+    failing_since: Option<Instant>,
+    failures: u64,
+    last_warn: Option<Instant>,
+    suppressed: u64,
+    dropped_seen: u64,
+    last_drop_warn: Option<Instant>,
+}
+
+impl WriterState {
+    fn new(cfg: &RecorderConfig) -> Self {
+        WriterState {
+            backoff: cfg.retry_min,
+            failing_since: None,
+            failures: 0,
+            last_warn: None,
+            suppressed: 0,
+            dropped_seen: 0,
+            last_drop_warn: None,
+        }
+    }
+}
+
+/// Everything the writer task owns.
+struct Writer {
+    shared: Arc<Shared>,
+    db: Db,
+    cfg: RecorderConfig,
+    /// The URL, for errors (passwords removed by `describe`).
+    url: String,
+    /// The URL as it may be printed.
+    label: String,
+}
+
+impl Writer {
+    /// Writes everything queued now, batch by batch; stops at the first failure (the
+    /// failed batch is back at the front of the queue).
+    async fn drain(&self, deadline: Option<Instant>) -> Result<(), String> {
+        loop {
+            let batch = self.shared.take_batch();
+            if batch.is_empty() {
+                return Ok(());
+            }
+            let mut limit = self.cfg.write_timeout;
+            if let Some(d) = deadline {
+                limit = limit.min(d.saturating_duration_since(Instant::now()));
+            }
+            match tokio::time::timeout(limit, self.db.insert(&batch)).await {
+                Ok(Ok(())) => self.shared.committed(batch.len()),
+                Ok(Err(e)) => {
+                    self.shared.put_back(batch);
+                    return Err(describe(&e, &self.url));
+                }
+                Err(_) => {
+                    self.shared.put_back(batch);
+                    return Err(format!("write timed out after {limit:?}"));
+                }
+            }
+        }
+    }
+
+    fn on_success(&self, st: &mut WriterState) {
+        if let Some(since) = st.failing_since.take() {
+            tracing::info!(
+                url = %self.label,
+                failures = st.failures,
+                down_ms = since.elapsed().as_millis() as u64,
+                written = self.shared.written.load(Ordering::SeqCst),
+                "telemetry database is back; queued rows written"
+            );
+        }
+        st.failures = 0;
+        st.suppressed = 0;
+        st.backoff = self.cfg.retry_min;
+    }
+
+    fn on_failure(&self, st: &mut WriterState, error: &str) {
+        let now = Instant::now();
+        st.failing_since.get_or_insert(now);
+        st.failures += 1;
+        let due = st
+            .last_warn
+            .is_none_or(|t| now.duration_since(t) >= self.cfg.warn_interval);
+        if due {
+            tracing::warn!(
+                url = %self.label,
+                error = %error,
+                pending = self.shared.report().pending,
+                failures = st.failures,
+                suppressed = st.suppressed,
+                retry_in_ms = st.backoff.as_millis() as u64,
+                "telemetry write failed; rows stay queued and the write is retried"
+            );
+            st.last_warn = Some(now);
+            st.suppressed = 0;
+        } else {
+            st.suppressed += 1;
+        }
+    }
+
+    fn check_drops(&self, st: &mut WriterState) {
+        let dropped = self.shared.dropped.load(Ordering::SeqCst);
+        if dropped <= st.dropped_seen {
+            return;
+        }
+        let now = Instant::now();
+        let due = st
+            .last_drop_warn
+            .is_none_or(|t| now.duration_since(t) >= self.cfg.warn_interval);
+        if due {
+            tracing::warn!(
+                url = %self.label,
+                dropped_total = dropped,
+                dropped_new = dropped - st.dropped_seen,
+                capacity = self.shared.capacity,
+                "telemetry queue full: the oldest rows were dropped"
+            );
+            st.dropped_seen = dropped;
+            st.last_drop_warn = Some(now);
+        }
+    }
+
+    async fn run(self) {
+        let _guard = StopGuard(self.shared.clone());
+        let mut st = WriterState::new(&self.cfg);
+        let mut idle_wait = true;
+        while !self.shared.closing.load(Ordering::SeqCst) {
+            if idle_wait && !self.shared.has_full_batch() {
+                tokio::select! {
+                    _ = self.shared.wake.notified() => {}
+                    _ = self.shared.urgent.notified() => {}
+                    _ = tokio::time::sleep(self.cfg.flush_interval) => {}
+                }
+                if self.shared.closing.load(Ordering::SeqCst) {
+                    break;
+                }
+            }
+            match self.drain(None).await {
+                Ok(()) => {
+                    self.on_success(&mut st);
+                    idle_wait = true;
+                }
+                Err(e) => {
+                    self.on_failure(&mut st, &e);
+                    // Backoff; a flush, a shutdown or a drop cuts it short.
+                    tokio::select! {
+                        _ = tokio::time::sleep(st.backoff) => {}
+                        _ = self.shared.urgent.notified() => {}
+                    }
+                    st.backoff = (st.backoff * 2).min(self.cfg.retry_max);
+                    idle_wait = false;
+                }
+            }
+            self.check_drops(&mut st);
+        }
+        self.last_drain(&mut st).await;
+        let _ = tokio::time::timeout(Duration::from_secs(1), self.db.close()).await;
+    }
+
+    /// On shutdown or drop: keep writing (with backoff) until the queue is empty or
+    /// `flush_timeout` has passed; a write still running then is cancelled.
+    async fn last_drain(&self, st: &mut WriterState) {
+        let deadline = Instant::now() + self.cfg.flush_timeout;
+        let work = async {
+            while !self.shared.is_empty() {
+                match self.drain(Some(deadline)).await {
+                    Ok(()) => self.on_success(st),
+                    Err(e) => {
+                        self.on_failure(st, &e);
+                        tokio::time::sleep(st.backoff).await;
+                        st.backoff = (st.backoff * 2).min(self.cfg.retry_max);
+                    }
+                }
+            }
+        };
+        if tokio::time::timeout_at(deadline, work).await.is_err() {
+            let pending = self.shared.report().pending;
+            tracing::warn!(
+                url = %self.label,
+                pending,
+                "telemetry shutdown: rows could not be written within flush_timeout and are lost"
+            );
+        }
+    }
+}
+
+/// What the recorder handles share; dropping the last one stops the writer.
+#[derive(Debug)]
+struct Inner {
+    shared: Arc<Shared>,
+    task: Mutex<Option<JoinHandle<()>>>,
+    cfg: RecorderConfig,
+    backend: Backend,
+    label: String,
+}
+
+impl Drop for Inner {
+    fn drop(&mut self) {
+        // Without an await, the writer is asked to make its last bounded write
+        // (`flush_timeout`) and to stop; it ends by itself, cancelling a write that runs
+        // past the bound. `shutdown().await` is the way to wait for it.
+        self.shared.closing.store(true, Ordering::SeqCst);
+        self.shared.urgent.notify_one();
+        self.shared.wake.notify_one();
+    }
+}
+
+/// The SQL telemetry recorder (SPEC §8): SQLite or PostgreSQL, chosen by the URL.
+///
+/// - [`TelemetryRecorder::record`] is synchronous, never blocks on I/O and never fails:
+///   it pushes onto a bounded queue behind a `std` mutex (held for a push), dropping the
+///   oldest row when the queue is full (counted in `dropped`). It works from any thread,
+///   inside or outside a tokio runtime, including `Drop` impls.
+/// - One background task writes batches of up to `batch_size` rows, one transaction per
+///   batch, `INSERT … ON CONFLICT (call_id) DO NOTHING` (idempotent). It wakes when a
+///   full batch is queued, every `flush_interval`, and on `flush`.
+/// - While the database fails, rows stay queued (up to capacity), a warning is logged at
+///   most once per `warn_interval` (URL redacted), and the write is retried with
+///   exponential backoff from `retry_min` to `retry_max`; when the database is back
+///   everything queued is written.
+/// - [`TelemetryRecorder::flush`] asks for a write now and waits (at most
+///   `flush_timeout`) until every row recorded before the call is written or dropped.
+/// - [`SqlRecorder::shutdown`] makes a last bounded write (`flush_timeout`) and stops the
+///   task; rows recorded afterwards count as dropped.
+/// - Dropping the last handle without `shutdown` asks the task for the same last bounded
+///   write and lets it end by itself (it never outlives the drop by more than
+///   `flush_timeout`, and dies with the runtime).
+///
+/// Clones share the queue and the task.
+#[derive(Debug, Clone)]
+pub struct SqlRecorder {
+    inner: Arc<Inner>,
+}
+
+impl SqlRecorder {
+    /// Opens `sqlite://PATH` (the file is created when missing; WAL journal) or
+    /// `postgres://…`/`postgresql://…`, runs the embedded migrations, and spawns the
+    /// writer on the current tokio runtime.
+    ///
+    /// Fails when the URL is not one of those, the database cannot be reached within
+    /// `write_timeout`, a migration fails, or the configuration is invalid. Errors and
+    /// logs never show the URL's password or query.
+    pub async fn connect(url: &str, config: RecorderConfig) -> Result<SqlRecorder, TelemetryError> {
+        config.validate()?;
+        let db = Db::open(
+            url,
+            OpenOptions {
+                create: true,
+                timeout: config.write_timeout,
+            },
+        )
+        .await?;
+        if let Err(e) = db.migrate(url).await {
+            db.close().await;
+            return Err(e);
+        }
+        let backend = db.backend();
+        let label = redact_url(url);
+        let shared = Arc::new(Shared {
+            queue: Mutex::new(VecDeque::with_capacity(
+                config.queue_capacity.min(config.batch_size * 4),
+            )),
+            capacity: config.queue_capacity,
+            batch_size: config.batch_size,
+            recorded: AtomicU64::new(0),
+            written: AtomicU64::new(0),
+            dropped: AtomicU64::new(0),
+            in_flight: AtomicU64::new(0),
+            closing: AtomicBool::new(false),
+            stopped: AtomicBool::new(false),
+            crashed: AtomicBool::new(false),
+            wake: Notify::new(),
+            urgent: Notify::new(),
+            progress: Notify::new(),
+        });
+        let writer = Writer {
+            shared: shared.clone(),
+            db,
+            cfg: config.clone(),
+            url: url.to_string(),
+            label: label.clone(),
+        };
+        let task = tokio::spawn(writer.run());
+        tracing::debug!(url = %label, backend = backend.as_str(), "telemetry recorder started");
+        Ok(SqlRecorder {
+            inner: Arc::new(Inner {
+                shared,
+                task: Mutex::new(Some(task)),
+                cfg: config,
+                backend,
+                label,
+            }),
+        })
+    }
+
+    /// The backend the URL named.
+    pub fn backend(&self) -> Backend {
+        self.inner.backend
+    }
+
+    /// The URL with any password and query redacted.
+    pub fn url_label(&self) -> &str {
+        &self.inner.label
+    }
+
+    /// The configuration in use.
+    pub fn config(&self) -> &RecorderConfig {
+        &self.inner.cfg
+    }
+
+    /// Totals now, without waiting (for metrics).
+    pub fn snapshot(&self) -> FlushReport {
+        self.inner.shared.report()
+    }
+
+    /// Rows given to `record()` so far (= written + dropped + pending).
+    pub fn recorded(&self) -> u64 {
+        self.inner.shared.recorded.load(Ordering::SeqCst)
+    }
+
+    /// Whether the writer task has stopped (after `shutdown`, or a drop of every handle).
+    pub fn is_stopped(&self) -> bool {
+        self.inner.shared.stopped.load(Ordering::SeqCst)
+    }
+
+    /// Writes what is queued (at most `flush_timeout`), stops the writer task and
+    /// reports the final totals; `pending` rows are lost. Idempotent; rows recorded after
+    /// it count as dropped. Every clone sees the recorder stopped.
+    pub async fn shutdown(&self) -> FlushReport {
+        let s = &self.inner.shared;
+        s.closing.store(true, Ordering::SeqCst);
+        s.urgent.notify_one();
+        s.wake.notify_one();
+        let task = self
+            .inner
+            .task
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .take();
+        if let Some(task) = task {
+            let abort = task.abort_handle();
+            // The writer bounds its last write by flush_timeout; the margin covers
+            // closing the pool. Past it, the task is aborted.
+            let bound = self.inner.cfg.flush_timeout + Duration::from_secs(2);
+            if tokio::time::timeout(bound, task).await.is_err() {
+                abort.abort();
+            }
+        }
+        s.stopped.store(true, Ordering::SeqCst);
+        s.report()
+    }
+}
+
+#[async_trait]
+impl TelemetryRecorder for SqlRecorder {
+    fn record(&self, row: TelemetryRow) {
+        let s = &self.inner.shared;
+        if s.stopped.load(Ordering::Relaxed) {
+            s.recorded.fetch_add(1, Ordering::SeqCst);
+            s.dropped.fetch_add(1, Ordering::SeqCst);
+            return;
+        }
+        let (len, old) = {
+            let mut q = s.lock();
+            let old = if q.len() >= s.capacity {
+                s.dropped.fetch_add(1, Ordering::SeqCst);
+                q.pop_front()
+            } else {
+                None
+            };
+            q.push_back(row);
+            s.recorded.fetch_add(1, Ordering::SeqCst);
+            (q.len(), old)
+        };
+        // Freed outside the lock.
+        drop(old);
+        if len >= s.batch_size {
+            s.wake.notify_one();
+        }
+    }
+
+    fn dropped(&self) -> u64 {
+        self.inner.shared.dropped.load(Ordering::SeqCst)
+    }
+
+    async fn flush(&self) -> Result<FlushReport, TelemetryError> {
+        let s = &self.inner.shared;
+        let target = s.recorded.load(Ordering::SeqCst);
+        let deadline = Instant::now() + self.inner.cfg.flush_timeout;
+        s.urgent.notify_one();
+        loop {
+            let progress = s.progress.notified();
+            tokio::pin!(progress);
+            progress.as_mut().enable();
+            if s.settled() >= target || s.stopped.load(Ordering::SeqCst) {
+                break;
+            }
+            if tokio::time::timeout_at(deadline, progress).await.is_err() {
+                break;
+            }
+        }
+        let report = s.report();
+        if s.crashed.load(Ordering::SeqCst) && report.pending > 0 {
+            return Err(TelemetryError(format!(
+                "telemetry writer for {} stopped unexpectedly; {} rows pending",
+                self.inner.label, report.pending
+            )));
+        }
+        Ok(report)
+    }
+}
