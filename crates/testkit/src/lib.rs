@@ -2,5 +2,7 @@
 //! discovery with the CI rule (mandatory under `CI=true`, skipped with a reason
 //! otherwise), and the port contract suites every implementation runs.
 
+pub mod breaker_contract;
 pub mod clock;
+pub mod limiter_contract;
 pub mod services;

@@ -1,0 +1,341 @@
+//! The memory backend against the testkit contract suites (limiter and breaker, with a
+//! manual clock so window and breaker tests need no real waiting), plus the response
+//! cache and memory-specific behaviour.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use async_trait::async_trait;
+use polygw_core::error::GovernanceError;
+use polygw_core::ports::{BreakerStore, Clock, ManualClock, RateLimiter};
+use polygw_core::settings::BreakerSettings;
+use polygw_limiter_memory::{MemoryBreakerStore, MemoryCache, MemoryLimiter};
+use polygw_testkit::breaker_contract::{self as bc, BreakerHarness};
+use polygw_testkit::limiter_contract::{self as lc, LimiterHarness, Subject, WindowProbe};
+
+/// One manual clock; every limiter and store of the harness starts at its base.
+struct Mem {
+    clock: Arc<ManualClock>,
+    base: Instant,
+    limiter: MemoryLimiter,
+    breakers: MemoryBreakerStore,
+}
+
+fn harness() -> Mem {
+    let base = tokio::time::Instant::now().into_std();
+    let clock = Arc::new(ManualClock::new(base, 1_700_000_000_000));
+    Mem {
+        limiter: MemoryLimiter::new(clock.clone()),
+        breakers: MemoryBreakerStore::new(clock.clone()),
+        clock,
+        base,
+    }
+}
+
+struct Probe(MemoryLimiter);
+
+#[async_trait]
+impl WindowProbe for Probe {
+    async fn source_window(
+        &self,
+        scope: &str,
+        source: &str,
+    ) -> Result<(u64, u64), GovernanceError> {
+        Ok(self.0.source_window(scope, source))
+    }
+    async fn scope_window(&self, scope: &str) -> Result<(u64, u64), GovernanceError> {
+        Ok(self.0.scope_window(scope))
+    }
+}
+
+impl Mem {
+    fn subject_now(&self) -> Subject {
+        Subject {
+            limiter: Arc::new(self.limiter.clone()),
+            probe: Arc::new(Probe(self.limiter.clone())),
+        }
+    }
+}
+
+#[async_trait]
+impl LimiterHarness for Mem {
+    async fn subject(&self) -> Subject {
+        self.subject_now()
+    }
+    async fn clients(&self, n: usize) -> Vec<Arc<dyn RateLimiter>> {
+        (0..n)
+            .map(|_| Arc::new(self.limiter.clone()) as Arc<dyn RateLimiter>)
+            .collect()
+    }
+    async fn windowed(&self) -> (Subject, Duration) {
+        (self.subject_now(), Duration::from_secs(60))
+    }
+    fn manual_time(&self) -> bool {
+        true
+    }
+    async fn advance(&self, by: Duration) {
+        self.clock.advance(by);
+    }
+    fn now(&self) -> Duration {
+        self.clock.now() - self.base
+    }
+    fn margin(&self) -> Duration {
+        Duration::ZERO
+    }
+}
+
+#[async_trait]
+impl BreakerHarness for Mem {
+    async fn store(&self) -> Arc<dyn BreakerStore> {
+        Arc::new(self.breakers.clone())
+    }
+    async fn clients(&self, n: usize) -> Vec<Arc<dyn BreakerStore>> {
+        (0..n)
+            .map(|_| Arc::new(self.breakers.clone()) as Arc<dyn BreakerStore>)
+            .collect()
+    }
+    fn settings(&self) -> BreakerSettings {
+        BreakerSettings {
+            failures: 3,
+            open: Duration::from_secs(30),
+            dead: Duration::from_secs(300),
+        }
+    }
+    fn manual_time(&self) -> bool {
+        true
+    }
+    async fn advance(&self, by: Duration) {
+        self.clock.advance(by);
+    }
+    fn now(&self) -> Duration {
+        self.clock.now() - self.base
+    }
+    fn margin(&self) -> Duration {
+        Duration::ZERO
+    }
+}
+
+mod limiter_contract {
+    use super::*;
+
+    macro_rules! cases {
+        ($($name:ident),* $(,)?) => {$(
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn $name() {
+                lc::$name(&harness()).await;
+            }
+        )*};
+    }
+
+    cases!(
+        rpm_never_over_admitted,
+        rpm_window_rolls,
+        tpm_reserve_then_settle,
+        tpm_window_rolls,
+        concurrency_cap_and_release,
+        lease_expiry_frees_the_slot,
+        scope_limits_atomic_with_source,
+        settle_and_release_idempotent,
+        drop_settles_reservation_and_releases,
+        unlimited_admits_everything,
+        concurrent_acquirers_never_over_admit,
+        concurrent_rpm_saturation,
+        saturating_load_over_windows,
+    );
+
+    /// Random acquire/settle/release/finish/drop/advance sequences match the reference
+    /// model exactly (admissions, refusal reasons and hints, in flight, windows).
+    #[test]
+    fn matches_reference_model() {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        let h = harness();
+        lc::model_proptest(&rt, &h, 256);
+    }
+}
+
+mod breaker_contract {
+    use super::*;
+
+    macro_rules! cases {
+        ($($name:ident),* $(,)?) => {$(
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn $name() {
+                bc::$name(&harness()).await;
+            }
+        )*};
+    }
+
+    cases!(
+        opens_after_consecutive_failures,
+        only_consecutive_feeding_failures_count,
+        half_open_admits_one_probe_and_success_closes,
+        failed_probe_doubles_open_time,
+        open_time_capped_at_ten_times,
+        probe_lease_expires_and_neutral_frees,
+        cooldown_from_retry_after,
+        dead_source_out_for_dead_s,
+        concurrent_half_open_grants_one_probe,
+        sources_are_independent,
+    );
+
+    /// Random admit/record/advance sequences match `BreakerState` exactly.
+    #[test]
+    fn matches_reference_model() {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        let h = harness();
+        bc::model_proptest(&rt, &h, 256);
+    }
+}
+
+mod memory_specific {
+    use super::*;
+    use polygw_core::ports::Admission;
+    use polygw_testkit::limiter_contract::Req;
+
+    /// Drop-time settlement applies directly, also on a thread with no runtime.
+    #[tokio::test]
+    async fn drop_applies_directly_without_a_runtime() {
+        let h = harness();
+        let r = Req::new("M", "a").source_limits(0, 1000, 1).est(400);
+        let p = lc::admit(&h.limiter, &r).await;
+        std::thread::spawn(move || drop(p)).join().unwrap();
+        // no flush needed: the settlement is already applied
+        assert_eq!(h.limiter.in_flight("M", "a").await.unwrap(), 0);
+        assert_eq!(h.limiter.source_window("M", "a"), (1, 400));
+    }
+
+    /// Windows empty out as time passes and compaction keeps working state bounded
+    /// without changing any answer.
+    #[tokio::test]
+    async fn compaction_keeps_answers() {
+        let h = harness();
+        let r = Req::new("M", "a")
+            .source_limits(5000, 0, 0)
+            .scope_limits(0, 1_000_000)
+            .est(3);
+        for i in 0..5000u64 {
+            let mut p = lc::admit(&h.limiter, &r).await;
+            p.finish(i % 5).await.unwrap();
+            h.clock.advance(Duration::from_millis(20)); // 50/s: ≤ 3000 per window
+        }
+        h.limiter.compact();
+        let (reqs, _) = h.limiter.source_window("M", "a");
+        assert_eq!(reqs, 2999, "entries at 40.02 s ..= 99.98 s");
+        h.clock.advance(Duration::from_secs(60));
+        h.limiter.compact();
+        assert_eq!(h.limiter.source_window("M", "a"), (0, 0));
+        assert_eq!(h.limiter.scope_window("M"), (0, 0));
+        assert!(matches!(
+            h.limiter.acquire(&r.get()).await.unwrap(),
+            Admission::Admitted(_)
+        ));
+    }
+
+    /// Clones share one state (the facade clones the limiter into every client).
+    #[tokio::test]
+    async fn clones_share_state() {
+        let h = harness();
+        let other = h.limiter.clone();
+        let r = Req::new("M", "a").source_limits(1, 0, 0);
+        let _p = lc::admit(&h.limiter, &r).await;
+        assert_eq!(lc::refuse(&other, &r).await.reason.as_str(), "rpm");
+    }
+}
+
+mod cache {
+    use super::*;
+    use polygw_core::ports::ResponseCache;
+    use polygw_core::response::LlmResponse;
+
+    fn resp(content: &str) -> LlmResponse {
+        LlmResponse {
+            content: content.to_string(),
+            ..LlmResponse::default()
+        }
+    }
+
+    fn cache(capacity: usize) -> (MemoryCache, Arc<ManualClock>) {
+        let clock = Arc::new(ManualClock::new(tokio::time::Instant::now().into_std(), 0));
+        (MemoryCache::new(capacity, clock.clone()), clock)
+    }
+
+    const TTL: Duration = Duration::from_secs(10);
+
+    #[tokio::test]
+    async fn stores_and_expires_by_ttl() {
+        let (c, clock) = cache(10);
+        assert_eq!(c.get("k").await.unwrap(), None);
+        c.put("k", &resp("a"), TTL).await.unwrap();
+        assert_eq!(c.get("k").await.unwrap(), Some(resp("a")));
+        clock.advance(TTL - Duration::from_millis(1));
+        assert_eq!(c.get("k").await.unwrap(), Some(resp("a")));
+        clock.advance(Duration::from_millis(1));
+        assert_eq!(c.get("k").await.unwrap(), None);
+        assert!(c.is_empty(), "an expired entry is dropped when looked up");
+    }
+
+    #[tokio::test]
+    async fn bounded_with_lru_eviction() {
+        let (c, _clock) = cache(3);
+        for k in ["a", "b", "c"] {
+            c.put(k, &resp(k), TTL).await.unwrap();
+        }
+        assert!(c.get("a").await.unwrap().is_some()); // a is now the most recent
+        c.put("d", &resp("d"), TTL).await.unwrap(); // evicts b
+        assert_eq!(c.len(), 3);
+        assert_eq!(c.get("b").await.unwrap(), None);
+        for k in ["a", "c", "d"] {
+            assert_eq!(c.get(k).await.unwrap(), Some(resp(k)), "{k}");
+        }
+        for i in 0..1000 {
+            c.put(&format!("x{i}"), &resp("x"), TTL).await.unwrap();
+        }
+        assert_eq!(c.len(), 3);
+    }
+
+    #[tokio::test]
+    async fn expired_entries_go_before_live_ones() {
+        let (c, clock) = cache(2);
+        c.put("short", &resp("s"), Duration::from_secs(1))
+            .await
+            .unwrap();
+        c.put("long", &resp("l"), TTL).await.unwrap();
+        clock.advance(Duration::from_secs(2));
+        c.put("new", &resp("n"), TTL).await.unwrap();
+        assert_eq!(c.get("long").await.unwrap(), Some(resp("l")));
+        assert_eq!(c.get("new").await.unwrap(), Some(resp("n")));
+        assert_eq!(c.get("short").await.unwrap(), None);
+    }
+
+    #[tokio::test]
+    async fn overwrite_replaces_value_and_ttl() {
+        let (c, clock) = cache(2);
+        c.put("k", &resp("old"), Duration::from_secs(1))
+            .await
+            .unwrap();
+        c.put("k", &resp("new"), TTL).await.unwrap();
+        clock.advance(Duration::from_secs(5));
+        assert_eq!(c.get("k").await.unwrap(), Some(resp("new")));
+        assert_eq!(c.len(), 1);
+    }
+
+    #[tokio::test]
+    async fn zero_capacity_or_ttl_stores_nothing() {
+        let (c, _) = cache(0);
+        c.put("k", &resp("a"), TTL).await.unwrap();
+        assert_eq!(c.get("k").await.unwrap(), None);
+        let (c, _) = cache(5);
+        c.put("k", &resp("a"), Duration::ZERO).await.unwrap();
+        assert_eq!(c.get("k").await.unwrap(), None);
+        assert!(
+            c.put("k", &resp("a"), Duration::MAX).await.is_err(),
+            "an unrepresentable TTL is a cache error, never a panic"
+        );
+    }
+}

@@ -1,0 +1,529 @@
+//! The `BreakerStore` contract (SPEC §4.4, issue 4): cases every breaker store runs
+//! through a [`BreakerHarness`], and a proptest comparing random admit / record / time
+//! sequences with core's pure state machine [`BreakerState`].
+//!
+//! Consecutive breaker-feeding failures open the breaker for `OPEN_S`; each failed
+//! half-open probe doubles it up to 10×; half-open admits exactly one probe (held for its
+//! lease) and its success closes the breaker; 429s set a cooldown (the longer one wins);
+//! dead sources are out for `DEAD_S`. Manual-time harnesses are compared exactly; real-time
+//! ones (Redis: the server's `TIME`) wait for real with short settings and compare hints
+//! within the time the case took.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use async_trait::async_trait;
+use polygw_core::breaker::{open_ms, BreakerAdmit, BreakerOutcome, BreakerState};
+use polygw_core::error::{GovernanceError, RefusalReason};
+use polygw_core::ports::BreakerStore;
+use polygw_core::settings::BreakerSettings;
+use proptest::prelude::*;
+use proptest::test_runner::{Config, TestCaseError, TestRunner};
+
+use crate::services::unique_name;
+
+/// How the contract reaches one breaker store.
+#[async_trait]
+pub trait BreakerHarness: Send + Sync {
+    /// The store. Every store and client of a harness shares one state (cases keep apart
+    /// by scope); on a manual clock its timestamps are on the harness's base.
+    async fn store(&self) -> Arc<dyn BreakerStore>;
+    /// `n` independent clients of the same state (separate connections where there are).
+    async fn clients(&self, n: usize) -> Vec<Arc<dyn BreakerStore>>;
+    /// Settings for the timed cases: short enough to wait for on real time.
+    fn settings(&self) -> BreakerSettings;
+    /// Whether `advance` moves a manual clock (exact) or waits.
+    fn manual_time(&self) -> bool;
+    /// Lets `by` pass.
+    async fn advance(&self, by: Duration);
+    /// Time since the harness was created, on the clock `advance` moves.
+    fn now(&self) -> Duration;
+    /// Slack for real-time waits and hints (zero for a manual clock).
+    fn margin(&self) -> Duration;
+}
+
+fn scope() -> String {
+    unique_name("BC")
+}
+
+const SRC: &str = "src";
+
+async fn admit(b: &dyn BreakerStore, sc: &str, lease: Duration) -> BreakerAdmit {
+    b.admit(sc, SRC, lease).await.expect("breaker admit")
+}
+
+async fn record(
+    b: &dyn BreakerStore,
+    sc: &str,
+    o: BreakerOutcome,
+    probe: bool,
+    s: &BreakerSettings,
+) {
+    b.record(sc, SRC, o, probe, s)
+        .await
+        .expect("breaker record")
+}
+
+async fn state(b: &dyn BreakerStore, sc: &str) -> BreakerState {
+    b.state(sc, SRC).await.expect("breaker state")
+}
+
+/// Expects a refusal for `reason` whose hint is `want` (exactly on a manual clock; within
+/// `(want − since − margin, want]` on real time, `since` = time since the cause).
+fn assert_refused(
+    h: &dyn BreakerHarness,
+    got: BreakerAdmit,
+    reason: RefusalReason,
+    want: Duration,
+    since: Duration,
+) {
+    let BreakerAdmit::Refused {
+        reason: r,
+        retry_after_ms,
+    } = got
+    else {
+        panic!("expected a {reason:?} refusal, got {got:?}");
+    };
+    assert_eq!(r, reason);
+    let got = Duration::from_millis(retry_after_ms);
+    if h.manual_time() {
+        assert_eq!(got, want, "hint");
+    } else {
+        assert!(
+            got <= want && got + since + h.margin() >= want,
+            "hint {got:?} vs {want:?} ({since:?} since the cause)"
+        );
+    }
+}
+
+const LEASE: Duration = Duration::from_secs(60);
+const ALLOWED: BreakerAdmit = BreakerAdmit::Allowed { probe: false };
+const PROBE: BreakerAdmit = BreakerAdmit::Allowed { probe: true };
+
+async fn trip(h: &dyn BreakerHarness, b: &dyn BreakerStore, sc: &str) -> Duration {
+    let s = h.settings();
+    for _ in 0..s.failures {
+        record(b, sc, BreakerOutcome::Failure, false, &s).await;
+    }
+    h.now()
+}
+
+/// `FAILURES` consecutive failures open the breaker for `OPEN_S`; fewer do not.
+pub async fn opens_after_consecutive_failures(h: &dyn BreakerHarness) {
+    let b = h.store().await;
+    let b = b.as_ref();
+    let s = h.settings();
+    let sc = scope();
+    assert_eq!(admit(b, &sc, LEASE).await, ALLOWED);
+    for _ in 1..s.failures {
+        record(b, &sc, BreakerOutcome::Failure, false, &s).await;
+        assert_eq!(admit(b, &sc, LEASE).await, ALLOWED);
+    }
+    record(b, &sc, BreakerOutcome::Failure, false, &s).await;
+    let t = h.now();
+    let got = admit(b, &sc, LEASE).await;
+    assert_refused(h, got, RefusalReason::CircuitOpen, s.open, h.now() - t);
+    let st = state(b, &sc).await;
+    assert_eq!(st.consecutive_failures, s.failures);
+    assert!(st.is_tripped());
+    assert_eq!(st.reopens, 0);
+}
+
+/// A success resets the consecutive count; neutral outcomes and 429s do not feed it.
+pub async fn only_consecutive_feeding_failures_count(h: &dyn BreakerHarness) {
+    let b = h.store().await;
+    let b = b.as_ref();
+    let s = h.settings();
+    let sc = scope();
+    for _ in 1..s.failures {
+        record(b, &sc, BreakerOutcome::Failure, false, &s).await;
+    }
+    record(b, &sc, BreakerOutcome::Success, false, &s).await;
+    assert_eq!(state(b, &sc).await.consecutive_failures, 0);
+    for _ in 1..s.failures {
+        record(b, &sc, BreakerOutcome::Failure, false, &s).await;
+        record(b, &sc, BreakerOutcome::Neutral, false, &s).await;
+    }
+    record(
+        b,
+        &sc,
+        BreakerOutcome::RateLimited { cooldown_ms: 1 },
+        false,
+        &s,
+    )
+    .await;
+    let st = state(b, &sc).await;
+    assert_eq!(st.consecutive_failures, s.failures - 1);
+    assert!(!st.is_tripped());
+}
+
+/// After the open time, half-open admits exactly one probe; its success closes the
+/// breaker and forgets everything but a cooldown.
+pub async fn half_open_admits_one_probe_and_success_closes(h: &dyn BreakerHarness) {
+    let b = h.store().await;
+    let b = b.as_ref();
+    let s = h.settings();
+    let sc = scope();
+    trip(h, b, &sc).await;
+    h.advance(s.open + h.margin()).await;
+    let lease = Duration::from_secs(30);
+    assert_eq!(admit(b, &sc, lease).await, PROBE);
+    let t = h.now();
+    let got = admit(b, &sc, lease).await;
+    assert_refused(h, got, RefusalReason::CircuitOpen, lease, h.now() - t);
+    record(b, &sc, BreakerOutcome::Success, true, &s).await;
+    assert_eq!(admit(b, &sc, lease).await, ALLOWED);
+    assert_eq!(state(b, &sc).await, BreakerState::default());
+}
+
+/// A failed probe re-opens the breaker for twice as long, then four times.
+pub async fn failed_probe_doubles_open_time(h: &dyn BreakerHarness) {
+    let b = h.store().await;
+    let b = b.as_ref();
+    let s = h.settings();
+    let sc = scope();
+    trip(h, b, &sc).await;
+    let mut wait = s.open;
+    for factor in [2u32, 4] {
+        h.advance(wait + h.margin()).await;
+        assert_eq!(admit(b, &sc, LEASE).await, PROBE);
+        record(b, &sc, BreakerOutcome::Failure, true, &s).await;
+        let t = h.now();
+        let got = admit(b, &sc, LEASE).await;
+        wait = s.open * factor;
+        assert_refused(h, got, RefusalReason::CircuitOpen, wait, h.now() - t);
+    }
+    let st = state(b, &sc).await;
+    assert_eq!(st.reopens, 2);
+    assert_eq!(st.consecutive_failures, s.failures + 2);
+}
+
+/// The re-open time stops doubling at 10× `OPEN_S`.
+pub async fn open_time_capped_at_ten_times(h: &dyn BreakerHarness) {
+    let b = h.store().await;
+    let b = b.as_ref();
+    // Settings travel with each record: a shorter OPEN_S keeps the real-time wait short
+    // (every checked re-open is still ≥ 2× it).
+    let s = BreakerSettings {
+        open: h.settings().open / 5,
+        ..h.settings()
+    };
+    let sc = scope();
+    for _ in 0..s.failures {
+        record(b, &sc, BreakerOutcome::Failure, false, &s).await;
+    }
+    let mut wait = s.open;
+    for reopens in 1..=5u32 {
+        h.advance(wait + h.margin()).await;
+        assert_eq!(admit(b, &sc, LEASE).await, PROBE);
+        record(b, &sc, BreakerOutcome::Failure, true, &s).await;
+        let t = h.now();
+        wait = Duration::from_millis(open_ms(&s, reopens));
+        let got = admit(b, &sc, LEASE).await;
+        assert_refused(h, got, RefusalReason::CircuitOpen, wait, h.now() - t);
+    }
+    assert_eq!(wait, s.open * 10);
+    assert_eq!(state(b, &sc).await.reopens, 5);
+}
+
+/// A probe whose outcome never comes back frees the half-open slot when its lease ends;
+/// a neutral outcome frees it at once.
+pub async fn probe_lease_expires_and_neutral_frees(h: &dyn BreakerHarness) {
+    let b = h.store().await;
+    let b = b.as_ref();
+    let s = h.settings();
+    let sc = scope();
+    trip(h, b, &sc).await;
+    h.advance(s.open + h.margin()).await;
+    let lease = if h.manual_time() {
+        Duration::from_secs(5)
+    } else {
+        Duration::from_millis(600)
+    };
+    assert_eq!(admit(b, &sc, lease).await, PROBE);
+    assert!(matches!(
+        admit(b, &sc, lease).await,
+        BreakerAdmit::Refused {
+            reason: RefusalReason::CircuitOpen,
+            ..
+        }
+    ));
+    h.advance(lease + h.margin()).await;
+    assert_eq!(
+        admit(b, &sc, lease).await,
+        PROBE,
+        "the lost probe's lease ended"
+    );
+    record(b, &sc, BreakerOutcome::Neutral, true, &s).await;
+    assert_eq!(
+        admit(b, &sc, lease).await,
+        PROBE,
+        "a neutral probe frees the slot"
+    );
+    assert!(state(b, &sc).await.is_tripped(), "still half-open");
+}
+
+/// A 429 cools the source down for its Retry-After; a shorter later one does not shorten
+/// it; it does not feed the breaker.
+pub async fn cooldown_from_retry_after(h: &dyn BreakerHarness) {
+    let b = h.store().await;
+    let b = b.as_ref();
+    let s = h.settings();
+    let sc = scope();
+    let cool = s.open * 2;
+    let cool_ms = cool.as_millis() as u64;
+    record(
+        b,
+        &sc,
+        BreakerOutcome::RateLimited {
+            cooldown_ms: cool_ms,
+        },
+        false,
+        &s,
+    )
+    .await;
+    let t = h.now();
+    record(
+        b,
+        &sc,
+        BreakerOutcome::RateLimited {
+            cooldown_ms: cool_ms / 4,
+        },
+        false,
+        &s,
+    )
+    .await;
+    let got = admit(b, &sc, LEASE).await;
+    assert_refused(h, got, RefusalReason::Cooldown, cool, h.now() - t);
+    let st = state(b, &sc).await;
+    assert_eq!(st.consecutive_failures, 0);
+    assert!(!st.is_tripped());
+    h.advance(cool + h.margin()).await;
+    assert_eq!(admit(b, &sc, LEASE).await, ALLOWED);
+}
+
+/// A dead source (401/403/404) is out for `DEAD_S`, then back.
+pub async fn dead_source_out_for_dead_s(h: &dyn BreakerHarness) {
+    let b = h.store().await;
+    let b = b.as_ref();
+    let s = h.settings();
+    let sc = scope();
+    record(b, &sc, BreakerOutcome::Dead, false, &s).await;
+    let t = h.now();
+    let got = admit(b, &sc, LEASE).await;
+    assert_refused(h, got, RefusalReason::Dead, s.dead, h.now() - t);
+    assert_eq!(state(b, &sc).await.consecutive_failures, 0);
+    h.advance(s.dead + h.margin()).await;
+    assert_eq!(admit(b, &sc, LEASE).await, ALLOWED);
+    assert_eq!(state(b, &sc).await.consecutive_failures, 0);
+}
+
+/// Many concurrent admits from several clients in half-open: exactly one probe.
+pub async fn concurrent_half_open_grants_one_probe(h: &dyn BreakerHarness) {
+    let clients = h.clients(3).await;
+    let s = h.settings();
+    let sc = scope();
+    trip(h, clients[0].as_ref(), &sc).await;
+    h.advance(s.open + h.margin()).await;
+    let probes = Arc::new(AtomicU64::new(0));
+    let mut tasks = vec![];
+    for i in 0..24 {
+        let c = clients[i % clients.len()].clone();
+        let (sc, probes) = (sc.clone(), probes.clone());
+        tasks.push(tokio::spawn(async move {
+            match c.admit(&sc, SRC, LEASE).await.expect("admit") {
+                BreakerAdmit::Allowed { probe: true } => {
+                    probes.fetch_add(1, Ordering::SeqCst);
+                }
+                BreakerAdmit::Allowed { probe: false } => panic!("half-open admitted a non-probe"),
+                BreakerAdmit::Refused { reason, .. } => {
+                    assert_eq!(reason, RefusalReason::CircuitOpen)
+                }
+            }
+        }));
+    }
+    for t in tasks {
+        t.await.expect("task");
+    }
+    assert_eq!(probes.load(Ordering::SeqCst), 1);
+}
+
+/// Sources are independent: tripping one leaves the others (and other scopes) closed.
+pub async fn sources_are_independent(h: &dyn BreakerHarness) {
+    let b = h.store().await;
+    let b = b.as_ref();
+    let sc = scope();
+    trip(h, b, &sc).await;
+    assert_eq!(
+        b.admit(&sc, "other", LEASE).await.unwrap(),
+        ALLOWED,
+        "another source"
+    );
+    assert_eq!(
+        b.admit(&scope(), SRC, LEASE).await.unwrap(),
+        ALLOWED,
+        "another scope"
+    );
+    assert_eq!(
+        b.state(&sc, "other").await.unwrap(),
+        BreakerState::default()
+    );
+}
+
+// ------------------------------------------------------------------------------------
+// Reference-model proptest
+// ------------------------------------------------------------------------------------
+
+/// One step of a random breaker sequence.
+#[derive(Debug, Clone)]
+pub enum BreakerOp {
+    /// `admit` with this probe lease (ms).
+    Admit(u64),
+    /// `record` (`probe`: pass the probe flag).
+    Record(BreakerOutcome, bool),
+    /// Let time pass (manual-time harnesses only).
+    Advance(u64),
+}
+
+/// Settings for a case: short times on a manual clock, long ones on real time (so nothing
+/// expires while a case runs).
+pub fn settings_strategy(manual: bool) -> impl Strategy<Value = BreakerSettings> {
+    let (open, dead) = if manual {
+        ((1u64..20_000).boxed(), (1u64..60_000).boxed())
+    } else {
+        ((60_000u64..120_000).boxed(), (300_000u64..600_000).boxed())
+    };
+    (1u32..5, open, dead).prop_map(|(failures, open, dead)| BreakerSettings {
+        failures,
+        open: Duration::from_millis(open),
+        dead: Duration::from_millis(dead),
+    })
+}
+
+/// Random breaker op sequences.
+pub fn breaker_ops_strategy(manual: bool, len: usize) -> impl Strategy<Value = Vec<BreakerOp>> {
+    let cool = if manual {
+        (0u64..30_000).boxed()
+    } else {
+        (60_000u64..120_000).boxed()
+    };
+    let lease = if manual {
+        (1u64..10_000).boxed()
+    } else {
+        (60_000u64..120_000).boxed()
+    };
+    let outcome = prop_oneof![
+        3 => Just(BreakerOutcome::Failure),
+        2 => Just(BreakerOutcome::Success),
+        1 => Just(BreakerOutcome::Neutral),
+        1 => Just(BreakerOutcome::Dead),
+        1 => cool.prop_map(|cooldown_ms| BreakerOutcome::RateLimited { cooldown_ms }),
+    ];
+    let max_adv = if manual { 40_000u64 } else { 0 };
+    let op = prop_oneof![
+        3 => lease.prop_map(BreakerOp::Admit),
+        4 => (outcome, any::<bool>()).prop_map(|(o, p)| BreakerOp::Record(o, p)),
+        2 => (0..=max_adv).prop_map(BreakerOp::Advance),
+    ];
+    proptest::collection::vec(op, 1..len)
+}
+
+fn fail(e: GovernanceError) -> TestCaseError {
+    TestCaseError::fail(format!("backend error: {e}"))
+}
+
+/// Runs one sequence against the store and [`BreakerState`], comparing every admit and
+/// the state after every step (exactly on a manual clock; on real time the model's clock
+/// stands still, nothing expires during a case, hints are compared within the time the
+/// case took and timestamps by whether they are set).
+pub async fn matches_model(
+    h: &dyn BreakerHarness,
+    settings: BreakerSettings,
+    ops: &[BreakerOp],
+) -> Result<(), TestCaseError> {
+    let b = h.store().await;
+    let b = b.as_ref();
+    let sc = scope();
+    let manual = h.manual_time();
+    let start = h.now();
+    let mut now = if manual {
+        h.now().as_millis() as u64
+    } else {
+        0
+    };
+    let mut model = BreakerState::default();
+    for op in ops {
+        match *op {
+            BreakerOp::Admit(lease_ms) => {
+                let want = model.admit(now, lease_ms);
+                let got = b
+                    .admit(&sc, SRC, Duration::from_millis(lease_ms))
+                    .await
+                    .map_err(fail)?;
+                match (got, want) {
+                    (g, w) if manual => prop_assert_eq!(g, w),
+                    (BreakerAdmit::Allowed { probe: g }, BreakerAdmit::Allowed { probe: w }) => {
+                        prop_assert_eq!(g, w)
+                    }
+                    (
+                        BreakerAdmit::Refused {
+                            reason: gr,
+                            retry_after_ms: g,
+                        },
+                        BreakerAdmit::Refused {
+                            reason: wr,
+                            retry_after_ms: w,
+                        },
+                    ) => {
+                        prop_assert_eq!(gr, wr);
+                        let elapsed = (h.now() - start).as_millis() as u64 + 2;
+                        prop_assert!(g <= w && g + elapsed >= w, "hint {} vs {}", g, w);
+                    }
+                    (g, w) => prop_assert!(false, "store {:?} vs model {:?}", g, w),
+                }
+            }
+            BreakerOp::Record(outcome, probe) => {
+                model.record(now, outcome, probe, &settings);
+                b.record(&sc, SRC, outcome, probe, &settings)
+                    .await
+                    .map_err(fail)?;
+            }
+            BreakerOp::Advance(ms) if manual => {
+                h.advance(Duration::from_millis(ms)).await;
+                now += ms;
+            }
+            BreakerOp::Advance(_) => continue,
+        }
+        let got = b.state(&sc, SRC).await.map_err(fail)?;
+        if manual {
+            prop_assert_eq!(got, model);
+        } else {
+            prop_assert_eq!(got.consecutive_failures, model.consecutive_failures);
+            prop_assert_eq!(got.reopens, model.reopens);
+            prop_assert_eq!(got.open_until > 0, model.open_until > 0, "open");
+            prop_assert_eq!(got.probe_until > 0, model.probe_until > 0, "probe");
+            prop_assert_eq!(got.dead_until > 0, model.dead_until > 0, "dead");
+            prop_assert_eq!(got.cooldown_until > 0, model.cooldown_until > 0, "cooldown");
+        }
+    }
+    Ok(())
+}
+
+/// Runs [`matches_model`] over `cases` random cases on `rt` (the harness must have been
+/// created on `rt`).
+pub fn model_proptest(rt: &tokio::runtime::Runtime, h: &dyn BreakerHarness, cases: u32) {
+    let mut runner = TestRunner::new(Config {
+        cases,
+        failure_persistence: None,
+        ..Config::default()
+    });
+    let manual = h.manual_time();
+    let strategy = (settings_strategy(manual), breaker_ops_strategy(manual, 60));
+    let result = runner.run(&strategy, |(settings, ops)| {
+        rt.block_on(matches_model(h, settings, &ops))
+    });
+    if let Err(e) = result {
+        panic!("breaker store differs from the reference model: {e}");
+    }
+}
