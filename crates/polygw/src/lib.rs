@@ -1,1 +1,43 @@
-//! polygw (being built).
+//! # polygw
+//!
+//! Several OpenAI-compatible LLM sources as one dependable endpoint: every source's
+//! RPM/TPM/concurrency quota respected (also across processes, through Redis),
+//! failures classified and retried within a budget, slow or stuck sources hedged to
+//! another source, and one telemetry row per attempt in SQLite or PostgreSQL with exact
+//! usage and cost.
+//!
+//! ```no_run
+//! use polygw::{ChatRequest, GatewayClient};
+//!
+//! # async fn run() -> Result<(), polygw::GatewayError> {
+//! // LLM__DEEPSEEK__0__BASE_URL, LLM__DEEPSEEK__0__API_KEY, LLM__DEEPSEEK__0__MODEL, …
+//! let client = GatewayClient::from_env("LLM").await?;
+//! let answer = client.chat(ChatRequest::user("Say hello").with_stream(true)).await?;
+//! println!("{} (from {}, {} attempts)", answer.content, answer.source, answer.call_stats.attempts);
+//! client.shutdown().await;
+//! # Ok(()) }
+//! ```
+//!
+//! Cargo features choose the adapters: `memory` (in-process limiter, breaker store and
+//! cache) and `sqlite` by default; `redis` and `postgres` optional.
+
+mod builder;
+mod client;
+pub mod clock;
+mod engine;
+pub mod metrics;
+mod wiring;
+
+pub use builder::GatewayBuilder;
+pub use client::GatewayClient;
+pub use engine::round::DeltaSink;
+pub use engine::Ports;
+pub use metrics::Metrics;
+
+pub use polygw_core as core;
+pub use polygw_core::ports::{FlushReport, StreamDelta, ToolCallDelta};
+pub use polygw_core::{
+    AttemptError, CallStats, ChatRequest, ConfigError, ConfigWarning, ErrorClass, ErrorLabel,
+    GatewayError, LlmResponse, Message, ScopeKind, ScopeSettings, SourceConfig, TerminalReason,
+    ToolCall, Usage, UsageSource,
+};

@@ -4,5 +4,6 @@
 
 pub mod breaker_contract;
 pub mod clock;
+pub mod fakes;
 pub mod limiter_contract;
 pub mod services;

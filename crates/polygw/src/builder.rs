@@ -1,0 +1,172 @@
+//! [`GatewayBuilder`]: assembles a client from settings and any port implementations.
+//! Ports not given are built from the settings by [`crate::wiring`] (the adapters the
+//! cargo features enable). Every path runs the same configuration guards.
+
+use std::sync::Arc;
+
+use polygw_core::config::guards;
+use polygw_core::ports::{
+    BreakerStore, Clock, EmbeddingTransport, OcrTransport, RateLimiter, ResponseCache, Rng,
+    TelemetryRecorder, Transport,
+};
+use polygw_core::{GatewayError, ScopeKind, ScopeSettings};
+
+use crate::client::GatewayClient;
+use crate::clock::{EntropyRng, TokioClock};
+use crate::engine::{Engine, Ports};
+use crate::metrics::Metrics;
+use crate::wiring;
+
+/// Builds a [`GatewayClient`] (or the engine of an embedding/OCR client).
+#[derive(Debug)]
+pub struct GatewayBuilder {
+    settings: ScopeSettings,
+    kind: ScopeKind,
+    transport: Option<Arc<dyn Transport>>,
+    embedder: Option<Arc<dyn EmbeddingTransport>>,
+    ocr: Option<Arc<dyn OcrTransport>>,
+    limiter: Option<Arc<dyn RateLimiter>>,
+    breakers: Option<Arc<dyn BreakerStore>>,
+    telemetry: Option<Arc<dyn TelemetryRecorder>>,
+    cache: Option<Arc<dyn ResponseCache>>,
+    clock: Option<Arc<dyn Clock>>,
+    rng: Option<Arc<dyn Rng>>,
+    metrics: Option<Arc<Metrics>>,
+}
+
+impl GatewayBuilder {
+    /// A builder for a chat scope.
+    pub fn new(settings: ScopeSettings) -> Self {
+        GatewayBuilder {
+            settings,
+            kind: ScopeKind::Chat,
+            transport: None,
+            embedder: None,
+            ocr: None,
+            limiter: None,
+            breakers: None,
+            telemetry: None,
+            cache: None,
+            clock: None,
+            rng: None,
+            metrics: None,
+        }
+    }
+
+    pub(crate) fn kind(mut self, kind: ScopeKind) -> Self {
+        self.kind = kind;
+        self
+    }
+
+    /// The chat transport.
+    pub fn transport(mut self, t: Arc<dyn Transport>) -> Self {
+        self.transport = Some(t);
+        self
+    }
+    /// The embedding transport.
+    pub fn embedding_transport(mut self, t: Arc<dyn EmbeddingTransport>) -> Self {
+        self.embedder = Some(t);
+        self
+    }
+    /// The OCR transport.
+    pub fn ocr_transport(mut self, t: Arc<dyn OcrTransport>) -> Self {
+        self.ocr = Some(t);
+        self
+    }
+    /// The rate limiter.
+    pub fn limiter(mut self, l: Arc<dyn RateLimiter>) -> Self {
+        self.limiter = Some(l);
+        self
+    }
+    /// The breaker store.
+    pub fn breakers(mut self, b: Arc<dyn BreakerStore>) -> Self {
+        self.breakers = Some(b);
+        self
+    }
+    /// The telemetry recorder.
+    pub fn telemetry(mut self, t: Arc<dyn TelemetryRecorder>) -> Self {
+        self.telemetry = Some(t);
+        self
+    }
+    /// The response cache.
+    pub fn cache(mut self, c: Arc<dyn ResponseCache>) -> Self {
+        self.cache = Some(c);
+        self
+    }
+    /// The clock (must agree with tokio's timer; the default reads it).
+    pub fn clock(mut self, c: Arc<dyn Clock>) -> Self {
+        self.clock = Some(c);
+        self
+    }
+    /// The random source.
+    pub fn rng(mut self, r: Arc<dyn Rng>) -> Self {
+        self.rng = Some(r);
+        self
+    }
+    /// Metrics shared with other clients (e.g. every scope of `polygw serve`).
+    pub fn metrics(mut self, m: Arc<Metrics>) -> Self {
+        self.metrics = Some(m);
+        self
+    }
+
+    /// Guards the settings, builds missing ports, and returns the client.
+    pub async fn build(self) -> Result<GatewayClient, GatewayError> {
+        let warnings = guards::check(&self.settings, self.kind)?;
+        let s = &self.settings;
+        let clock: Arc<dyn Clock> = self.clock.unwrap_or_else(|| Arc::new(TokioClock));
+        let rng: Arc<dyn Rng> = self.rng.unwrap_or_else(|| Arc::new(EntropyRng::new()));
+        let needs_http = self.transport.is_none()
+            || (self.kind == ScopeKind::Embedding && self.embedder.is_none())
+            || (self.kind == ScopeKind::Ocr && self.ocr.is_none());
+        let http = if needs_http {
+            Some(wiring::http_transport(clock.clone())?)
+        } else {
+            None
+        };
+        let transport = match self.transport {
+            Some(t) => t,
+            None => wiring::as_chat(http.as_ref())?,
+        };
+        let embedder = match self.embedder {
+            Some(t) => Some(t),
+            None if self.kind == ScopeKind::Embedding => Some(wiring::as_embedding(http.as_ref())?),
+            None => None,
+        };
+        let ocr = match self.ocr {
+            Some(t) => Some(t),
+            None if self.kind == ScopeKind::Ocr => Some(wiring::as_ocr(http.as_ref())?),
+            None => None,
+        };
+        let (limiter, breakers) = match (self.limiter, self.breakers) {
+            (Some(l), Some(b)) => (l, b),
+            (l, b) => {
+                let (dl, db) = wiring::governance(s, clock.clone()).await?;
+                (l.unwrap_or(dl), b.unwrap_or(db))
+            }
+        };
+        let telemetry = match self.telemetry {
+            Some(t) => t,
+            None => wiring::telemetry(s).await?,
+        };
+        let cache = match self.cache {
+            Some(c) => c,
+            None => wiring::cache(s, clock.clone())?,
+        };
+        let ports = Ports {
+            transport,
+            embedder,
+            ocr,
+            limiter,
+            breakers,
+            telemetry,
+            cache,
+            clock,
+            rng,
+        };
+        let metrics = self.metrics.unwrap_or_default();
+        Ok(GatewayClient {
+            engine: Arc::new(Engine::new(self.settings, self.kind, ports, metrics)),
+            warnings: Arc::new(warnings),
+        })
+    }
+}

@@ -1,0 +1,153 @@
+//! The async pick (SPEC §4.1): candidates in core's order, each asked of the breaker
+//! store then the limiter; the first admitted wins. Refused candidates record their
+//! reason; excluded ones record nothing.
+
+use std::collections::BTreeSet;
+use std::time::Duration;
+
+use polygw_core::admission::order_candidates;
+use polygw_core::breaker::{BreakerAdmit, BreakerOutcome};
+use polygw_core::ports::{AcquireRequest, Admission, Permit, Refusal};
+use polygw_core::{GovernanceError, ScopeKind, SourceConfig};
+
+use super::Engine;
+
+/// Margin added to leases so a slow but healthy attempt keeps its slot.
+const LEASE_MARGIN: Duration = Duration::from_secs(30);
+
+/// An admitted source.
+#[derive(Debug)]
+pub(crate) struct Picked {
+    pub source_idx: usize,
+    pub permit: Permit,
+    /// This attempt is the source's half-open probe.
+    pub probe: bool,
+}
+
+/// The result of one pass over the candidates.
+#[derive(Debug)]
+pub(crate) struct Pick {
+    pub admitted: Option<Picked>,
+    /// Every candidate refused before the admitted one (or all, when none was).
+    pub refusals: Vec<(String, Refusal)>,
+}
+
+impl Engine {
+    /// How long an in-flight slot and a half-open probe may be held if their holder
+    /// vanishes (crash safety): the call deadline when set, else the source's timeout
+    /// (ten times it for streams, which have no whole-request timeout), plus a margin.
+    pub(crate) fn lease(&self, src: &SourceConfig, stream: bool) -> Duration {
+        let base = match self.scope.call_deadline {
+            Some(d) => d,
+            None if stream => src.timeout.saturating_mul(10),
+            None => src.timeout,
+        };
+        base + LEASE_MARGIN
+    }
+
+    fn acquire_request<'a>(&'a self, src: &'a SourceConfig, stream: bool) -> AcquireRequest<'a> {
+        // OCR sources are RPM-governed only: no token reservation.
+        let tokens = self.kind != ScopeKind::Ocr;
+        AcquireRequest {
+            scope: &self.scope.name,
+            source: &src.name,
+            rpm: src.rpm,
+            tpm: if tokens { src.tpm } else { 0 },
+            max_concurrency: src.max_concurrency,
+            scope_rpm: self.scope.limits.rpm,
+            scope_tpm: if tokens { self.scope.limits.tpm } else { 0 },
+            est_tokens: if tokens {
+                self.scope.est_tokens(src)
+            } else {
+                0
+            },
+            lease: self.lease(src, stream),
+        }
+    }
+
+    /// One pass over the candidates; never waits for capacity.
+    pub(crate) async fn try_pick(
+        &self,
+        exclude: &BTreeSet<String>,
+        failed_in_call: &BTreeSet<String>,
+        stream: bool,
+    ) -> Result<Pick, GovernanceError> {
+        let order = order_candidates(
+            &self.scope.sources,
+            exclude,
+            failed_in_call,
+            self.ports.rng.as_ref(),
+        );
+        let mut refusals = Vec::new();
+        for idx in order {
+            let src = &self.scope.sources[idx];
+            let lease = self.lease(src, stream);
+            let probe = match self
+                .ports
+                .breakers
+                .admit(&self.scope.name, &src.name, lease)
+                .await?
+            {
+                BreakerAdmit::Refused {
+                    reason,
+                    retry_after_ms,
+                } => {
+                    refusals.push((
+                        src.name.clone(),
+                        Refusal {
+                            reason,
+                            retry_after: Some(Duration::from_millis(retry_after_ms)),
+                        },
+                    ));
+                    continue;
+                }
+                BreakerAdmit::Allowed { probe } => probe,
+            };
+            let acquired = self
+                .ports
+                .limiter
+                .acquire(&self.acquire_request(src, stream))
+                .await;
+            match acquired {
+                Ok(Admission::Admitted(permit)) => {
+                    return Ok(Pick {
+                        admitted: Some(Picked {
+                            source_idx: idx,
+                            permit,
+                            probe,
+                        }),
+                        refusals,
+                    });
+                }
+                Ok(Admission::Refused(r)) => {
+                    self.release_probe(src, probe).await;
+                    refusals.push((src.name.clone(), r));
+                }
+                Err(e) => {
+                    self.release_probe(src, probe).await;
+                    return Err(e);
+                }
+            }
+        }
+        Ok(Pick {
+            admitted: None,
+            refusals,
+        })
+    }
+
+    async fn release_probe(&self, src: &SourceConfig, probe: bool) {
+        if probe {
+            let _ = self
+                .ports
+                .breakers
+                .record(
+                    &self.scope.name,
+                    &src.name,
+                    BreakerOutcome::Neutral,
+                    true,
+                    &self.scope.breaker,
+                )
+                .await;
+        }
+    }
+}

@@ -1,0 +1,119 @@
+//! The state of one logical call that outlives its inner future: the deadline flag the
+//! attempt guards read, and the progress (attempts, reasons, last error) a terminal
+//! error reports even when the deadline dropped everything else.
+
+use std::collections::BTreeSet;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+use polygw_core::ports::Refusal;
+use polygw_core::{
+    AttemptError, FailureContext, GatewayError, SourceReason, SourceReasons, TerminalReason,
+};
+
+/// What the call has done so far.
+#[derive(Debug, Default)]
+pub(crate) struct Progress {
+    /// Attempts launched (legs included).
+    pub attempts: u32,
+    /// Extra hedge legs launched.
+    pub hedges: u32,
+    /// Every source's latest reason.
+    pub reasons: SourceReasons,
+    /// The last attempt error.
+    pub last_error: Option<AttemptError>,
+    /// Sources that failed in this call (retry rounds prefer the others).
+    pub failed: BTreeSet<String>,
+    /// The earliest known moment a refusal passes (for 503 Retry-After).
+    pub retry_after: Option<Duration>,
+}
+
+/// Shared by the call's future, its legs' guards and the deadline wrapper.
+#[derive(Debug)]
+pub(crate) struct CallShared {
+    pub logical_call_id: String,
+    pub started: Instant,
+    pub stream: bool,
+    deadline_hit: AtomicBool,
+    progress: Mutex<Progress>,
+}
+
+impl CallShared {
+    pub(crate) fn new(logical_call_id: String, started: Instant, stream: bool) -> Self {
+        CallShared {
+            logical_call_id,
+            started,
+            stream,
+            deadline_hit: AtomicBool::new(false),
+            progress: Mutex::new(Progress::default()),
+        }
+    }
+
+    pub(crate) fn progress(&self) -> std::sync::MutexGuard<'_, Progress> {
+        self.progress.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    pub(crate) fn mark_deadline(&self) {
+        self.deadline_hit.store(true, Ordering::SeqCst);
+    }
+
+    pub(crate) fn deadline_hit(&self) -> bool {
+        self.deadline_hit.load(Ordering::SeqCst)
+    }
+
+    /// Reserves the next attempt index (and counts a hedge leg).
+    pub(crate) fn next_attempt(&self, is_hedge: bool) -> u32 {
+        let mut p = self.progress();
+        let i = p.attempts;
+        p.attempts += 1;
+        if is_hedge {
+            p.hedges += 1;
+        }
+        i
+    }
+
+    pub(crate) fn note_refusals(&self, refusals: &[(String, Refusal)]) {
+        let mut p = self.progress();
+        for (name, r) in refusals {
+            p.reasons
+                .insert(name.clone(), SourceReason::Refused(r.reason));
+            if r.reason.passes_with_time() {
+                if let Some(ra) = r.retry_after {
+                    p.retry_after = Some(p.retry_after.map_or(ra, |x| x.min(ra)));
+                }
+            }
+        }
+    }
+
+    pub(crate) fn note_failure(&self, source: &str, error: &AttemptError) {
+        let mut p = self.progress();
+        p.reasons
+            .insert(source.to_string(), SourceReason::Failed(error.label));
+        p.failed.insert(source.to_string());
+        p.last_error = Some(error.clone());
+        if let Some(ra) = error.retry_after {
+            p.retry_after = Some(p.retry_after.map_or(ra, |x| x.min(ra)));
+        }
+    }
+
+    pub(crate) fn failed_sources(&self) -> BTreeSet<String> {
+        self.progress().failed.clone()
+    }
+
+    /// The terminal error of this call, from what it has done so far.
+    pub(crate) fn terminal(&self, reason: TerminalReason, detail: Option<String>) -> GatewayError {
+        let p = self.progress();
+        GatewayError::terminal(
+            reason,
+            FailureContext {
+                logical_call_id: self.logical_call_id.clone(),
+                last_error: p.last_error.clone().map(Box::new),
+                reasons: p.reasons.clone(),
+                attempts: p.attempts,
+                retry_after: p.retry_after,
+                detail,
+            },
+        )
+    }
+}

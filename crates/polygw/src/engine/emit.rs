@@ -1,0 +1,57 @@
+//! Telemetry rows a call emits besides its attempts: the `terminal_failure` row of a
+//! failed logical call and the `cache_hit` row (SPEC §8).
+
+use polygw_core::stall::ms;
+use polygw_core::telemetry::{RowKind, TelemetryRow};
+use polygw_core::{GatewayError, Usage, UsageSource};
+
+use super::call::CallShared;
+use super::Engine;
+use crate::clock::new_id;
+
+impl Engine {
+    fn call_row(&self, kind: RowKind, call: &CallShared) -> TelemetryRow {
+        let mut r = TelemetryRow::new(
+            kind,
+            new_id(),
+            call.logical_call_id.clone(),
+            self.scope.name.clone(),
+            self.kind.operation(),
+            self.ports.clock.unix_ms(),
+        );
+        r.stream = call.stream;
+        r.latency_ms = Some(ms(self
+            .ports
+            .clock
+            .now()
+            .saturating_duration_since(call.started)));
+        r
+    }
+
+    /// One `terminal_failure` row for a failed logical call; `error` is the reason.
+    pub(crate) fn emit_terminal(&self, call: &CallShared, err: &GatewayError) {
+        let Some(reason) = err.terminal_reason() else {
+            return;
+        };
+        let mut r = self.call_row(RowKind::TerminalFailure, call);
+        r.error = Some(reason.as_str().to_string());
+        r.error_detail = err
+            .last_error()
+            .map(|e| e.short_detail())
+            .or_else(|| err.context().and_then(|c| c.detail.clone()));
+        r.http_status = err.last_error().and_then(|e| e.http_status);
+        self.ports.telemetry.record(r);
+    }
+
+    /// One `cache_hit` row: nothing was spent (0 tokens measured, cost 0.0).
+    pub(crate) fn emit_cache_hit(&self, call: &CallShared, model: &str) {
+        let mut r = self
+            .call_row(RowKind::CacheHit, call)
+            .with_usage(&Usage::default(), UsageSource::Measured);
+        r.ok = true;
+        r.cache_hit = true;
+        r.cost = Some(0.0);
+        r.model = Some(model.to_string());
+        self.ports.telemetry.record(r);
+    }
+}

@@ -1,0 +1,80 @@
+//! The async engine: carries out core's decisions for one scope.
+//!
+//! A logical call is one future, polled by the caller; its legs are futures polled
+//! inside it (no spawned tasks), so dropping the call drops every leg, and each leg's
+//! [`attempt::AttemptGuard`] settles its permit and queues its telemetry row without
+//! awaiting. Stages, one module each: [`admission`] (pick a source), [`attempt`] (one
+//! HTTP request and its settlement), [`round`] (one step of the retry loop, hedged or
+//! not), [`retry`] (the loop), [`emit`] (telemetry rows).
+
+pub(crate) mod admission;
+pub(crate) mod attempt;
+pub(crate) mod call;
+pub(crate) mod emit;
+pub(crate) mod retry;
+pub(crate) mod round;
+
+use std::sync::{Arc, Mutex};
+
+use polygw_core::hedge::HedgeBudget;
+use polygw_core::ports::{
+    BreakerStore, Clock, EmbeddingTransport, OcrTransport, RateLimiter, ResponseCache, Rng,
+    TelemetryRecorder, Transport,
+};
+use polygw_core::{ScopeKind, ScopeSettings};
+
+use crate::metrics::Metrics;
+
+/// The port implementations a client runs on.
+#[derive(Clone, Debug)]
+pub struct Ports {
+    /// Chat transport.
+    pub transport: Arc<dyn Transport>,
+    /// Embedding transport (embedding clients).
+    pub embedder: Option<Arc<dyn EmbeddingTransport>>,
+    /// OCR transport (OCR clients).
+    pub ocr: Option<Arc<dyn OcrTransport>>,
+    /// Rate limiter.
+    pub limiter: Arc<dyn RateLimiter>,
+    /// Breaker, cooldown and dead-source store.
+    pub breakers: Arc<dyn BreakerStore>,
+    /// Telemetry recorder.
+    pub telemetry: Arc<dyn TelemetryRecorder>,
+    /// Response cache.
+    pub cache: Arc<dyn ResponseCache>,
+    /// Monotonic and wall time.
+    pub clock: Arc<dyn Clock>,
+    /// Randomness (weighted choice, jitter).
+    pub rng: Arc<dyn Rng>,
+}
+
+/// Everything a client of one scope shares between its calls.
+#[derive(Debug)]
+pub(crate) struct Engine {
+    pub scope: ScopeSettings,
+    pub kind: ScopeKind,
+    pub ports: Ports,
+    pub hedge_budget: Mutex<HedgeBudget>,
+    pub metrics: Arc<Metrics>,
+}
+
+impl Engine {
+    pub(crate) fn new(
+        scope: ScopeSettings,
+        kind: ScopeKind,
+        ports: Ports,
+        metrics: Arc<Metrics>,
+    ) -> Self {
+        Engine {
+            scope,
+            kind,
+            ports,
+            hedge_budget: Mutex::new(HedgeBudget::new()),
+            metrics,
+        }
+    }
+
+    pub(crate) fn budget(&self) -> std::sync::MutexGuard<'_, HedgeBudget> {
+        self.hedge_budget.lock().unwrap_or_else(|e| e.into_inner())
+    }
+}

@@ -1,0 +1,1080 @@
+//! The call engine under tokio's paused clock with event-driven fake transports:
+//! retries, admission, deadline, hedging (both triggers), stats, telemetry rows and
+//! cancellation. Covers the predecessor's hedge matrix (batches C–I, table G) and the
+//! stall-hedge cases.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use polygw::core::ports::{BreakerStore, RateLimiter};
+use polygw::core::telemetry::RowKind;
+use polygw::{
+    ChatRequest, ErrorClass, ErrorLabel, GatewayClient, GatewayError, ScopeSettings, SourceConfig,
+    TerminalReason, Usage, UsageSource,
+};
+use polygw_limiter_memory::{MemoryBreakerStore, MemoryLimiter};
+use polygw_testkit::clock::TokioClock;
+use polygw_testkit::fakes::{FakeEnd, FakeTransport, Gate, RecordingTelemetry, Script};
+
+fn ms(n: u64) -> Duration {
+    Duration::from_millis(n)
+}
+
+fn secs(n: u64) -> Duration {
+    Duration::from_secs(n)
+}
+
+struct H {
+    client: GatewayClient,
+    fake: Arc<FakeTransport>,
+    rows: Arc<RecordingTelemetry>,
+    limiter: Arc<MemoryLimiter>,
+    breakers: Arc<MemoryBreakerStore>,
+}
+
+fn scope(n: usize) -> ScopeSettings {
+    let sources = (0..n)
+        .map(|i| {
+            SourceConfig::new(
+                "s",
+                i as u32,
+                "http://127.0.0.1:9/v1",
+                "",
+                format!("model-{i}"),
+            )
+        })
+        .collect();
+    let mut s = ScopeSettings::new("LLM", sources);
+    s.retry.backoff_base = ms(100);
+    s.retry.backoff_max = secs(1);
+    s
+}
+
+async fn harness_with(s: ScopeSettings) -> H {
+    let clock = Arc::new(TokioClock);
+    let fake = FakeTransport::new(clock.clone());
+    let rows = RecordingTelemetry::new();
+    let limiter = Arc::new(MemoryLimiter::new(clock.clone()));
+    let breakers = Arc::new(MemoryBreakerStore::new(clock.clone()));
+    let client = GatewayClient::builder(s)
+        .transport(fake.clone())
+        .telemetry(rows.clone())
+        .limiter(limiter.clone())
+        .breakers(breakers.clone())
+        .clock(clock)
+        .rng(Arc::new(polygw::core::ports::SplitMix64::new(7)))
+        .build()
+        .await
+        .expect("client");
+    H {
+        client,
+        fake,
+        rows,
+        limiter,
+        breakers,
+    }
+}
+
+async fn harness(n: usize, f: impl FnOnce(&mut ScopeSettings)) -> H {
+    let mut s = scope(n);
+    f(&mut s);
+    harness_with(s).await
+}
+
+fn labels(rows: &[polygw::core::TelemetryRow]) -> Vec<String> {
+    let mut v: Vec<String> = rows
+        .iter()
+        .filter(|r| r.kind == RowKind::Attempt)
+        .map(|r| r.error.clone().unwrap_or_else(|| "ok".into()))
+        .collect();
+    v.sort();
+    v
+}
+
+fn attempt_rows(h: &H) -> Vec<polygw::core::TelemetryRow> {
+    h.rows
+        .rows()
+        .into_iter()
+        .filter(|r| r.kind == RowKind::Attempt)
+        .collect()
+}
+
+async fn in_flight_all(h: &H, n: usize) -> Vec<u32> {
+    let mut v = vec![];
+    for i in 0..n {
+        v.push(h.limiter.in_flight("LLM", &format!("s-{i}")).await.unwrap());
+    }
+    v
+}
+
+fn alive_tasks() -> usize {
+    tokio::runtime::Handle::current()
+        .metrics()
+        .num_alive_tasks()
+}
+
+fn assert_send<T: Send>(_: &T) {}
+
+// ---------------------------------------------------------------- basics, retries
+
+mod basics {
+    use super::*;
+
+    #[tokio::test(start_paused = true)]
+    async fn plain_success_figures_and_row() {
+        let h = harness(1, |_| {}).await;
+        h.fake.push("s-0", Script::ok(ms(300), "hello"));
+        let fut = h.client.chat(ChatRequest::user("hi"));
+        assert_send(&fut);
+        let r = fut.await.unwrap();
+        assert_eq!(r.content, "hello");
+        assert_eq!(r.source, "s-0");
+        assert_eq!(r.model, "model-0");
+        let st = r.call_stats;
+        assert_eq!(
+            (st.attempts, st.hedges, st.hedge_won, st.cache_hit),
+            (1, 0, false, false)
+        );
+        assert_eq!(st.generation_ms, 300);
+        assert_eq!(
+            (st.stall_ms, st.stall_count),
+            (None, None),
+            "plain call: no stall figures"
+        );
+        assert_eq!(r.ttft_ms, None);
+        assert_eq!(st.total_latency_ms, 300);
+        let rows = h.rows.rows_of(&r.logical_call_id);
+        assert_eq!(rows.len(), 1);
+        let row = &rows[0];
+        assert!(row.ok && row.error.is_none());
+        assert_eq!(row.usage_source, UsageSource::Measured);
+        assert_eq!(
+            (row.prompt_tokens, row.completion_tokens),
+            (Some(10), Some(5))
+        );
+        assert_eq!(row.cost, None, "no price configured: cost unknown, not 0");
+        assert_eq!(row.attempt_index, Some(0));
+        assert_eq!(row.latency_ms, Some(300));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn stream_figures_come_from_chunk_timestamps() {
+        let h = harness(1, |s| s.stream.stall_threshold = ms(1000)).await;
+        h.fake.push(
+            "s-0",
+            Script::stream(ms(200), &[ms(100), ms(2500), ms(100), ms(1500)], "abcdef"),
+        );
+        let r = h
+            .client
+            .chat(ChatRequest::user("hi").with_stream(true))
+            .await
+            .unwrap();
+        assert_eq!(r.ttft_ms, Some(200));
+        assert_eq!(r.max_inter_token_ms, Some(2500));
+        let st = r.call_stats;
+        assert_eq!(st.stall_count, Some(2));
+        assert_eq!(st.stall_ms, Some(4000));
+        // wall = 200 + 100 + 2500 + 100 + 1500 = 4400 = generation + stall
+        assert_eq!(st.generation_ms + st.stall_ms.unwrap(), 4400);
+        assert_eq!(st.generation_ms, 400);
+        let row = &attempt_rows(&h)[0];
+        assert_eq!((row.stall_ms, row.stall_count), (Some(4000), Some(2)));
+        assert_eq!(row.ttft_ms, Some(200));
+        assert!(row.stream);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn transient_failure_retries_on_another_source_and_generation_excludes_backoff() {
+        let h = harness(2, |s| {
+            s.sources[1].priority = 1;
+            s.retry.backoff_base = secs(5);
+            s.retry.backoff_max = secs(5);
+        })
+        .await;
+        h.fake.push("s-0", Script::http(ms(100), 503));
+        h.fake.push("s-1", Script::ok(ms(200), "fine"));
+        let r = h.client.chat(ChatRequest::user("hi")).await.unwrap();
+        assert_eq!(
+            r.source, "s-1",
+            "the failed source is not retried while another is admissible"
+        );
+        assert_eq!(r.call_stats.attempts, 2);
+        assert_eq!(
+            r.call_stats.generation_ms, 200,
+            "winner's transport time only"
+        );
+        assert!(r.call_stats.total_latency_ms >= 300, "{:?}", r.call_stats);
+        assert!(r.call_stats.total_latency_ms <= 5300, "{:?}", r.call_stats);
+        assert_eq!(labels(&h.rows.rows()), ["ok", "server_error"]);
+        let state = h.breakers.state("LLM", "s-0").await.unwrap();
+        assert_eq!(state.consecutive_failures, 1, "5xx feeds the breaker");
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn retry_exhausted_carries_last_error_and_reasons_and_a_terminal_row() {
+        let h = harness(2, |s| s.retry.max_attempts = 2).await;
+        h.fake.set_default("s-0", Script::http(ms(10), 500));
+        h.fake.set_default("s-1", Script::http(ms(10), 502));
+        let e = h.client.chat(ChatRequest::user("hi")).await.unwrap_err();
+        assert_eq!(e.terminal_reason(), Some(TerminalReason::RetryExhausted));
+        let ctx = e.context().unwrap();
+        assert_eq!(ctx.attempts, 2);
+        assert_eq!(
+            ctx.last_error.as_ref().unwrap().label,
+            ErrorLabel::ServerError
+        );
+        assert_eq!(ctx.reasons.len(), 2, "{:?}", ctx.reasons);
+        let rows = h.rows.rows_of(&ctx.logical_call_id);
+        let term: Vec<_> = rows
+            .iter()
+            .filter(|r| r.kind == RowKind::TerminalFailure)
+            .collect();
+        assert_eq!(term.len(), 1);
+        assert_eq!(term[0].error.as_deref(), Some("retry_exhausted"));
+        assert_eq!(term[0].usage_source, UsageSource::Unavailable);
+        assert_eq!(term[0].cost, None);
+        assert!(!term[0].ok);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn rejected_ends_the_call_at_once_keeping_the_provider_code() {
+        let h = harness(2, |_| {}).await;
+        let err = polygw::AttemptError::new(ErrorClass::Rejected, ErrorLabel::Rejected, "too long")
+            .with_status(400)
+            .with_provider(
+                Some("context_length_exceeded".into()),
+                Some("max 8k".into()),
+            );
+        h.fake.set_default(
+            "s-0",
+            Script::Fail {
+                after: ms(5),
+                error: err.clone(),
+            },
+        );
+        h.fake.set_default(
+            "s-1",
+            Script::Fail {
+                after: ms(5),
+                error: err,
+            },
+        );
+        let e = h.client.chat(ChatRequest::user("hi")).await.unwrap_err();
+        assert!(matches!(e, GatewayError::Rejected(_)), "{e}");
+        assert_eq!(e.context().unwrap().attempts, 1);
+        assert_eq!(
+            e.last_error().unwrap().provider_code.as_deref(),
+            Some("context_length_exceeded")
+        );
+        assert!(e.to_string().contains("context_length_exceeded"));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn rate_limited_rounds_are_refunded_and_wait_for_the_cooldown() {
+        let h = harness(1, |s| s.retry.max_attempts = 1).await;
+        h.fake
+            .push("s-0", Script::rate_limited(ms(10), Some(secs(2))));
+        h.fake.push("s-0", Script::ok(ms(10), "after cooldown"));
+        let r = h.client.chat(ChatRequest::user("hi")).await.unwrap();
+        assert_eq!(r.content, "after cooldown");
+        assert_eq!(r.call_stats.attempts, 2);
+        assert!(r.call_stats.total_latency_ms >= 2010, "{:?}", r.call_stats);
+        let st = h.breakers.state("LLM", "s-0").await.unwrap();
+        assert_eq!(st.consecutive_failures, 0, "429 does not feed the breaker");
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn endless_429s_end_in_stalled() {
+        let h = harness(1, |s| s.retry.stall_window = secs(5)).await;
+        h.fake
+            .set_default("s-0", Script::rate_limited(ms(10), Some(secs(1))));
+        let e = h.client.chat(ChatRequest::user("hi")).await.unwrap_err();
+        assert_eq!(e.terminal_reason(), Some(TerminalReason::Stalled), "{e}");
+        assert!(e.context().unwrap().attempts >= 3);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn no_runnable_fail_lists_every_source_reason() {
+        let h = harness(2, |s| {
+            s.retry.on_no_runnable = polygw::core::OnNoRunnable::Fail;
+            for src in &mut s.sources {
+                src.rpm = 1;
+            }
+        })
+        .await;
+        h.client.chat(ChatRequest::user("a")).await.unwrap();
+        h.client.chat(ChatRequest::user("b")).await.unwrap();
+        let e = h.client.chat(ChatRequest::user("c")).await.unwrap_err();
+        match &e {
+            GatewayError::NoRunnableSource(ctx) => {
+                assert_eq!(ctx.reasons.len(), 2);
+                for r in ctx.reasons.values() {
+                    assert_eq!(r.to_string(), "refused: rpm");
+                }
+                assert!(ctx.retry_after.is_some(), "the window hint is reported");
+            }
+            other => panic!("{other}"),
+        }
+        assert_eq!(e.context().unwrap().attempts, 0);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn no_runnable_wait_waits_for_the_window() {
+        let h = harness(1, |s| s.sources[0].rpm = 1).await;
+        h.client.chat(ChatRequest::user("a")).await.unwrap();
+        let r = h.client.chat(ChatRequest::user("b")).await;
+        // The stall window (60 s) equals the RPM window: the wait ends first or exactly.
+        match r {
+            Ok(r) => assert!(
+                r.call_stats.total_latency_ms >= 59_000,
+                "{:?}",
+                r.call_stats
+            ),
+            Err(e) => assert_eq!(e.terminal_reason(), Some(TerminalReason::Stalled)),
+        }
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn dead_source_is_skipped_afterwards() {
+        let h = harness(2, |s| s.sources[1].priority = 1).await;
+        h.fake.push("s-0", Script::http(ms(5), 401));
+        h.fake.set_default("s-1", Script::ok(ms(5), "ok"));
+        let r = h.client.chat(ChatRequest::user("a")).await.unwrap();
+        assert_eq!(r.source, "s-1");
+        let r = h.client.chat(ChatRequest::user("b")).await.unwrap();
+        assert_eq!(r.source, "s-1", "s-0 is dead for BREAKER__DEAD_S");
+        assert_eq!(h.fake.calls_to("s-0"), 1);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn deadline_cancels_and_labels_deadline() {
+        let h = harness(1, |s| s.call_deadline = Some(secs(2))).await;
+        h.fake.set_default("s-0", Script::Hang);
+        let e = h.client.chat(ChatRequest::user("a")).await.unwrap_err();
+        assert_eq!(
+            e.terminal_reason(),
+            Some(TerminalReason::DeadlineExceeded),
+            "{e}"
+        );
+        assert_eq!(labels(&h.rows.rows()), ["deadline"]);
+        let term = h
+            .rows
+            .rows()
+            .into_iter()
+            .find(|r| r.kind == RowKind::TerminalFailure)
+            .unwrap();
+        assert_eq!(term.error.as_deref(), Some("deadline_exceeded"));
+        assert_eq!(term.latency_ms, Some(2000));
+        assert_eq!(in_flight_all(&h, 1).await, [0]);
+        // the reservation was kept (cancelled → est)
+        assert_eq!(h.fake.calls()[0].end, FakeEnd::Dropped);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn deadline_bounds_backoff_waits() {
+        let h = harness(1, |s| {
+            s.call_deadline = Some(secs(3));
+            s.retry.backoff_base = secs(8);
+            s.retry.backoff_max = secs(8);
+        })
+        .await;
+        h.fake.set_default("s-0", Script::http(ms(10), 500));
+        let started = tokio::time::Instant::now();
+        let e = h.client.chat(ChatRequest::user("a")).await.unwrap_err();
+        assert!(matches!(
+            e.terminal_reason(),
+            Some(TerminalReason::DeadlineExceeded | TerminalReason::RetryExhausted)
+        ));
+        assert!(started.elapsed() <= secs(3), "{:?}", started.elapsed());
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn invalid_request_names_the_field() {
+        let h = harness(1, |_| {}).await;
+        let e = h.client.chat(ChatRequest::default()).await.unwrap_err();
+        assert!(matches!(e, GatewayError::InvalidRequest { ref field, .. } if field == "messages"));
+        assert!(h.fake.calls().is_empty());
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn usage_unavailable_settles_the_estimate_and_costs_null() {
+        let h = harness(1, |s| {
+            s.sources[0].tpm = 6000;
+            s.sources[0].input_price = Some(1.0);
+            s.sources[0].output_price = Some(2.0);
+        })
+        .await;
+        h.fake.push(
+            "s-0",
+            Script::Ok {
+                ttft: ms(5),
+                gaps: vec![],
+                text: "x".into(),
+                usage: None,
+            },
+        );
+        let r = h.client.chat(ChatRequest::user("a")).await.unwrap();
+        assert_eq!(r.usage_source, UsageSource::Unavailable);
+        assert_eq!(
+            h.limiter.source_window("LLM", "s-0"),
+            (1, 100),
+            "est = 6000/60 settled"
+        );
+        let row = &attempt_rows(&h)[0];
+        assert_eq!((row.cost, row.prompt_tokens), (None, None));
+        h.fake.push(
+            "s-0",
+            Script::Ok {
+                ttft: ms(5),
+                gaps: vec![],
+                text: "x".into(),
+                usage: Some(Usage::new(1000, 500)),
+            },
+        );
+        h.client.chat(ChatRequest::user("b")).await.unwrap();
+        let row = attempt_rows(&h).pop().unwrap();
+        assert_eq!(row.cost, Some((1000.0 * 1.0 + 500.0 * 2.0) / 1e6));
+        assert_eq!(h.limiter.source_window("LLM", "s-0"), (2, 1600));
+    }
+}
+
+// ---------------------------------------------------------------- first-token hedge (table G)
+
+mod hedge_first_token {
+    use super::*;
+
+    fn hedged(n: usize) -> impl FnOnce(&mut ScopeSettings) {
+        move |s: &mut ScopeSettings| {
+            let _ = n;
+            s.hedge.after = Some(ms(500));
+            s.hedge.budget_pct = 0;
+            s.sources
+                .iter_mut()
+                .enumerate()
+                .for_each(|(i, x)| x.priority = i as u32);
+        }
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn plain_call_triggers_hedge_and_fast_leg_wins() {
+        let h = harness(2, hedged(2)).await;
+        h.fake.push("s-0", Script::Hang);
+        h.fake.push("s-1", Script::ok(ms(100), "fast"));
+        let r = h.client.chat(ChatRequest::user("hi")).await.unwrap();
+        assert_eq!(r.content, "fast");
+        let st = r.call_stats;
+        assert_eq!((st.attempts, st.hedges, st.hedge_won), (2, 1, true));
+        assert_eq!(st.total_latency_ms, 600, "threshold + fast leg");
+        assert_eq!(
+            st.generation_ms, 100,
+            "excludes time before the hedge leg started"
+        );
+        let rows = h.rows.rows_of(&r.logical_call_id);
+        assert_eq!(labels(&rows), ["hedge_cancelled", "ok"]);
+        assert!(rows.iter().all(|x| x.logical_call_id == r.logical_call_id));
+        let winner = rows.iter().find(|x| x.ok).unwrap();
+        assert!(winner.is_hedge && winner.source.as_deref() == Some("s-1"));
+        assert!(rows.iter().all(|x| x.kind != RowKind::TerminalFailure));
+        assert_eq!(alive_tasks(), 0, "no task outlives the call");
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn stream_hedges_only_while_the_first_token_is_absent() {
+        let h = harness(2, hedged(2)).await;
+        // first token at 100 ms, then a long (but allowed) gap
+        h.fake
+            .push("s-0", Script::stream(ms(100), &[secs(3)], "ab"));
+        let r = h
+            .client
+            .chat(ChatRequest::user("hi").with_stream(true))
+            .await
+            .unwrap();
+        assert_eq!((r.call_stats.attempts, r.call_stats.hedges), (1, 0));
+        // no first token within 500 ms → hedge
+        h.fake.push("s-0", Script::stream(secs(2), &[], "late"));
+        h.fake.push("s-1", Script::stream(ms(100), &[], "early"));
+        let r = h
+            .client
+            .chat(ChatRequest::user("hi").with_stream(true))
+            .await
+            .unwrap();
+        assert_eq!(
+            (
+                r.call_stats.attempts,
+                r.call_stats.hedges,
+                r.call_stats.hedge_won
+            ),
+            (2, 1, true)
+        );
+        assert_eq!(r.content, "early");
+        assert_eq!(r.ttft_ms, Some(100), "figures come from the winner");
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn hedge_is_silent_when_no_other_source_is_admissible() {
+        let h = harness(2, |s| {
+            hedged(2)(s);
+            s.sources[1].max_concurrency = 1;
+        })
+        .await;
+        // Occupy s-1's only slot.
+        let blocker = match h
+            .limiter
+            .acquire(&polygw::core::ports::AcquireRequest {
+                scope: "LLM",
+                source: "s-1",
+                rpm: 0,
+                tpm: 0,
+                max_concurrency: 1,
+                scope_rpm: 0,
+                scope_tpm: 0,
+                est_tokens: 0,
+                lease: secs(600),
+            })
+            .await
+            .unwrap()
+        {
+            polygw::core::ports::Admission::Admitted(p) => p,
+            _ => panic!("slot"),
+        };
+        h.fake.push("s-0", Script::ok(secs(2), "slow but fine"));
+        let r = h.client.chat(ChatRequest::user("hi")).await.unwrap();
+        assert_eq!((r.call_stats.attempts, r.call_stats.hedges), (1, 0));
+        assert_eq!(r.content, "slow but fine");
+        assert_eq!(h.fake.calls_to("s-1"), 0);
+        drop(blocker);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn single_source_scope_behaves_unhedged() {
+        let h = harness(1, |s| s.hedge.after = Some(ms(500))).await;
+        assert!(!h.client.warnings().is_empty(), "one-source hedge warning");
+        h.fake.push("s-0", Script::ok(secs(2), "x"));
+        let r = h.client.chat(ChatRequest::user("hi")).await.unwrap();
+        assert_eq!((r.call_stats.attempts, r.call_stats.hedges), (1, 0));
+        assert_eq!(r.call_stats.total_latency_ms, 2000);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn winner_settles_usage_loser_keeps_estimate_and_slots_free() {
+        let h = harness(2, |s| {
+            hedged(2)(s);
+            for x in &mut s.sources {
+                x.tpm = 60_000; // est = 1000
+            }
+        })
+        .await;
+        h.fake.push("s-0", Script::Hang);
+        h.fake.push(
+            "s-1",
+            Script::Ok {
+                ttft: ms(50),
+                gaps: vec![],
+                text: "w".into(),
+                usage: Some(Usage::new(300, 20)),
+            },
+        );
+        h.client.chat(ChatRequest::user("hi")).await.unwrap();
+        assert_eq!(
+            h.limiter.source_window("LLM", "s-1"),
+            (1, 320),
+            "winner: actual usage"
+        );
+        assert_eq!(
+            h.limiter.source_window("LLM", "s-0"),
+            (1, 1000),
+            "loser: reservation kept"
+        );
+        assert_eq!(in_flight_all(&h, 2).await, [0, 0]);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn loser_does_not_feed_the_breaker() {
+        let h = harness(2, |s| {
+            hedged(2)(s);
+            s.breaker.failures = 1;
+        })
+        .await;
+        for _ in 0..3 {
+            h.fake.push("s-0", Script::Hang);
+            h.fake.push("s-1", Script::ok(ms(10), "w"));
+            h.client.chat(ChatRequest::user("hi")).await.unwrap();
+        }
+        let st = h.breakers.state("LLM", "s-0").await.unwrap();
+        assert_eq!(st.consecutive_failures, 0);
+        assert!(!st.is_tripped());
+        assert_eq!(
+            h.fake.calls_to("s-0"),
+            3,
+            "still chosen first: not penalised"
+        );
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn caller_drop_cancels_every_leg_as_cancelled() {
+        let h = harness(2, hedged(2)).await;
+        h.fake.set_default("s-0", Script::Hang);
+        h.fake.set_default("s-1", Script::Hang);
+        let client = h.client.clone();
+        let fake = h.fake.clone();
+        let call = tokio::spawn(async move { client.chat(ChatRequest::user("hi")).await });
+        fake.wait_started(2).await;
+        call.abort();
+        let _ = call.await;
+        assert_eq!(
+            labels(&h.rows.rows()),
+            ["cancelled", "cancelled"],
+            "no hedge_cancelled on caller drop"
+        );
+        assert!(
+            h.rows.rows().iter().all(|r| r.kind == RowKind::Attempt),
+            "a dropped call is not a failed call"
+        );
+        assert_eq!(in_flight_all(&h, 2).await, [0, 0]);
+        assert!(h.fake.calls().iter().all(|c| c.end == FakeEnd::Dropped));
+        assert_eq!(alive_tasks(), 0);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn deadline_cuts_the_hedged_tree() {
+        let h = harness(2, |s| {
+            hedged(2)(s);
+            s.call_deadline = Some(secs(2));
+        })
+        .await;
+        h.fake.set_default("s-0", Script::Hang);
+        h.fake.set_default("s-1", Script::Hang);
+        let e = h.client.chat(ChatRequest::user("hi")).await.unwrap_err();
+        assert!(matches!(e, GatewayError::DeadlineExceeded(_)));
+        assert_eq!(e.context().unwrap().attempts, 2);
+        assert_eq!(labels(&h.rows.rows()), ["deadline", "deadline"]);
+        assert_eq!(in_flight_all(&h, 2).await, [0, 0]);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn primary_that_finishes_first_wins_back() {
+        let h = harness(2, hedged(2)).await;
+        h.fake.push("s-0", Script::ok(ms(800), "primary"));
+        h.fake.push("s-1", Script::Hang);
+        let r = h.client.chat(ChatRequest::user("hi")).await.unwrap();
+        assert_eq!(r.content, "primary");
+        assert_eq!((r.call_stats.hedges, r.call_stats.hedge_won), (1, false));
+        assert_eq!(r.call_stats.generation_ms, 800);
+        let rows = h.rows.rows_of(&r.logical_call_id);
+        let loser = rows.iter().find(|x| !x.ok).unwrap();
+        assert_eq!(
+            (loser.source.as_deref(), loser.error.as_deref()),
+            (Some("s-1"), Some("hedge_cancelled"))
+        );
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn legs_completing_together_go_to_the_earliest_launched() {
+        let h = harness(2, hedged(2)).await;
+        let gate = Gate::new();
+        h.fake.push(
+            "s-0",
+            Script::Gated {
+                gate: gate.clone(),
+                then: Box::new(Script::ok(ms(0), "primary")),
+            },
+        );
+        h.fake.push(
+            "s-1",
+            Script::Gated {
+                gate: gate.clone(),
+                then: Box::new(Script::ok(ms(0), "hedge")),
+            },
+        );
+        let client = h.client.clone();
+        let call = tokio::spawn(async move { client.chat(ChatRequest::user("hi")).await });
+        h.fake.wait_started(2).await;
+        gate.open();
+        let r = call.await.unwrap().unwrap();
+        assert_eq!(r.content, "primary");
+        assert!(!r.call_stats.hedge_won);
+        // both completed: both are normal success rows (nobody was cancelled)
+        assert_eq!(labels(&h.rows.rows_of(&r.logical_call_id)), ["ok", "ok"]);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn both_legs_failing_counts_the_budget_once() {
+        let h = harness(2, |s| {
+            hedged(2)(s);
+            s.retry.max_attempts = 2;
+        })
+        .await;
+        h.fake.set_default(
+            "s-0",
+            Script::fail(secs(1), ErrorClass::Transient, ErrorLabel::ServerError),
+        );
+        h.fake.set_default(
+            "s-1",
+            Script::fail(ms(800), ErrorClass::Transient, ErrorLabel::ServerError),
+        );
+        let e = h.client.chat(ChatRequest::user("hi")).await.unwrap_err();
+        assert_eq!(e.terminal_reason(), Some(TerminalReason::RetryExhausted));
+        assert_eq!(e.context().unwrap().attempts, 4, "two rounds of two legs");
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn all_legs_429_are_refunded() {
+        let h = harness(2, |s| {
+            hedged(2)(s);
+            s.retry.max_attempts = 1;
+            s.retry.stall_window = secs(3);
+        })
+        .await;
+        h.fake
+            .set_default("s-0", Script::rate_limited(secs(1), Some(ms(200))));
+        h.fake
+            .set_default("s-1", Script::rate_limited(ms(600), Some(ms(200))));
+        let e = h.client.chat(ChatRequest::user("hi")).await.unwrap_err();
+        assert_eq!(e.terminal_reason(), Some(TerminalReason::Stalled), "{e}");
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn mixed_429_and_failure_counts_the_budget() {
+        let h = harness(2, |s| {
+            hedged(2)(s);
+            s.retry.max_attempts = 1;
+        })
+        .await;
+        h.fake.push("s-0", Script::rate_limited(secs(1), None));
+        h.fake.push(
+            "s-1",
+            Script::fail(ms(700), ErrorClass::Transient, ErrorLabel::Timeout),
+        );
+        let e = h.client.chat(ChatRequest::user("hi")).await.unwrap_err();
+        assert_eq!(
+            e.terminal_reason(),
+            Some(TerminalReason::RetryExhausted),
+            "{e}"
+        );
+        assert_eq!(e.last_error().unwrap().label, ErrorLabel::Timeout);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_leg_failing_while_another_runs_is_recorded_and_the_round_goes_on() {
+        let h = harness(2, hedged(2)).await;
+        h.fake.push(
+            "s-0",
+            Script::fail(ms(900), ErrorClass::Transient, ErrorLabel::ServerError),
+        );
+        h.fake.push("s-1", Script::ok(ms(1000), "late win"));
+        let r = h.client.chat(ChatRequest::user("hi")).await.unwrap();
+        assert_eq!(r.content, "late win");
+        assert_eq!(r.call_stats.attempts, 2);
+        assert_eq!(
+            labels(&h.rows.rows_of(&r.logical_call_id)),
+            ["ok", "server_error"]
+        );
+        assert_eq!(
+            h.breakers
+                .state("LLM", "s-0")
+                .await
+                .unwrap()
+                .consecutive_failures,
+            1
+        );
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn up_to_max_extra_legs_one_trigger_each() {
+        let h = harness(3, |s| {
+            hedged(3)(s);
+            s.hedge.max_extra = 2;
+        })
+        .await;
+        h.fake.push("s-0", Script::Hang);
+        h.fake.push("s-1", Script::Hang);
+        h.fake.push("s-2", Script::ok(ms(100), "third"));
+        let r = h.client.chat(ChatRequest::user("hi")).await.unwrap();
+        assert_eq!(
+            (
+                r.call_stats.attempts,
+                r.call_stats.hedges,
+                r.call_stats.hedge_won
+            ),
+            (3, 2, true)
+        );
+        assert_eq!(
+            r.call_stats.total_latency_ms, 1100,
+            "legs at 0, 500, 1000 ms"
+        );
+        let calls = h.fake.calls();
+        let starts: Vec<u128> = calls
+            .iter()
+            .map(|c| (c.started - calls[0].started).as_millis())
+            .collect();
+        assert_eq!(starts, [0, 500, 1000]);
+        assert_eq!(
+            labels(&h.rows.rows_of(&r.logical_call_id)),
+            ["hedge_cancelled", "hedge_cancelled", "ok"]
+        );
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn hedge_budget_caps_extra_legs_with_a_floor_of_one() {
+        let h = harness(2, |s| {
+            hedged(2)(s);
+            s.hedge.budget_pct = 20;
+        })
+        .await;
+        for _ in 0..2 {
+            h.fake.push("s-0", Script::ok(secs(1), "slow"));
+            h.fake.push("s-1", Script::ok(secs(5), "slower"));
+        }
+        let a = h.client.chat(ChatRequest::user("1")).await.unwrap();
+        let b = h.client.chat(ChatRequest::user("2")).await.unwrap();
+        assert_eq!(a.call_stats.hedges, 1, "floor of one");
+        assert_eq!(b.call_stats.hedges, 0, "2 calls × 20 % < 2 extra legs");
+    }
+}
+
+// ---------------------------------------------------------------- stall hedge
+
+mod hedge_stall {
+    use super::*;
+
+    fn stall_hedged(s: &mut ScopeSettings) {
+        s.hedge.stall_after = Some(secs(2));
+        s.hedge.budget_pct = 0;
+        s.sources
+            .iter_mut()
+            .enumerate()
+            .for_each(|(i, x)| x.priority = i as u32);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn stalled_stream_is_beaten_by_a_stall_hedge() {
+        let h = harness(2, stall_hedged).await;
+        h.fake.push(
+            "s-0",
+            Script::stream(ms(100), &[ms(50), secs(30), ms(50)], "aaaa"),
+        );
+        h.fake
+            .push("s-1", Script::stream(ms(200), &[ms(50), ms(50)], "bbb"));
+        let r = h
+            .client
+            .chat(ChatRequest::user("hi").with_stream(true))
+            .await
+            .unwrap();
+        assert_eq!(r.content, "bbb");
+        let st = r.call_stats;
+        assert_eq!((st.attempts, st.hedges, st.hedge_won), (2, 1, true));
+        // primary's last chunk at 150 ms; trigger at 2150; hedge done at 2150 + 300
+        assert_eq!(st.total_latency_ms, 2450);
+        assert_eq!(
+            st.generation_ms, 300,
+            "winner figures: its own wall, no stall"
+        );
+        assert_eq!((st.stall_ms, st.stall_count), (Some(0), Some(0)));
+        assert_eq!(r.ttft_ms, Some(200));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn plain_request_with_only_stall_after_is_unhedged() {
+        let h = harness(2, stall_hedged).await;
+        h.fake.push("s-0", Script::ok(secs(30), "slow plain"));
+        let r = h.client.chat(ChatRequest::user("hi")).await.unwrap();
+        assert_eq!((r.call_stats.attempts, r.call_stats.hedges), (1, 0));
+        assert_eq!(r.call_stats.total_latency_ms, 30_000);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn triggers_are_independent() {
+        // only AFTER_S: a mid-stream stall does not hedge
+        let h = harness(2, |s| {
+            s.hedge.after = Some(secs(1));
+            s.hedge.budget_pct = 0;
+            s.sources[1].priority = 1;
+        })
+        .await;
+        h.fake
+            .push("s-0", Script::stream(ms(100), &[secs(10)], "ab"));
+        let r = h
+            .client
+            .chat(ChatRequest::user("hi").with_stream(true))
+            .await
+            .unwrap();
+        assert_eq!(r.call_stats.hedges, 0);
+        // only STALL_AFTER_S: a late first token does not hedge
+        let h = harness(2, stall_hedged).await;
+        h.fake
+            .push("s-0", Script::stream(secs(10), &[ms(10)], "ab"));
+        let r = h
+            .client
+            .chat(ChatRequest::user("hi").with_stream(true))
+            .await
+            .unwrap();
+        assert_eq!(r.call_stats.hedges, 0);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn watchdog_killing_the_stalled_primary_does_not_fail_the_round() {
+        let h = harness(2, |s| {
+            stall_hedged(s);
+            s.retry.max_attempts = 1;
+        })
+        .await;
+        h.fake.push(
+            "s-0",
+            Script::ChunksThenFail {
+                ttft: ms(100),
+                gaps: vec![ms(50)],
+                after_last: secs(5),
+                error: polygw::AttemptError::new(
+                    ErrorClass::Transient,
+                    ErrorLabel::StallTimeout,
+                    "watchdog",
+                ),
+            },
+        );
+        h.fake.push(
+            "s-1",
+            Script::stream(ms(100), &[secs(4), ms(100)], "hedge wins"),
+        );
+        let r = h
+            .client
+            .chat(ChatRequest::user("hi").with_stream(true))
+            .await
+            .unwrap();
+        assert_eq!(r.content, "hedge wins");
+        assert!(r.call_stats.hedge_won);
+        let rows = h.rows.rows_of(&r.logical_call_id);
+        assert_eq!(labels(&rows), ["ok", "stall_timeout"]);
+        assert_eq!(
+            h.breakers
+                .state("LLM", "s-0")
+                .await
+                .unwrap()
+                .consecutive_failures,
+            1,
+            "the watchdog kill is an attempt failure (breaker fed)"
+        );
+        // winner figures from the winner: its own 4 s stall
+        assert_eq!(r.call_stats.stall_count, Some(1));
+        assert_eq!(r.call_stats.stall_ms, Some(4000));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn stall_hedge_fires_again_after_new_chunks() {
+        let h = harness(3, |s| {
+            stall_hedged(s);
+            s.hedge.max_extra = 2;
+        })
+        .await;
+        // primary: chunk, 3 s stall (trigger 1), chunk, 3 s stall (trigger 2), …
+        h.fake.push(
+            "s-0",
+            Script::stream(ms(10), &[secs(3), secs(3), secs(60)], "abcd"),
+        );
+        h.fake.push("s-1", Script::Hang);
+        h.fake.push("s-2", Script::stream(ms(10), &[], "third"));
+        let r = h
+            .client
+            .chat(ChatRequest::user("hi").with_stream(true))
+            .await
+            .unwrap();
+        assert_eq!(r.call_stats.hedges, 2);
+        assert_eq!(r.content, "third");
+    }
+}
+
+// ---------------------------------------------------------------- cancellation (SPEC §9)
+
+mod cancellation {
+    use super::*;
+
+    /// Drop the call at many points of its life (admission, first leg, after the hedge
+    /// trigger, mid-stream, during backoff): in-flight returns to 0 everywhere, every
+    /// started attempt has exactly one row, no task survives.
+    #[tokio::test(start_paused = true)]
+    async fn dropping_at_every_await_point_leaves_nothing_behind() {
+        for drop_at in (0..4000).step_by(137) {
+            let h = harness(3, |s| {
+                s.hedge.after = Some(ms(300));
+                s.hedge.stall_after = Some(ms(900));
+                s.hedge.max_extra = 2;
+                s.hedge.budget_pct = 0;
+                s.retry.backoff_base = ms(400);
+                s.sources
+                    .iter_mut()
+                    .enumerate()
+                    .for_each(|(i, x)| x.priority = i as u32);
+            })
+            .await;
+            h.fake.push(
+                "s-0",
+                Script::fail(ms(200), ErrorClass::Transient, ErrorLabel::ServerError),
+            );
+            h.fake.push(
+                "s-1",
+                Script::stream(ms(500), &[ms(100), secs(2), ms(100)], "abcd"),
+            );
+            h.fake
+                .push("s-2", Script::stream(ms(100), &[ms(1500)], "xy"));
+            h.fake.set_default("s-0", Script::Hang);
+            let r = tokio::time::timeout(
+                ms(drop_at),
+                h.client.chat(ChatRequest::user("hi").with_stream(true)),
+            )
+            .await;
+            let attempts = h.fake.calls().len();
+            let rows = attempt_rows(&h);
+            assert_eq!(
+                rows.len(),
+                attempts,
+                "drop at {drop_at} ms: one row per attempt"
+            );
+            assert_eq!(
+                in_flight_all(&h, 3).await,
+                [0, 0, 0],
+                "drop at {drop_at} ms"
+            );
+            assert_eq!(alive_tasks(), 0, "drop at {drop_at} ms");
+            let running = h
+                .fake
+                .calls()
+                .iter()
+                .filter(|c| c.end == FakeEnd::Running)
+                .count();
+            assert_eq!(running, 0, "drop at {drop_at} ms: every attempt ended");
+            for row in &rows {
+                let label = row.error.as_deref().unwrap_or("ok");
+                assert!(
+                    ["ok", "cancelled", "hedge_cancelled", "server_error"].contains(&label),
+                    "drop at {drop_at} ms: unexpected label {label}"
+                );
+            }
+            if r.is_err() {
+                assert!(
+                    h.rows.rows().iter().all(|x| x.kind == RowKind::Attempt),
+                    "drop at {drop_at} ms: a dropped call writes no terminal row"
+                );
+            }
+        }
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn dropped_probe_frees_the_half_open_slot() {
+        let h = harness(1, |s| {
+            s.breaker.failures = 1;
+            s.breaker.open = secs(1);
+        })
+        .await;
+        h.fake.push("s-0", Script::http(ms(10), 500));
+        let _ = tokio::time::timeout(secs(2), h.client.chat(ChatRequest::user("a"))).await;
+        // breaker open; after 1 s a probe is admitted: drop it mid-flight
+        tokio::time::sleep(secs(2)).await;
+        h.fake.push("s-0", Script::Hang);
+        let _ = tokio::time::timeout(ms(100), h.client.chat(ChatRequest::user("b"))).await;
+        tokio::task::yield_now().await;
+        tokio::time::sleep(ms(1)).await;
+        h.fake.push("s-0", Script::ok(ms(10), "probe ok"));
+        let r = h.client.chat(ChatRequest::user("c")).await.unwrap();
+        assert_eq!(r.content, "probe ok", "a new probe was admitted at once");
+        assert!(!h.breakers.state("LLM", "s-0").await.unwrap().is_tripped());
+    }
+}
