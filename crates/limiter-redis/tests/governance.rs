@@ -1,0 +1,684 @@
+//! The Redis backend against the testkit contract suites (real server, `127.0.0.1:6379`;
+//! mandatory under `CI=true`), and the Redis-only behaviour: fail closed when the server
+//! is unreachable, silent or kills the connection; keys with TTLs; NOSCRIPT fallback;
+//! the drop-time settlement queue.
+//!
+//! Time is the server's: expiry cases use a 2 s test window and wait with margins.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use async_trait::async_trait;
+use polygw_core::error::GovernanceError;
+use polygw_core::ports::{BreakerStore, RateLimiter};
+use polygw_core::settings::BreakerSettings;
+use polygw_limiter_redis::{RedisGovernance, RedisLimiter, RedisOptions};
+use polygw_testkit::breaker_contract::{self as bc, BreakerHarness};
+use polygw_testkit::limiter_contract::{self as lc, LimiterHarness, Subject, WindowProbe};
+use polygw_testkit::services::{redis_url, unique_name};
+
+/// The short window of the expiry cases.
+const TEST_WINDOW: Duration = Duration::from_secs(2);
+
+struct Real {
+    url: String,
+    base: tokio::time::Instant,
+    gov: RedisGovernance,
+    short: RedisGovernance,
+}
+
+async fn harness(url: &str) -> Real {
+    Real {
+        url: url.to_string(),
+        base: tokio::time::Instant::now(),
+        gov: RedisGovernance::connect(url, RedisOptions::default())
+            .await
+            .expect("connect"),
+        short: RedisGovernance::connect(
+            url,
+            RedisOptions {
+                window: TEST_WINDOW,
+                ..RedisOptions::default()
+            },
+        )
+        .await
+        .expect("connect"),
+    }
+}
+
+struct Probe(RedisLimiter);
+
+#[async_trait]
+impl WindowProbe for Probe {
+    async fn source_window(
+        &self,
+        scope: &str,
+        source: &str,
+    ) -> Result<(u64, u64), GovernanceError> {
+        self.0.source_window(scope, source).await
+    }
+    async fn scope_window(&self, scope: &str) -> Result<(u64, u64), GovernanceError> {
+        self.0.scope_window(scope).await
+    }
+}
+
+fn subject(g: &RedisGovernance) -> Subject {
+    Subject {
+        limiter: Arc::new(g.limiter()),
+        probe: Arc::new(Probe(g.limiter())),
+    }
+}
+
+#[async_trait]
+impl LimiterHarness for Real {
+    async fn subject(&self) -> Subject {
+        subject(&self.gov)
+    }
+    async fn clients(&self, n: usize) -> Vec<Arc<dyn RateLimiter>> {
+        let mut out: Vec<Arc<dyn RateLimiter>> = vec![];
+        for _ in 0..n {
+            let g = RedisGovernance::connect(&self.url, RedisOptions::default())
+                .await
+                .expect("connect a client");
+            out.push(Arc::new(g.limiter()));
+        }
+        out
+    }
+    async fn windowed(&self) -> (Subject, Duration) {
+        (subject(&self.short), TEST_WINDOW)
+    }
+    fn manual_time(&self) -> bool {
+        false
+    }
+    async fn advance(&self, by: Duration) {
+        tokio::time::sleep(by).await;
+    }
+    fn now(&self) -> Duration {
+        self.base.elapsed()
+    }
+    fn margin(&self) -> Duration {
+        Duration::from_millis(250)
+    }
+}
+
+#[async_trait]
+impl BreakerHarness for Real {
+    async fn store(&self) -> Arc<dyn BreakerStore> {
+        Arc::new(self.gov.breakers())
+    }
+    async fn clients(&self, n: usize) -> Vec<Arc<dyn BreakerStore>> {
+        let mut out: Vec<Arc<dyn BreakerStore>> = vec![];
+        for _ in 0..n {
+            let g = RedisGovernance::connect(&self.url, RedisOptions::default())
+                .await
+                .expect("connect a client");
+            out.push(Arc::new(g.breakers()));
+        }
+        out
+    }
+    fn settings(&self) -> BreakerSettings {
+        BreakerSettings {
+            failures: 3,
+            open: Duration::from_millis(500),
+            dead: Duration::from_millis(800),
+        }
+    }
+    fn manual_time(&self) -> bool {
+        false
+    }
+    async fn advance(&self, by: Duration) {
+        tokio::time::sleep(by).await;
+    }
+    fn now(&self) -> Duration {
+        self.base.elapsed()
+    }
+    fn margin(&self) -> Duration {
+        Duration::from_millis(250)
+    }
+}
+
+mod limiter_contract {
+    use super::*;
+
+    macro_rules! cases {
+        ($($name:ident),* $(,)?) => {$(
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn $name() {
+                let Some(url) = redis_url() else { return };
+                lc::$name(&harness(&url).await).await;
+            }
+        )*};
+    }
+
+    cases!(
+        rpm_never_over_admitted,
+        rpm_window_rolls,
+        tpm_reserve_then_settle,
+        tpm_window_rolls,
+        concurrency_cap_and_release,
+        lease_expiry_frees_the_slot,
+        scope_limits_atomic_with_source,
+        settle_and_release_idempotent,
+        drop_settles_reservation_and_releases,
+        unlimited_admits_everything,
+        concurrent_acquirers_never_over_admit,
+        concurrent_rpm_saturation,
+        saturating_load_over_windows,
+    );
+
+    /// Random sequences (no time advance: the server's clock cannot be moved) match the
+    /// reference model: admissions, refusal reasons, hints within the case's duration,
+    /// in flight and windows.
+    #[test]
+    fn matches_reference_model() {
+        let Some(url) = redis_url() else { return };
+        let rt = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .enable_all()
+            .build()
+            .unwrap();
+        let h = rt.block_on(harness(&url));
+        lc::model_proptest(&rt, &h, 96);
+    }
+}
+
+mod breaker_contract {
+    use super::*;
+
+    macro_rules! cases {
+        ($($name:ident),* $(,)?) => {$(
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn $name() {
+                let Some(url) = redis_url() else { return };
+                bc::$name(&harness(&url).await).await;
+            }
+        )*};
+    }
+
+    cases!(
+        opens_after_consecutive_failures,
+        only_consecutive_feeding_failures_count,
+        half_open_admits_one_probe_and_success_closes,
+        failed_probe_doubles_open_time,
+        open_time_capped_at_ten_times,
+        probe_lease_expires_and_neutral_frees,
+        cooldown_from_retry_after,
+        dead_source_out_for_dead_s,
+        concurrent_half_open_grants_one_probe,
+        sources_are_independent,
+    );
+
+    /// Random admit/record sequences match `BreakerState` (no time advance).
+    #[test]
+    fn matches_reference_model() {
+        let Some(url) = redis_url() else { return };
+        let rt = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .enable_all()
+            .build()
+            .unwrap();
+        let h = rt.block_on(harness(&url));
+        bc::model_proptest(&rt, &h, 96);
+    }
+}
+
+/// A TCP proxy in front of the real server, to cut, kill or silence connections.
+mod proxy {
+    use std::net::SocketAddr;
+    use std::sync::atomic::{AtomicBool, Ordering};
+    use std::sync::{Arc, Mutex};
+
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    use tokio::net::{TcpListener, TcpStream};
+    use tokio::task::JoinHandle;
+
+    #[derive(Debug)]
+    pub struct Proxy {
+        pub addr: SocketAddr,
+        /// Local addresses of the proxy's connections to the server (as the server sees
+        /// its clients), newest last.
+        pub upstreams: Arc<Mutex<Vec<SocketAddr>>>,
+        /// While set, bytes are swallowed instead of forwarded (a server that went silent).
+        pub silent: Arc<AtomicBool>,
+        tasks: Arc<Mutex<Vec<JoinHandle<()>>>>,
+    }
+
+    fn host_port(url: &str) -> String {
+        let rest = url.split("://").nth(1).unwrap_or(url);
+        let rest = rest.rsplit('@').next().unwrap_or(rest);
+        rest.split('/').next().unwrap_or(rest).to_string()
+    }
+
+    async fn pipe(
+        mut from: tokio::net::tcp::OwnedReadHalf,
+        mut to: tokio::net::tcp::OwnedWriteHalf,
+        silent: Arc<AtomicBool>,
+    ) {
+        let mut buf = vec![0u8; 16 * 1024];
+        loop {
+            match from.read(&mut buf).await {
+                Ok(0) | Err(_) => break,
+                Ok(n) => {
+                    if silent.load(Ordering::SeqCst) {
+                        continue;
+                    }
+                    if to.write_all(&buf[..n]).await.is_err() {
+                        break;
+                    }
+                }
+            }
+        }
+        let _ = to.shutdown().await;
+    }
+
+    impl Proxy {
+        pub async fn start(url: &str) -> Proxy {
+            let upstream = host_port(url);
+            let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+            let addr = listener.local_addr().unwrap();
+            let upstreams = Arc::new(Mutex::new(vec![]));
+            let silent = Arc::new(AtomicBool::new(false));
+            let tasks: Arc<Mutex<Vec<JoinHandle<()>>>> = Arc::new(Mutex::new(vec![]));
+            let (ups, sil, ts) = (upstreams.clone(), silent.clone(), tasks.clone());
+            let accept = tokio::spawn(async move {
+                while let Ok((client, _)) = listener.accept().await {
+                    let Ok(server) = TcpStream::connect(&upstream).await else {
+                        continue;
+                    };
+                    ups.lock().unwrap().push(server.local_addr().unwrap());
+                    let (cr, cw) = client.into_split();
+                    let (sr, sw) = server.into_split();
+                    let a = tokio::spawn(pipe(cr, sw, sil.clone()));
+                    let b = tokio::spawn(pipe(sr, cw, sil.clone()));
+                    ts.lock().unwrap().extend([a, b]);
+                }
+            });
+            tasks.lock().unwrap().push(accept);
+            Proxy {
+                addr,
+                upstreams,
+                silent,
+                tasks,
+            }
+        }
+
+        pub fn url(&self) -> String {
+            format!("redis://{}", self.addr)
+        }
+
+        /// Stops listening and cuts every connection (the server is gone).
+        pub fn shut_down(&self) {
+            for t in self.tasks.lock().unwrap().drain(..) {
+                t.abort();
+            }
+        }
+    }
+
+    impl Drop for Proxy {
+        fn drop(&mut self) {
+            self.shut_down();
+        }
+    }
+}
+
+mod fail_closed {
+    use super::proxy::Proxy;
+    use super::*;
+    use polygw_core::ports::Admission;
+    use polygw_testkit::limiter_contract::Req;
+    use std::sync::atomic::Ordering;
+
+    /// Bound on how long an operation may take against a dead server (operation timeout
+    /// 2 s plus scheduling slack on a loaded machine).
+    const PROMPT: Duration = Duration::from_millis(3500);
+
+    async fn acquire_fails_promptly(l: &dyn RateLimiter, r: &Req) -> GovernanceError {
+        let t = tokio::time::Instant::now();
+        let res = l.acquire(&r.get()).await;
+        assert!(t.elapsed() < PROMPT, "took {:?}", t.elapsed());
+        match res {
+            Err(e) => e,
+            Ok(Admission::Admitted(p)) => panic!("admitted without the server: {p:?}"),
+            Ok(Admission::Refused(f)) => panic!("refused instead of failing: {f:?}"),
+        }
+    }
+
+    /// A port where nothing listens: connecting fails, and a lazily built backend fails
+    /// every operation — never an admission.
+    #[tokio::test]
+    async fn nothing_listening_is_an_error() {
+        // Mandatory under CI like every Redis test, although this one needs no server.
+        let Some(_url) = redis_url() else { return };
+        let dead = "redis://127.0.0.1:1";
+        let t = tokio::time::Instant::now();
+        let e = RedisGovernance::connect(dead, RedisOptions::default())
+            .await
+            .expect_err("nothing listens on port 1");
+        assert!(t.elapsed() < PROMPT);
+        assert_eq!(e.backend, "redis");
+
+        let g = RedisGovernance::connect_lazy(dead, RedisOptions::default()).unwrap();
+        let r = Req::new("DOWN", "a").source_limits(10, 0, 0);
+        for _ in 0..3 {
+            let e = acquire_fails_promptly(&g.limiter(), &r).await;
+            assert_eq!(e.backend, "redis");
+        }
+        assert!(g.limiter().in_flight("DOWN", "a").await.is_err());
+        let b = g.breakers();
+        assert!(b.admit("DOWN", "a", Duration::from_secs(1)).await.is_err());
+        assert!(b
+            .record(
+                "DOWN",
+                "a",
+                polygw_core::breaker::BreakerOutcome::Failure,
+                false,
+                &BreakerSettings::default()
+            )
+            .await
+            .is_err());
+        assert!(b.state("DOWN", "a").await.is_err());
+    }
+
+    /// The server kills the live connection (CLIENT KILL): the next operations fail or,
+    /// once reconnected, succeed — and every admission is one the script recorded.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn killed_connection_never_admits_blindly() {
+        let Some(url) = redis_url() else { return };
+        let proxy = Proxy::start(&url).await;
+        let g = RedisGovernance::connect(&proxy.url(), RedisOptions::default())
+            .await
+            .expect("connect through the proxy");
+        let observer = RedisGovernance::connect(&url, RedisOptions::default())
+            .await
+            .unwrap()
+            .limiter();
+        let sc = unique_name("KILL");
+        let r = Req::new(&sc, "a").source_limits(1000, 0, 0);
+        let mut admitted = 0u64;
+        let mut errors = 0u64;
+        for round in 0..3 {
+            lc::admit(&g.limiter(), &r).await.finish(0).await.unwrap();
+            admitted += 1;
+            let victim = *proxy.upstreams.lock().unwrap().last().unwrap();
+            let client = redis::Client::open(url.as_str()).unwrap();
+            let mut killer = client.get_multiplexed_async_connection().await.unwrap();
+            let killed: i64 = redis::cmd("CLIENT")
+                .arg("KILL")
+                .arg("ADDR")
+                .arg(victim.to_string())
+                .arg("SKIPME")
+                .arg("yes")
+                .query_async(&mut killer)
+                .await
+                .unwrap_or_else(|e| panic!("round {round}: CLIENT KILL ADDR {victim}: {e}"));
+            assert_eq!(killed, 1, "killed the governance connection");
+            // Until it has reconnected, operations fail; none admits without the script.
+            let mut recovered = false;
+            for _ in 0..20 {
+                match g.limiter().acquire(&r.get()).await {
+                    Ok(Admission::Admitted(mut p)) => {
+                        admitted += 1;
+                        p.finish(0).await.unwrap();
+                        recovered = true;
+                        break;
+                    }
+                    Ok(Admission::Refused(f)) => panic!("unexpected refusal {f:?}"),
+                    Err(e) => {
+                        assert_eq!(e.backend, "redis");
+                        errors += 1;
+                        tokio::time::sleep(Duration::from_millis(50)).await;
+                    }
+                }
+            }
+            assert!(recovered, "reconnects after the kill");
+            assert_eq!(
+                observer.source_window(&sc, "a").await.unwrap().0,
+                admitted,
+                "every admission was recorded by the script"
+            );
+        }
+        eprintln!("killed 3 connections: {errors} operations failed closed, {admitted} admitted");
+    }
+
+    /// A server that stops answering: operations fail within the operation timeout.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn silent_server_times_out() {
+        let Some(url) = redis_url() else { return };
+        let proxy = Proxy::start(&url).await;
+        let g = RedisGovernance::connect(&proxy.url(), RedisOptions::default())
+            .await
+            .unwrap();
+        let sc = unique_name("SILENT");
+        let r = Req::new(&sc, "a").source_limits(0, 0, 0);
+        lc::admit(&g.limiter(), &r).await.finish(0).await.unwrap();
+        proxy.silent.store(true, Ordering::SeqCst);
+        for _ in 0..2 {
+            acquire_fails_promptly(&g.limiter(), &r).await;
+        }
+        let t = tokio::time::Instant::now();
+        assert!(g
+            .breakers()
+            .admit(&sc, "a", Duration::from_secs(1))
+            .await
+            .is_err());
+        assert!(t.elapsed() < PROMPT);
+    }
+
+    /// The server goes away while connected: operations fail promptly.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn server_gone_fails_closed() {
+        let Some(url) = redis_url() else { return };
+        let proxy = Proxy::start(&url).await;
+        let g = RedisGovernance::connect(&proxy.url(), RedisOptions::default())
+            .await
+            .unwrap();
+        let sc = unique_name("GONE");
+        let r = Req::new(&sc, "a").source_limits(5, 0, 1);
+        let held = lc::admit(&g.limiter(), &r).await;
+        proxy.shut_down();
+        for _ in 0..3 {
+            acquire_fails_promptly(&g.limiter(), &r).await;
+        }
+        // A permit dropped meanwhile cannot settle; flush reports it and the lease
+        // frees the slot later.
+        drop(held);
+        let t = tokio::time::Instant::now();
+        assert!(g.limiter().flush().await.is_err());
+        assert!(
+            t.elapsed() < PROMPT * 4,
+            "bounded retries: {:?}",
+            t.elapsed()
+        );
+    }
+}
+
+mod redis_specific {
+    use super::*;
+    use polygw_core::breaker::BreakerOutcome;
+    use polygw_core::ports::Admission;
+    use polygw_testkit::limiter_contract::Req;
+
+    async fn raw(url: &str) -> redis::aio::MultiplexedConnection {
+        redis::Client::open(url)
+            .unwrap()
+            .get_multiplexed_async_connection()
+            .await
+            .unwrap()
+    }
+
+    /// Every key the backend writes is namespaced under the scope's hash tag and has a TTL
+    /// no longer than what it must remember.
+    #[tokio::test]
+    async fn keys_are_namespaced_with_ttls() {
+        let Some(url) = redis_url() else { return };
+        let h = harness(&url).await;
+        let sc = unique_name("TTL");
+        let l = h.gov.limiter();
+        let r = Req::new(&sc, "a")
+            .source_limits(10, 1000, 2)
+            .scope_limits(10, 1000)
+            .est(10)
+            .lease(Duration::from_secs(30));
+        let mut p = lc::admit(&l, &r).await;
+        p.settle(5).await.unwrap();
+        let _held = lc::admit(&l, &r).await;
+        let b = h.gov.breakers();
+        let s = BreakerSettings::default();
+        b.record(&sc, "a", BreakerOutcome::Failure, false, &s)
+            .await
+            .unwrap();
+        b.record(&sc, "b", BreakerOutcome::Dead, false, &s)
+            .await
+            .unwrap();
+
+        let mut con = raw(&url).await;
+        let mut keys: Vec<String> = redis::cmd("KEYS")
+            .arg(format!("polygw:{{{sc}}}:*"))
+            .query_async(&mut con)
+            .await
+            .unwrap();
+        keys.sort();
+        let pre = format!("polygw:{{{sc}}}");
+        let want: Vec<String> = [
+            "scope:tok",
+            "scope:win",
+            "source:a:breaker",
+            "source:a:inflight",
+            "source:a:tok",
+            "source:a:win",
+            "source:b:breaker",
+        ]
+        .iter()
+        .map(|k| format!("{pre}:{k}"))
+        .collect();
+        assert_eq!(keys, want);
+        let day = 24 * 3600 * 1000;
+        for k in &keys {
+            let ttl: i64 = redis::cmd("PTTL")
+                .arg(k)
+                .query_async(&mut con)
+                .await
+                .unwrap();
+            let max = if k.ends_with(":breaker") {
+                day + 300_000
+            } else if k.ends_with(":inflight") {
+                30_000 + 10_000
+            } else {
+                60_000 + 10_000
+            };
+            assert!(ttl > 0 && ttl <= max, "{k}: ttl {ttl} ms (max {max})");
+        }
+        // a breaker back to its initial state leaves no key
+        b.record(&sc, "a", BreakerOutcome::Success, false, &s)
+            .await
+            .unwrap();
+        let n: i64 = redis::cmd("EXISTS")
+            .arg(format!("{pre}:source:a:breaker"))
+            .query_async(&mut con)
+            .await
+            .unwrap();
+        assert_eq!(n, 0);
+        p.finish(5).await.unwrap();
+    }
+
+    /// After SCRIPT FLUSH the scripts are loaded again transparently (NOSCRIPT fallback).
+    #[tokio::test]
+    async fn noscript_falls_back() {
+        let Some(url) = redis_url() else { return };
+        let h = harness(&url).await;
+        let sc = unique_name("NOSCRIPT");
+        let r = Req::new(&sc, "a").source_limits(2, 0, 0);
+        let l = h.gov.limiter();
+        lc::admit(&l, &r).await.finish(0).await.unwrap();
+        let mut con = raw(&url).await;
+        let _: () = redis::cmd("SCRIPT")
+            .arg("FLUSH")
+            .query_async(&mut con)
+            .await
+            .unwrap();
+        let mut p = lc::admit(&l, &r).await;
+        p.finish(0).await.unwrap();
+        assert_eq!(lc::refuse(&l, &r).await.reason.as_str(), "rpm");
+        let _: () = redis::cmd("SCRIPT")
+            .arg("FLUSH")
+            .query_async(&mut con)
+            .await
+            .unwrap();
+        assert_eq!(
+            h.gov
+                .breakers()
+                .admit(&sc, "a", Duration::from_secs(1))
+                .await
+                .unwrap(),
+            polygw_core::breaker::BreakerAdmit::Allowed { probe: false }
+        );
+    }
+
+    /// Permits dropped from many tasks, and from a thread with no runtime, are settled by
+    /// the background queue; shutdown waits for it.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn drop_queue_is_flushed_on_shutdown() {
+        let Some(url) = redis_url() else { return };
+        let h = harness(&url).await;
+        let sc = unique_name("QUEUE");
+        let l = h.gov.limiter();
+        let r = Req::new(&sc, "a").source_limits(0, 0, 100).est(3);
+        let mut tasks = vec![];
+        for _ in 0..40 {
+            let (l, r) = (l.clone(), r.clone());
+            tasks.push(tokio::spawn(async move {
+                let p = lc::admit(&l, &r).await;
+                drop(p);
+            }));
+        }
+        for t in tasks {
+            t.await.unwrap();
+        }
+        let p = lc::admit(&l, &r).await;
+        std::thread::spawn(move || drop(p)).join().unwrap();
+        h.gov.shutdown().await.unwrap();
+        assert_eq!(l.in_flight(&sc, "a").await.unwrap(), 0);
+        assert_eq!(l.source_window(&sc, "a").await.unwrap(), (41, 123));
+    }
+
+    /// Scope names that would break the cluster hash tag are refused (an error, never an
+    /// admission).
+    #[tokio::test]
+    async fn braces_in_scope_are_rejected() {
+        let Some(url) = redis_url() else { return };
+        let h = harness(&url).await;
+        let r = Req::new("A}B", "a");
+        assert!(matches!(
+            h.gov.limiter().acquire(&r.get()).await,
+            Err(GovernanceError { .. })
+        ));
+        assert!(h
+            .gov
+            .breakers()
+            .admit("{X", "a", Duration::from_secs(1))
+            .await
+            .is_err());
+    }
+
+    /// Admissions are refused with the server's hint even when process clocks disagree:
+    /// two clients with different local clocks see one window (time is `TIME`).
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn independent_clients_share_one_window() {
+        let Some(url) = redis_url() else { return };
+        let h = harness(&url).await;
+        let clients = LimiterHarness::clients(&h, 3).await;
+        let sc = unique_name("SHARED");
+        let r = Req::new(&sc, "a").source_limits(3, 0, 0);
+        for c in &clients {
+            match c.acquire(&r.get()).await.unwrap() {
+                Admission::Admitted(mut p) => p.finish(0).await.unwrap(),
+                Admission::Refused(f) => panic!("{f:?}"),
+            }
+        }
+        for c in &clients {
+            let f = lc::refuse(c.as_ref(), &r).await;
+            let hint = f.retry_after.unwrap();
+            assert!(hint <= Duration::from_secs(60) && hint > Duration::from_secs(55));
+        }
+    }
+}
