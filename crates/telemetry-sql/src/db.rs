@@ -12,7 +12,7 @@ use sqlx::sqlite::{
     SqliteConnectOptions, SqliteJournalMode, SqlitePool, SqlitePoolOptions, SqliteRow,
     SqliteSynchronous,
 };
-use sqlx::{Postgres, QueryBuilder, Row, Sqlite};
+use sqlx::{ConnectOptions, Connection, Postgres, QueryBuilder, Row, Sqlite};
 
 use crate::migrations;
 use crate::time::{format_utc_ms, parse_utc_ms};
@@ -138,6 +138,27 @@ fn err(context: &str, e: &dyn std::fmt::Display, url: &str) -> TelemetryError {
     ))
 }
 
+/// Opens (and closes) one connection first: a pool would only say "timed out" where
+/// the driver says why (connection refused, authentication failed, no such file).
+async fn probe<O>(o: &O, limit: Duration, url: &str, context: &str) -> Result<(), TelemetryError>
+where
+    O: ConnectOptions,
+    O::Connection: Sized,
+{
+    match tokio::time::timeout(limit, o.connect()).await {
+        Ok(Ok(conn)) => {
+            let _ = conn.close().await;
+            Ok(())
+        }
+        Ok(Err(e)) => Err(err(context, &e, url)),
+        Err(_) => Err(err(
+            context,
+            &format!("no connection within {limit:?}"),
+            url,
+        )),
+    }
+}
+
 impl Db {
     /// Opens a pool of one connection (the writer is the only user).
     pub(crate) async fn open(url: &str, opts: OpenOptions) -> Result<Db, TelemetryError> {
@@ -149,6 +170,7 @@ impl Db {
                     .journal_mode(SqliteJournalMode::Wal)
                     .synchronous(SqliteSynchronous::Normal)
                     .busy_timeout(opts.timeout / 2);
+                probe(&o, opts.timeout, url, "cannot open SQLite database").await?;
                 let pool = SqlitePoolOptions::new()
                     .max_connections(1)
                     .acquire_timeout(opts.timeout)
@@ -160,6 +182,7 @@ impl Db {
             Backend::Postgres => {
                 let o = PgConnectOptions::from_str(url)
                     .map_err(|e| err("invalid PostgreSQL URL", &e, url))?;
+                probe(&o, opts.timeout, url, "cannot connect to PostgreSQL").await?;
                 let pool = PgPoolOptions::new()
                     .max_connections(1)
                     .acquire_timeout(opts.timeout)

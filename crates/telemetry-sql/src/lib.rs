@@ -38,4 +38,4 @@ pub use config::RecorderConfig;
 pub use db::{Backend, COLUMNS, POSTGRES_MAX_BINDS, SQLITE_MAX_BINDS};
 pub use polygw_core::ports::telemetry::{FlushReport, NullRecorder, TelemetryRecorder};
 pub use reader::{accounting_gap, read_rows, TelemetryReader};
-pub use recorder::SqlRecorder;
+pub use recorder::{RecorderMonitor, SqlRecorder};

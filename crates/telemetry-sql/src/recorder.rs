@@ -459,6 +459,14 @@ impl SqlRecorder {
         self.inner.shared.stopped.load(Ordering::SeqCst)
     }
 
+    /// A read-only view of the counters that does not keep the recorder alive (for a
+    /// metrics exporter, or to watch the writer end after the last handle is dropped).
+    pub fn monitor(&self) -> RecorderMonitor {
+        RecorderMonitor {
+            shared: self.inner.shared.clone(),
+        }
+    }
+
     /// Writes what is queued (at most `flush_timeout`), stops the writer task and
     /// reports the final totals; `pending` rows are lost. Idempotent; rows recorded after
     /// it count as dropped. Every clone sees the recorder stopped.
@@ -484,6 +492,29 @@ impl SqlRecorder {
         }
         s.stopped.store(true, Ordering::SeqCst);
         s.report()
+    }
+}
+
+/// Counters of a [`SqlRecorder`], readable after every handle is gone.
+#[derive(Debug, Clone)]
+pub struct RecorderMonitor {
+    shared: Arc<Shared>,
+}
+
+impl RecorderMonitor {
+    /// Written, dropped and pending totals now.
+    pub fn snapshot(&self) -> FlushReport {
+        self.shared.report()
+    }
+
+    /// Rows given to `record()` so far (= written + dropped + pending).
+    pub fn recorded(&self) -> u64 {
+        self.shared.recorded.load(Ordering::SeqCst)
+    }
+
+    /// Whether the writer task has stopped.
+    pub fn is_stopped(&self) -> bool {
+        self.shared.stopped.load(Ordering::SeqCst)
     }
 }
 
