@@ -9,12 +9,14 @@ use polygw_core::ports::{
     BreakerStore, Clock, EmbeddingTransport, OcrTransport, RateLimiter, ResponseCache, Rng,
     TelemetryRecorder, Transport,
 };
-use polygw_core::{GatewayError, ScopeKind, ScopeSettings};
+use polygw_core::{ConfigWarning, GatewayError, ScopeKind, ScopeSettings};
 
 use crate::client::GatewayClient;
 use crate::clock::{EntropyRng, TokioClock};
+use crate::embedding::EmbeddingClient;
 use crate::engine::{Engine, Ports};
 use crate::metrics::Metrics;
+use crate::ocr::OcrClient;
 use crate::wiring;
 
 /// Builds a [`GatewayClient`] (or the engine of an embedding/OCR client).
@@ -109,8 +111,25 @@ impl GatewayBuilder {
         self
     }
 
-    /// Guards the settings, builds missing ports, and returns the client.
+    /// Guards the settings, builds missing ports, and returns the chat client.
     pub async fn build(self) -> Result<GatewayClient, GatewayError> {
+        let (engine, warnings) = self.kind(ScopeKind::Chat).build_engine().await?;
+        Ok(GatewayClient { engine, warnings })
+    }
+
+    /// Builds an [`EmbeddingClient`] (embedding scope).
+    pub async fn build_embedding(self) -> Result<EmbeddingClient, GatewayError> {
+        let (engine, warnings) = self.kind(ScopeKind::Embedding).build_engine().await?;
+        Ok(EmbeddingClient { engine, warnings })
+    }
+
+    /// Builds an [`OcrClient`] (OCR scope).
+    pub async fn build_ocr(self) -> Result<OcrClient, GatewayError> {
+        let (engine, warnings) = self.kind(ScopeKind::Ocr).build_engine().await?;
+        Ok(OcrClient { engine, warnings })
+    }
+
+    async fn build_engine(self) -> Result<(Arc<Engine>, Arc<Vec<ConfigWarning>>), GatewayError> {
         let warnings = guards::check(&self.settings, self.kind)?;
         let s = &self.settings;
         let clock: Arc<dyn Clock> = self.clock.unwrap_or_else(|| Arc::new(TokioClock));
@@ -164,9 +183,9 @@ impl GatewayBuilder {
             rng,
         };
         let metrics = self.metrics.unwrap_or_default();
-        Ok(GatewayClient {
-            engine: Arc::new(Engine::new(self.settings, self.kind, ports, metrics)),
-            warnings: Arc::new(warnings),
-        })
+        Ok((
+            Arc::new(Engine::new(self.settings, self.kind, ports, metrics)),
+            Arc::new(warnings),
+        ))
     }
 }

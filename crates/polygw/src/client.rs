@@ -187,25 +187,17 @@ impl GatewayClient {
         self.chat_inner(request, Some(sink)).await
     }
 
-    async fn chat_inner(
-        &self,
-        request: ChatRequest,
-        sink: Option<Arc<dyn DeltaSink>>,
-    ) -> Result<LlmResponse, GatewayError> {
-        request
-            .validate()
-            .map_err(|(field, message)| GatewayError::InvalidRequest { field, message })?;
+    pub(crate) fn new_call(&self, stream: bool) -> (Arc<CallShared>, tracing::Span) {
         let engine = &self.engine;
-        let started = engine.ports.clock.now();
-        let call = Arc::new(CallShared::new(new_id(), started, request.stream));
+        let call = Arc::new(CallShared::new(new_id(), engine.ports.clock.now(), stream));
         let span = tracing::info_span!(
             "polygw.chat",
             gen_ai.operation.name = "chat",
             polygw.scope = %engine.scope.name,
             polygw.logical_call_id = %call.logical_call_id,
-            polygw.stream = request.stream,
-            gen_ai.request.max_tokens = request.max_tokens,
-            gen_ai.request.temperature = request.temperature,
+            polygw.stream = stream,
+            gen_ai.request.max_tokens = tracing::field::Empty,
+            gen_ai.request.temperature = tracing::field::Empty,
             gen_ai.response.model = tracing::field::Empty,
             gen_ai.response.finish_reasons = tracing::field::Empty,
             gen_ai.usage.input_tokens = tracing::field::Empty,
@@ -217,12 +209,46 @@ impl GatewayClient {
             polygw.cache_hit = tracing::field::Empty,
             error.type = tracing::field::Empty,
         );
-        let result = self
-            .run_chat(&request, &call, sink)
+        (call, span)
+    }
+
+    async fn chat_inner(
+        &self,
+        request: ChatRequest,
+        sink: Option<Arc<dyn DeltaSink>>,
+    ) -> Result<LlmResponse, GatewayError> {
+        request
+            .validate()
+            .map_err(|(field, message)| GatewayError::InvalidRequest { field, message })?;
+        let engine = &self.engine;
+        let (call, span) = self.new_call(request.stream);
+        if let Some(m) = request.max_tokens {
+            span.record("gen_ai.request.max_tokens", m);
+        }
+        if let Some(t) = request.temperature {
+            span.record("gen_ai.request.temperature", t);
+        }
+        let result = with_deadline(engine, &call, self.run_chat(&request, &call, sink))
             .instrument(span.clone())
             .await;
-        let latency = ms(engine.ports.clock.now().saturating_duration_since(started));
-        match &result {
+        self.finish_call(&call, &span, &result);
+        result
+    }
+
+    /// Metrics, span fields and the terminal row of a finished logical chat call.
+    pub(crate) fn finish_call(
+        &self,
+        call: &CallShared,
+        span: &tracing::Span,
+        result: &Result<LlmResponse, GatewayError>,
+    ) {
+        let engine = &self.engine;
+        let latency = ms(engine
+            .ports
+            .clock
+            .now()
+            .saturating_duration_since(call.started));
+        match result {
             Ok(r) => {
                 span.record("gen_ai.response.model", r.model.as_str());
                 if let Some(f) = &r.finish_reason {
@@ -248,13 +274,14 @@ impl GatewayClient {
                 span.record("error.type", reason);
                 span.record("polygw.attempts", call.progress().attempts);
                 engine.metrics.call(&engine.scope.name, reason, latency);
-                engine.emit_terminal(&call, e);
+                engine.emit_terminal(call, e);
             }
         }
-        result
     }
 
-    async fn run_chat(
+    /// One chat through cache and retry loop, in an existing logical call (the
+    /// caller applies the deadline).
+    pub(crate) async fn run_chat(
         &self,
         request: &ChatRequest,
         call: &Arc<CallShared>,
@@ -278,7 +305,7 @@ impl GatewayClient {
         engine.budget().record_call(call.started);
         let policy = HedgePolicy::for_request(&engine.scope.hedge, request.stream);
         let leg = ChatLeg { request };
-        let won = with_deadline(engine, call, engine.run_call(&leg, call, policy, sink)).await?;
+        let won = engine.run_call(&leg, call, policy, sink).await?;
         let response = self.response(won, call);
         if let (Some(k), Some(ttl)) = (&key, engine.scope.cache.ttl) {
             if response.finish_reason.is_some() {

@@ -24,15 +24,21 @@
 mod builder;
 mod client;
 pub mod clock;
+mod embedding;
 mod engine;
 pub mod metrics;
+mod ocr;
+mod structured;
 mod wiring;
 
 pub use builder::GatewayBuilder;
 pub use client::GatewayClient;
+pub use embedding::{EmbeddingClient, Embeddings};
 pub use engine::round::DeltaSink;
 pub use engine::Ports;
 pub use metrics::Metrics;
+pub use ocr::{OcrClient, OcrText, MAX_IMAGE_BYTES};
+pub use structured::{strip_code_fence, Structured};
 
 pub use polygw_core as core;
 pub use polygw_core::ports::{FlushReport, StreamDelta, ToolCallDelta};

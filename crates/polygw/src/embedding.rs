@@ -1,0 +1,257 @@
+//! [`EmbeddingClient`] (SPEC §10): texts in batches, each batch through admission and
+//! the retry loop (no hedging), order preserved, usage merged three-state, cost NULL
+//! when any batch's is unknown.
+
+use std::sync::Arc;
+
+use futures_util::future::{BoxFuture, FutureExt};
+use polygw_core::hedge::HedgePolicy;
+use polygw_core::ports::{ChunkObserver, EmbeddingResult};
+use polygw_core::stall::ms;
+use polygw_core::telemetry::{cost, CostBasis};
+use polygw_core::{
+    AttemptError, CallStats, ConfigWarning, ErrorClass, ErrorLabel, GatewayError, ScopeKind,
+    ScopeSettings, SourceConfig, Usage, UsageSource,
+};
+use serde::Serialize;
+use tracing::Instrument;
+
+use crate::builder::GatewayBuilder;
+use crate::client::with_deadline;
+use crate::clock::new_id;
+use crate::engine::attempt::{Leg, SuccessFacts};
+use crate::engine::call::CallShared;
+use crate::engine::Engine;
+
+/// The result of [`EmbeddingClient::embed`].
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct Embeddings {
+    /// One vector per input text, in input order.
+    pub vectors: Vec<Vec<f32>>,
+    /// Usage summed over batches.
+    pub usage: Usage,
+    /// Any batch unavailable → unavailable; else any estimated → estimated; else measured.
+    pub usage_source: UsageSource,
+    /// Sum of batch costs; `None` if any batch's cost is unknown.
+    pub cost: Option<f64>,
+    /// The model of the last batch.
+    pub model: String,
+    /// The sources that answered, per batch.
+    pub sources: Vec<String>,
+    /// The logical call's id.
+    pub logical_call_id: String,
+    /// `attempts` over all batches; `generation_ms` summed over batches.
+    pub call_stats: CallStats,
+}
+
+/// An embedding client over one scope.
+#[derive(Clone, Debug)]
+pub struct EmbeddingClient {
+    pub(crate) engine: Arc<Engine>,
+    pub(crate) warnings: Arc<Vec<ConfigWarning>>,
+}
+
+struct EmbedLeg<'t> {
+    texts: &'t [String],
+}
+
+impl Leg for EmbedLeg<'_> {
+    type Output = EmbeddingResult;
+
+    fn stream(&self) -> bool {
+        false
+    }
+
+    fn call<'a>(
+        &'a self,
+        engine: &'a Engine,
+        source: &'a SourceConfig,
+        call_id: &'a str,
+        _observer: &'a dyn ChunkObserver,
+    ) -> BoxFuture<'a, Result<EmbeddingResult, AttemptError>> {
+        let n = self.texts.len();
+        async move {
+            let Some(t) = engine.ports.embedder.as_ref() else {
+                return Err(AttemptError::new(
+                    ErrorClass::Invalid,
+                    ErrorLabel::Invalid,
+                    "no embedding transport configured",
+                ));
+            };
+            let r = t.embed(source, self.texts, call_id).await?;
+            if r.vectors.len() != n {
+                return Err(AttemptError::new(
+                    ErrorClass::Invalid,
+                    ErrorLabel::Invalid,
+                    format!("{} vectors for {n} inputs", r.vectors.len()),
+                )
+                .with_usage(r.usage, r.usage_source));
+            }
+            Ok(r)
+        }
+        .boxed()
+    }
+
+    fn facts(&self, out: &EmbeddingResult) -> SuccessFacts {
+        SuccessFacts {
+            usage: out.usage,
+            usage_source: out.usage_source,
+            figures: None,
+            http_status: out.http_status,
+            model: out.model.clone(),
+            per_call_cost: false,
+            settle_override: None,
+        }
+    }
+}
+
+impl EmbeddingClient {
+    /// Loads scope `scope` from the process environment and builds it.
+    pub async fn from_env(scope: &str) -> Result<Self, GatewayError> {
+        Self::from_vars(std::env::vars(), scope).await
+    }
+
+    /// Loads scope `scope` from any key/value source and builds it.
+    pub async fn from_vars<I, K, V>(vars: I, scope: &str) -> Result<Self, GatewayError>
+    where
+        I: IntoIterator<Item = (K, V)>,
+        K: AsRef<str>,
+        V: AsRef<str>,
+    {
+        let loaded = polygw_core::config::load_scope(vars, scope, ScopeKind::Embedding)?;
+        Self::builder(loaded.settings).build_embedding().await
+    }
+
+    /// A builder for an embedding scope (give it ports, then `build_embedding()`).
+    pub fn builder(settings: ScopeSettings) -> GatewayBuilder {
+        GatewayBuilder::new(settings).kind(ScopeKind::Embedding)
+    }
+
+    /// The scope's settings.
+    pub fn settings(&self) -> &ScopeSettings {
+        &self.engine.scope
+    }
+
+    /// What the configuration guards warned about.
+    pub fn warnings(&self) -> &[ConfigWarning] {
+        &self.warnings
+    }
+
+    /// The batch size: the smallest `BATCH_SIZE` of the scope's sources, so that any
+    /// source can take any batch.
+    pub fn batch_size(&self) -> usize {
+        self.engine
+            .scope
+            .sources
+            .iter()
+            .map(|s| s.batch_size as usize)
+            .min()
+            .unwrap_or(1)
+            .max(1)
+    }
+
+    /// Embeds `texts` (order preserved).
+    pub async fn embed(&self, texts: &[String]) -> Result<Embeddings, GatewayError> {
+        let engine = &self.engine;
+        let started = engine.ports.clock.now();
+        let call = Arc::new(CallShared::new(new_id(), started, false));
+        let span = tracing::info_span!(
+            "polygw.embed",
+            gen_ai.operation.name = "embeddings",
+            polygw.scope = %engine.scope.name,
+            polygw.logical_call_id = %call.logical_call_id,
+            polygw.inputs = texts.len(),
+            gen_ai.usage.input_tokens = tracing::field::Empty,
+            error.type = tracing::field::Empty,
+        );
+        let result = with_deadline(engine, &call, self.run(texts, &call))
+            .instrument(span.clone())
+            .await;
+        let latency = ms(engine.ports.clock.now().saturating_duration_since(started));
+        match &result {
+            Ok(e) => {
+                span.record("gen_ai.usage.input_tokens", e.usage.prompt_tokens);
+                engine.metrics.call(&engine.scope.name, "ok", latency);
+            }
+            Err(e) => {
+                let reason = e
+                    .terminal_reason()
+                    .map(|r| r.as_str())
+                    .unwrap_or("invalid_request");
+                span.record("error.type", reason);
+                engine.metrics.call(&engine.scope.name, reason, latency);
+                engine.emit_terminal(&call, e);
+            }
+        }
+        result
+    }
+
+    async fn run(
+        &self,
+        texts: &[String],
+        call: &Arc<CallShared>,
+    ) -> Result<Embeddings, GatewayError> {
+        let engine = &self.engine;
+        let mut out = Embeddings {
+            vectors: Vec::with_capacity(texts.len()),
+            usage: Usage::default(),
+            usage_source: UsageSource::Measured,
+            cost: Some(0.0),
+            model: String::new(),
+            sources: Vec::new(),
+            logical_call_id: call.logical_call_id.clone(),
+            call_stats: CallStats::default(),
+        };
+        let off = HedgePolicy {
+            after: None,
+            stall_after: None,
+            max_extra: 0,
+        };
+        let mut generation = 0u64;
+        for batch in texts.chunks(self.batch_size()) {
+            let leg = EmbedLeg { texts: batch };
+            let won = engine.run_call(&leg, call, off, None).await?;
+            let src = &engine.scope.sources[won.info.source_idx];
+            generation += ms(won.wall);
+            out.usage = out.usage.add(&won.facts.usage);
+            out.usage_source = out.usage_source.merge(won.facts.usage_source);
+            let batch_cost = cost(
+                CostBasis::Tokens {
+                    usage: &won.facts.usage,
+                    source: won.facts.usage_source,
+                },
+                src,
+            );
+            out.cost = match (out.cost, batch_cost) {
+                (Some(a), Some(b)) => Some(a + b),
+                _ => None,
+            };
+            out.model = won
+                .output
+                .model
+                .clone()
+                .unwrap_or_else(|| src.model.clone());
+            out.sources.push(src.name.clone());
+            out.vectors.extend(won.output.vectors);
+        }
+        if texts.is_empty() {
+            out.cost = Some(0.0);
+        }
+        let p = call.progress();
+        out.call_stats = CallStats {
+            attempts: p.attempts,
+            cache_hit: false,
+            total_latency_ms: ms(engine
+                .ports
+                .clock
+                .now()
+                .saturating_duration_since(call.started)),
+            hedges: 0,
+            hedge_won: false,
+            generation_ms: generation,
+            stall_ms: None,
+            stall_count: None,
+        };
+        Ok(out)
+    }
+}
