@@ -171,8 +171,12 @@ impl Db {
                     .synchronous(SqliteSynchronous::Normal)
                     .busy_timeout(opts.timeout / 2);
                 probe(&o, opts.timeout, url, "cannot open SQLite database").await?;
+                // One connection, kept open: SQLite has a single writer anyway, and an
+                // in-memory database lives only as long as its connection.
                 let pool = SqlitePoolOptions::new()
                     .max_connections(1)
+                    .idle_timeout(None)
+                    .max_lifetime(None)
                     .acquire_timeout(opts.timeout)
                     .connect_with(o)
                     .await

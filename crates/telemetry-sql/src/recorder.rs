@@ -46,6 +46,8 @@ struct Shared {
     wake: Notify,
     /// `flush()`, `shutdown()` or drop: write now, skip the current backoff.
     urgent: Notify,
+    /// Closing was asked (one permit, for the writer's hard stop).
+    closed: Notify,
     /// A batch was committed or rows were dropped, or the writer stopped.
     progress: Notify,
 }
@@ -110,6 +112,15 @@ impl Shared {
         }
     }
 
+    /// Asks the writer to write what is queued and stop (idempotent).
+    fn close(&self) {
+        if !self.closing.swap(true, Ordering::SeqCst) {
+            self.closed.notify_one();
+        }
+        self.urgent.notify_one();
+        self.wake.notify_one();
+    }
+
     fn is_empty(&self) -> bool {
         self.lock().is_empty()
     }
@@ -171,16 +182,13 @@ struct Writer {
 impl Writer {
     /// Writes everything queued now, batch by batch; stops at the first failure (the
     /// failed batch is back at the front of the queue).
-    async fn drain(&self, deadline: Option<Instant>) -> Result<(), String> {
+    async fn drain(&self) -> Result<(), String> {
         loop {
             let batch = self.shared.take_batch();
             if batch.is_empty() {
                 return Ok(());
             }
-            let mut limit = self.cfg.write_timeout;
-            if let Some(d) = deadline {
-                limit = limit.min(d.saturating_duration_since(Instant::now()));
-            }
+            let limit = self.cfg.write_timeout;
             match tokio::time::timeout(limit, self.db.insert(&batch)).await {
                 Ok(Ok(())) => self.shared.committed(batch.len()),
                 Ok(Err(e)) => {
@@ -259,6 +267,27 @@ impl Writer {
     async fn run(self) {
         let _guard = StopGuard(self.shared.clone());
         let mut st = WriterState::new(&self.cfg);
+        // Once closing is asked (shutdown or drop), the task has `flush_timeout` left:
+        // past it, a write still running is cancelled (its rows stay counted as pending).
+        let hard_stop = async {
+            self.shared.closed.notified().await;
+            tokio::time::sleep(self.cfg.flush_timeout).await;
+        };
+        tokio::select! {
+            _ = self.work(&mut st) => {}
+            _ = hard_stop => {
+                tracing::warn!(
+                    url = %self.label,
+                    pending = self.shared.report().pending,
+                    "telemetry shutdown: rows could not be written within flush_timeout and are lost"
+                );
+            }
+        }
+        let _ = tokio::time::timeout(Duration::from_secs(1), self.db.close()).await;
+    }
+
+    /// The writer's loop, then the last drain once closing is asked.
+    async fn work(&self, st: &mut WriterState) {
         let mut idle_wait = true;
         while !self.shared.closing.load(Ordering::SeqCst) {
             if idle_wait && !self.shared.has_full_batch() {
@@ -271,13 +300,13 @@ impl Writer {
                     break;
                 }
             }
-            match self.drain(None).await {
+            match self.drain().await {
                 Ok(()) => {
-                    self.on_success(&mut st);
+                    self.on_success(st);
                     idle_wait = true;
                 }
                 Err(e) => {
-                    self.on_failure(&mut st, &e);
+                    self.on_failure(st, &e);
                     // Backoff; a flush, a shutdown or a drop cuts it short.
                     tokio::select! {
                         _ = tokio::time::sleep(st.backoff) => {}
@@ -287,35 +316,18 @@ impl Writer {
                     idle_wait = false;
                 }
             }
-            self.check_drops(&mut st);
+            self.check_drops(st);
         }
-        self.last_drain(&mut st).await;
-        let _ = tokio::time::timeout(Duration::from_secs(1), self.db.close()).await;
-    }
-
-    /// On shutdown or drop: keep writing (with backoff) until the queue is empty or
-    /// `flush_timeout` has passed; a write still running then is cancelled.
-    async fn last_drain(&self, st: &mut WriterState) {
-        let deadline = Instant::now() + self.cfg.flush_timeout;
-        let work = async {
-            while !self.shared.is_empty() {
-                match self.drain(Some(deadline)).await {
-                    Ok(()) => self.on_success(st),
-                    Err(e) => {
-                        self.on_failure(st, &e);
-                        tokio::time::sleep(st.backoff).await;
-                        st.backoff = (st.backoff * 2).min(self.cfg.retry_max);
-                    }
+        // Closing: write what is queued, retrying with backoff (bounded by `run`).
+        while !self.shared.is_empty() {
+            match self.drain().await {
+                Ok(()) => self.on_success(st),
+                Err(e) => {
+                    self.on_failure(st, &e);
+                    tokio::time::sleep(st.backoff).await;
+                    st.backoff = (st.backoff * 2).min(self.cfg.retry_max);
                 }
             }
-        };
-        if tokio::time::timeout_at(deadline, work).await.is_err() {
-            let pending = self.shared.report().pending;
-            tracing::warn!(
-                url = %self.label,
-                pending,
-                "telemetry shutdown: rows could not be written within flush_timeout and are lost"
-            );
         }
     }
 }
@@ -335,9 +347,7 @@ impl Drop for Inner {
         // Without an await, the writer is asked to make its last bounded write
         // (`flush_timeout`) and to stop; it ends by itself, cancelling a write that runs
         // past the bound. `shutdown().await` is the way to wait for it.
-        self.shared.closing.store(true, Ordering::SeqCst);
-        self.shared.urgent.notify_one();
-        self.shared.wake.notify_one();
+        self.shared.close();
     }
 }
 
@@ -407,6 +417,7 @@ impl SqlRecorder {
             crashed: AtomicBool::new(false),
             wake: Notify::new(),
             urgent: Notify::new(),
+            closed: Notify::new(),
             progress: Notify::new(),
         });
         let writer = Writer {
@@ -472,9 +483,7 @@ impl SqlRecorder {
     /// it count as dropped. Every clone sees the recorder stopped.
     pub async fn shutdown(&self) -> FlushReport {
         let s = &self.inner.shared;
-        s.closing.store(true, Ordering::SeqCst);
-        s.urgent.notify_one();
-        s.wake.notify_one();
+        s.close();
         let task = self
             .inner
             .task

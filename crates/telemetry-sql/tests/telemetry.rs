@@ -193,6 +193,9 @@ mod common {
     pub struct Proxy {
         pub addr: SocketAddr,
         forwarding: Arc<AtomicBool>,
+        /// When not forwarding: hold new connections open without a byte (a hung server)
+        /// instead of closing them.
+        blackhole: Arc<AtomicBool>,
         conns: Arc<Mutex<Vec<JoinHandle<()>>>>,
         accept: AbortHandle,
     }
@@ -202,15 +205,21 @@ mod common {
             let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
             let addr = listener.local_addr().unwrap();
             let forwarding = Arc::new(AtomicBool::new(true));
+            let blackhole = Arc::new(AtomicBool::new(false));
             let conns: Arc<Mutex<Vec<JoinHandle<()>>>> = Arc::default();
-            let (f, c) = (forwarding.clone(), conns.clone());
+            let (f, b, c) = (forwarding.clone(), blackhole.clone(), conns.clone());
             let accept = tokio::spawn(async move {
+                let mut held = Vec::new();
                 loop {
                     let Ok((mut down, _)) = listener.accept().await else {
                         continue;
                     };
                     if !f.load(Ordering::SeqCst) {
-                        drop(down);
+                        if b.load(Ordering::SeqCst) {
+                            held.push(down);
+                        } else {
+                            drop(down);
+                        }
                         continue;
                     }
                     let task = tokio::spawn(async move {
@@ -225,6 +234,7 @@ mod common {
             Proxy {
                 addr,
                 forwarding,
+                blackhole,
                 conns,
                 accept,
             }
@@ -239,6 +249,12 @@ mod common {
                 c.abort();
                 let _ = c.await;
             }
+        }
+
+        /// The database hangs: live connections are cut, new ones never get an answer.
+        pub async fn hang(&self) {
+            self.blackhole.store(true, Ordering::SeqCst);
+            self.stop().await;
         }
 
         pub fn resume(&self) {
@@ -1285,6 +1301,51 @@ mod lifecycle {
             .execute(&mut locker)
             .await
             .unwrap();
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_hung_write_is_cut_at_flush_timeout_after_the_last_drop() {
+        let Some(db) = TestDb::pg().await else { return };
+        let TestDb::Pg(schema) = &db else {
+            unreachable!()
+        };
+        let proxy = Proxy::start(pg_addr(schema.base())).await;
+        let cfg = RecorderConfig {
+            // A write could hang for a minute; closing must not wait for it.
+            write_timeout: Duration::from_secs(60),
+            flush_timeout: Duration::from_millis(300),
+            ..fast_config()
+        };
+        let rec = SqlRecorder::connect(&via(&schema.url, proxy.addr), cfg)
+            .await
+            .unwrap();
+        let monitor = rec.monitor();
+        proxy.hang().await;
+        for r in numbered("h", 0, 7) {
+            rec.record(r);
+        }
+        // Let the writer start a write that hangs (its batch is then in flight).
+        let flushed = rec.flush().await.unwrap();
+        assert_eq!(flushed.pending, 7);
+        let dropped_at = tokio::time::Instant::now();
+        drop(rec);
+        wait_until("the writer to stop", Duration::from_secs(20), || async {
+            monitor.is_stopped()
+        })
+        .await;
+        // flush_timeout (300 ms) plus closing the pool (≤ 1 s), with room for a slow CI.
+        assert!(
+            dropped_at.elapsed() < Duration::from_secs(5),
+            "{:?}",
+            dropped_at.elapsed()
+        );
+        let report = monitor.snapshot();
+        assert_eq!(
+            (report.written, report.pending),
+            (0, 7),
+            "the lost rows are reported"
+        );
+        assert_eq!(monitor.recorded(), 7);
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
