@@ -246,15 +246,11 @@ impl SseParser {
                 self.data.push('\n');
             }
             b"event" => self.event = Some(String::from_utf8_lossy(value).into_owned()),
-            b"id" => {
-                if !value.contains(&0) {
-                    self.last_id = Some(String::from_utf8_lossy(value).into_owned());
-                }
+            b"id" if !value.contains(&0) => {
+                self.last_id = Some(String::from_utf8_lossy(value).into_owned());
             }
-            b"retry" => {
-                if !value.is_empty() && value.iter().all(u8::is_ascii_digit) {
-                    self.retry_ms = std::str::from_utf8(value).ok().and_then(|s| s.parse().ok());
-                }
+            b"retry" if !value.is_empty() && value.iter().all(u8::is_ascii_digit) => {
+                self.retry_ms = std::str::from_utf8(value).ok().and_then(|s| s.parse().ok());
             }
             _ => {}
         }

@@ -1,0 +1,513 @@
+//! Playing one behavior: the frames of a stream or the body of a plain answer, on a
+//! schedule, with keepalives, faults and the request log kept up to date.
+//!
+//! The player is a future polled by the response body itself ([`PlayerBody`]), so no
+//! task is spawned per response: when hyper drops the body (the client left, the
+//! connection was aborted, the server shut down) the player is dropped with it and its
+//! [`Guard`] records how the response ended.
+
+use std::future::Future;
+use std::io;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use bytes::Bytes;
+use hyper::body::{Body, Frame};
+use polygw_core::Usage;
+use serde_json::{json, Map, Value};
+use tokio::sync::{mpsc, Notify};
+use tokio::time::Instant;
+
+use crate::behavior::{Behavior, Fault, ReasoningField, UsageMode};
+use crate::record::{EndKind, Guard};
+
+type PlayerFuture = Pin<Box<dyn Future<Output = ()> + Send>>;
+
+/// A response body driven by a player future.
+pub(crate) struct PlayerBody {
+    rx: mpsc::Receiver<Bytes>,
+    player: Option<PlayerFuture>,
+}
+
+impl PlayerBody {
+    /// A body whose bytes the future sends through `tx`.
+    pub(crate) fn new<F, Fut>(make: F) -> Self
+    where
+        F: FnOnce(Out) -> Fut,
+        Fut: Future<Output = ()> + Send + 'static,
+    {
+        let (tx, rx) = mpsc::channel(1);
+        PlayerBody {
+            rx,
+            player: Some(Box::pin(make(Out { tx }))),
+        }
+    }
+}
+
+impl Body for PlayerBody {
+    type Data = Bytes;
+    type Error = io::Error;
+
+    fn poll_frame(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, io::Error>>> {
+        let this = self.get_mut();
+        loop {
+            match this.rx.poll_recv(cx) {
+                Poll::Ready(Some(b)) => return Poll::Ready(Some(Ok(Frame::data(b)))),
+                Poll::Ready(None) => return Poll::Ready(None),
+                Poll::Pending => {}
+            }
+            match this.player.as_mut() {
+                Some(p) => match p.as_mut().poll(cx) {
+                    // The sender is dropped with the player: drain, then end.
+                    Poll::Ready(()) => this.player = None,
+                    Poll::Pending => return Poll::Pending,
+                },
+                None => return Poll::Pending,
+            }
+        }
+    }
+}
+
+/// The player's end of the body.
+pub(crate) struct Out {
+    tx: mpsc::Sender<Bytes>,
+}
+
+impl Out {
+    async fn send(&self, b: impl Into<Bytes>) {
+        // The receiver lives in the body that polls us: it cannot be gone while we run.
+        let _ = self.tx.send(b.into()).await;
+    }
+
+    /// Waits until the body has handed every byte to hyper.
+    async fn drained(&self) {
+        while self.tx.capacity() < self.tx.max_capacity() {
+            tokio::task::yield_now().await;
+        }
+    }
+}
+
+/// What the player needs besides the behavior.
+pub(crate) struct Ctx {
+    pub(crate) guard: Guard,
+    pub(crate) kill: Arc<Notify>,
+    pub(crate) model: String,
+    pub(crate) prompt_tokens: u64,
+    pub(crate) seed: u64,
+    pub(crate) created: u64,
+    pub(crate) image_summary: Option<String>,
+}
+
+/// One incremental item of an answer.
+#[derive(Debug, Clone)]
+pub(crate) enum Item {
+    Reasoning(String),
+    Content(String),
+    Tool { first: bool, args: String },
+}
+
+/// The planned answer of a behavior.
+#[derive(Debug, Clone)]
+pub(crate) struct Plan {
+    pub(crate) items: Vec<Item>,
+    pub(crate) finish_reason: String,
+    pub(crate) usage: Usage,
+}
+
+impl Plan {
+    pub(crate) fn new(b: &Behavior, ctx: &Ctx) -> Plan {
+        let mut items: Vec<Item> = b.reasoning.iter().cloned().map(Item::Reasoning).collect();
+        if !b.chunks.is_empty() {
+            items.extend(b.chunks.iter().cloned().map(Item::Content));
+        } else if let Some(n) = b.chunk_count {
+            items.extend((0..n).map(|i| Item::Content(crate::text::word(ctx.seed, i))));
+        } else if b.reasoning.is_empty() && b.tool_call.is_none() {
+            match &ctx.image_summary {
+                Some(s) => items.push(Item::Content(s.clone())),
+                None => items.extend(
+                    ["Hello", " from", " the", " polygw", " mock."]
+                        .iter()
+                        .map(|s| Item::Content(s.to_string())),
+                ),
+            }
+        }
+        if let Some(t) = &b.tool_call {
+            let n = t.fragments.max(1) as usize;
+            let chars: Vec<char> = t.arguments.chars().collect();
+            let per = chars.len().div_ceil(n).max(1);
+            let mut pieces: Vec<String> = chars.chunks(per).map(|c| c.iter().collect()).collect();
+            while pieces.len() < n {
+                pieces.push(String::new());
+            }
+            for (i, p) in pieces.into_iter().enumerate() {
+                items.push(Item::Tool {
+                    first: i == 0,
+                    args: p,
+                });
+            }
+        }
+        let finish_reason = b.finish_reason.clone().unwrap_or_else(|| {
+            if b.tool_call.is_some() {
+                "tool_calls".into()
+            } else {
+                "stop".into()
+            }
+        });
+        let reasoning_n = b.reasoning.len() as u64;
+        let usage = Usage {
+            prompt_tokens: b.prompt_tokens.unwrap_or(ctx.prompt_tokens),
+            completion_tokens: b.completion_tokens.unwrap_or(items.len() as u64),
+            reasoning_tokens: (reasoning_n > 0).then_some(reasoning_n),
+        };
+        Plan {
+            items,
+            finish_reason,
+            usage,
+        }
+    }
+
+    pub(crate) fn full_content(&self) -> String {
+        self.items
+            .iter()
+            .filter_map(|i| match i {
+                Item::Content(s) => Some(s.as_str()),
+                _ => None,
+            })
+            .collect()
+    }
+
+    fn reasoning(&self) -> String {
+        self.items
+            .iter()
+            .filter_map(|i| match i {
+                Item::Reasoning(s) => Some(s.as_str()),
+                _ => None,
+            })
+            .collect()
+    }
+}
+
+fn usage_json(u: &Usage) -> Value {
+    let mut o = json!({
+        "prompt_tokens": u.prompt_tokens,
+        "completion_tokens": u.completion_tokens,
+        "total_tokens": u.prompt_tokens + u.completion_tokens,
+    });
+    if let Some(r) = u.reasoning_tokens {
+        o["completion_tokens_details"] = json!({ "reasoning_tokens": r });
+    }
+    o
+}
+
+/// The default in-band error object.
+pub(crate) fn default_error_object() -> Value {
+    json!({"error": {
+        "message": "The server had an error while processing your request.",
+        "type": "server_error",
+        "code": "server_error"
+    }})
+}
+
+fn sse(v: &Value) -> Bytes {
+    Bytes::from(format!("data: {v}\n\n"))
+}
+
+struct Stream<'a> {
+    b: &'a Behavior,
+    ctx: Ctx,
+    out: &'a Out,
+    last_write: Instant,
+}
+
+impl Stream<'_> {
+    fn chunk(&self, delta: Value, finish: Option<&str>) -> Value {
+        json!({
+            "id": format!("chatcmpl-mock-{}", self.ctx.guard.id),
+            "object": "chat.completion.chunk",
+            "created": self.ctx.created,
+            "model": self.ctx.model,
+            "choices": [{"index": 0, "delta": delta, "finish_reason": finish}],
+        })
+    }
+
+    async fn write(&mut self, b: Bytes) {
+        self.out.send(b).await;
+        self.last_write = Instant::now();
+    }
+
+    async fn frame(&mut self, v: &Value) {
+        self.write(sse(v)).await;
+        self.ctx.guard.frames_sent += 1;
+    }
+
+    /// Silence until `at`, with keepalive comments when configured.
+    async fn wait_until(&mut self, at: Instant) {
+        if let Some(k) = self.b.keepalive_ms.filter(|k| *k > 0.0) {
+            let every = Duration::from_secs_f64(k / 1000.0);
+            loop {
+                let next = self.last_write + every;
+                if next >= at {
+                    break;
+                }
+                tokio::time::sleep_until(next).await;
+                self.write(Bytes::from_static(b": keepalive\n\n")).await;
+                self.ctx.guard.keepalives_sent += 1;
+            }
+        }
+        tokio::time::sleep_until(at).await;
+    }
+
+    /// Silence forever (keepalives aside): until the client leaves.
+    async fn hang(&mut self) {
+        loop {
+            let far = Instant::now() + Duration::from_secs(3600);
+            self.wait_until(far).await;
+        }
+    }
+
+    /// Aborts the connection (RST) after letting hyper flush what was sent.
+    async fn reset(&mut self, end: EndKind) {
+        self.out.drained().await;
+        tokio::time::sleep(Duration::from_millis(2)).await;
+        self.ctx.guard.finish(end);
+        self.ctx.kill.notify_one();
+        std::future::pending::<()>().await;
+    }
+
+    fn finish_frame(&self, plan: &Plan) -> Value {
+        let mut v = self.chunk(json!({}), Some(&plan.finish_reason));
+        match self.b.usage {
+            UsageMode::Inline => v["usage"] = usage_json(&plan.usage),
+            UsageMode::Choice => v["choices"][0]["usage"] = usage_json(&plan.usage),
+            UsageMode::FinalFrame | UsageMode::None => {}
+        }
+        v
+    }
+
+    async fn play(mut self) {
+        let plan = Plan::new(self.b, &self.ctx);
+        let start = Instant::now();
+        if self.b.role_chunk {
+            let v = self.chunk(json!({"role": "assistant", "content": ""}), None);
+            self.frame(&v).await;
+        }
+        let n = plan.items.len();
+        let mut at = start;
+        let ms = |x: f64| Duration::from_secs_f64(x.max(0.0) / 1000.0);
+        at += ms(self.b.ttft_ms);
+        for i in 0..=n {
+            // Faults at chunk i (i == n: after every incremental chunk, before finish).
+            let fault_here = |c: u32| c as usize == i || (i == n && c as usize >= n);
+            match &self.b.fault {
+                Some(Fault::ResetAfter { chunks }) if fault_here(*chunks) => {
+                    return self.reset(EndKind::ResetMidStream).await;
+                }
+                Some(Fault::TruncateAfter { chunks }) if fault_here(*chunks) => {
+                    self.ctx.guard.finish(EndKind::Truncated);
+                    return;
+                }
+                _ => {}
+            }
+            if i == n {
+                break;
+            }
+            if i > 0 {
+                at += ms(self.b.gap_before(i));
+            }
+            at += ms(self.b.stall_before(i));
+            self.wait_until(at).await;
+            match &self.b.fault {
+                Some(Fault::MalformedAt { chunk }) if *chunk as usize == i => {
+                    self.write(Bytes::from_static(
+                        b"data: {\"id\":\"chatcmpl-mock\",\"choices\":[{\"index\":0,\"delta\":{\"content\":\"br\n\n",
+                    ))
+                    .await;
+                    self.ctx.guard.frames_sent += 1;
+                }
+                Some(Fault::ErrorFrameAt { chunk, error }) if *chunk as usize == i => {
+                    let e = error.clone().unwrap_or_else(default_error_object);
+                    self.frame(&e).await;
+                    self.ctx.guard.finish(EndKind::Completed);
+                    return;
+                }
+                _ => {}
+            }
+            let delta = match &plan.items[i] {
+                Item::Reasoning(s) => {
+                    self.ctx.guard.reasoning.push_str(s);
+                    match self.b.reasoning_field {
+                        ReasoningField::ReasoningContent => json!({"reasoning_content": s}),
+                        ReasoningField::Reasoning => json!({"reasoning": s}),
+                    }
+                }
+                Item::Content(s) => {
+                    self.ctx.guard.content.push_str(s);
+                    json!({"content": s})
+                }
+                Item::Tool { first, args } => {
+                    let t = self.b.tool_call.clone().unwrap_or_default();
+                    if *first {
+                        json!({"tool_calls": [{"index": 0, "id": t.id, "type": "function",
+                            "function": {"name": t.name, "arguments": args}}]})
+                    } else {
+                        json!({"tool_calls": [{"index": 0, "function": {"arguments": args}}]})
+                    }
+                }
+            };
+            let v = self.chunk(delta, None);
+            self.frame(&v).await;
+            self.ctx.guard.chunks_sent += 1;
+        }
+        let fin = self.finish_frame(&plan);
+        self.frame(&fin).await;
+        if matches!(self.b.usage, UsageMode::Inline | UsageMode::Choice) {
+            self.ctx.guard.usage = Some(plan.usage);
+        }
+        if self.b.fault == Some(Fault::ResetAfterFinish) {
+            return self.reset(EndKind::ResetMidStream).await;
+        }
+        if self.b.usage == UsageMode::FinalFrame {
+            let v = json!({
+                "id": format!("chatcmpl-mock-{}", self.ctx.guard.id),
+                "object": "chat.completion.chunk",
+                "created": self.ctx.created,
+                "model": self.ctx.model,
+                "choices": [],
+                "usage": usage_json(&plan.usage),
+            });
+            self.frame(&v).await;
+            self.ctx.guard.usage = Some(plan.usage);
+        }
+        if self.b.fault == Some(Fault::HangAfterFinish) {
+            self.out.drained().await;
+            return self.hang().await;
+        }
+        if self.b.done {
+            self.write(Bytes::from_static(b"data: [DONE]\n\n")).await;
+        }
+        self.out.drained().await;
+        self.ctx.guard.finish(EndKind::Completed);
+    }
+}
+
+/// Plays a generated SSE stream (headers already sent).
+pub(crate) async fn play_stream(b: Behavior, ctx: Ctx, out: Out) {
+    let s = Stream {
+        b: &b,
+        ctx,
+        out: &out,
+        last_write: Instant::now(),
+    };
+    s.play().await;
+}
+
+/// Plays a raw body in writes of `raw_chunk_bytes` with `raw_chunk_gap_ms` between
+/// them, after `ttft_ms`.
+pub(crate) async fn play_raw(b: Behavior, mut ctx: Ctx, out: Out, body: Bytes) {
+    let ms = |x: f64| Duration::from_secs_f64(x.max(0.0) / 1000.0);
+    tokio::time::sleep(ms(b.ttft_ms)).await;
+    let size = b.raw_chunk_bytes.unwrap_or(body.len().max(1));
+    let mut off = 0;
+    while off < body.len() {
+        if off > 0 && b.raw_chunk_gap_ms > 0.0 {
+            tokio::time::sleep(ms(b.raw_chunk_gap_ms)).await;
+        }
+        let end = (off + size).min(body.len());
+        out.send(body.slice(off..end)).await;
+        ctx.guard.frames_sent += 1;
+        off = end;
+    }
+    out.drained().await;
+    ctx.guard.finish(EndKind::Completed);
+}
+
+/// The plain `chat.completion` of a plan.
+pub(crate) fn completion_json(b: &Behavior, ctx: &Ctx, plan: &Plan) -> Value {
+    let mut msg = Map::new();
+    msg.insert("role".into(), json!("assistant"));
+    let content = plan.full_content();
+    msg.insert(
+        "content".into(),
+        if content.is_empty() && b.tool_call.is_some() {
+            Value::Null
+        } else {
+            json!(content)
+        },
+    );
+    let reasoning = plan.reasoning();
+    if !reasoning.is_empty() {
+        let key = match b.reasoning_field {
+            ReasoningField::ReasoningContent => "reasoning_content",
+            ReasoningField::Reasoning => "reasoning",
+        };
+        msg.insert(key.into(), json!(reasoning));
+    }
+    if let Some(t) = &b.tool_call {
+        msg.insert(
+            "tool_calls".into(),
+            json!([{"index": 0, "id": t.id, "type": "function",
+                "function": {"name": t.name, "arguments": t.arguments}}]),
+        );
+    }
+    let mut v = json!({
+        "id": format!("chatcmpl-mock-{}", ctx.guard.id),
+        "object": "chat.completion",
+        "created": ctx.created,
+        "model": ctx.model,
+        "choices": [{"index": 0, "message": Value::Object(msg), "finish_reason": plan.finish_reason}],
+    });
+    if b.usage != UsageMode::None {
+        v["usage"] = usage_json(&plan.usage);
+    }
+    v
+}
+
+/// Plays a plain body with a fault (headers already sent): half the body then an abort
+/// or a clean end, an invalid body, or a body that never ends.
+pub(crate) async fn play_plain_fault(b: Behavior, mut ctx: Ctx, out: Out, body: Bytes) {
+    let half = body.slice(..body.len() / 2);
+    match b.fault {
+        Some(Fault::ResetAfter { .. }) | Some(Fault::ResetAfterFinish) => {
+            out.send(half).await;
+            out.drained().await;
+            tokio::time::sleep(Duration::from_millis(2)).await;
+            ctx.guard.finish(EndKind::ResetMidStream);
+            ctx.kill.notify_one();
+            std::future::pending::<()>().await;
+        }
+        Some(Fault::TruncateAfter { .. }) | Some(Fault::MalformedAt { .. }) => {
+            out.send(half).await;
+            out.drained().await;
+            let end = if matches!(b.fault, Some(Fault::TruncateAfter { .. })) {
+                EndKind::Truncated
+            } else {
+                EndKind::Completed
+            };
+            ctx.guard.finish(end);
+        }
+        Some(Fault::HangAfterFinish) => {
+            out.send(body).await;
+            std::future::pending::<()>().await;
+        }
+        _ => {
+            out.send(body).await;
+            out.drained().await;
+            ctx.guard.finish(EndKind::Completed);
+        }
+    }
+}
+
+/// Records the usage and full content of a plain answer that is sent whole.
+pub(crate) fn plain_sent(ctx: &mut Ctx, b: &Behavior, plan: &Plan) {
+    ctx.guard.content = plan.full_content();
+    ctx.guard.reasoning = plan.reasoning();
+    ctx.guard.chunks_sent = plan.items.len() as u32;
+    if b.usage != UsageMode::None {
+        ctx.guard.usage = Some(plan.usage);
+    }
+}

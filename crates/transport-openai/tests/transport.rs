@@ -1,0 +1,1571 @@
+//! Integration tests of polygw-transport-openai: the recorded real-provider fixtures
+//! through the parser and aggregator (whole, re-chunked, and over loopback HTTP), every
+//! row of the classification table, the stream rules (watchdogs, keepalives, salvage,
+//! observer calls, stall figures), the request shape, embeddings, OCR and secrets —
+//! all against the mock upstream on 127.0.0.1.
+
+mod common {
+    use std::path::PathBuf;
+    use std::sync::{Arc, Mutex};
+    use std::time::{Duration, Instant};
+
+    use polygw_core::ports::{ChatAttempt, ChunkObserver, StreamDelta, Transport, TransportResult};
+    use polygw_core::{AttemptError, ChatRequest, SourceConfig};
+    use polygw_mock_upstream::{MockConfig, MockUpstream};
+    use polygw_testkit::clock::TokioClock;
+    use polygw_transport_openai::{OpenAiTransport, TransportConfig};
+    use serde_json::Value;
+
+    pub const KEY: &str = "sk-polygw-test-KEY-0123456789";
+
+    pub fn fixtures_dir() -> PathBuf {
+        PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/real-streams")
+    }
+
+    /// (file name, expected entry) for every fixture.
+    pub fn fixtures() -> Vec<(String, Value)> {
+        let text = std::fs::read_to_string(fixtures_dir().join("expected.json")).unwrap();
+        let v: Value = serde_json::from_str(&text).unwrap();
+        let mut out: Vec<(String, Value)> = v
+            .as_object()
+            .unwrap()
+            .iter()
+            .map(|(k, v)| (k.clone(), v.clone()))
+            .collect();
+        out.sort_by(|a, b| a.0.cmp(&b.0));
+        assert_eq!(out.len(), 24, "24 recorded fixtures");
+        out
+    }
+
+    /// A fixture replayed as a provider's SSE body (MANIFEST.md).
+    pub fn sse_body(name: &str, crlf: bool) -> Vec<u8> {
+        let text = std::fs::read_to_string(fixtures_dir().join(name)).unwrap();
+        let nl = if crlf { "\r\n" } else { "\n" };
+        let mut out = String::new();
+        for line in text.split('\n') {
+            if line.trim().is_empty() {
+                continue;
+            }
+            out.push_str("data: ");
+            out.push_str(line);
+            out.push_str(nl);
+            out.push_str(nl);
+        }
+        out.push_str("data: [DONE]");
+        out.push_str(nl);
+        out.push_str(nl);
+        out.into_bytes()
+    }
+
+    pub fn transport() -> OpenAiTransport {
+        OpenAiTransport::new(Arc::new(TokioClock)).unwrap()
+    }
+
+    pub fn transport_with(cfg: TransportConfig) -> OpenAiTransport {
+        OpenAiTransport::with_config(cfg, Arc::new(TokioClock)).unwrap()
+    }
+
+    pub async fn mock() -> MockUpstream {
+        MockUpstream::start(MockConfig::default()).await.unwrap()
+    }
+
+    pub fn source(m: &MockUpstream) -> SourceConfig {
+        SourceConfig::new("mock", 0, m.base_url(), KEY, "mock-model")
+            .with_timeout(Duration::from_secs(10))
+    }
+
+    /// Records every observer call.
+    #[derive(Default)]
+    pub struct Recorder {
+        pub want: bool,
+        pub chunks: Mutex<Vec<Instant>>,
+        pub deltas: Mutex<Vec<StreamDelta>>,
+    }
+
+    impl Recorder {
+        pub fn wanting_deltas() -> Self {
+            Recorder {
+                want: true,
+                ..Recorder::default()
+            }
+        }
+        pub fn chunk_count(&self) -> usize {
+            self.chunks.lock().unwrap().len()
+        }
+        pub fn delta_count(&self) -> usize {
+            self.deltas.lock().unwrap().len()
+        }
+    }
+
+    impl ChunkObserver for Recorder {
+        fn on_chunk(&self, at: Instant) {
+            self.chunks.lock().unwrap().push(at);
+        }
+        fn wants_deltas(&self) -> bool {
+            self.want
+        }
+        fn on_delta(&self, d: &StreamDelta) {
+            self.deltas.lock().unwrap().push(d.clone());
+        }
+    }
+
+    pub async fn chat_obs(
+        t: &OpenAiTransport,
+        src: &SourceConfig,
+        req: &ChatRequest,
+        obs: &Recorder,
+    ) -> Result<TransportResult, AttemptError> {
+        t.chat(ChatAttempt {
+            source: src,
+            request: req,
+            call_id: "call-test-1",
+            stall_threshold: Duration::from_millis(200),
+            observer: obs,
+        })
+        .await
+    }
+
+    pub async fn chat(
+        t: &OpenAiTransport,
+        src: &SourceConfig,
+        req: &ChatRequest,
+    ) -> Result<TransportResult, AttemptError> {
+        chat_obs(t, src, req, &Recorder::default()).await
+    }
+
+    pub fn stream_req() -> ChatRequest {
+        ChatRequest::user("Say hello").with_stream(true)
+    }
+
+    pub fn plain_req() -> ChatRequest {
+        ChatRequest::user("Say hello")
+    }
+
+    pub fn now() -> tokio::time::Instant {
+        tokio::time::Instant::now()
+    }
+}
+
+/// (a) + (b): the fixtures through the pure parser and aggregator.
+mod fixtures_pure {
+    use polygw_transport_openai::aggregate::{Aggregate, StreamAggregator};
+    use polygw_transport_openai::sse::{SseEvent, SseParser};
+    use proptest::prelude::*;
+    use serde_json::Value;
+
+    use super::common::*;
+
+    /// Feeds SSE bytes cut at `cuts` through the parser and the aggregator.
+    pub fn aggregate_bytes(bytes: &[u8], cuts: &[usize]) -> (Aggregate, Vec<SseEvent>) {
+        let mut cuts: Vec<usize> = cuts.iter().map(|c| c % (bytes.len() + 1)).collect();
+        cuts.sort_unstable();
+        let mut p = SseParser::new();
+        let mut events = Vec::new();
+        let mut prev = 0;
+        for c in cuts {
+            p.feed(&bytes[prev..c], &mut events).unwrap();
+            prev = c;
+        }
+        p.feed(&bytes[prev..], &mut events).unwrap();
+        events.extend(p.finish().unwrap());
+        let mut agg = StreamAggregator::new();
+        for ev in &events {
+            if ev.data == "[DONE]" {
+                break;
+            }
+            let v: Value = serde_json::from_str(&ev.data).unwrap();
+            agg.feed(v.as_object().unwrap(), false);
+        }
+        (agg.finish(), events)
+    }
+
+    /// Asserts an aggregate equals a fixture's expected entry.
+    pub fn assert_expected(name: &str, a: &Aggregate, exp: &Value) {
+        assert_eq!(
+            a.content,
+            exp["content"].as_str().unwrap(),
+            "{name}: content"
+        );
+        assert_eq!(
+            a.reasoning,
+            exp["reasoning"].as_str().unwrap(),
+            "{name}: reasoning"
+        );
+        assert_eq!(
+            a.finish_reason.as_deref(),
+            exp["finish_reason"].as_str(),
+            "{name}: finish_reason"
+        );
+        assert_eq!(
+            u64::from(a.incremental_chunks),
+            exp["incremental_chunks"].as_u64().unwrap(),
+            "{name}: incremental_chunks"
+        );
+        let tools = exp["tool_calls"].as_array().unwrap();
+        assert_eq!(a.tool_calls.len(), tools.len(), "{name}: tool call count");
+        for (got, want) in a.tool_calls.iter().zip(tools) {
+            assert_eq!(
+                u64::from(got.index),
+                want["index"].as_u64().unwrap(),
+                "{name}"
+            );
+            assert_eq!(got.id.as_deref(), want["id"].as_str(), "{name}: tool id");
+            assert_eq!(
+                got.name.as_deref(),
+                want["name"].as_str(),
+                "{name}: tool name"
+            );
+            assert_eq!(
+                got.arguments,
+                want["arguments"].as_str().unwrap(),
+                "{name}: args"
+            );
+        }
+        let u = &exp["usage"];
+        let got = a.usage.expect("every fixture reports usage");
+        assert_eq!(
+            Some(got.prompt_tokens),
+            u["prompt_tokens"].as_u64(),
+            "{name}: prompt"
+        );
+        assert_eq!(
+            Some(got.completion_tokens),
+            u["completion_tokens"].as_u64(),
+            "{name}: completion"
+        );
+        assert_eq!(
+            got.reasoning_tokens,
+            u["reasoning_tokens"].as_u64(),
+            "{name}: reasoning tokens"
+        );
+        assert_eq!(
+            a.usage_location.map(|l| l.as_str()),
+            exp["usage_location"].as_str(),
+            "{name}: usage location"
+        );
+        assert_eq!(
+            a.content_parts_array,
+            exp.get("content_parts_array")
+                .and_then(Value::as_bool)
+                .unwrap_or(false),
+            "{name}: parts array"
+        );
+        assert_eq!(
+            u64::from(a.frames),
+            exp["lines"].as_u64().unwrap(),
+            "{name}: frames"
+        );
+    }
+
+    #[test]
+    fn every_fixture_gives_its_expected_aggregate() {
+        for (name, exp) in fixtures() {
+            for crlf in [false, true] {
+                let (a, events) = aggregate_bytes(&sse_body(&name, crlf), &[]);
+                assert_eq!(events.last().unwrap().data, "[DONE]");
+                assert_expected(&name, &a, &exp);
+            }
+        }
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(96))]
+
+        /// Arbitrary chunkings (and `\r\n` line ends) give identical events and the
+        /// same aggregate.
+        #[test]
+        fn any_chunking_of_any_fixture_gives_identical_events(
+            which in 0usize..24,
+            crlf in any::<bool>(),
+            cuts in proptest::collection::vec(0usize..400_000, 0..64),
+            tiny in proptest::collection::vec(0usize..400, 0..32),
+        ) {
+            let fx = fixtures();
+            let (name, exp) = &fx[which];
+            let bytes = sse_body(name, crlf);
+            let (whole, whole_events) = aggregate_bytes(&bytes, &[]);
+            // Cuts spread over the body, plus a cluster near the start (inside the
+            // first frames, where multi-byte characters and `\r\n` pairs are split).
+            let mut all = cuts.clone();
+            all.extend(tiny.iter().copied());
+            let (split, split_events) = aggregate_bytes(&bytes, &all);
+            prop_assert_eq!(&split_events, &whole_events);
+            prop_assert_eq!(&split, &whole);
+            assert_expected(name, &split, exp);
+        }
+    }
+
+    #[test]
+    fn byte_by_byte_feeding_of_a_non_ascii_fixture() {
+        let bytes = sse_body("alibaba--alibaba-reasoning.chunks.jsonl", true);
+        let cuts: Vec<usize> = (0..bytes.len()).collect();
+        let (a, _) = aggregate_bytes(&bytes, &cuts);
+        let exp = fixtures()
+            .into_iter()
+            .find(|(n, _)| n == "alibaba--alibaba-reasoning.chunks.jsonl")
+            .unwrap()
+            .1;
+        assert_expected("alibaba-reasoning (bytewise)", &a, &exp);
+    }
+}
+
+/// (c): every fixture replayed through the real transport over loopback HTTP.
+mod fixtures_http {
+    use polygw_core::UsageSource;
+    use polygw_mock_upstream::Behavior;
+
+    use super::common::*;
+
+    #[tokio::test]
+    async fn every_fixture_through_the_transport() {
+        let m = mock().await;
+        let t = transport();
+        let src = source(&m);
+        for (i, (name, exp)) in fixtures().into_iter().enumerate() {
+            // Small, varying write sizes split frames (and UTF-8 sequences) across reads.
+            m.push_script(Behavior {
+                raw_chunk_bytes: Some([7, 64, 333, 4096][i % 4]),
+                ..Behavior::jsonl(fixtures_dir().join(&name))
+            });
+            let obs = Recorder::wanting_deltas();
+            let r = chat_obs(&t, &src, &stream_req(), &obs)
+                .await
+                .unwrap_or_else(|e| panic!("{name}: {e}"));
+            assert_eq!(r.content, exp["content"].as_str().unwrap(), "{name}");
+            assert_eq!(
+                r.reasoning_content.as_deref().unwrap_or(""),
+                exp["reasoning"].as_str().unwrap(),
+                "{name}"
+            );
+            assert_eq!(
+                r.finish_reason.as_deref(),
+                exp["finish_reason"].as_str(),
+                "{name}"
+            );
+            let tools = exp["tool_calls"].as_array().unwrap();
+            assert_eq!(r.tool_calls.len(), tools.len(), "{name}");
+            for (got, want) in r.tool_calls.iter().zip(tools) {
+                assert_eq!(got.id.as_deref(), want["id"].as_str(), "{name}");
+                assert_eq!(got.name.as_deref(), want["name"].as_str(), "{name}");
+                assert_eq!(got.arguments, want["arguments"].as_str().unwrap(), "{name}");
+            }
+            let u = &exp["usage"];
+            assert_eq!(
+                Some(r.usage.prompt_tokens),
+                u["prompt_tokens"].as_u64(),
+                "{name}"
+            );
+            assert_eq!(
+                Some(r.usage.completion_tokens),
+                u["completion_tokens"].as_u64(),
+                "{name}"
+            );
+            assert_eq!(
+                r.usage.reasoning_tokens,
+                u["reasoning_tokens"].as_u64(),
+                "{name}"
+            );
+            assert_eq!(r.usage_source, UsageSource::Measured, "{name}");
+            assert!(!r.salvaged, "{name}");
+            assert_eq!(r.http_status, 200);
+            let incr = exp["incremental_chunks"].as_u64().unwrap();
+            let figures = r.stream.expect("stream figures");
+            assert_eq!(u64::from(figures.incremental_chunks), incr, "{name}");
+            assert_eq!(
+                obs.chunk_count() as u64,
+                incr,
+                "{name}: one on_chunk per incremental chunk"
+            );
+            assert_eq!(
+                obs.delta_count() as u64,
+                exp["lines"].as_u64().unwrap(),
+                "{name}: one on_delta per parsed chunk"
+            );
+            let incremental_deltas = obs
+                .deltas
+                .lock()
+                .unwrap()
+                .iter()
+                .filter(|d| d.is_incremental())
+                .count() as u64;
+            assert_eq!(incremental_deltas, incr, "{name}");
+            assert!(figures.ttft_ms.is_some(), "{name}");
+        }
+        assert_eq!(m.requests().len(), 24);
+    }
+}
+
+/// One test per row of the classification table (SPEC §5), over loopback HTTP.
+mod classification {
+    use std::time::Duration;
+
+    use polygw_core::{ErrorClass as C, ErrorLabel as L};
+    use polygw_mock_upstream::{Behavior, Fault, RetryAfter};
+    use serde_json::json;
+
+    use super::common::*;
+
+    async fn status_case(status: u16, stream: bool) -> polygw_core::AttemptError {
+        let m = mock().await;
+        m.push_script(Behavior::status(status));
+        let req = if stream { stream_req() } else { plain_req() };
+        let e = chat(&transport(), &source(&m), &req).await.unwrap_err();
+        assert_eq!(e.http_status, Some(status), "{e}");
+        e
+    }
+
+    #[tokio::test]
+    async fn http_status_rows() {
+        let table: &[(u16, C, L)] = &[
+            (408, C::Transient, L::Timeout),
+            (409, C::Transient, L::ServerError),
+            (500, C::Transient, L::ServerError),
+            (502, C::Transient, L::ServerError),
+            (503, C::Transient, L::ServerError),
+            (400, C::Rejected, L::Rejected),
+            (413, C::Rejected, L::Rejected),
+            (422, C::Rejected, L::Rejected),
+            (401, C::Dead, L::Dead),
+            (403, C::Dead, L::Dead),
+            (404, C::Dead, L::Dead),
+            (429, C::RateLimited, L::RateLimited),
+        ];
+        for &(status, class, label) in table {
+            for stream in [false, true] {
+                let e = status_case(status, stream).await;
+                assert_eq!(
+                    (e.class, e.label),
+                    (class, label),
+                    "HTTP {status} stream={stream}"
+                );
+                assert!(
+                    e.provider_code.is_some(),
+                    "HTTP {status}: provider code kept"
+                );
+                assert!(
+                    e.provider_message.is_some(),
+                    "HTTP {status}: provider message kept"
+                );
+            }
+        }
+    }
+
+    #[tokio::test]
+    async fn rate_limited_with_retry_after_seconds() {
+        let m = mock().await;
+        m.push_script(Behavior {
+            status: 429,
+            retry_after: Some(RetryAfter::Seconds(2.0)),
+            ..Behavior::default()
+        });
+        let e = chat(&transport(), &source(&m), &stream_req())
+            .await
+            .unwrap_err();
+        assert_eq!(e.class, C::RateLimited);
+        assert_eq!(e.retry_after, Some(Duration::from_secs(2)));
+        assert_eq!(e.provider_code.as_deref(), Some("rate_limit_exceeded"));
+    }
+
+    #[tokio::test]
+    async fn rate_limited_with_retry_after_http_date() {
+        #[allow(clippy::disallowed_methods)] // an HTTP-date is wall-clock time
+        let at = std::time::SystemTime::now() + Duration::from_secs(30);
+        let m = mock().await;
+        m.push_script(Behavior {
+            status: 429,
+            retry_after: Some(RetryAfter::Raw(httpdate::fmt_http_date(at))),
+            ..Behavior::default()
+        });
+        let e = chat(&transport(), &source(&m), &plain_req())
+            .await
+            .unwrap_err();
+        assert_eq!(e.class, C::RateLimited);
+        let ra = e.retry_after.expect("retry-after from the date");
+        assert!(
+            ra > Duration::from_secs(25) && ra <= Duration::from_secs(30),
+            "{ra:?}"
+        );
+    }
+
+    #[tokio::test]
+    async fn rate_limited_without_retry_after() {
+        let e = status_case(429, false).await;
+        assert_eq!(e.class, C::RateLimited);
+        assert_eq!(e.retry_after, None);
+    }
+
+    #[tokio::test]
+    async fn rejected_keeps_provider_code_and_message() {
+        let m = mock().await;
+        m.push_script(Behavior {
+            status: 400,
+            error_code: Some("context_length_exceeded".into()),
+            error_message: Some("This model's maximum context length is 8192 tokens.".into()),
+            ..Behavior::default()
+        });
+        let e = chat(&transport(), &source(&m), &stream_req())
+            .await
+            .unwrap_err();
+        assert_eq!(e.class, C::Rejected);
+        assert!(e.class.is_terminal_for_call());
+        assert_eq!(e.provider_code.as_deref(), Some("context_length_exceeded"));
+        assert!(e.provider_message.as_deref().unwrap().contains("8192"));
+        assert!(e.to_string().contains("context_length_exceeded"), "{e}");
+    }
+
+    #[tokio::test]
+    async fn error_body_shapes_top_level_message_and_integer_code() {
+        let m = mock().await;
+        m.push_script(Behavior {
+            status: 400,
+            error_body: Some(json!({"message": "bad prompt", "code": "content_policy_violation"})),
+            ..Behavior::default()
+        });
+        m.push_script(Behavior {
+            status: 503,
+            raw_body: Some("<html>upstream unavailable</html>".into()),
+            content_type: Some("text/html".into()),
+            ..Behavior::default()
+        });
+        let t = transport();
+        let e = chat(&t, &source(&m), &plain_req()).await.unwrap_err();
+        assert_eq!(e.provider_code.as_deref(), Some("content_policy_violation"));
+        assert_eq!(e.provider_message.as_deref(), Some("bad prompt"));
+        let e = chat(&t, &source(&m), &plain_req()).await.unwrap_err();
+        assert_eq!((e.class, e.http_status), (C::Transient, Some(503)));
+        assert!(e.provider_message.unwrap().contains("upstream unavailable"));
+    }
+
+    #[tokio::test]
+    async fn connect_refused_on_a_closed_port() {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let port = l.local_addr().unwrap().port();
+        drop(l);
+        let src = polygw_core::SourceConfig::new(
+            "closed",
+            0,
+            format!("http://127.0.0.1:{port}/v1"),
+            KEY,
+            "m",
+        );
+        for req in [plain_req(), stream_req()] {
+            let e = chat(&transport(), &src, &req).await.unwrap_err();
+            assert_eq!((e.class, e.label), (C::Transient, L::Connect), "{e}");
+            assert_eq!(e.http_status, None);
+        }
+    }
+
+    #[tokio::test]
+    async fn reset_before_headers_is_a_connection_failure() {
+        let m = mock().await;
+        let t = transport();
+        for req in [plain_req(), stream_req()] {
+            m.push_script(Behavior::fault(Fault::ResetBeforeHeaders));
+            let e = chat(&t, &source(&m), &req).await.unwrap_err();
+            assert_eq!((e.class, e.label), (C::Transient, L::Connect), "{e}");
+        }
+        let log = m.wait_for_ended(2, Duration::from_secs(5)).await;
+        assert!(log
+            .iter()
+            .all(|r| r.end == polygw_mock_upstream::EndKind::ResetBeforeHeaders));
+    }
+
+    #[tokio::test]
+    async fn plain_whole_request_timeout() {
+        let m = mock().await;
+        let t = transport();
+        let src = source(&m).with_timeout(Duration::from_millis(300));
+        // Headers never come in time…
+        m.push_script(Behavior {
+            headers_delay_ms: 5_000.0,
+            ..Behavior::default()
+        });
+        let start = now();
+        let e = chat(&t, &src, &plain_req()).await.unwrap_err();
+        assert_eq!((e.class, e.label), (C::Transient, L::Timeout), "{e}");
+        assert!(start.elapsed() >= Duration::from_millis(300));
+        assert!(
+            start.elapsed() < Duration::from_secs(4),
+            "{:?}",
+            start.elapsed()
+        );
+        // …or the headers come but the body never ends: the timeout covers both.
+        m.push_script(Behavior::fault(Fault::HangAfterFinish));
+        let e = chat(&t, &src, &plain_req()).await.unwrap_err();
+        assert_eq!(e.label, L::Timeout, "{e}");
+    }
+
+    #[tokio::test]
+    async fn ttft_timeout_before_headers_and_before_the_first_chunk() {
+        let m = mock().await;
+        let t = transport();
+        let src = source(&m).with_ttft_timeout(Duration::from_millis(300));
+        for b in [
+            Behavior {
+                headers_delay_ms: 5_000.0,
+                ..Behavior::default()
+            },
+            Behavior {
+                ttft_ms: 5_000.0,
+                ..Behavior::default()
+            },
+        ] {
+            m.push_script(b);
+            let start = now();
+            let e = chat(&t, &src, &stream_req()).await.unwrap_err();
+            assert_eq!((e.class, e.label), (C::Transient, L::TtftTimeout), "{e}");
+            assert!(start.elapsed() >= Duration::from_millis(300));
+            assert!(start.elapsed() < Duration::from_secs(4));
+        }
+        let log = m.wait_for_ended(2, Duration::from_secs(5)).await;
+        assert!(log
+            .iter()
+            .all(|r| r.end == polygw_mock_upstream::EndKind::ClientDisconnected));
+    }
+
+    #[tokio::test]
+    async fn stall_timeout_between_chunks() {
+        let m = mock().await;
+        let t = transport();
+        let src = source(&m)
+            .with_ttft_timeout(Duration::from_secs(5))
+            .with_inter_token_timeout(Duration::from_millis(300));
+        m.push_script(Behavior {
+            chunk_count: Some(10),
+            stalls: vec![polygw_mock_upstream::Stall {
+                before_chunk: 3,
+                ms: 5_000.0,
+            }],
+            ..Behavior::default()
+        });
+        let obs = Recorder::default();
+        let start = now();
+        let e = chat_obs(&t, &src, &stream_req(), &obs).await.unwrap_err();
+        assert_eq!((e.class, e.label), (C::Transient, L::StallTimeout), "{e}");
+        assert_eq!(obs.chunk_count(), 3, "three chunks before the stall");
+        assert!(start.elapsed() < Duration::from_secs(4));
+    }
+
+    #[tokio::test]
+    async fn truncated_clean_end_and_reset_before_finish() {
+        let m = mock().await;
+        let t = transport();
+        m.push_script(Behavior {
+            chunk_count: Some(8),
+            fault: Some(Fault::TruncateAfter { chunks: 3 }),
+            ..Behavior::default()
+        });
+        let e = chat(&t, &source(&m), &stream_req()).await.unwrap_err();
+        assert_eq!((e.class, e.label), (C::Transient, L::Truncated), "{e}");
+        m.push_script(Behavior {
+            chunk_count: Some(8),
+            fault: Some(Fault::ResetAfter { chunks: 3 }),
+            ..Behavior::default()
+        });
+        let e = chat(&t, &source(&m), &stream_req()).await.unwrap_err();
+        assert_eq!((e.class, e.label), (C::Transient, L::Truncated), "{e}");
+        // Reset after every content chunk but before the finish chunk: still truncated.
+        m.push_script(Behavior {
+            chunk_count: Some(4),
+            fault: Some(Fault::ResetAfter { chunks: 4 }),
+            ..Behavior::default()
+        });
+        let e = chat(&t, &source(&m), &stream_req()).await.unwrap_err();
+        assert_eq!(e.label, L::Truncated, "{e}");
+        // [DONE] without any finish_reason.
+        m.push_script(Behavior {
+            raw_sse: Some(
+                "data: {\"choices\":[{\"index\":0,\"delta\":{\"content\":\"hi\"}}]}\n\ndata: [DONE]\n\n"
+                    .into(),
+            ),
+            ..Behavior::default()
+        });
+        let e = chat(&t, &source(&m), &stream_req()).await.unwrap_err();
+        assert_eq!(e.label, L::Truncated, "{e}");
+        // A plain body cut off mid-way (reset) is a connection failure.
+        m.push_script(Behavior::fault(Fault::ResetAfter { chunks: 0 }));
+        let e = chat(&t, &source(&m), &plain_req()).await.unwrap_err();
+        assert_eq!((e.class, e.label), (C::Transient, L::Connect), "{e}");
+        let log = m.wait_for_ended(5, Duration::from_secs(5)).await;
+        use polygw_mock_upstream::EndKind;
+        let ends: Vec<EndKind> = log.iter().map(|r| r.end).collect();
+        assert_eq!(
+            ends,
+            [
+                EndKind::Truncated,
+                EndKind::ResetMidStream,
+                EndKind::ResetMidStream,
+                EndKind::Completed,
+                EndKind::ResetMidStream
+            ]
+        );
+    }
+
+    #[tokio::test]
+    async fn malformed_frame_and_malformed_body_are_invalid() {
+        let m = mock().await;
+        let t = transport();
+        m.push_script(Behavior {
+            chunk_count: Some(6),
+            usage: polygw_mock_upstream::UsageMode::Inline,
+            fault: Some(Fault::MalformedAt { chunk: 2 }),
+            ..Behavior::default()
+        });
+        let e = chat(&t, &source(&m), &stream_req()).await.unwrap_err();
+        assert_eq!((e.class, e.label), (C::Invalid, L::Invalid), "{e}");
+        assert!(e.detail.contains("invalid JSON"), "{e}");
+        m.push_script(Behavior::fault(Fault::MalformedAt { chunk: 0 }));
+        let e = chat(&t, &source(&m), &plain_req()).await.unwrap_err();
+        assert_eq!(e.class, C::Invalid, "{e}");
+        // A frame that is JSON but not an object.
+        m.push_script(Behavior {
+            raw_sse: Some("data: [1,2]\n\n".into()),
+            ..Behavior::default()
+        });
+        let e = chat(&t, &source(&m), &stream_req()).await.unwrap_err();
+        assert_eq!(e.class, C::Invalid, "{e}");
+    }
+
+    #[tokio::test]
+    async fn in_band_error_frames_take_the_class_of_their_code() {
+        let m = mock().await;
+        let t = transport();
+        let cases = [
+            (None, C::Transient),
+            (
+                Some(
+                    json!({"error": {"message": "slow down", "type": "requests", "code": "rate_limit_exceeded"}}),
+                ),
+                C::RateLimited,
+            ),
+            (
+                Some(json!({"error": {"message": "too long", "code": "context_length_exceeded"}})),
+                C::Rejected,
+            ),
+            (
+                Some(json!({"error": {"message": "?", "code": 503}})),
+                C::Transient,
+            ),
+        ];
+        for (error, class) in cases {
+            for req in [stream_req(), plain_req()] {
+                m.push_script(Behavior {
+                    chunk_count: Some(5),
+                    fault: Some(Fault::ErrorFrameAt {
+                        chunk: 2,
+                        error: error.clone(),
+                    }),
+                    ..Behavior::default()
+                });
+                let e = chat(&t, &source(&m), &req).await.unwrap_err();
+                assert_eq!(e.class, class, "{error:?} stream={}: {e}", req.stream);
+                assert!(e.provider_message.is_some(), "{e}");
+            }
+        }
+        // An `event: error` whose data is not JSON.
+        m.push_script(Behavior {
+            raw_sse: Some("event: error\ndata: upstream overloaded\n\n".into()),
+            ..Behavior::default()
+        });
+        let e = chat(&t, &source(&m), &stream_req()).await.unwrap_err();
+        assert_eq!(e.class, C::Transient, "{e}");
+    }
+
+    #[tokio::test]
+    async fn unusable_200s_are_invalid() {
+        let m = mock().await;
+        let t = transport();
+        let bodies = [
+            "",
+            "   ",
+            "{\"id\":\"x\",\"object\":\"chat.completion\",\"choices\":[]}",
+            "{\"id\":\"x\",\"object\":\"chat.completion\"}",
+            "{\"choices\":[{\"index\":1,\"message\":{\"content\":\"x\"}}]}",
+            "not json",
+            "[1,2,3]",
+        ];
+        for b in bodies {
+            m.push_script(Behavior {
+                raw_body: Some(b.into()),
+                ..Behavior::default()
+            });
+            let e = chat(&t, &source(&m), &plain_req()).await.unwrap_err();
+            assert_eq!((e.class, e.label), (C::Invalid, L::Invalid), "{b:?}: {e}");
+            assert_eq!(e.http_status, None);
+        }
+        // An empty *stream* body ended cleanly before any finish_reason: truncated.
+        m.push_script(Behavior {
+            raw_sse: Some(String::new()),
+            ..Behavior::default()
+        });
+        let e = chat(&t, &source(&m), &stream_req()).await.unwrap_err();
+        assert_eq!(e.label, L::Truncated, "{e}");
+    }
+
+    #[tokio::test]
+    async fn nothing_generated_is_invalid_and_keeps_measured_usage() {
+        let m = mock().await;
+        let t = transport();
+        for req in [stream_req(), plain_req()] {
+            m.push_script(Behavior {
+                chunk_count: Some(0),
+                usage: polygw_mock_upstream::UsageMode::Inline,
+                prompt_tokens: Some(11),
+                completion_tokens: Some(0),
+                ..Behavior::default()
+            });
+            let e = chat(&t, &source(&m), &req).await.unwrap_err();
+            assert_eq!(e.class, C::Invalid, "{e}");
+            assert!(e.detail.contains("nothing generated"), "{e}");
+            assert_eq!(e.usage.map(|u| u.prompt_tokens), Some(11));
+            assert_eq!(e.usage_source, polygw_core::UsageSource::Measured);
+        }
+    }
+
+    #[tokio::test]
+    async fn too_large_body_and_content_are_invalid() {
+        let m = mock().await;
+        let t = transport_with(polygw_transport_openai::TransportConfig {
+            max_body_bytes: 2_000,
+            max_content_bytes: 500,
+            ..Default::default()
+        });
+        // Plain body over the body cap (Content-Length known).
+        m.push_script(Behavior {
+            chunk_count: Some(1_000),
+            ..Behavior::default()
+        });
+        let e = chat(&t, &source(&m), &plain_req()).await.unwrap_err();
+        assert_eq!(e.class, C::Invalid, "{e}");
+        assert!(e.detail.contains("2000"), "{e}");
+        // Plain body over the cap with no Content-Length (chunked).
+        m.push_script(Behavior {
+            raw_body: Some(format!("{{\"pad\":\"{}\"}}", "x".repeat(5_000))),
+            raw_chunk_bytes: Some(512),
+            ..Behavior::default()
+        });
+        let e = chat(&t, &source(&m), &plain_req()).await.unwrap_err();
+        assert_eq!(e.class, C::Invalid, "{e}");
+        // Stream whose accumulated content passes the content cap.
+        m.push_script(Behavior {
+            chunk_count: Some(1_000),
+            ..Behavior::default()
+        });
+        let e = chat(&t, &source(&m), &stream_req()).await.unwrap_err();
+        assert_eq!(e.class, C::Invalid, "{e}");
+        assert!(e.detail.contains("500"), "{e}");
+        // One SSE line over the body cap.
+        m.push_script(Behavior {
+            raw_sse: Some(format!("data: {}\n\n", "y".repeat(10_000))),
+            ..Behavior::default()
+        });
+        let e = chat(&t, &source(&m), &stream_req()).await.unwrap_err();
+        assert_eq!(e.class, C::Invalid, "{e}");
+    }
+
+    #[tokio::test]
+    async fn redirects_are_not_followed() {
+        let m = mock().await;
+        m.push_script(Behavior {
+            status: 302,
+            raw_body: Some(String::new()),
+            ..Behavior::default()
+        });
+        let e = chat(&transport(), &source(&m), &plain_req())
+            .await
+            .unwrap_err();
+        assert_eq!((e.class, e.http_status), (C::Invalid, Some(302)));
+    }
+}
+
+/// The stream rules: success paths, salvage, keepalives, observer, figures.
+mod streaming {
+    use std::time::Duration;
+
+    use polygw_core::stall::meter;
+    use polygw_core::{ErrorClass as C, ErrorLabel as L, UsageSource};
+    use polygw_mock_upstream::{
+        Behavior, EndKind, Fault, ReasoningField, Stall, ToolCallSpec, UsageMode,
+    };
+
+    use super::common::*;
+
+    #[tokio::test]
+    async fn plain_and_stream_success_with_usage() {
+        let m = mock().await;
+        let t = transport();
+        for req in [plain_req(), stream_req()] {
+            m.push_script(Behavior::text(&["Hel", "lo", " world"]));
+            let r = chat(&t, &source(&m), &req).await.unwrap();
+            assert_eq!(r.content, "Hello world");
+            assert_eq!(r.finish_reason.as_deref(), Some("stop"));
+            assert_eq!(r.usage_source, UsageSource::Measured);
+            assert_eq!(r.usage.completion_tokens, 3);
+            assert!(r.usage.prompt_tokens >= 1);
+            assert_eq!(r.model.as_deref(), Some("mock-model"));
+            assert_eq!(r.http_status, 200);
+            assert_eq!(r.stream.is_some(), req.stream);
+            assert!(!r.salvaged);
+        }
+        let log = m.wait_for_ended(2, Duration::from_secs(5)).await;
+        for rec in &log {
+            assert_eq!(rec.end, EndKind::Completed);
+            assert_eq!(
+                rec.usage.unwrap().completion_tokens,
+                3,
+                "reconciles with the mock"
+            );
+            assert_eq!(rec.full_content, "Hello world");
+        }
+    }
+
+    #[tokio::test]
+    async fn usage_inline_choice_and_absent() {
+        let m = mock().await;
+        let t = transport();
+        for (mode, src) in [
+            (UsageMode::Inline, UsageSource::Measured),
+            (UsageMode::Choice, UsageSource::Measured),
+            (UsageMode::FinalFrame, UsageSource::Measured),
+            (UsageMode::None, UsageSource::Unavailable),
+        ] {
+            m.push_script(Behavior {
+                chunk_count: Some(4),
+                reasoning: vec!["a".into(), "b".into()],
+                usage: mode,
+                ..Behavior::default()
+            });
+            let r = chat(&t, &source(&m), &stream_req()).await.unwrap();
+            assert_eq!(r.usage_source, src, "{mode:?}");
+            if src == UsageSource::Unavailable {
+                assert_eq!((r.usage.prompt_tokens, r.usage.completion_tokens), (0, 0));
+            } else {
+                assert_eq!(r.usage.completion_tokens, 6, "{mode:?}");
+                assert_eq!(r.usage.reasoning_tokens, Some(2), "{mode:?}");
+            }
+            assert_eq!(r.reasoning_content.as_deref(), Some("ab"));
+        }
+    }
+
+    #[tokio::test]
+    async fn reset_after_finish_is_salvaged() {
+        let m = mock().await;
+        let t = transport();
+        // Usage on the finish chunk, then an RST: measured → estimated.
+        m.push_script(Behavior {
+            chunk_count: Some(5),
+            usage: UsageMode::Inline,
+            fault: Some(Fault::ResetAfterFinish),
+            ..Behavior::default()
+        });
+        let r = chat(&t, &source(&m), &stream_req()).await.unwrap();
+        assert!(r.salvaged);
+        assert_eq!(r.usage_source, UsageSource::Estimated);
+        assert_eq!(r.usage.completion_tokens, 5);
+        // Usage would have come in a later frame: stays unavailable.
+        m.push_script(Behavior {
+            chunk_count: Some(5),
+            usage: UsageMode::FinalFrame,
+            fault: Some(Fault::ResetAfterFinish),
+            ..Behavior::default()
+        });
+        let r = chat(&t, &source(&m), &stream_req()).await.unwrap();
+        assert!(r.salvaged);
+        assert_eq!(r.usage_source, UsageSource::Unavailable);
+        assert_eq!(r.finish_reason.as_deref(), Some("stop"));
+        let log = m.wait_for_ended(2, Duration::from_secs(5)).await;
+        assert_eq!(
+            r.content, log[1].full_content,
+            "a salvaged answer is complete"
+        );
+    }
+
+    #[tokio::test]
+    async fn clean_end_after_finish_without_done_returns_at_once() {
+        let m = mock().await;
+        let t = transport();
+        let src = source(&m)
+            .with_timeout(Duration::from_secs(30))
+            .with_inter_token_timeout(Duration::from_secs(30));
+        m.push_script(Behavior {
+            chunk_count: Some(5),
+            done: false,
+            ..Behavior::default()
+        });
+        let start = now();
+        let r = chat(&t, &src, &stream_req()).await.unwrap();
+        assert!(
+            start.elapsed() < Duration::from_secs(5),
+            "{:?}",
+            start.elapsed()
+        );
+        assert!(!r.salvaged);
+        assert_eq!(r.usage_source, UsageSource::Measured);
+    }
+
+    #[tokio::test]
+    async fn silence_after_finish_is_salvaged_after_the_grace() {
+        let m = mock().await;
+        let t = transport_with(polygw_transport_openai::TransportConfig {
+            finish_grace: Duration::from_millis(150),
+            ..Default::default()
+        });
+        let src = source(&m).with_inter_token_timeout(Duration::from_secs(30));
+        m.push_script(Behavior {
+            chunk_count: Some(3),
+            fault: Some(Fault::HangAfterFinish),
+            ..Behavior::default()
+        });
+        let start = now();
+        let r = chat(&t, &src, &stream_req()).await.unwrap();
+        assert!(start.elapsed() < Duration::from_secs(10));
+        assert!(r.salvaged);
+        assert_eq!(
+            r.usage_source,
+            UsageSource::Estimated,
+            "usage came, end did not"
+        );
+        let log = m.wait_for_ended(1, Duration::from_secs(5)).await;
+        assert_eq!(log[0].end, EndKind::ClientDisconnected);
+    }
+
+    #[tokio::test]
+    async fn done_stops_reading() {
+        let m = mock().await;
+        let body = concat!(
+            "data: {\"choices\":[{\"index\":0,\"delta\":{\"content\":\"ok\"},\"finish_reason\":\"stop\"}]}\n\n",
+            "data: [DONE]\n\n",
+            "data: {this is not json\n\n",
+        );
+        m.push_script(Behavior {
+            raw_sse: Some(body.into()),
+            ..Behavior::default()
+        });
+        let r = chat(&transport(), &source(&m), &stream_req())
+            .await
+            .unwrap();
+        assert_eq!(r.content, "ok");
+    }
+
+    #[tokio::test]
+    async fn crlf_multi_line_data_comments_and_empty_events() {
+        let m = mock().await;
+        let body = concat!(
+            ": hello\r\n\r\n",
+            "data: {\"choices\":[{\"index\":0,\r\n",
+            "data: \"delta\":{\"content\":\"h\u{e9}\u{2705}\"}}]}\r\n\r\n",
+            "data:\r\n\r\n",
+            "event: message\r\nid: 3\r\ndata: {\"choices\":[{\"index\":0,\"delta\":{},\"finish_reason\":\"stop\"}]}\r\n\r\n",
+        );
+        m.push_script(Behavior {
+            raw_sse: Some(body.into()),
+            raw_chunk_bytes: Some(3),
+            done: false,
+            ..Behavior::default()
+        });
+        let r = chat(&transport(), &source(&m), &stream_req())
+            .await
+            .unwrap();
+        assert_eq!(r.content, "h\u{e9}\u{2705}");
+        assert_eq!(r.usage_source, UsageSource::Unavailable);
+    }
+
+    #[tokio::test]
+    async fn plain_json_answer_to_a_stream_request() {
+        let m = mock().await;
+        m.push_script(Behavior {
+            raw_body: Some(
+                r#"{"model":"m1","choices":[{"index":0,"message":{"role":"assistant","content":"whole"},"finish_reason":"stop"}],"usage":{"prompt_tokens":2,"completion_tokens":1}}"#.into(),
+            ),
+            ..Behavior::default()
+        });
+        let obs = Recorder::wanting_deltas();
+        let r = chat_obs(&transport(), &source(&m), &stream_req(), &obs)
+            .await
+            .unwrap();
+        assert_eq!(r.content, "whole");
+        assert_eq!(r.stream.unwrap().incremental_chunks, 1);
+        assert_eq!((obs.chunk_count(), obs.delta_count()), (1, 1));
+    }
+
+    #[tokio::test]
+    async fn reasoning_only_with_finish_length_is_a_success() {
+        let m = mock().await;
+        let t = transport();
+        for (req, field) in [
+            (stream_req(), ReasoningField::Reasoning),
+            (plain_req(), ReasoningField::ReasoningContent),
+        ] {
+            m.push_script(Behavior {
+                reasoning: vec!["thinking".into(), " hard".into()],
+                reasoning_field: field,
+                chunk_count: Some(0),
+                finish_reason: Some("length".into()),
+                ..Behavior::default()
+            });
+            let r = chat(&t, &source(&m), &req).await.unwrap();
+            assert_eq!(r.content, "");
+            assert_eq!(r.reasoning_content.as_deref(), Some("thinking hard"));
+            assert_eq!(r.finish_reason.as_deref(), Some("length"));
+        }
+    }
+
+    #[tokio::test]
+    async fn tool_calls_plain_and_streamed() {
+        let m = mock().await;
+        let t = transport();
+        for req in [plain_req(), stream_req()] {
+            m.push_script(Behavior {
+                chunk_count: Some(0),
+                tool_call: Some(ToolCallSpec {
+                    fragments: 4,
+                    ..ToolCallSpec::default()
+                }),
+                ..Behavior::default()
+            });
+            let r = chat(&t, &source(&m), &req).await.unwrap();
+            assert_eq!(r.finish_reason.as_deref(), Some("tool_calls"));
+            assert_eq!(r.tool_calls.len(), 1);
+            assert_eq!(r.tool_calls[0].id.as_deref(), Some("call_mock_0"));
+            assert_eq!(r.tool_calls[0].name.as_deref(), Some("get_weather"));
+            assert_eq!(r.tool_calls[0].arguments, r#"{"city":"Paris"}"#);
+        }
+    }
+
+    #[tokio::test]
+    async fn observer_once_per_incremental_chunk_and_deltas_for_every_frame() {
+        let m = mock().await;
+        let t = transport();
+        let script = Behavior {
+            reasoning: vec!["r1".into(), "r2".into()],
+            chunk_count: Some(5),
+            tool_call: Some(ToolCallSpec {
+                fragments: 3,
+                ..ToolCallSpec::default()
+            }),
+            gap_ms: 2.0,
+            keepalive_ms: Some(1.0),
+            ..Behavior::default()
+        };
+        m.push_script(script.clone());
+        let obs = Recorder::default();
+        let r = chat_obs(&t, &source(&m), &stream_req(), &obs)
+            .await
+            .unwrap();
+        assert_eq!(
+            obs.chunk_count(),
+            10,
+            "2 reasoning + 5 content + 3 tool fragments"
+        );
+        assert_eq!(obs.delta_count(), 0, "no delta work unless asked");
+        assert_eq!(r.stream.unwrap().incremental_chunks, 10);
+        m.push_script(script);
+        let obs = Recorder::wanting_deltas();
+        chat_obs(&t, &source(&m), &stream_req(), &obs)
+            .await
+            .unwrap();
+        // role + 10 incremental + finish + usage frame.
+        assert_eq!(obs.delta_count(), 13);
+        let deltas = obs.deltas.lock().unwrap().clone();
+        assert_eq!(deltas[0].role.as_deref(), Some("assistant"));
+        assert_eq!(deltas[11].finish_reason.as_deref(), Some("tool_calls"));
+        assert!(deltas[12].usage.is_some());
+        assert_eq!(deltas.iter().filter(|d| d.is_incremental()).count(), 10);
+        let stamps = obs.chunks.lock().unwrap().clone();
+        assert!(
+            stamps.windows(2).all(|w| w[0] <= w[1]),
+            "monotonic timestamps"
+        );
+    }
+
+    #[tokio::test]
+    async fn stall_figures_come_from_the_chunk_timestamps() {
+        let m = mock().await;
+        m.push_script(Behavior {
+            ttft_ms: 80.0,
+            chunk_count: Some(8),
+            gap_ms: 5.0,
+            stalls: vec![Stall {
+                before_chunk: 4,
+                ms: 400.0,
+            }],
+            ..Behavior::default()
+        });
+        let obs = Recorder::default();
+        let r = chat_obs(&transport(), &source(&m), &stream_req(), &obs)
+            .await
+            .unwrap();
+        let f = r.stream.unwrap();
+        assert_eq!(f.incremental_chunks, 8);
+        assert!(f.ttft_ms.unwrap() >= 80, "{f:?}");
+        assert_eq!(f.stall_count, Some(1), "{f:?}");
+        let stall = f.stall_ms.unwrap();
+        assert!((400..3_000).contains(&stall), "{f:?}");
+        assert!(f.max_inter_token_ms.unwrap() >= 400);
+        // The same figures from the observer's timestamps (same clock, same rule).
+        let stamps = obs.chunks.lock().unwrap().clone();
+        let offsets: Vec<Duration> = stamps.iter().map(|s| *s - stamps[0]).collect();
+        let from_obs = meter(&offsets, Duration::from_millis(200));
+        assert_eq!(from_obs.stall_ms, f.stall_ms);
+        assert_eq!(from_obs.stall_count, f.stall_count);
+        assert_eq!(from_obs.max_inter_token_ms, f.max_inter_token_ms);
+    }
+
+    #[tokio::test]
+    async fn keepalives_never_feed_the_watchdogs() {
+        let m = mock().await;
+        let t = transport();
+        let src = source(&m)
+            .with_ttft_timeout(Duration::from_millis(300))
+            .with_inter_token_timeout(Duration::from_millis(300));
+        // Keepalives during a long TTFT.
+        m.push_script(Behavior {
+            ttft_ms: 5_000.0,
+            keepalive_ms: Some(20.0),
+            ..Behavior::default()
+        });
+        let e = chat(&t, &src, &stream_req()).await.unwrap_err();
+        assert_eq!(e.label, L::TtftTimeout, "{e}");
+        // Keepalives during a mid-stream stall.
+        m.push_script(Behavior {
+            chunk_count: Some(6),
+            stalls: vec![Stall {
+                before_chunk: 2,
+                ms: 5_000.0,
+            }],
+            keepalive_ms: Some(20.0),
+            ..Behavior::default()
+        });
+        let e = chat(&t, &src, &stream_req()).await.unwrap_err();
+        assert_eq!((e.class, e.label), (C::Transient, L::StallTimeout), "{e}");
+        let log = m.wait_for_ended(2, Duration::from_secs(5)).await;
+        for r in &log {
+            assert!(
+                r.keepalives_sent >= 3,
+                "keepalives were sent: {}",
+                r.keepalives_sent
+            );
+            assert_eq!(r.end, EndKind::ClientDisconnected);
+        }
+    }
+
+    #[tokio::test]
+    async fn non_incremental_frames_never_feed_the_watchdog() {
+        let m = mock().await;
+        let frame = "data: {\"choices\":[{\"index\":0,\"delta\":{\"role\":\"assistant\"}}]}\n\n";
+        m.push_script(Behavior {
+            raw_sse: Some(frame.repeat(100)),
+            raw_chunk_bytes: Some(frame.len()),
+            raw_chunk_gap_ms: 30.0,
+            ..Behavior::default()
+        });
+        let src = source(&m).with_ttft_timeout(Duration::from_millis(300));
+        let e = chat(&transport(), &src, &stream_req()).await.unwrap_err();
+        assert_eq!(e.label, L::TtftTimeout, "{e}");
+        let log = m.wait_for_ended(1, Duration::from_secs(5)).await;
+        assert!(
+            log[0].frames_sent >= 3,
+            "role frames did flow: {}",
+            log[0].frames_sent
+        );
+    }
+
+    #[tokio::test]
+    async fn chunks_within_the_budget_keep_a_slow_stream_alive() {
+        let m = mock().await;
+        // 12 chunks 60 ms apart = 0.7 s in total, over a 250 ms inter-chunk budget.
+        m.push_script(Behavior {
+            chunk_count: Some(12),
+            gap_ms: 60.0,
+            ..Behavior::default()
+        });
+        let src = source(&m)
+            .with_ttft_timeout(Duration::from_millis(250))
+            .with_inter_token_timeout(Duration::from_millis(250));
+        let r = chat(&transport(), &src, &stream_req()).await.unwrap();
+        assert_eq!(r.stream.unwrap().incremental_chunks, 12);
+    }
+
+    #[tokio::test]
+    async fn dropping_the_future_closes_the_request() {
+        let m = mock().await;
+        m.push_script(Behavior {
+            chunk_count: Some(3),
+            stalls: vec![Stall {
+                before_chunk: 1,
+                ms: 10_000.0,
+            }],
+            ..Behavior::default()
+        });
+        let t = transport();
+        let src = source(&m);
+        let req = stream_req();
+        let obs = Recorder::default();
+        let fut = chat_obs(&t, &src, &req, &obs);
+        let r = tokio::time::timeout(Duration::from_millis(300), fut).await;
+        assert!(r.is_err(), "still stalled");
+        assert_eq!(obs.chunk_count(), 1);
+        let log = m.wait_for_ended(1, Duration::from_secs(5)).await;
+        assert_eq!(log[0].end, EndKind::ClientDisconnected);
+    }
+}
+
+/// The request: body shape, headers, bearer.
+mod request_shape {
+    use std::time::Duration;
+
+    use polygw_core::{ChatRequest, ErrorClass as C, SourceConfig};
+    use polygw_mock_upstream::{MockConfig, MockUpstream};
+    use serde_json::{json, Map};
+
+    use super::common::*;
+
+    #[tokio::test]
+    async fn stream_body_overlay_extra_body_and_call_id() {
+        let m = mock().await;
+        let mut extra = Map::new();
+        extra.insert("enable_thinking".into(), json!(false));
+        extra.insert("top_k".into(), json!(5));
+        let src = source(&m).with_extra_body(extra);
+        let req = ChatRequest::user("hi")
+            .with_stream(true)
+            .with_reasoning_effort("low")
+            .with_max_tokens(64)
+            .with_overlay("enable_thinking", json!(true))
+            .with_overlay("top_p", json!(0.5));
+        chat(&transport(), &src, &req).await.unwrap();
+        let rec = &m.requests()[0];
+        assert_eq!(rec.path, "/v1/chat/completions");
+        assert_eq!(rec.model.as_deref(), Some("mock-model"));
+        assert!(rec.stream);
+        assert_eq!(rec.call_id.as_deref(), Some("call-test-1"));
+        assert_eq!(rec.body["stream_options"]["include_usage"], json!(true));
+        assert_eq!(rec.body["reasoning_effort"], json!("low"));
+        assert_eq!(rec.body["max_tokens"], json!(64));
+        assert_eq!(rec.body["top_p"], json!(0.5), "overlay merged");
+        assert_eq!(rec.body["top_k"], json!(5), "EXTRA_BODY merged");
+        assert_eq!(
+            rec.body["enable_thinking"],
+            json!(false),
+            "EXTRA_BODY merged last"
+        );
+        assert_eq!(rec.body["messages"][0]["content"], json!("hi"));
+    }
+
+    #[tokio::test]
+    async fn plain_body_has_no_stream_options() {
+        let m = mock().await;
+        chat(&transport(), &source(&m), &plain_req()).await.unwrap();
+        let rec = &m.requests()[0];
+        assert_eq!(rec.body["stream"], json!(false));
+        assert!(rec.body.get("stream_options").is_none());
+        assert!(rec.body.get("reasoning_effort").is_none());
+    }
+
+    #[tokio::test]
+    async fn bearer_only_when_the_key_is_non_empty() {
+        let m = mock().await;
+        let t = transport();
+        let keyless = SourceConfig::new("local", 0, m.base_url(), "", "m");
+        chat(&t, &keyless, &plain_req()).await.unwrap();
+        chat(&t, &source(&m), &plain_req()).await.unwrap();
+        let log = m.requests();
+        assert!(
+            !log[0].authorization,
+            "no Authorization header without a key"
+        );
+        assert!(log[1].authorization);
+    }
+
+    #[tokio::test]
+    async fn the_mock_checks_the_bearer() {
+        let m = MockUpstream::start(MockConfig {
+            require_key: Some(KEY.into()),
+            ..MockConfig::default()
+        })
+        .await
+        .unwrap();
+        let t = transport();
+        chat(&t, &source(&m), &stream_req()).await.unwrap();
+        let wrong = SourceConfig::new("mock", 0, m.base_url(), "sk-wrong-key", "mock-model");
+        let e = chat(&t, &wrong, &stream_req()).await.unwrap_err();
+        assert_eq!((e.class, e.http_status), (C::Dead, Some(401)));
+        assert_eq!(e.provider_code.as_deref(), Some("invalid_api_key"));
+        m.shutdown().await;
+    }
+
+    #[tokio::test]
+    async fn one_pooled_client_reuses_connections_across_clones() {
+        let m = mock().await;
+        let t = transport();
+        let t2 = t.clone();
+        for i in 0..6 {
+            let tt = if i % 2 == 0 { &t } else { &t2 };
+            chat(tt, &source(&m), &plain_req()).await.unwrap();
+        }
+        let log = m.wait_for_ended(6, Duration::from_secs(5)).await;
+        assert_eq!(log.len(), 6);
+    }
+}
+
+mod embeddings_and_ocr {
+    use polygw_core::ports::{EmbeddingTransport, OcrTransport};
+    use polygw_core::{ErrorClass as C, UsageSource};
+    use polygw_mock_upstream::{embedding_of, Behavior, UsageMode};
+    use serde_json::json;
+
+    use super::common::*;
+
+    #[tokio::test]
+    async fn embeddings_in_order_with_usage() {
+        let m = mock().await;
+        let t = transport();
+        let texts: Vec<String> = vec!["alpha".into(), "beta gamma".into(), "δ".into()];
+        let r = t.embed(&source(&m), &texts, "emb-1").await.unwrap();
+        assert_eq!(r.vectors.len(), 3);
+        for (v, text) in r.vectors.iter().zip(&texts) {
+            assert_eq!(v, &embedding_of(text, 16));
+        }
+        assert_eq!(r.usage_source, UsageSource::Measured);
+        assert_eq!(r.usage.prompt_tokens, 2 + 3 + 1);
+        assert_eq!(r.http_status, 200);
+        let rec = &m.requests()[0];
+        assert_eq!(rec.path, "/v1/embeddings");
+        assert_eq!(rec.body["input"], json!(texts));
+        assert_eq!(rec.call_id.as_deref(), Some("emb-1"));
+        assert_eq!(
+            rec.usage.unwrap().prompt_tokens,
+            6,
+            "reconciles with the mock"
+        );
+        // No usage → unavailable; errors classified.
+        m.push_script(Behavior {
+            usage: UsageMode::None,
+            ..Behavior::default()
+        });
+        let r = t.embed(&source(&m), &texts, "emb-2").await.unwrap();
+        assert_eq!(r.usage_source, UsageSource::Unavailable);
+        m.push_script(Behavior::status(500));
+        let e = t.embed(&source(&m), &texts, "emb-3").await.unwrap_err();
+        assert_eq!(e.class, C::Transient);
+        m.push_script(Behavior::fault(polygw_mock_upstream::Fault::MalformedAt {
+            chunk: 0,
+        }));
+        let e = t.embed(&source(&m), &texts, "emb-4").await.unwrap_err();
+        assert_eq!(e.class, C::Invalid);
+    }
+
+    #[tokio::test]
+    async fn ocr_sends_a_vision_request_with_a_data_uri() {
+        let m = mock().await;
+        let t = transport();
+        let image = vec![0x89u8; 1234];
+        let r = t
+            .recognize(&source(&m), &image, "image/png", "Read the text.", "ocr-1")
+            .await
+            .unwrap();
+        assert_eq!(r.http_status, 200);
+        assert!(
+            r.text
+                .contains("[mock-ocr] 1 image(s): image/png 1234 bytes"),
+            "{}",
+            r.text
+        );
+        let rec = &m.requests()[0];
+        assert_eq!(rec.images.len(), 1);
+        assert_eq!(rec.images[0].bytes, 1234);
+        assert_eq!(rec.body["stream"], json!(false));
+        assert_eq!(
+            rec.body["messages"][0]["content"][0]["text"],
+            json!("Read the text.")
+        );
+        assert!(rec.body["messages"][0]["content"][1]["image_url"]["url"]
+            .as_str()
+            .unwrap()
+            .starts_with("data:image/png;base64,"));
+        m.push_script(Behavior::status(429));
+        let e = t
+            .recognize(&source(&m), &image, "image/png", "Read.", "ocr-2")
+            .await
+            .unwrap_err();
+        assert_eq!(e.class, C::RateLimited);
+    }
+}
+
+/// The API key never appears in an error, a Debug output or a Display.
+mod secrets {
+    use std::time::Duration;
+
+    use polygw_core::ports::EmbeddingTransport;
+    use polygw_core::SourceConfig;
+    use polygw_mock_upstream::{Behavior, Fault};
+    use serde_json::json;
+
+    use super::common::*;
+
+    #[tokio::test]
+    async fn the_key_never_shows() {
+        let m = mock().await;
+        let t = transport();
+        let mut shown: Vec<String> = vec![format!("{t:?}"), format!("{:?}", source(&m))];
+        let echo = format!("Incorrect API key provided: {KEY}");
+        let scripts = vec![
+            Behavior {
+                status: 401,
+                error_message: Some(echo.clone()),
+                error_code: Some(format!("bad_key_{KEY}")),
+                ..Behavior::default()
+            },
+            Behavior {
+                status: 400,
+                error_body: Some(json!({"message": echo, "code": KEY})),
+                ..Behavior::default()
+            },
+            Behavior {
+                raw_sse: Some(format!(
+                    "data: {{\"error\":{{\"message\":\"{KEY}\",\"code\":\"server_error\"}}}}\n\n"
+                )),
+                ..Behavior::default()
+            },
+            Behavior::fault(Fault::ResetBeforeHeaders),
+            Behavior::fault(Fault::MalformedAt { chunk: 1 }),
+            Behavior::fault(Fault::TruncateAfter { chunks: 1 }),
+            Behavior {
+                ttft_ms: 5_000.0,
+                ..Behavior::default()
+            },
+        ];
+        let src = source(&m).with_ttft_timeout(Duration::from_millis(200));
+        for s in scripts {
+            m.push_script(s);
+            let e = chat(&t, &src, &stream_req()).await.unwrap_err();
+            shown.push(format!("{e} | {e:?} | {}", e.short_detail()));
+        }
+        // A base URL that carries the key (some gateways take it in the query string).
+        let in_url = SourceConfig::new(
+            "leaky",
+            0,
+            format!("http://127.0.0.1:1/v1?api_key={KEY}"),
+            KEY,
+            "m",
+        );
+        let e = chat(&t, &in_url, &plain_req()).await.unwrap_err();
+        shown.push(format!("{e} | {e:?}"));
+        let e = t.embed(&in_url, &["x".into()], "c").await.unwrap_err();
+        shown.push(format!("{e} | {e:?}"));
+        // …or in the URL's userinfo (loopback, nothing listens on port 1).
+        let userinfo = SourceConfig::new(
+            "bad",
+            0,
+            format!("http://user:{KEY}@127.0.0.1:1/v1"),
+            KEY,
+            "m",
+        );
+        let e = chat(&t, &userinfo, &stream_req()).await.unwrap_err();
+        shown.push(format!("{e} | {e:?}"));
+        for s in &shown {
+            assert!(!s.contains(KEY), "the key leaked: {s}");
+        }
+        assert!(shown.len() >= 10);
+    }
+}
