@@ -92,6 +92,26 @@ fn main() {
         median(single)
     );
 
+    // The same cycle on core's model alone (no mutex, permit, boxing or clock): the part
+    // of the cost that is the reference model's own bookkeeping.
+    let model: Vec<f64> = (0..RUNS)
+        .map(|_| {
+            let mut m = polygw_core::window::WindowLimiter::new();
+            let req = request("m", u32::MAX);
+            let start = Instant::now();
+            for i in 0..N {
+                let id = m.acquire(0, &req).expect("admitted");
+                m.settle(id, 500 + i % 7);
+                m.release(id);
+            }
+            ns_per_op(start.elapsed(), N)
+        })
+        .collect();
+    println!(
+        "  same cycle on core's WindowLimiter alone: {:>8.0} ns/op",
+        median(model)
+    );
+
     let refused: Vec<f64> = (0..RUNS)
         .map(|_| {
             let l = MemoryLimiter::new(Arc::new(SystemClock));

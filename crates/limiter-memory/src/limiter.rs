@@ -13,9 +13,9 @@ use polygw_core::window::{WindowLimiter, WINDOW_MS};
 
 use crate::{elapsed_ms, lock};
 
-/// Acquires between two compactions of the permit table (bounds memory under load).
-const COMPACT_EVERY_OPS: u64 = 4096;
-/// Clock time between two compactions (bounds memory when the load stops).
+/// Clock time between two compactions of the model's permit table. Nothing can be
+/// forgotten before its entry leaves the window, so compacting by time alone bounds the
+/// table to the acquires of the last 75 s while costing O(entries) only every 15 s.
 const COMPACT_EVERY_MS: u64 = WINDOW_MS / 4;
 
 /// In-process [`RateLimiter`]: RPM, TPM (reserve then settle) and concurrency per source,
@@ -33,7 +33,6 @@ struct Shared {
 
 struct State {
     model: WindowLimiter,
-    ops_since_compact: u64,
     last_compact_ms: u64,
 }
 
@@ -59,7 +58,6 @@ impl MemoryLimiter {
                 base,
                 state: Mutex::new(State {
                     model: WindowLimiter::new(),
-                    ops_since_compact: 0,
                     last_compact_ms: 0,
                 }),
             }),
@@ -81,12 +79,11 @@ impl MemoryLimiter {
     }
 
     /// Drops every entry that left its window and every finished permit now (it also
-    /// happens on its own every few thousand acquires and every 15 s of clock time).
+    /// happens on its own on the first acquire after every 15 s of clock time).
     pub fn compact(&self) {
         let now = self.shared.now_ms();
         let mut st = lock(&self.shared.state);
         st.model.compact(now);
-        st.ops_since_compact = 0;
         st.last_compact_ms = now;
     }
 }
@@ -97,12 +94,8 @@ impl RateLimiter for MemoryLimiter {
         let now = self.shared.now_ms();
         let admitted = {
             let mut st = lock(&self.shared.state);
-            st.ops_since_compact += 1;
-            if st.ops_since_compact >= COMPACT_EVERY_OPS
-                || now.saturating_sub(st.last_compact_ms) >= COMPACT_EVERY_MS
-            {
+            if now.saturating_sub(st.last_compact_ms) >= COMPACT_EVERY_MS {
                 st.model.compact(now);
-                st.ops_since_compact = 0;
                 st.last_compact_ms = now;
             }
             st.model.acquire(now, req)

@@ -6,6 +6,8 @@
 --       7 reservation   8 lease ms   9 window ms   10 key ttl margin ms
 -- Returns {1, now} when admitted, {0, reason, hint ms or -1} when refused
 -- (reasons: 1 concurrency, 2 rpm, 3 tpm, 4 scope rpm, 5 scope tpm).
+-- Replicate effects, not the script (TIME is non-deterministic); the default since Redis 5.
+if redis.replicate_commands then redis.replicate_commands() end
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local id = ARGV[1]

@@ -4,6 +4,8 @@
 -- ARGV: 1 probe lease ms   2 idle ttl ms
 -- Returns {1, probe 0/1} when allowed, {0, reason, hint ms} when refused
 -- (reasons: 1 circuit open, 2 dead, 3 cooldown).
+-- Replicate effects, not the script (TIME is non-deterministic); the default since Redis 5.
+if redis.replicate_commands then redis.replicate_commands() end
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local v = redis.call('HMGET', KEYS[1], 'ou', 'pu', 'du', 'cd')

@@ -3,6 +3,8 @@
 -- ARGV: 1 outcome ('success' | 'failure' | 'neutral' | 'dead' | 'rate_limited')
 --       2 probe ('1' / '0')   3 cooldown ms   4 failure threshold   5 open ms
 --       6 dead ms   7 idle ttl ms
+-- Replicate effects, not the script (TIME is non-deterministic); the default since Redis 5.
+if redis.replicate_commands then redis.replicate_commands() end
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local v = redis.call('HMGET', KEYS[1], 'cf', 'ou', 'ro', 'pu', 'du', 'cd')

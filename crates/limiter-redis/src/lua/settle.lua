@@ -3,6 +3,8 @@
 -- ARGV: 1 permit id   2 tokens ('' = no settlement)   3 release ('1' / '0')   4 window ms
 -- The first settlement of a permit replaces its reservation in the source's and the
 -- scope's windows; later ones, and any after the entry left the window, change nothing.
+-- Replicate effects, not the script (TIME is non-deterministic); the default since Redis 5.
+if redis.replicate_commands then redis.replicate_commands() end
 local id = ARGV[1]
 if ARGV[2] ~= '' then
   local t = redis.call('TIME')
