@@ -1,5 +1,7 @@
 //! Builds the default port implementations from settings, with the adapters the cargo
-//! features enable.
+//! features enable: `memory` (limiter, breaker store, cache), `redis` (shared limiter
+//! and breaker store), `sqlite` / `postgres` (telemetry). A setting that needs an
+//! adapter this build lacks is a configuration error naming the key and the feature.
 
 use std::sync::Arc;
 
@@ -7,79 +9,153 @@ use polygw_core::ports::{
     BreakerStore, Clock, EmbeddingTransport, NullCache, NullRecorder, OcrTransport, RateLimiter,
     ResponseCache, TelemetryRecorder, Transport,
 };
+use polygw_core::secret::redact_url;
 use polygw_core::{ConfigError, GatewayError, ScopeSettings};
+use polygw_transport_openai::OpenAiTransport;
 
-fn unavailable(key: &str, what: &str) -> GatewayError {
+fn needs(key: String, value: String, expected: &str) -> GatewayError {
     GatewayError::Config(ConfigError::Invalid {
-        key: key.to_string(),
-        value: String::new(),
-        expected: what.to_string(),
+        key,
+        value,
+        expected: expected.to_string(),
     })
 }
 
-/// The HTTP transport shared by chat, embeddings and OCR.
-#[derive(Debug, Clone)]
-pub(crate) struct Http;
+/// The HTTP transport shared by chat, embeddings and OCR (one pooled client).
+pub(crate) type Http = Arc<OpenAiTransport>;
 
-pub(crate) fn http_transport(_clock: Arc<dyn Clock>) -> Result<Http, GatewayError> {
-    Err(unavailable(
-        "transport",
-        "the OpenAI transport adapter (being wired)",
-    ))
+pub(crate) fn http_transport(clock: Arc<dyn Clock>) -> Result<Http, GatewayError> {
+    OpenAiTransport::new(clock).map(Arc::new).map_err(|e| {
+        needs(
+            "transport".into(),
+            String::new(),
+            &format!("a working HTTP client ({e})"),
+        )
+    })
 }
 
-pub(crate) fn as_chat(_h: Option<&Http>) -> Result<Arc<dyn Transport>, GatewayError> {
-    Err(unavailable(
-        "transport",
-        "the OpenAI transport adapter (being wired)",
-    ))
+fn http(h: Option<&Http>) -> Result<Http, GatewayError> {
+    h.cloned()
+        .ok_or_else(|| needs("transport".into(), String::new(), "an HTTP transport"))
 }
 
-pub(crate) fn as_embedding(_h: Option<&Http>) -> Result<Arc<dyn EmbeddingTransport>, GatewayError> {
-    Err(unavailable(
-        "transport",
-        "the OpenAI transport adapter (being wired)",
-    ))
+pub(crate) fn as_chat(h: Option<&Http>) -> Result<Arc<dyn Transport>, GatewayError> {
+    Ok(http(h)?)
 }
 
-pub(crate) fn as_ocr(_h: Option<&Http>) -> Result<Arc<dyn OcrTransport>, GatewayError> {
-    Err(unavailable(
-        "transport",
-        "the OpenAI transport adapter (being wired)",
-    ))
+pub(crate) fn as_embedding(h: Option<&Http>) -> Result<Arc<dyn EmbeddingTransport>, GatewayError> {
+    Ok(http(h)?)
 }
 
+pub(crate) fn as_ocr(h: Option<&Http>) -> Result<Arc<dyn OcrTransport>, GatewayError> {
+    Ok(http(h)?)
+}
+
+/// Limiter and breaker store: Redis when `{S}__REDIS__URL` is set, else in-memory.
 pub(crate) async fn governance(
     s: &ScopeSettings,
-    _clock: Arc<dyn Clock>,
+    clock: Arc<dyn Clock>,
 ) -> Result<(Arc<dyn RateLimiter>, Arc<dyn BreakerStore>), GatewayError> {
-    Err(unavailable(
-        &format!("{}__REDIS__URL", s.name),
-        "a governance adapter (being wired)",
+    let _ = &clock;
+    if let Some(url) = &s.redis_url {
+        #[cfg(feature = "redis")]
+        {
+            // Lazy: the client builds while Redis is down; calls then fail closed
+            // (`governance_backend`) until it is back.
+            let g = polygw_limiter_redis::RedisGovernance::connect_lazy(
+                url.expose(),
+                polygw_limiter_redis::RedisOptions::default(),
+            )
+            .map_err(|e| {
+                needs(
+                    format!("{}__REDIS__URL", s.name),
+                    redact_url(url.expose()),
+                    &format!("a reachable Redis ({e})"),
+                )
+            })?;
+            return Ok((Arc::new(g.limiter()), Arc::new(g.breakers())));
+        }
+        #[cfg(not(feature = "redis"))]
+        return Err(needs(
+            format!("{}__REDIS__URL", s.name),
+            redact_url(url.expose()),
+            "a build with the `redis` feature of polygw",
+        ));
+    }
+    #[cfg(feature = "memory")]
+    {
+        Ok((
+            Arc::new(polygw_limiter_memory::MemoryLimiter::new(clock.clone())),
+            Arc::new(polygw_limiter_memory::MemoryBreakerStore::new(clock)),
+        ))
+    }
+    #[cfg(not(feature = "memory"))]
+    Err(needs(
+        format!("{}__REDIS__URL", s.name),
+        String::new(),
+        "a Redis URL, or a build with the `memory` feature, or limiter and breakers given to the builder",
     ))
 }
 
+/// The telemetry recorder of `{S}__TELEMETRY__URL` (off when unset).
 pub(crate) async fn telemetry(
     s: &ScopeSettings,
 ) -> Result<Arc<dyn TelemetryRecorder>, GatewayError> {
-    match &s.telemetry_url {
-        None => Ok(Arc::new(NullRecorder)),
-        Some(_) => Err(unavailable(
-            &format!("{}__TELEMETRY__URL", s.name),
-            "the SQL telemetry adapter (being wired)",
-        )),
+    let Some(url) = &s.telemetry_url else {
+        return Ok(Arc::new(NullRecorder));
+    };
+    let key = format!("{}__TELEMETRY__URL", s.name);
+    let raw = url.expose();
+    let feature = if raw.starts_with("sqlite:") {
+        "sqlite"
+    } else {
+        "postgres"
+    };
+    let enabled = match feature {
+        "sqlite" => cfg!(feature = "sqlite"),
+        _ => cfg!(feature = "postgres"),
+    };
+    if !enabled {
+        return Err(needs(
+            key,
+            redact_url(raw),
+            &format!("a build with the `{feature}` feature of polygw"),
+        ));
     }
+    #[cfg(any(feature = "sqlite", feature = "postgres"))]
+    {
+        let r = polygw_telemetry_sql::SqlRecorder::connect(
+            raw,
+            polygw_telemetry_sql::RecorderConfig::default(),
+        )
+        .await
+        .map_err(|e| needs(key, redact_url(raw), &format!("a reachable database ({e})")))?;
+        Ok(Arc::new(r))
+    }
+    #[cfg(not(any(feature = "sqlite", feature = "postgres")))]
+    unreachable!("checked above")
 }
 
+/// The response cache of `{S}__CACHE__TTL_S` (off when unset).
 pub(crate) fn cache(
     s: &ScopeSettings,
-    _clock: Arc<dyn Clock>,
+    clock: Arc<dyn Clock>,
 ) -> Result<Arc<dyn ResponseCache>, GatewayError> {
-    match s.cache.ttl {
-        None => Ok(Arc::new(NullCache)),
-        Some(_) => Err(unavailable(
-            &format!("{}__CACHE__TTL_S", s.name),
-            "the memory cache adapter (being wired)",
-        )),
+    let _ = &clock;
+    let Some(_ttl) = s.cache.ttl else {
+        return Ok(Arc::new(NullCache));
+    };
+    #[cfg(feature = "memory")]
+    {
+        Ok(Arc::new(polygw_limiter_memory::MemoryCache::new(
+            s.cache.capacity,
+            clock,
+        )))
     }
+    #[cfg(not(feature = "memory"))]
+    Err(needs(
+        format!("{}__CACHE__TTL_S", s.name),
+        format!("{}", _ttl.as_secs_f64()),
+        "a build with the `memory` feature (or a cache given to the builder)",
+    ))
 }

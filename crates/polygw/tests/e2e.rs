@@ -1,0 +1,258 @@
+//! GatewayClient end to end: the real transport over loopback HTTP against the mock
+//! upstream, configured from environment-style keys. Real time, short durations, wide
+//! tolerances.
+
+use std::time::Duration;
+
+use polygw::core::telemetry::RowKind;
+use polygw::{ChatRequest, GatewayClient, GatewayError, TerminalReason, UsageSource};
+use polygw_mock_upstream::{Behavior, EndKind, MockConfig, MockUpstream, Stall};
+
+async fn mock() -> MockUpstream {
+    MockUpstream::start(MockConfig::default())
+        .await
+        .expect("mock")
+}
+
+fn source_vars(name: &str, m: &MockUpstream, prio: u32) -> Vec<(String, String)> {
+    let p = name.to_uppercase();
+    vec![
+        (format!("LLM__{p}__0__BASE_URL"), m.base_url()),
+        (format!("LLM__{p}__0__API_KEY"), format!("sk-{name}-secret")),
+        (format!("LLM__{p}__0__MODEL"), format!("model-{name}")),
+        (format!("LLM__{p}__0__PRIORITY"), prio.to_string()),
+    ]
+}
+
+fn vars(parts: Vec<Vec<(String, String)>>, extra: &[(&str, &str)]) -> Vec<(String, String)> {
+    let mut v: Vec<(String, String)> = parts.into_iter().flatten().collect();
+    v.extend(extra.iter().map(|(k, x)| (k.to_string(), x.to_string())));
+    v
+}
+
+fn slow_first_token(ms: f64) -> Behavior {
+    Behavior {
+        ttft_ms: ms,
+        ..Behavior::text(&["slow ", "answer"])
+    }
+}
+
+#[tokio::test]
+async fn a_late_first_token_is_beaten_by_a_hedge_leg() {
+    let (a, b) = (mock().await, mock().await);
+    a.set_default(slow_first_token(5_000.0));
+    b.set_default(Behavior::text(&["fast ", "answer"]));
+    let c = GatewayClient::from_vars(
+        vars(
+            vec![source_vars("a", &a, 0), source_vars("b", &b, 1)],
+            &[
+                ("LLM__HEDGE__AFTER_S", "0.2"),
+                ("LLM__HEDGE__BUDGET_PCT", "0"),
+            ],
+        ),
+        "LLM",
+    )
+    .await
+    .unwrap();
+    let r = c
+        .chat(ChatRequest::user("hi").with_stream(true))
+        .await
+        .unwrap();
+    assert_eq!(r.content, "fast answer");
+    assert_eq!(r.source, "b-0");
+    assert_eq!((r.call_stats.hedges, r.call_stats.hedge_won), (1, true));
+    assert!(r.call_stats.total_latency_ms < 2_500, "{:?}", r.call_stats);
+    assert!(r.call_stats.total_latency_ms >= 200, "{:?}", r.call_stats);
+    assert_eq!(r.usage_source, UsageSource::Measured);
+    // the loser's request was cut by the client
+    let ended = a.wait_for_ended(1, Duration::from_secs(5)).await;
+    assert_eq!(ended[0].end, EndKind::ClientDisconnected);
+    assert_eq!(ended[0].model.as_deref(), Some("model-a"));
+    assert_eq!(c.in_flight("a-0").await.unwrap(), 0);
+    assert_eq!(c.in_flight("b-0").await.unwrap(), 0);
+}
+
+#[tokio::test]
+async fn a_stalled_stream_is_beaten_by_a_stall_hedge() {
+    let (a, b) = (mock().await, mock().await);
+    a.set_default(Behavior {
+        stalls: vec![Stall {
+            before_chunk: 2,
+            ms: 8_000.0,
+        }],
+        ..Behavior::text(&["one ", "two ", "three"])
+    });
+    b.set_default(Behavior::text(&["other ", "answer"]));
+    let c = GatewayClient::from_vars(
+        vars(
+            vec![source_vars("a", &a, 0), source_vars("b", &b, 1)],
+            &[
+                ("LLM__HEDGE__STALL_AFTER_S", "0.3"),
+                ("LLM__HEDGE__BUDGET_PCT", "0"),
+            ],
+        ),
+        "LLM",
+    )
+    .await
+    .unwrap();
+    let r = c
+        .chat(ChatRequest::user("hi").with_stream(true))
+        .await
+        .unwrap();
+    assert_eq!(r.content, "other answer");
+    assert!(r.call_stats.hedge_won);
+    assert!(r.call_stats.total_latency_ms < 3_000, "{:?}", r.call_stats);
+}
+
+#[tokio::test]
+async fn with_hedging_off_the_slow_source_is_simply_waited_for() {
+    let (a, b) = (mock().await, mock().await);
+    a.set_default(slow_first_token(600.0));
+    b.set_default(Behavior::text(&["never"]));
+    let c = GatewayClient::from_vars(
+        vars(vec![source_vars("a", &a, 0), source_vars("b", &b, 1)], &[]),
+        "LLM",
+    )
+    .await
+    .unwrap();
+    let r = c
+        .chat(ChatRequest::user("hi").with_stream(true))
+        .await
+        .unwrap();
+    assert_eq!(r.content, "slow answer");
+    assert_eq!((r.call_stats.attempts, r.call_stats.hedges), (1, 0));
+    assert!(r.call_stats.total_latency_ms >= 600);
+    assert!(r.ttft_ms.unwrap() >= 600);
+    assert!(
+        b.requests().is_empty(),
+        "no request reached the other source"
+    );
+}
+
+#[tokio::test]
+async fn failures_are_retried_elsewhere_with_telemetry_in_sqlite() {
+    let (a, b) = (mock().await, mock().await);
+    a.set_default(Behavior::status(503));
+    b.set_default(Behavior::text(&["from b"]));
+    let dir = tempfile::tempdir().unwrap();
+    let db = format!("sqlite://{}", dir.path().join("t.db").display());
+    let c = GatewayClient::from_vars(
+        vars(
+            vec![source_vars("a", &a, 0), source_vars("b", &b, 1)],
+            &[
+                ("LLM__TELEMETRY__URL", db.as_str()),
+                ("LLM__RETRY__BACKOFF_BASE_S", "0.01"),
+                ("LLM__RETRY__BACKOFF_MAX_S", "0.02"),
+                ("LLM__B__0__INPUT_PRICE", "1"),
+                ("LLM__B__0__OUTPUT_PRICE", "2"),
+            ],
+        ),
+        "LLM",
+    )
+    .await
+    .unwrap();
+    let r = c.chat(ChatRequest::user("hi")).await.unwrap();
+    assert_eq!(r.content, "from b");
+    assert_eq!(r.call_stats.attempts, 2);
+    let report = c.shutdown().await;
+    assert_eq!((report.written, report.dropped), (2, 0));
+    let rows = polygw_telemetry_sql::read_rows(&db, None).await.unwrap();
+    assert_eq!(rows.len(), 2);
+    let failed = rows.iter().find(|r| !r.ok).unwrap();
+    assert_eq!(failed.error.as_deref(), Some("server_error"));
+    assert_eq!(failed.http_status, Some(503));
+    assert_eq!(failed.cost, None);
+    let ok = rows.iter().find(|r| r.ok).unwrap();
+    assert_eq!(ok.usage_source, UsageSource::Measured);
+    assert!(ok.cost.unwrap() > 0.0);
+    assert!(rows
+        .iter()
+        .all(|x| x.logical_call_id == r.logical_call_id && x.kind == RowKind::Attempt));
+    // the key reached the upstream only as a Bearer header, never in telemetry
+    let text = format!("{rows:?}");
+    assert!(!text.contains("sk-a-secret") && !text.contains("sk-b-secret"));
+}
+
+#[tokio::test]
+async fn dropping_a_call_over_http_cancels_the_request() {
+    let a = mock().await;
+    a.set_default(slow_first_token(10_000.0));
+    let dir = tempfile::tempdir().unwrap();
+    let db = format!("sqlite://{}", dir.path().join("t.db").display());
+    let c = GatewayClient::from_vars(
+        vars(
+            vec![source_vars("a", &a, 0)],
+            &[("LLM__TELEMETRY__URL", db.as_str())],
+        ),
+        "LLM",
+    )
+    .await
+    .unwrap();
+    let call = c.chat(ChatRequest::user("hi").with_stream(true));
+    let r = tokio::time::timeout(Duration::from_millis(300), call).await;
+    assert!(r.is_err(), "still running when dropped");
+    let ended = a.wait_for_ended(1, Duration::from_secs(5)).await;
+    assert_eq!(ended[0].end, EndKind::ClientDisconnected);
+    assert_eq!(c.in_flight("a-0").await.unwrap(), 0);
+    c.shutdown().await;
+    let rows = polygw_telemetry_sql::read_rows(&db, None).await.unwrap();
+    assert_eq!(rows.len(), 1);
+    assert_eq!(rows[0].error.as_deref(), Some("cancelled"));
+}
+
+#[tokio::test]
+async fn rejections_keep_the_provider_code() {
+    let a = mock().await;
+    a.set_default(Behavior {
+        error_code: Some("context_length_exceeded".into()),
+        error_message: Some("This model's maximum context length is 8192 tokens".into()),
+        ..Behavior::status(400)
+    });
+    let c = GatewayClient::from_vars(vars(vec![source_vars("a", &a, 0)], &[]), "LLM")
+        .await
+        .unwrap();
+    let e = c.chat(ChatRequest::user("hi")).await.unwrap_err();
+    assert!(matches!(e, GatewayError::Rejected(_)));
+    let last = e.last_error().unwrap();
+    assert_eq!(
+        last.provider_code.as_deref(),
+        Some("context_length_exceeded")
+    );
+    assert_eq!(last.http_status, Some(400));
+    assert!(!e.to_string().contains("sk-a-secret"));
+}
+
+#[cfg(feature = "redis")]
+#[tokio::test]
+async fn redis_governance_is_wired_and_fails_closed() {
+    let Some(url) = polygw_testkit::services::redis_url() else {
+        return;
+    };
+    let a = mock().await;
+    a.set_default(Behavior::text(&["via redis"]));
+    let scope = polygw_testkit::services::unique_name("E2E").to_uppercase();
+    let mut v: Vec<(String, String)> = source_vars("a", &a, 0)
+        .into_iter()
+        .map(|(k, x)| (k.replacen("LLM", &scope, 1), x))
+        .collect();
+    v.push((format!("{scope}__REDIS__URL"), url));
+    v.push((format!("{scope}__A__0__RPM"), "100".into()));
+    let c = GatewayClient::from_vars(v.clone(), &scope).await.unwrap();
+    assert_eq!(
+        c.chat(ChatRequest::user("hi")).await.unwrap().content,
+        "via redis"
+    );
+    c.shutdown().await;
+    // nothing listens on port 1: every call fails closed, nothing reaches the upstream
+    let before = a.requests().len();
+    v.retain(|(k, _)| !k.ends_with("REDIS__URL"));
+    v.push((format!("{scope}__REDIS__URL"), "redis://127.0.0.1:1".into()));
+    let c = GatewayClient::from_vars(v, &scope).await.unwrap();
+    let e = c.chat(ChatRequest::user("hi")).await.unwrap_err();
+    assert_eq!(
+        e.terminal_reason(),
+        Some(TerminalReason::GovernanceBackend),
+        "{e}"
+    );
+    assert_eq!(a.requests().len(), before);
+}
