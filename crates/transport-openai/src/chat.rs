@@ -8,8 +8,8 @@ use base64::Engine as _;
 use polygw_core::body::{chat_body, ocr_body};
 use polygw_core::classify::Failure;
 use polygw_core::ports::{
-    ChatAttempt, ChunkObserver, Clock, OcrResult, OcrTransport, StreamDelta, ToolCallDelta,
-    Transport, TransportResult,
+    ChatAttempt, ChunkObserver, Clock, NullObserver, OcrResult, OcrTransport, StreamDelta,
+    ToolCallDelta, Transport, TransportResult,
 };
 use polygw_core::stall::StallMeter;
 use polygw_core::{AttemptError, ErrorClass, SourceConfig, Usage, UsageSource};
@@ -189,15 +189,15 @@ fn result_of(a: Aggregate, http_status: u16, salvaged: bool) -> TransportResult 
 }
 
 impl OpenAiTransport {
-    /// A plain POST under the whole-request timeout; returns the status and the parsed
-    /// JSON object of a 2xx body.
-    pub(crate) async fn plain_object(
+    /// A plain POST under the whole-request timeout; returns the status, whether the
+    /// body is an event stream, and the (capped) body of a 2xx response.
+    async fn plain_bytes(
         &self,
         source: &SourceConfig,
         path: &str,
         body: &Value,
         call_id: &str,
-    ) -> Result<(u16, Map<String, Value>), AttemptError> {
+    ) -> Result<(u16, bool, Vec<u8>), AttemptError> {
         let key = source.api_key.expose();
         let cfg = &self.inner.cfg;
         let bytes = serde_json::to_vec(body).unwrap_or_default();
@@ -208,6 +208,11 @@ impl OpenAiTransport {
             if !resp.status().is_success() {
                 return Err(status_failure(resp, cfg).await);
             }
+            let is_sse = resp
+                .headers()
+                .get(reqwest::header::CONTENT_TYPE)
+                .and_then(|v| v.to_str().ok())
+                .is_some_and(|ct| ct.trim_start().starts_with("text/event-stream"));
             let body = read_capped(resp, cfg.max_body_bytes)
                 .await
                 .map_err(|e| match e {
@@ -221,7 +226,7 @@ impl OpenAiTransport {
                         ),
                     },
                 })?;
-            Ok((status, parse_object(&body)?))
+            Ok((status, is_sse, body))
         };
         match tokio::time::timeout(source.timeout, work).await {
             Ok(Ok(v)) => Ok(v),
@@ -230,15 +235,103 @@ impl OpenAiTransport {
         }
     }
 
-    async fn chat_plain(&self, attempt: ChatAttempt<'_>) -> Result<TransportResult, AttemptError> {
-        let source = attempt.source;
+    /// A plain POST whose 2xx body must be a JSON object (embeddings).
+    pub(crate) async fn plain_object(
+        &self,
+        source: &SourceConfig,
+        path: &str,
+        body: &Value,
+        call_id: &str,
+    ) -> Result<(u16, Map<String, Value>), AttemptError> {
+        let (status, _, bytes) = self.plain_bytes(source, path, body, call_id).await?;
+        let obj = parse_object(&bytes).map_err(|f| fail(f, source.api_key.expose()))?;
+        Ok((status, obj))
+    }
+
+    /// A plain chat completion (chat and OCR). An upstream that streams anyway
+    /// (`text/event-stream`) is aggregated with the stream rules.
+    async fn plain_chat(
+        &self,
+        source: &SourceConfig,
+        body: &Value,
+        call_id: &str,
+    ) -> Result<TransportResult, AttemptError> {
         let key = source.api_key.expose();
-        let body = chat_body(source, attempt.request);
-        let (status, obj) = self
-            .plain_object(source, "chat/completions", &body, attempt.call_id)
+        let (status, is_sse, bytes) = self
+            .plain_bytes(source, "chat/completions", body, call_id)
             .await?;
+        if is_sse {
+            return self.sse_as_plain(source, &bytes, status);
+        }
+        let obj = parse_object(&bytes).map_err(|f| fail(f, key))?;
         let a = plain_aggregate(&obj, &self.inner.cfg).map_err(|e| e.into_error(key))?;
         Ok(result_of(a, status, false))
+    }
+
+    /// A whole SSE body received for a plain request, folded with the stream rules
+    /// (no observer calls, no figures).
+    #[allow(clippy::result_large_err)] // the port's error type
+    fn sse_as_plain(
+        &self,
+        source: &SourceConfig,
+        bytes: &[u8],
+        status: u16,
+    ) -> Result<TransportResult, AttemptError> {
+        let key = source.api_key.expose();
+        let cfg = &self.inner.cfg;
+        let null = NullObserver;
+        let mut st = StreamState {
+            agg: StreamAggregator::new(),
+            meter: StallMeter::new(self.inner.clock.now(), Duration::MAX),
+            observer: &null,
+            wants: false,
+            clock: self.inner.clock.as_ref(),
+            max_content: cfg.max_content_bytes,
+            done: false,
+            events_seen: 0,
+        };
+        let mut parser = SseParser::with_limits(cfg.max_body_bytes, cfg.max_body_bytes);
+        let mut events = Vec::new();
+        parser
+            .feed(bytes, &mut events)
+            .map_err(|e| st.error(sse_failure(e), key))?;
+        let mut at = None;
+        let mut end = End::Eof;
+        for ev in events {
+            st.on_event(ev, &mut at).map_err(|f| st.error(f, key))?;
+            if st.done {
+                end = End::Done;
+                break;
+            }
+        }
+        if !st.done {
+            match parser.finish() {
+                Ok(None) => {}
+                Ok(Some(ev)) => match st.on_event(ev, &mut at) {
+                    Ok(_) => {}
+                    Err(Failure::Malformed { .. }) => {
+                        end = End::Broken("the body ended inside an event".into())
+                    }
+                    Err(f) => return Err(st.error(f, key)),
+                },
+                Err(e) => return Err(st.error(sse_failure(e), key)),
+            }
+        }
+        let mut r = st.finalize(
+            end,
+            status,
+            source.ttft_budget(),
+            source.inter_token_budget(),
+            key,
+        )?;
+        r.stream = None;
+        Ok(r)
+    }
+
+    async fn chat_plain(&self, attempt: ChatAttempt<'_>) -> Result<TransportResult, AttemptError> {
+        let body = chat_body(attempt.source, attempt.request);
+        self.plain_chat(attempt.source, &body, attempt.call_id)
+            .await
     }
 
     async fn chat_stream(&self, attempt: ChatAttempt<'_>) -> Result<TransportResult, AttemptError> {
@@ -415,14 +508,11 @@ impl OpenAiTransport {
             base64::engine::general_purpose::STANDARD.encode(image)
         );
         let body = ocr_body(source, &uri, prompt);
-        let (status, obj) = self
-            .plain_object(source, "chat/completions", &body, call_id)
-            .await?;
-        let a = plain_aggregate(&obj, &self.inner.cfg).map_err(|e| e.into_error(key))?;
+        let r = self.plain_chat(source, &body, call_id).await?;
         Ok(OcrResult {
-            text: a.content,
-            model: a.model,
-            http_status: status,
+            text: r.content,
+            model: r.model,
+            http_status: r.http_status,
         })
     }
 }
@@ -486,9 +576,8 @@ impl StreamState<'_> {
                     detail: format!("SSE event #{} is not a JSON object", self.events_seen),
                 })
             }
-            Err(e) if is_error_event => {
-                let _ = e;
-                return Err(in_band(error_body(data.as_bytes()).unwrap_or_default()));
+            Err(_) if is_error_event => {
+                return Err(in_band(error_body(data.as_bytes()).unwrap_or_default()))
             }
             Err(e) => {
                 return Err(Failure::Malformed {

@@ -80,6 +80,7 @@ mod common {
         pub want: bool,
         pub chunks: Mutex<Vec<Instant>>,
         pub deltas: Mutex<Vec<StreamDelta>>,
+        pub notify: tokio::sync::Notify,
     }
 
     impl Recorder {
@@ -100,6 +101,7 @@ mod common {
     impl ChunkObserver for Recorder {
         fn on_chunk(&self, at: Instant) {
             self.chunks.lock().unwrap().push(at);
+            self.notify.notify_one();
         }
         fn wants_deltas(&self) -> bool {
             self.want
@@ -115,11 +117,21 @@ mod common {
         req: &ChatRequest,
         obs: &Recorder,
     ) -> Result<TransportResult, AttemptError> {
+        chat_threshold(t, src, req, obs, Duration::from_millis(200)).await
+    }
+
+    pub async fn chat_threshold(
+        t: &OpenAiTransport,
+        src: &SourceConfig,
+        req: &ChatRequest,
+        obs: &Recorder,
+        stall_threshold: Duration,
+    ) -> Result<TransportResult, AttemptError> {
         t.chat(ChatAttempt {
             source: src,
             request: req,
             call_id: "call-test-1",
-            stall_threshold: Duration::from_millis(200),
+            stall_threshold,
             observer: obs,
         })
         .await
@@ -1089,6 +1101,28 @@ mod streaming {
     }
 
     #[tokio::test]
+    async fn sse_answer_to_a_plain_request() {
+        let m = mock().await;
+        let t = transport();
+        m.push_script(Behavior {
+            jsonl_file: Some(fixtures_dir().join("deepseek--deepseek-reasoning.chunks.jsonl")),
+            ..Behavior::default()
+        });
+        let r = chat(&t, &source(&m), &plain_req()).await.unwrap();
+        assert!(r.content.starts_with("There are"), "{}", r.content);
+        assert_eq!(r.usage.prompt_tokens, 97);
+        assert!(r.stream.is_none(), "a plain call reports no stream figures");
+        m.push_script(Behavior {
+            raw_sse: Some(
+                "data: {\"choices\":[{\"index\":0,\"delta\":{\"content\":\"x\"}}]}\n\n".into(),
+            ),
+            ..Behavior::default()
+        });
+        let e = chat(&t, &source(&m), &plain_req()).await.unwrap_err();
+        assert_eq!(e.label, L::Truncated, "{e}");
+    }
+
+    #[tokio::test]
     async fn reasoning_only_with_finish_length_is_a_success() {
         let m = mock().await;
         let t = transport();
@@ -1187,12 +1221,13 @@ mod streaming {
             gap_ms: 5.0,
             stalls: vec![Stall {
                 before_chunk: 4,
-                ms: 400.0,
+                ms: 1_000.0,
             }],
             ..Behavior::default()
         });
         let obs = Recorder::default();
-        let r = chat_obs(&transport(), &source(&m), &stream_req(), &obs)
+        let threshold = Duration::from_millis(500);
+        let r = chat_threshold(&transport(), &source(&m), &stream_req(), &obs, threshold)
             .await
             .unwrap();
         let f = r.stream.unwrap();
@@ -1200,12 +1235,12 @@ mod streaming {
         assert!(f.ttft_ms.unwrap() >= 80, "{f:?}");
         assert_eq!(f.stall_count, Some(1), "{f:?}");
         let stall = f.stall_ms.unwrap();
-        assert!((400..3_000).contains(&stall), "{f:?}");
-        assert!(f.max_inter_token_ms.unwrap() >= 400);
+        assert!((1_000..5_000).contains(&stall), "{f:?}");
+        assert!(f.max_inter_token_ms.unwrap() >= 1_000);
         // The same figures from the observer's timestamps (same clock, same rule).
         let stamps = obs.chunks.lock().unwrap().clone();
         let offsets: Vec<Duration> = stamps.iter().map(|s| *s - stamps[0]).collect();
-        let from_obs = meter(&offsets, Duration::from_millis(200));
+        let from_obs = meter(&offsets, threshold);
         assert_eq!(from_obs.stall_ms, f.stall_ms);
         assert_eq!(from_obs.stall_count, f.stall_count);
         assert_eq!(from_obs.max_inter_token_ms, f.max_inter_token_ms);
@@ -1273,17 +1308,19 @@ mod streaming {
     #[tokio::test]
     async fn chunks_within_the_budget_keep_a_slow_stream_alive() {
         let m = mock().await;
-        // 12 chunks 60 ms apart = 0.7 s in total, over a 250 ms inter-chunk budget.
+        // 15 chunks 100 ms apart = 1.4 s in total, over a 600 ms inter-chunk budget.
         m.push_script(Behavior {
-            chunk_count: Some(12),
-            gap_ms: 60.0,
+            chunk_count: Some(15),
+            gap_ms: 100.0,
             ..Behavior::default()
         });
         let src = source(&m)
-            .with_ttft_timeout(Duration::from_millis(250))
-            .with_inter_token_timeout(Duration::from_millis(250));
+            .with_ttft_timeout(Duration::from_millis(600))
+            .with_inter_token_timeout(Duration::from_millis(600));
+        let start = now();
         let r = chat(&transport(), &src, &stream_req()).await.unwrap();
-        assert_eq!(r.stream.unwrap().incremental_chunks, 12);
+        assert!(start.elapsed() > Duration::from_millis(600));
+        assert_eq!(r.stream.unwrap().incremental_chunks, 15);
     }
 
     #[tokio::test]
@@ -1301,9 +1338,15 @@ mod streaming {
         let src = source(&m);
         let req = stream_req();
         let obs = Recorder::default();
-        let fut = chat_obs(&t, &src, &req, &obs);
-        let r = tokio::time::timeout(Duration::from_millis(300), fut).await;
-        assert!(r.is_err(), "still stalled");
+        {
+            let fut = chat_obs(&t, &src, &req, &obs);
+            tokio::pin!(fut);
+            // Drive the call until its first chunk, then drop it mid-stall.
+            tokio::select! {
+                r = &mut fut => panic!("the call ended during the stall: {r:?}"),
+                () = obs.notify.notified() => {}
+            }
+        }
         assert_eq!(obs.chunk_count(), 1);
         let log = m.wait_for_ended(1, Duration::from_secs(5)).await;
         assert_eq!(log[0].end, EndKind::ClientDisconnected);
