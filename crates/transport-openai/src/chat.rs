@@ -497,7 +497,6 @@ impl OpenAiTransport {
         prompt: &str,
         call_id: &str,
     ) -> Result<OcrResult, AttemptError> {
-        let key = source.api_key.expose();
         let mime = if mime.trim().is_empty() {
             "application/octet-stream"
         } else {
