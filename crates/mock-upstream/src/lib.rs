@@ -46,7 +46,7 @@ use record::Log;
 use server::{DefaultPlay, Shared};
 
 /// How to start a mock.
-#[derive(Debug, Clone)]
+#[derive(Clone)]
 pub struct MockConfig {
     /// Where to listen (default 127.0.0.1:0, an ephemeral loopback port).
     pub addr: SocketAddr,
@@ -64,6 +64,31 @@ pub struct MockConfig {
     pub max_request_bytes: usize,
     /// Keep request bodies in the log (turn off for long benchmarks).
     pub record_bodies: bool,
+    /// The log keeps this many most recent requests (a long-running server stays
+    /// bounded).
+    pub log_capacity: usize,
+}
+
+impl std::fmt::Debug for MockConfig {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("MockConfig")
+            .field("addr", &self.addr)
+            .field(
+                "require_key",
+                &self
+                    .require_key
+                    .as_ref()
+                    .map(|_| polygw_core::secret::REDACTED),
+            )
+            .field("default", &self.default.is_some())
+            .field("profile", &self.profile.as_ref().map(|p| &p.name))
+            .field("models", &self.models)
+            .field("embedding_dim", &self.embedding_dim)
+            .field("max_request_bytes", &self.max_request_bytes)
+            .field("record_bodies", &self.record_bodies)
+            .field("log_capacity", &self.log_capacity)
+            .finish()
+    }
 }
 
 impl Default for MockConfig {
@@ -77,6 +102,7 @@ impl Default for MockConfig {
             embedding_dim: 16,
             max_request_bytes: 32 * 1024 * 1024,
             record_bodies: true,
+            log_capacity: 100_000,
         }
     }
 }
@@ -121,9 +147,10 @@ impl MockUpstream {
             },
             (None, None) => DefaultPlay::Fixed(Box::default()),
         };
+        let log = Log::new(cfg.log_capacity);
         let shared = Arc::new(Shared {
             cfg,
-            log: Log::new(),
+            log,
             scripts: Mutex::new(VecDeque::new()),
             default: Mutex::new(default),
         });

@@ -307,6 +307,16 @@ impl Profile {
         Ok(p)
     }
 
+    /// A command-line argument `NAME|FILE`: a built-in name (real time, seed 0), else a
+    /// JSON profile file.
+    pub fn from_arg(arg: &str) -> Result<Profile, ProfileError> {
+        if PROFILE_NAMES.contains(&arg) || arg == "long_tail" {
+            Profile::named(arg, 1.0, 0)
+        } else {
+            Profile::from_file(arg)
+        }
+    }
+
     /// A profile that always plays `behavior`.
     pub fn fixed(name: &str, behavior: Behavior) -> Profile {
         Profile {
@@ -574,6 +584,9 @@ mod tests {
         assert!(Profile::from_json(r#"{"behavior":{},"typo":1}"#, "x").is_err());
         for n in PROFILE_NAMES {
             assert!(Profile::named(n, 1.0, 0).is_ok(), "{n}");
+            assert_eq!(Profile::from_arg(n).unwrap().name, *n);
         }
+        let err = Profile::from_arg("/nonexistent/profile.json").unwrap_err();
+        assert!(err.to_string().contains("cannot read"), "{err}");
     }
 }

@@ -1,6 +1,7 @@
 //! The request log: one [`RecordedRequest`] per request received, updated when its
 //! response ends, so tests can assert what reached the upstream and reconcile usage.
 
+use std::collections::VecDeque;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
@@ -103,23 +104,26 @@ impl RecordedRequest {
 /// The shared log.
 #[derive(Debug)]
 pub(crate) struct Log {
-    entries: Mutex<Vec<RecordedRequest>>,
+    entries: Mutex<VecDeque<RecordedRequest>>,
+    capacity: usize,
     next_id: AtomicU64,
     version: watch::Sender<u64>,
     pub(crate) shutting_down: AtomicBool,
 }
 
 impl Log {
-    pub(crate) fn new() -> Arc<Self> {
+    /// A log keeping the `capacity` most recent requests (at least 1).
+    pub(crate) fn new(capacity: usize) -> Arc<Self> {
         Arc::new(Log {
-            entries: Mutex::new(Vec::new()),
+            entries: Mutex::new(VecDeque::new()),
+            capacity: capacity.max(1),
             next_id: AtomicU64::new(1),
             version: watch::channel(0).0,
             shutting_down: AtomicBool::new(false),
         })
     }
 
-    fn lock(&self) -> std::sync::MutexGuard<'_, Vec<RecordedRequest>> {
+    fn lock(&self) -> std::sync::MutexGuard<'_, VecDeque<RecordedRequest>> {
         self.entries.lock().unwrap_or_else(|e| e.into_inner())
     }
 
@@ -132,7 +136,13 @@ impl Log {
     }
 
     pub(crate) fn push(&self, r: RecordedRequest) {
-        self.lock().push(r);
+        {
+            let mut g = self.lock();
+            while g.len() >= self.capacity {
+                g.pop_front();
+            }
+            g.push_back(r);
+        }
         self.bump();
     }
 
@@ -147,7 +157,7 @@ impl Log {
     }
 
     pub(crate) fn snapshot(&self) -> Vec<RecordedRequest> {
-        self.lock().clone()
+        self.lock().iter().cloned().collect()
     }
 
     pub(crate) fn clear(&self) {

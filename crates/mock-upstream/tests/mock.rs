@@ -594,6 +594,27 @@ async fn scripts_are_fifo_then_default_then_profile() {
 }
 
 #[tokio::test]
+async fn the_log_is_bounded_and_config_debug_hides_the_key() {
+    let cfg = MockConfig {
+        log_capacity: 3,
+        require_key: Some("k-secret-777".into()),
+        ..MockConfig::default()
+    };
+    assert!(!format!("{cfg:?}").contains("k-secret-777"));
+    let m = MockUpstream::start(cfg).await.unwrap();
+    for _ in 0..5 {
+        client()
+            .get(format!("{}/models", m.base_url()))
+            .bearer_auth("k-secret-777")
+            .send()
+            .await
+            .unwrap();
+    }
+    let ids: Vec<u64> = m.requests().iter().map(|r| r.id).collect();
+    assert_eq!(ids, [3, 4, 5], "the most recent requests are kept");
+}
+
+#[tokio::test]
 async fn long_tail_profile_scaled_down_serves_concurrent_requests() {
     // 1 s of SPEC §12 → 1 ms: a long stall (20–120 s) lasts 20–120 ms here.
     let m = MockUpstream::start(MockConfig::with_profile(
