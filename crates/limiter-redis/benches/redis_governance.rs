@@ -50,6 +50,31 @@ async fn baseline(con: &mut redis::aio::ConnectionManager, script: &redis::Scrip
         .expect("baseline evalsha");
 }
 
+/// (calls, µs) the server has spent in EVALSHA so far (INFO commandstats).
+async fn evalsha_stats(con: &mut redis::aio::ConnectionManager) -> (u64, u64) {
+    let info: String = redis::cmd("INFO")
+        .arg("commandstats")
+        .query_async(con)
+        .await
+        .expect("INFO");
+    let line = info
+        .lines()
+        .find(|l| l.starts_with("cmdstat_evalsha:"))
+        .unwrap_or("");
+    let field = |name: &str| {
+        line.split([':', ','])
+            .find_map(|kv| kv.strip_prefix(name)?.strip_prefix('='))
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(0)
+    };
+    (field("calls"), field("usec"))
+}
+
+/// Server time per script between two readings.
+fn server_us(before: (u64, u64), after: (u64, u64)) -> f64 {
+    (after.1 - before.1) as f64 / (after.0 - before.0).max(1) as f64
+}
+
 fn pct(sorted: &[Duration], p: f64) -> f64 {
     let i = ((sorted.len() as f64 - 1.0) * p).round() as usize;
     sorted[i].as_secs_f64() * 1e6
@@ -167,12 +192,20 @@ async fn main() {
             (all, start.elapsed())
         }
     };
+    let s0 = evalsha_stats(&mut raw.clone()).await;
     let (lat, total) = run_concurrent("baseline").await;
+    let s1 = evalsha_stats(&mut raw.clone()).await;
     let base_tput = lat.len() as f64 / total.as_secs_f64();
     report("baseline EVALSHA, concurrent", lat, total);
     let (lat, total) = run_concurrent("pair").await;
+    let s2 = evalsha_stats(&mut raw.clone()).await;
     let pair_tput = lat.len() as f64 / total.as_secs_f64();
     report("acquire+settle, concurrent", lat, total);
+    println!(
+        "  server time per script (INFO commandstats): baseline {:.1} µs, acquire/settle {:.1} µs",
+        server_us(s0, s1),
+        server_us(s1, s2)
+    );
 
     println!(
         "  ratio acquire+settle / baseline: p50 latency {:.2}× (2 round trips ⇒ ≥ 2×), concurrent throughput {:.2}× fewer ops/s",
