@@ -5,7 +5,7 @@ use std::time::{Duration, SystemTime};
 
 use polygw_core::classify::{classify, Failure};
 use polygw_core::secret::REDACTED;
-use polygw_core::{AttemptError, Usage, UsageSource};
+use polygw_core::AttemptError;
 use reqwest::header::HeaderMap;
 
 use crate::aggregate::ProviderError;
@@ -73,16 +73,6 @@ pub fn scrub(mut e: AttemptError, key: &str) -> AttemptError {
 /// Classifies a failure (core's one function) and scrubs the key from the result.
 pub fn fail(f: Failure, key: &str) -> AttemptError {
     scrub(classify(f), key)
-}
-
-/// Like [`fail`], attaching usage reported before the failure (a result-invalid
-/// attempt settles that usage, SPEC §4.3).
-pub fn fail_with_usage(f: Failure, key: &str, usage: Option<Usage>) -> AttemptError {
-    let e = fail(f, key);
-    match usage {
-        Some(u) => e.with_usage(u, UsageSource::Measured),
-        None => e,
-    }
 }
 
 /// The failure of a non-2xx response.
