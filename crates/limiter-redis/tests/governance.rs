@@ -119,8 +119,10 @@ impl BreakerHarness for Real {
     fn settings(&self) -> BreakerSettings {
         BreakerSettings {
             failures: 3,
-            open: Duration::from_millis(500),
-            dead: Duration::from_millis(800),
+            // Long enough that a loaded machine does not pass it between two calls
+            // that must see it open; `open_time_capped_at_ten_times` uses a fifth of it.
+            open: Duration::from_secs(1),
+            dead: Duration::from_secs(1),
         }
     }
     fn manual_time(&self) -> bool {

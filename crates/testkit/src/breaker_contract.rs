@@ -239,7 +239,7 @@ pub async fn probe_lease_expires_and_neutral_frees(h: &dyn BreakerHarness) {
     let lease = if h.manual_time() {
         Duration::from_secs(5)
     } else {
-        Duration::from_millis(600)
+        Duration::from_secs(1)
     };
     assert_eq!(admit(b, &sc, lease).await, PROBE);
     assert!(matches!(

@@ -375,7 +375,7 @@ pub async fn lease_expiry_frees_the_slot(h: &dyn LimiterHarness) {
     let lease = if h.manual_time() {
         Duration::from_secs(30)
     } else {
-        Duration::from_millis(400)
+        Duration::from_secs(1)
     };
     let r = Req::new(&sc, "a")
         .source_limits(0, 0, 1)
