@@ -275,8 +275,13 @@ mod proxy {
 
     impl Proxy {
         pub async fn start(url: &str) -> Proxy {
+            Self::start_on(url, "127.0.0.1:0".parse().unwrap()).await
+        }
+
+        /// A proxy listening on `addr`.
+        pub async fn start_on(url: &str, addr: SocketAddr) -> Proxy {
             let upstream = host_port(url);
-            let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+            let listener = TcpListener::bind(addr).await.unwrap();
             let addr = listener.local_addr().unwrap();
             let upstreams = Arc::new(Mutex::new(vec![]));
             let silent = Arc::new(AtomicBool::new(false));
@@ -379,6 +384,38 @@ mod fail_closed {
             .await
             .is_err());
         assert!(b.state("DOWN", "a").await.is_err());
+    }
+
+    /// Built while the server is down (as the facade builds it, lazily): operations fail
+    /// closed, then succeed once the server is reachable.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn lazy_backend_recovers_when_the_server_comes_up() {
+        let Some(url) = redis_url() else { return };
+        // A free port where nothing listens yet.
+        let addr = std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap();
+        let g = RedisGovernance::connect_lazy(&format!("redis://{addr}"), RedisOptions::default())
+            .unwrap();
+        let sc = unique_name("LAZY");
+        let r = Req::new(&sc, "a").source_limits(10, 0, 0);
+        acquire_fails_promptly(&g.limiter(), &r).await;
+        let _proxy = Proxy::start_on(&url, addr).await;
+        let mut admitted = false;
+        for _ in 0..40 {
+            match g.limiter().acquire(&r.get()).await {
+                Ok(Admission::Admitted(mut p)) => {
+                    p.finish(0).await.unwrap();
+                    admitted = true;
+                    break;
+                }
+                Ok(Admission::Refused(f)) => panic!("unexpected refusal {f:?}"),
+                Err(_) => tokio::time::sleep(Duration::from_millis(100)).await,
+            }
+        }
+        assert!(admitted, "the backend reconnects once the server is up");
+        assert_eq!(g.limiter().source_window(&sc, "a").await.unwrap(), (1, 0));
     }
 
     /// The server kills the live connection (CLIENT KILL): the next operations fail or,
