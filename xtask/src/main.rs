@@ -30,7 +30,14 @@ fn check_layers() -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
-    let violations = layers::check(&meta);
+    let alone = match layers::core_alone() {
+        Ok(a) => a,
+        Err(e) => {
+            eprintln!("check-layers: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    let violations = layers::check(&meta, Some(&alone));
     if violations.is_empty() {
         println!("check-layers: ok (core pure, adapters know only core, simulator and test support in place)");
         ExitCode::SUCCESS

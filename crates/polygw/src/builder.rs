@@ -19,6 +19,15 @@ use crate::metrics::Metrics;
 use crate::ocr::OcrClient;
 use crate::wiring;
 
+/// The clients of one scope sharing their ports (see [`GatewayBuilder::build_all`]).
+#[derive(Debug, Clone)]
+pub struct ScopeClients {
+    /// Chat.
+    pub chat: GatewayClient,
+    /// Embeddings.
+    pub embedding: EmbeddingClient,
+}
+
 /// Builds a [`GatewayClient`] (or the engine of an embedding/OCR client).
 #[derive(Debug)]
 pub struct GatewayBuilder {
@@ -129,6 +138,28 @@ impl GatewayBuilder {
         Ok(OcrClient { engine, warnings })
     }
 
+    /// Builds a chat client and an embedding client of the same scope sharing every
+    /// port (one limiter, breaker store, telemetry recorder): `polygw serve` uses it.
+    pub async fn build_all(self) -> Result<ScopeClients, GatewayError> {
+        let (chat, warnings) = self.kind(ScopeKind::Chat).build_engine().await?;
+        let embedding = Arc::new(Engine::new(
+            chat.scope.clone(),
+            ScopeKind::Embedding,
+            chat.ports.clone(),
+            chat.metrics.clone(),
+        ));
+        Ok(ScopeClients {
+            chat: GatewayClient {
+                engine: chat,
+                warnings: warnings.clone(),
+            },
+            embedding: EmbeddingClient {
+                engine: embedding,
+                warnings,
+            },
+        })
+    }
+
     async fn build_engine(self) -> Result<(Arc<Engine>, Arc<Vec<ConfigWarning>>), GatewayError> {
         let warnings = guards::check(&self.settings, self.kind)?;
         let s = &self.settings;
@@ -146,15 +177,20 @@ impl GatewayBuilder {
             Some(t) => t,
             None => wiring::as_chat(http.as_ref())?,
         };
-        let embedder = match self.embedder {
-            Some(t) => Some(t),
-            None if self.kind == ScopeKind::Embedding => Some(wiring::as_embedding(http.as_ref())?),
-            None => None,
+        // The HTTP transport serves every operation; embedding and OCR engines need theirs.
+        let embedder = match (self.embedder, &http) {
+            (Some(t), _) => Some(t),
+            (None, Some(_)) => Some(wiring::as_embedding(http.as_ref())?),
+            (None, None) if self.kind == ScopeKind::Embedding => {
+                Some(wiring::as_embedding(http.as_ref())?)
+            }
+            (None, None) => None,
         };
-        let ocr = match self.ocr {
-            Some(t) => Some(t),
-            None if self.kind == ScopeKind::Ocr => Some(wiring::as_ocr(http.as_ref())?),
-            None => None,
+        let ocr = match (self.ocr, &http) {
+            (Some(t), _) => Some(t),
+            (None, Some(_)) => Some(wiring::as_ocr(http.as_ref())?),
+            (None, None) if self.kind == ScopeKind::Ocr => Some(wiring::as_ocr(http.as_ref())?),
+            (None, None) => None,
         };
         let (limiter, breakers) = match (self.limiter, self.breakers) {
             (Some(l), Some(b)) => (l, b),

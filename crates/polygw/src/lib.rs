@@ -31,14 +31,22 @@ mod ocr;
 mod structured;
 mod wiring;
 
-pub use builder::GatewayBuilder;
+pub use builder::{GatewayBuilder, ScopeClients};
 pub use client::GatewayClient;
 pub use embedding::{EmbeddingClient, Embeddings};
-pub use engine::round::DeltaSink;
+pub use engine::round::{Commit, DeltaSink};
 pub use engine::Ports;
 pub use metrics::Metrics;
 pub use ocr::{OcrClient, OcrText, MAX_IMAGE_BYTES};
 pub use structured::{strip_code_fence, Structured};
+
+/// The SQL telemetry adapter: the recorder, and reading rows back (`polygw report`).
+#[cfg(any(feature = "sqlite", feature = "postgres"))]
+pub mod telemetry {
+    pub use polygw_telemetry_sql::{
+        accounting_gap, read_rows, RecorderConfig, SqlRecorder, TelemetryReader,
+    };
+}
 
 pub use polygw_core as core;
 pub use polygw_core::ports::{FlushReport, StreamDelta, ToolCallDelta};

@@ -31,8 +31,23 @@ use super::call::CallShared;
 use super::Engine;
 use crate::clock::new_id;
 
+/// Which leg a passthrough stream committed to.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Commit {
+    /// The logical call.
+    pub logical_call_id: String,
+    /// The committed leg's source.
+    pub source: String,
+    /// The model asked of that source.
+    pub model: String,
+    /// The committed leg is an extra hedge leg.
+    pub is_hedge: bool,
+}
+
 /// Receives the committed leg's chunks in passthrough streaming (`polygw serve`).
 pub trait DeltaSink: Send + Sync {
+    /// A leg committed (called once, before its first chunk is sent).
+    fn committed(&self, _commit: &Commit) {}
     /// One normalized chunk of the committed leg, in order.
     fn send(&self, delta: &StreamDelta);
 }
@@ -44,6 +59,8 @@ const MAX_BUFFERED_DELTAS: usize = 16;
 struct Passthrough {
     committed: Option<usize>,
     buffers: Vec<Vec<StreamDelta>>,
+    /// Per leg: its commit description.
+    legs: Vec<Commit>,
 }
 
 /// State shared by the round and its legs' observers.
@@ -94,6 +111,9 @@ impl ChunkObserver for LegObserver {
             Some(_) => {}
             None if delta.is_incremental() => {
                 p.committed = Some(self.leg);
+                if let Some(c) = p.legs.get(self.leg) {
+                    sink.committed(c);
+                }
                 if let Some(buf) = p.buffers.get_mut(self.leg) {
                     for d in buf.drain(..) {
                         sink.send(&d);
@@ -180,8 +200,25 @@ impl Engine {
             leg.stream(),
         );
         let engine: &'a Arc<Engine> = self;
-        let shared = shared.clone();
         let src = &engine.scope.sources[info.source_idx];
+        {
+            let mut p = shared.pass();
+            if p.legs.len() <= index {
+                p.legs.resize_with(index + 1, || Commit {
+                    logical_call_id: String::new(),
+                    source: String::new(),
+                    model: String::new(),
+                    is_hedge: false,
+                });
+            }
+            p.legs[index] = Commit {
+                logical_call_id: call.logical_call_id.clone(),
+                source: src.name.clone(),
+                model: src.model.clone(),
+                is_hedge,
+            };
+        }
+        let shared = shared.clone();
         let span = tracing::info_span!(
             "polygw.attempt",
             gen_ai.operation.name = engine.kind.operation(),
@@ -265,6 +302,10 @@ impl Engine {
             }
             // Launch what the triggers ask for.
             let mut timer: Option<Instant> = None;
+            // Chunks only matter to the round when they can arm a trigger (Idle: a
+            // stall timer starts with the first chunk) or commit a passthrough stream;
+            // otherwise a due timer re-reads the state, so no wake-up per chunk.
+            let mut listen = shared.sink.is_some() && shared.committed().is_none();
             loop {
                 let step = shared.window().poll(clock.now());
                 match step {
@@ -283,7 +324,11 @@ impl Engine {
                         timer = Some(t);
                         break;
                     }
-                    HedgeStep::Idle | HedgeStep::Stop => break,
+                    HedgeStep::Idle => {
+                        listen = true;
+                        break;
+                    }
+                    HedgeStep::Stop => break,
                 }
             }
             let sleep = timer.map(|t| t.saturating_duration_since(clock.now()));
@@ -328,7 +373,7 @@ impl Engine {
                     }
                 }
                 _ = async { tokio::time::sleep(sleep.unwrap_or_default()).await }, if sleep.is_some() => {}
-                _ = shared.notify.notified() => {}
+                _ = shared.notify.notified(), if listen => {}
             }
         }
     }
