@@ -58,12 +58,13 @@ impl Shared {
         self.queue.lock().unwrap_or_else(|e| e.into_inner())
     }
 
+    /// A consistent snapshot: every counter changes under the queue's lock.
     fn report(&self) -> FlushReport {
-        let queued = self.lock().len() as u64;
+        let q = self.lock();
         FlushReport {
             written: self.written.load(Ordering::SeqCst),
             dropped: self.dropped.load(Ordering::SeqCst),
-            pending: queued + self.in_flight.load(Ordering::SeqCst),
+            pending: q.len() as u64 + self.in_flight.load(Ordering::SeqCst),
         }
     }
 

@@ -931,34 +931,40 @@ mod outage {
 
     use crate::common::*;
 
-    /// Records rows and returns the slowest and the mean `record()` time.
-    fn record_timed(
-        rec: &SqlRecorder,
-        rows: Vec<polygw_core::TelemetryRow>,
-    ) -> (Duration, Duration) {
-        let n = rows.len() as u32;
-        let mut max = Duration::ZERO;
-        #[allow(clippy::disallowed_methods)] // measuring the caller's cost needs a real clock
-        let all = std::time::Instant::now();
-        for r in rows {
-            #[allow(clippy::disallowed_methods)]
-            let t = std::time::Instant::now();
-            rec.record(r);
-            max = max.max(t.elapsed());
-        }
-        (max, all.elapsed() / n)
+    /// Records rows and returns each `record()` time, sorted.
+    fn record_timed(rec: &SqlRecorder, rows: Vec<polygw_core::TelemetryRow>) -> Vec<Duration> {
+        let mut times: Vec<Duration> = rows
+            .into_iter()
+            .map(|r| {
+                #[allow(clippy::disallowed_methods)] // the caller's cost needs a real clock
+                let t = std::time::Instant::now();
+                rec.record(r);
+                t.elapsed()
+            })
+            .collect();
+        times.sort();
+        times
     }
 
-    fn assert_fast(max: Duration, mean: Duration, ctx: &str) {
-        // A push behind a mutex: microseconds. The bounds are generous for a loaded CI
-        // machine, and still far below one database round trip or one retry delay.
+    fn assert_fast(times: &[Duration], ctx: &str) {
+        // A push behind a mutex: microseconds. The bounds leave room for a loaded CI
+        // machine (a thread preempted now and then), and are still far below one
+        // database attempt (the busy or write timeout) or one retry delay, which every
+        // record() here would pay if it waited for the database.
+        let p99 = times[times.len() * 99 / 100 - 1];
+        let mean = times.iter().sum::<Duration>() / times.len() as u32;
+        let max = *times.last().unwrap();
         assert!(
-            max < Duration::from_millis(50),
-            "{ctx}: slowest record() took {max:?}"
+            p99 < Duration::from_millis(10),
+            "{ctx}: p99 record() took {p99:?}"
         );
         assert!(
             mean < Duration::from_millis(1),
             "{ctx}: mean record() took {mean:?}"
+        );
+        assert!(
+            max < Duration::from_secs(1),
+            "{ctx}: slowest record() took {max:?}"
         );
     }
 
@@ -982,8 +988,10 @@ mod outage {
         assert_eq!(rec.flush().await.unwrap().written, 50);
 
         proxy.stop().await;
-        let (max, mean) = record_timed(&rec, numbered("down", 0, 500));
-        assert_fast(max, mean, "postgres down");
+        assert_fast(
+            &record_timed(&rec, numbered("down", 0, 500)),
+            "postgres down",
+        );
         // flush is bounded by flush_timeout and reports what is still queued.
         let report = rec.flush().await.unwrap();
         assert_eq!(
@@ -996,8 +1004,10 @@ mod outage {
             "nothing reached the database while it was away"
         );
         // The writer keeps retrying meanwhile; record() stays fast.
-        let (max, mean) = record_timed(&rec, numbered("down2", 0, 100));
-        assert_fast(max, mean, "postgres down, retrying");
+        assert_fast(
+            &record_timed(&rec, numbered("down2", 0, 100)),
+            "postgres down, retrying",
+        );
 
         proxy.resume();
         wait_until("the queue to drain", Duration::from_secs(30), || async {
@@ -1043,8 +1053,10 @@ mod outage {
             .execute(&mut locker)
             .await
             .unwrap();
-        let (max, mean) = record_timed(&rec, numbered("down", 0, 300));
-        assert_fast(max, mean, "sqlite locked");
+        assert_fast(
+            &record_timed(&rec, numbered("down", 0, 300)),
+            "sqlite locked",
+        );
         let report = rec.flush().await.unwrap();
         assert_eq!(
             (report.written, report.dropped, report.pending),
@@ -1206,6 +1218,43 @@ mod lifecycle {
         assert_eq!((report.written, report.pending), (40, 0));
         let rows = read_rows(db.url(), None).await.unwrap();
         assert!(rows.iter().all(|r| r.error.as_deref() == Some("cancelled")));
+        rec.shutdown().await;
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn concurrent_records_are_all_accounted_for() {
+        // Four threads record at once into a small queue while the writer writes: every
+        // row ends up written or counted as dropped, and what is written is in the table.
+        let db = TestDb::sqlite();
+        let cfg = RecorderConfig {
+            queue_capacity: 500,
+            batch_size: 64,
+            ..fast_config()
+        };
+        let rec = SqlRecorder::connect(db.url(), cfg).await.unwrap();
+        let threads: Vec<_> = (0..4)
+            .map(|t| {
+                let rec = rec.clone();
+                std::thread::spawn(move || {
+                    for r in numbered(&format!("t{t}"), 0, 5000) {
+                        rec.record(r);
+                        let s = rec.snapshot();
+                        assert!(s.pending <= 500 + 64, "{s:?}");
+                    }
+                })
+            })
+            .collect();
+        for t in threads {
+            t.join().unwrap();
+        }
+        wait_until("the queue to drain", Duration::from_secs(60), || async {
+            rec.flush().await.unwrap().pending == 0
+        })
+        .await;
+        let report = rec.flush().await.unwrap();
+        assert_eq!(report.written + report.dropped, 20_000, "{report:?}");
+        assert_eq!(rec.recorded(), 20_000);
+        assert_eq!(db.count().await, report.written as i64);
         rec.shutdown().await;
     }
 
