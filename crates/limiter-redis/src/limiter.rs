@@ -207,16 +207,28 @@ async fn settle(conn: &Conn, s: &Settlement) -> Result<(), GovernanceError> {
 }
 
 /// The background task: applies queued settlements in order, retrying each a few times.
+/// While the server is failing (a settlement was given up less than one operation timeout
+/// ago) queued settlements are given up at once, so an outage cannot pile up work: a
+/// settlement that never lands only means the slot frees itself at its lease end and the
+/// reservation stays as reserved.
 async fn drain(conn: Conn, mut rx: mpsc::UnboundedReceiver<Job>) {
     let mut failed = 0u64;
     let mut last: Option<GovernanceError> = None;
+    let mut failing_since: Option<tokio::time::Instant> = None;
     while let Some(job) = rx.recv().await {
         match job {
             Job::Settle(s) => {
+                if failing_since.is_some_and(|t| t.elapsed() < conn.opts.operation_timeout) {
+                    failed += 1;
+                    continue;
+                }
                 let attempts = conn.opts.settle_attempts.max(1);
                 for attempt in 1..=attempts {
                     match settle(&conn, &s).await {
-                        Ok(()) => break,
+                        Ok(()) => {
+                            failing_since = None;
+                            break;
+                        }
                         Err(e) if attempt == attempts => {
                             tracing::warn!(
                                 error = %e,
@@ -224,6 +236,7 @@ async fn drain(conn: Conn, mut rx: mpsc::UnboundedReceiver<Job>) {
                             );
                             failed += 1;
                             last = Some(e);
+                            failing_since = Some(tokio::time::Instant::now());
                         }
                         Err(_) => {
                             tokio::time::sleep(Duration::from_millis(50 << attempt.min(5))).await
@@ -233,7 +246,11 @@ async fn drain(conn: Conn, mut rx: mpsc::UnboundedReceiver<Job>) {
             }
             Job::Flush(reply) => {
                 let result = match last.take() {
-                    None => Ok(()),
+                    None if failed == 0 => Ok(()),
+                    None => Err(GovernanceError::new(
+                        BACKEND,
+                        format!("{failed} drop-time settlement(s) could not be applied"),
+                    )),
                     Some(e) => Err(GovernanceError::new(
                         BACKEND,
                         format!(

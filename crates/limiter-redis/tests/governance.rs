@@ -490,6 +490,10 @@ mod fail_closed {
         let sc = unique_name("SILENT");
         let r = Req::new(&sc, "a").source_limits(0, 0, 0);
         lc::admit(&g.limiter(), &r).await.finish(0).await.unwrap();
+        let mut held = vec![];
+        for _ in 0..10 {
+            held.push(lc::admit(&g.limiter(), &r).await);
+        }
         proxy.silent.store(true, Ordering::SeqCst);
         for _ in 0..2 {
             acquire_fails_promptly(&g.limiter(), &r).await;
@@ -501,6 +505,17 @@ mod fail_closed {
             .await
             .is_err());
         assert!(t.elapsed() < PROMPT);
+        // Permits dropped during the outage: the queue gives up the first settlement after
+        // its attempts and the rest at once, instead of waiting out each one.
+        drop(held);
+        let t = tokio::time::Instant::now();
+        let e = g
+            .limiter()
+            .flush()
+            .await
+            .expect_err("settlements could not land");
+        assert!(e.message.contains("10 drop-time"), "{e}");
+        assert!(t.elapsed() < PROMPT * 3, "flush took {:?}", t.elapsed());
     }
 
     /// The server goes away while connected: operations fail promptly.
