@@ -48,6 +48,9 @@ pub const COLUMNS: [&str; 27] = [
     "created_at",
 ];
 
+/// `application_name` of polygw's PostgreSQL connections (unless the URL sets one).
+pub const APPLICATION_NAME: &str = "polygw-telemetry";
+
 /// SQLite's default bind-parameter limit (SQLITE_MAX_VARIABLE_NUMBER since 3.32).
 pub const SQLITE_MAX_BINDS: usize = 32_766;
 /// PostgreSQL's bind-parameter limit (the wire protocol's u16 count).
@@ -184,8 +187,12 @@ impl Db {
                 Ok(Db::Sqlite(pool))
             }
             Backend::Postgres => {
-                let o = PgConnectOptions::from_str(url)
+                let mut o = PgConnectOptions::from_str(url)
                     .map_err(|e| err("invalid PostgreSQL URL", &e, url))?;
+                // Name the connections in pg_stat_activity, unless the URL does.
+                if o.get_application_name().is_none() {
+                    o = o.application_name(APPLICATION_NAME);
+                }
                 probe(&o, opts.timeout, url, "cannot connect to PostgreSQL").await?;
                 let pool = PgPoolOptions::new()
                     .max_connections(1)

@@ -35,7 +35,7 @@ mod recorder;
 pub mod time;
 
 pub use config::RecorderConfig;
-pub use db::{Backend, COLUMNS, POSTGRES_MAX_BINDS, SQLITE_MAX_BINDS};
+pub use db::{Backend, APPLICATION_NAME, COLUMNS, POSTGRES_MAX_BINDS, SQLITE_MAX_BINDS};
 pub use polygw_core::ports::telemetry::{FlushReport, NullRecorder, TelemetryRecorder};
 pub use reader::{accounting_gap, read_rows, TelemetryReader};
 pub use recorder::{RecorderMonitor, SqlRecorder};

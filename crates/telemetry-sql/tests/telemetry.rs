@@ -646,6 +646,63 @@ mod roundtrip {
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn postgres_over_tls_and_the_postgresql_scheme() {
+        let Some(db) = TestDb::pg().await else { return };
+        let ssl_on = {
+            let mut c = <sqlx::PgConnection as sqlx::Connection>::connect(db.url())
+                .await
+                .unwrap();
+            let v: String = sqlx::query_scalar("SHOW ssl")
+                .fetch_one(&mut c)
+                .await
+                .unwrap();
+            sqlx::Connection::close(c).await.unwrap();
+            v == "on"
+        };
+        let app = polygw_testkit::services::unique_name("tls");
+        let mut url = db.url().replacen("postgres://", "postgresql://", 1);
+        if ssl_on {
+            url.push_str("&sslmode=require");
+        } else {
+            eprintln!("the local PostgreSQL has ssl=off: testing the postgresql:// scheme only");
+        }
+        url.push_str(&format!("&application_name={app}"));
+        let rec = SqlRecorder::connect(&url, fast_config()).await.unwrap();
+        let rows = scenario();
+        for r in &rows {
+            rec.record(r.clone());
+        }
+        assert_eq!(rec.flush().await.unwrap().written, rows.len() as u64);
+        if ssl_on {
+            // The recorder's own connection (named by the URL) is encrypted.
+            let tls = db
+                .scalar(&format!(
+                    "SELECT COUNT(*) FROM pg_stat_ssl s JOIN pg_stat_activity a USING (pid) \
+                     WHERE s.ssl AND a.application_name = '{app}'"
+                ))
+                .await;
+            assert_eq!(tls, 1);
+        }
+        assert_same_rows(
+            &read_rows(&url, None).await.unwrap(),
+            &rows,
+            "postgresql:// (tls)",
+        );
+        rec.shutdown().await;
+        // Without a name in the URL, connections are named polygw-telemetry.
+        let rec = SqlRecorder::connect(db.url(), fast_config()).await.unwrap();
+        let named = db
+            .scalar(&format!(
+                "SELECT COUNT(*) FROM pg_stat_activity WHERE application_name = '{}' \
+                 AND datname = current_database()",
+                polygw_telemetry_sql::APPLICATION_NAME
+            ))
+            .await;
+        assert!(named >= 1);
+        rec.shutdown().await;
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn reinserting_a_call_id_is_a_no_op() {
         for db in TestDb::all().await {
             let rec = SqlRecorder::connect(db.url(), fast_config()).await.unwrap();
