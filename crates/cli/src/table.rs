@@ -24,11 +24,6 @@ impl Table {
         self
     }
 
-    /// Number of rows.
-    pub fn len(&self) -> usize {
-        self.rows.len()
-    }
-
     /// Whether there is no row.
     pub fn is_empty(&self) -> bool {
         self.rows.is_empty()

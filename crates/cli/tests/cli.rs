@@ -1,0 +1,583 @@
+//! The `polygw` program from the outside: spawned binaries, real loopback HTTP, the
+//! proxy driven by a third-party OpenAI client (async-openai).
+
+use std::io::{BufRead, BufReader};
+use std::process::{Child, Command, Stdio};
+use std::sync::mpsc;
+use std::time::Duration;
+
+use async_openai::config::OpenAIConfig;
+use async_openai::types::chat::{
+    ChatCompletionRequestUserMessageArgs, ChatCompletionStreamOptions,
+    CreateChatCompletionRequestArgs,
+};
+use async_openai::types::embeddings::{CreateEmbeddingRequestArgs, EmbeddingInput};
+use async_openai::Client;
+use futures_util::StreamExt;
+use polygw_mock_upstream::{Behavior, EndKind, Fault, MockConfig, MockUpstream};
+
+const BIN: &str = env!("CARGO_BIN_EXE_polygw");
+
+fn polygw(args: &[&str], env: &[(String, String)]) -> std::process::Output {
+    Command::new(BIN)
+        .args(args)
+        .env_clear()
+        .env("PATH", std::env::var("PATH").unwrap_or_default())
+        .envs(env.iter().cloned())
+        .output()
+        .expect("run polygw")
+}
+
+fn text(o: &std::process::Output) -> (String, String) {
+    (
+        String::from_utf8_lossy(&o.stdout).into_owned(),
+        String::from_utf8_lossy(&o.stderr).into_owned(),
+    )
+}
+
+async fn mock(default: Behavior) -> MockUpstream {
+    let m = MockUpstream::start(MockConfig::default()).await.unwrap();
+    m.set_default(default);
+    m
+}
+
+/// A mock that answers only requests carrying `Bearer sk-<name>-upstream-secret`.
+async fn keyed_mock(name: &str, default: Behavior) -> MockUpstream {
+    let m = MockUpstream::start(MockConfig {
+        require_key: Some(format!("sk-{name}-upstream-secret")),
+        ..MockConfig::default()
+    })
+    .await
+    .unwrap();
+    m.set_default(default);
+    m
+}
+
+fn source(
+    scope: &str,
+    name: &str,
+    m: &MockUpstream,
+    extra: &[(&str, &str)],
+) -> Vec<(String, String)> {
+    let p = format!("{scope}__{}__0", name.to_uppercase());
+    let mut v = vec![
+        (format!("{p}__BASE_URL"), m.base_url()),
+        (
+            format!("{p}__API_KEY"),
+            format!("sk-{name}-upstream-secret"),
+        ),
+        (format!("{p}__MODEL"), format!("model-{name}")),
+    ];
+    v.extend(
+        extra
+            .iter()
+            .map(|(k, x)| (format!("{p}__{k}"), x.to_string())),
+    );
+    v
+}
+
+/// A running `polygw serve` child; killed on drop.
+struct Serve {
+    child: Child,
+    base: String,
+    lines: mpsc::Receiver<String>,
+}
+
+impl Drop for Serve {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+// The child is killed and waited for by `Serve`'s drop.
+#[allow(clippy::zombie_processes)]
+fn serve(env: &[(String, String)]) -> Serve {
+    let mut child = Command::new(BIN)
+        .args(["serve", "--listen", "127.0.0.1:0", "--grace-s", "5"])
+        .env_clear()
+        .env("PATH", std::env::var("PATH").unwrap_or_default())
+        .envs(env.iter().cloned())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("spawn serve");
+    let (tx, rx) = mpsc::channel();
+    for pipe in [
+        Box::new(child.stdout.take().unwrap()) as Box<dyn std::io::Read + Send>,
+        Box::new(child.stderr.take().unwrap()),
+    ] {
+        let tx = tx.clone();
+        std::thread::spawn(move || {
+            for line in BufReader::new(pipe).lines().map_while(Result::ok) {
+                let _ = tx.send(line);
+            }
+        });
+    }
+    let mut seen = Vec::new();
+    loop {
+        let line = rx
+            .recv_timeout(Duration::from_secs(30))
+            .unwrap_or_else(|_| panic!("serve did not start: {seen:?}"));
+        if let Some(rest) = line.split("on http://").nth(1) {
+            let addr = rest.split('/').next().unwrap().to_string();
+            return Serve {
+                child,
+                base: format!("http://{addr}"),
+                lines: rx,
+            };
+        }
+        seen.push(line);
+    }
+}
+
+fn openai(base: &str, key: &str) -> Client<OpenAIConfig> {
+    Client::with_config(
+        OpenAIConfig::new()
+            .with_api_base(format!("{base}/v1"))
+            .with_api_key(key),
+    )
+}
+
+fn user(text: &str) -> async_openai::types::chat::ChatCompletionRequestMessage {
+    ChatCompletionRequestUserMessageArgs::default()
+        .content(text)
+        .build()
+        .unwrap()
+        .into()
+}
+
+// ---------------------------------------------------------------- config check, chat
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn config_check_prints_redacted_settings_and_warnings() {
+    let m = mock(Behavior::text(&["x"])).await;
+    let mut env = source("LLM", "a", &m, &[("TTFT_TIMEOUT_S", "2")]);
+    env.push(("LLM__HEDGE__AFTER_S".into(), "3".into()));
+    env.push((
+        "LLM__TELEMETRY__URL".into(),
+        "postgres://u:hunter2@db/x".into(),
+    ));
+    let o = polygw(&["config", "check"], &env);
+    let (out, err) = text(&o);
+    assert!(o.status.success(), "{out}\n{err}");
+    assert!(out.contains("\"name\": \"a-0\""), "{out}");
+    assert!(out.contains("warning: LLM__HEDGE__AFTER_S"), "{out}");
+    assert!(
+        !out.contains("sk-a-upstream-secret") && !out.contains("hunter2"),
+        "{out}"
+    );
+    // errors: non-zero exit, every key named
+    let mut bad = env.clone();
+    bad.push(("LLM__RETRY__MAX_ATTEMPTS".into(), "zero".into()));
+    bad.push(("LLM__A__0__WEIGHTT".into(), "1".into()));
+    let o = polygw(&["config", "check", "--scope", "llm"], &bad);
+    let (out, _) = text(&o);
+    assert_eq!(o.status.code(), Some(2));
+    assert!(
+        out.contains("LLM__RETRY__MAX_ATTEMPTS") && out.contains("WEIGHTT"),
+        "{out}"
+    );
+    // nothing configured
+    let o = polygw(&["config", "check"], &[]);
+    assert_eq!(o.status.code(), Some(2));
+    assert!(text(&o).1.contains("no scope is configured"));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn chat_prints_the_answer_and_json_with_call_stats() {
+    let m = mock(Behavior::text(&["Hello", " there"])).await;
+    let env = source("LLM", "a", &m, &[]);
+    let o = polygw(&["chat", "hi"], &env);
+    let (out, err) = text(&o);
+    assert!(o.status.success(), "{err}");
+    assert_eq!(out.trim(), "Hello there");
+    assert!(err.contains("via a-0"), "{err}");
+    let o = polygw(&["chat", "--json", "--stream", "hi"], &env);
+    let (out, _) = text(&o);
+    let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+    assert_eq!(v["content"], "Hello there");
+    assert_eq!(v["call_stats"]["attempts"], 1);
+    assert_eq!(v["usage_source"], "measured");
+    assert!(v["ttft_ms"].is_number());
+    let o = polygw(&["chat", "--stream", "hi"], &env);
+    assert_eq!(text(&o).0.trim(), "Hello there");
+    // an upstream that rejects: non-zero exit, the provider's code shown
+    m.set_default(Behavior {
+        error_code: Some("context_length_exceeded".into()),
+        ..Behavior::status(400)
+    });
+    let o = polygw(&["chat", "hi"], &env);
+    assert_eq!(o.status.code(), Some(1));
+    assert!(text(&o).1.contains("context_length_exceeded"));
+}
+
+#[tokio::test]
+async fn mock_upstream_command_serves_a_profile() {
+    let port = {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        l.local_addr().unwrap().port()
+    };
+    let addr = format!("127.0.0.1:{port}");
+    let mut child = Command::new(BIN)
+        .args([
+            "mock-upstream",
+            "--listen",
+            &addr,
+            "--profile",
+            "fast",
+            "--time-scale",
+            "0.01",
+        ])
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut line = String::new();
+    BufReader::new(child.stdout.take().unwrap())
+        .read_line(&mut line)
+        .unwrap();
+    assert!(line.contains(&format!("http://{addr}/v1")), "{line}");
+    let r: serde_json::Value = reqwest::Client::new()
+        .post(format!("http://{addr}/v1/chat/completions"))
+        .json(&serde_json::json!({"model": "m", "messages": [{"role": "user", "content": "hi"}]}))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert!(
+        r["choices"][0]["message"]["content"]
+            .as_str()
+            .unwrap()
+            .len()
+            > 1
+    );
+    let _ = child.kill();
+    let _ = child.wait();
+    let o = polygw(&["mock-upstream", "--profile", "no-such-profile"], &[]);
+    assert!(!o.status.success());
+    assert!(text(&o).1.contains("--profile no-such-profile"));
+}
+
+// ---------------------------------------------------------------- serve
+
+#[tokio::test]
+async fn serve_answers_an_openai_client_plain_streamed_and_embeddings() {
+    // The upstream accepts only its own key: the client's key never reaches it.
+    let a = keyed_mock("a", Behavior::text(&["Hello", " from", " a"])).await;
+    let mut env = source("LLM", "a", &a, &[]);
+    env.push(("LLM__MODEL_ALIASES".into(), "gpt-4o-mini".into()));
+    env.extend(source("EMBED", "a", &a, &[]));
+    env.push((
+        "POLYGW_PROXY_KEYS".into(),
+        "client-key-1,client-key-2".into(),
+    ));
+    let s = serve(&env);
+    let c = openai(&s.base, "client-key-2");
+
+    let req = CreateChatCompletionRequestArgs::default()
+        .model("gpt-4o-mini")
+        .messages(vec![user("hi")])
+        .build()
+        .unwrap();
+    let r = c.chat().create(req).await.unwrap();
+    assert_eq!(
+        r.choices[0].message.content.as_deref(),
+        Some("Hello from a")
+    );
+    assert_eq!(r.model, "model-a", "the model that actually answered");
+    let u = r.usage.unwrap();
+    assert!(u.prompt_tokens > 0 && u.completion_tokens > 0);
+
+    let req = CreateChatCompletionRequestArgs::default()
+        .model("llm")
+        .messages(vec![user("hi")])
+        .stream(true)
+        .stream_options(ChatCompletionStreamOptions {
+            include_usage: Some(true),
+            include_obfuscation: None,
+        })
+        .build()
+        .unwrap();
+    let mut st = c.chat().create_stream(req).await.unwrap();
+    let mut content = String::new();
+    let mut usage = None;
+    let mut finish = None;
+    while let Some(chunk) = st.next().await {
+        let chunk = chunk.unwrap();
+        if let Some(u) = chunk.usage {
+            usage = Some(u);
+        }
+        for ch in chunk.choices {
+            if let Some(t) = ch.delta.content {
+                content.push_str(&t);
+            }
+            if ch.finish_reason.is_some() {
+                finish = ch.finish_reason;
+            }
+        }
+    }
+    assert_eq!(content, "Hello from a");
+    assert!(finish.is_some());
+    assert!(usage.unwrap().completion_tokens > 0);
+
+    let req = CreateEmbeddingRequestArgs::default()
+        .model("EMBED")
+        .input(EmbeddingInput::StringArray(vec![
+            "one".into(),
+            "two".into(),
+            "three".into(),
+        ]))
+        .build()
+        .unwrap();
+    let e = c.embeddings().create(req).await.unwrap();
+    assert_eq!(e.data.len(), 3);
+    assert_eq!(e.data[2].index, 2);
+    assert!(!e.data[0].embedding.is_empty());
+
+    // unknown model: 404 listing the known ones; bad key: 401; bad body: 400 naming it
+    let http = reqwest::Client::new();
+    let r = http
+        .post(format!("{}/v1/chat/completions", s.base))
+        .bearer_auth("client-key-1")
+        .json(&serde_json::json!({"model": "nope", "messages": [{"role": "user", "content": "x"}]}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 404);
+    let body: serde_json::Value = r.json().await.unwrap();
+    assert_eq!(body["error"]["code"], "model_not_found");
+    assert!(body["error"]["message"]
+        .as_str()
+        .unwrap()
+        .contains("gpt-4o-mini"));
+    let r = http
+        .post(format!("{}/v1/chat/completions", s.base))
+        .bearer_auth("wrong")
+        .json(&serde_json::json!({"model": "llm", "messages": []}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 401);
+    let r = http
+        .get(format!("{}/v1/models", s.base))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 401, "no key at all");
+    let r = http
+        .post(format!("{}/v1/chat/completions", s.base))
+        .bearer_auth("client-key-1")
+        .json(&serde_json::json!({"model": "llm", "messages": [{"role": "user", "content": "x"}], "temperature": "hot"}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 400);
+    let body: serde_json::Value = r.json().await.unwrap();
+    assert_eq!(body["error"]["param"], "temperature");
+    let r = http
+        .get(format!("{}/v1/models", s.base))
+        .bearer_auth("client-key-1")
+        .send()
+        .await
+        .unwrap();
+    let models: serde_json::Value = r.json().await.unwrap();
+    let ids: Vec<&str> = models["data"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|m| m["id"].as_str().unwrap())
+        .collect();
+    assert!(ids.contains(&"LLM") && ids.contains(&"gpt-4o-mini") && ids.contains(&"EMBED"));
+
+    // metrics
+    let m = http
+        .get(format!("{}/metrics", s.base))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    assert!(
+        m.contains("polygw_calls_total{scope=\"LLM\",outcome=\"ok\"} 2"),
+        "{m}"
+    );
+    assert!(
+        m.contains("polygw_attempts_total{scope=\"LLM\",source=\"a-0\",outcome=\"ok\"} 2"),
+        "{m}"
+    );
+    assert!(
+        m.contains("polygw_ttft_seconds_count{scope=\"LLM\",source=\"a-0\"} 1"),
+        "{m}"
+    );
+    assert!(m.contains("polygw_call_latency_seconds_bucket"), "{m}");
+    assert!(m.contains("polygw_telemetry_rows_dropped_total 0"), "{m}");
+    let h = http
+        .get(format!("{}/healthz", s.base))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(h.status(), 200);
+}
+
+#[tokio::test]
+async fn serve_hedges_before_the_commit_and_never_passes_off_a_broken_stream() {
+    let slow = mock(Behavior {
+        ttft_ms: 5_000.0,
+        ..Behavior::text(&["slow"])
+    })
+    .await;
+    let fast = mock(Behavior::text(&["fast", " answer"])).await;
+    let mut env = source("LLM", "slow", &slow, &[("PRIORITY", "0")]);
+    env.extend(source("LLM", "fast", &fast, &[("PRIORITY", "1")]));
+    env.push(("LLM__HEDGE__AFTER_S".into(), "0.2".into()));
+    env.push(("LLM__HEDGE__BUDGET_PCT".into(), "0".into()));
+    env.push(("LLM__RETRY__ON_NO_RUNNABLE".into(), "fail".into()));
+    let s = serve(&env);
+    let http = reqwest::Client::new();
+    let r = http
+        .post(format!("{}/v1/chat/completions", s.base))
+        .json(&serde_json::json!({"model": "llm", "stream": true, "messages": [{"role": "user", "content": "x"}]}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    assert_eq!(r.headers()["x-polygw-source"], "fast-0");
+    assert_eq!(r.headers()["x-polygw-hedged"], "true");
+    let body = r.text().await.unwrap();
+    assert!(
+        body.contains("\"fast\"") && body.trim_end().ends_with("data: [DONE]"),
+        "{body}"
+    );
+    assert!(!body.contains("slow"));
+    let ended = slow.wait_for_ended(1, Duration::from_secs(5)).await;
+    assert_eq!(
+        ended[0].end,
+        EndKind::ClientDisconnected,
+        "the loser was cancelled"
+    );
+
+    // After the commit a failure ends the stream with an error event: no [DONE], and
+    // nothing is retried elsewhere (the content is already on the wire).
+    slow.set_default(Behavior {
+        fault: Some(Fault::ResetAfter { chunks: 2 }),
+        ..Behavior::text(&["part", " one", " two", " three"])
+    });
+    let fast_before = fast.requests().len();
+    let r = http
+        .post(format!("{}/v1/chat/completions", s.base))
+        .json(&serde_json::json!({"model": "llm", "stream": true, "messages": [{"role": "user", "content": "z"}]}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    assert_eq!(r.headers()["x-polygw-source"], "slow-0");
+    let body = r.text().await.unwrap();
+    assert!(body.contains("\"part\""), "{body}");
+    assert!(
+        body.contains("\"error\""),
+        "the failure reaches the client: {body}"
+    );
+    assert!(
+        !body.contains("[DONE]"),
+        "never a silently truncated success: {body}"
+    );
+    assert_eq!(
+        fast.requests().len(),
+        fast_before,
+        "no retry after the commit"
+    );
+
+    // A call that fails before any chunk gets a real HTTP status (503 + Retry-After).
+    slow.set_default(Behavior {
+        retry_after: Some(polygw_mock_upstream::RetryAfter::Seconds(30.0)),
+        ..Behavior::status(429)
+    });
+    fast.set_default(Behavior {
+        retry_after: Some(polygw_mock_upstream::RetryAfter::Seconds(30.0)),
+        ..Behavior::status(429)
+    });
+    let r = http
+        .post(format!("{}/v1/chat/completions", s.base))
+        .json(&serde_json::json!({"model": "llm", "stream": true, "messages": [{"role": "user", "content": "w"}]}))
+        .timeout(Duration::from_secs(30))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 503);
+    assert!(r.headers().contains_key("retry-after"));
+    let body: serde_json::Value = r.json().await.unwrap();
+    assert!(body["error"]["code"].is_string());
+}
+
+#[tokio::test]
+async fn a_client_that_disconnects_cancels_its_call() {
+    let a = mock(Behavior {
+        ttft_ms: 10_000.0,
+        ..Behavior::text(&["late"])
+    })
+    .await;
+    let dir = tempfile::tempdir().unwrap();
+    let db = format!("sqlite://{}", dir.path().join("t.db").display());
+    let mut env = source("LLM", "a", &a, &[]);
+    env.push(("LLM__TELEMETRY__URL".into(), db.clone()));
+    let s = serve(&env);
+    let http = reqwest::Client::new();
+    let r = http
+        .post(format!("{}/v1/chat/completions", s.base))
+        .timeout(Duration::from_millis(300))
+        .json(&serde_json::json!({"model": "llm", "stream": true, "messages": [{"role": "user", "content": "x"}]}))
+        .send()
+        .await;
+    assert!(r.is_err(), "the client gave up");
+    let ended = a.wait_for_ended(1, Duration::from_secs(5)).await;
+    assert_eq!(ended[0].end, EndKind::ClientDisconnected);
+    // SIGTERM: graceful shutdown flushes telemetry; the cancelled attempt has its row.
+    let pid = s.child.id().to_string();
+    assert!(Command::new("kill")
+        .args(["-TERM", &pid])
+        .status()
+        .unwrap()
+        .success());
+    let mut lines = Vec::new();
+    while let Ok(l) = s.lines.recv_timeout(Duration::from_secs(10)) {
+        lines.push(l);
+    }
+    let all = lines.join("\n");
+    assert!(all.contains("telemetry written 1"), "{all}");
+    let rows = polygw::telemetry::read_rows(&db, None).await.unwrap();
+    assert_eq!(rows.len(), 1);
+    assert_eq!(rows[0].error.as_deref(), Some("cancelled"));
+}
+
+// ---------------------------------------------------------------- demo
+
+#[test]
+fn demo_finishes_and_prints_its_table() {
+    let dir = tempfile::tempdir().unwrap();
+    let db = dir.path().join("demo.db");
+    let o = Command::new(BIN)
+        .args(["demo", "--calls", "60", "--concurrency", "12", "--db"])
+        .arg(&db)
+        .output()
+        .unwrap();
+    let (out, err) = text(&o);
+    assert!(o.status.success(), "{out}\n{err}");
+    for needle in [
+        "hedging off",
+        "hedging on",
+        "latency p99",
+        "extra upstream requests",
+        "hedge legs / wins",
+        "stall share",
+        "tokens",
+        "cost",
+        "accounting gap",
+        "polygw report --db",
+    ] {
+        assert!(out.contains(needle), "missing {needle}: {out}");
+    }
+    assert!(db.exists());
+}
