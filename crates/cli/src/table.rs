@@ -120,7 +120,7 @@ mod tests {
         t.row(["a-0", "12 ms"]).row(["long-name-1", "3 ms"]);
         let s = t.render();
         let lines: Vec<&str> = s.lines().collect();
-        assert_eq!(lines[0], "source          p50");
+        assert_eq!(lines[0], "source         p50");
         assert_eq!(lines[2], "a-0          12 ms");
         assert_eq!(lines[3], "long-name-1   3 ms");
     }
