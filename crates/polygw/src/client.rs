@@ -156,19 +156,7 @@ impl GatewayClient {
 
     /// Flushes background settlements and telemetry; call on shutdown.
     pub async fn shutdown(&self) -> FlushReport {
-        if let Err(e) = self.engine.ports.limiter.flush().await {
-            tracing::warn!(error = %e, "flushing the limiter's background settlements failed");
-        }
-        match self.engine.ports.telemetry.flush().await {
-            Ok(r) => r,
-            Err(e) => {
-                tracing::warn!(error = %e, "flushing telemetry failed");
-                FlushReport {
-                    dropped: self.engine.ports.telemetry.dropped(),
-                    ..Default::default()
-                }
-            }
-        }
+        self.engine.shutdown().await
     }
 
     /// One logical chat call: cache, retry loop with admission and hedging, telemetry.

@@ -137,6 +137,11 @@ impl EmbeddingClient {
         &self.warnings
     }
 
+    /// Flushes background settlements and telemetry; call on shutdown.
+    pub async fn shutdown(&self) -> polygw_core::ports::FlushReport {
+        self.engine.shutdown().await
+    }
+
     /// The batch size: the smallest `BATCH_SIZE` of the scope's sources, so that any
     /// source can take any batch.
     pub fn batch_size(&self) -> usize {

@@ -129,6 +129,11 @@ impl OcrClient {
         &self.warnings
     }
 
+    /// Flushes background settlements and telemetry; call on shutdown.
+    pub async fn shutdown(&self) -> polygw_core::ports::FlushReport {
+        self.engine.shutdown().await
+    }
+
     /// Recognizes the text of one image (`mime` like `image/png`).
     pub async fn recognize(&self, image: &[u8], mime: &str) -> Result<OcrText, GatewayError> {
         if image.is_empty() {

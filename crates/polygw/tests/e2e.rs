@@ -5,7 +5,7 @@
 use std::time::Duration;
 
 use polygw::core::telemetry::RowKind;
-use polygw::{ChatRequest, GatewayClient, GatewayError, TerminalReason, UsageSource};
+use polygw::{ChatRequest, GatewayClient, GatewayError, UsageSource};
 use polygw_mock_upstream::{Behavior, EndKind, MockConfig, MockUpstream, Stall};
 
 async fn mock() -> MockUpstream {
@@ -255,4 +255,196 @@ async fn redis_governance_is_wired_and_fails_closed() {
         "{e}"
     );
     assert_eq!(a.requests().len(), before);
+}
+
+// ---------------------------------------------------------------- SPEC §10 over HTTP
+
+mod features_over_http {
+    use super::*;
+    use polygw::{EmbeddingClient, OcrClient};
+    use polygw_mock_upstream::{embedding_of, UsageMode};
+
+    fn embed_vars(m: &MockUpstream, extra: &[(&str, &str)]) -> Vec<(String, String)> {
+        let mut v = vec![
+            ("EMBED__E__0__BASE_URL".to_string(), m.base_url()),
+            ("EMBED__E__0__API_KEY".to_string(), String::new()),
+            ("EMBED__E__0__MODEL".to_string(), "embed-model".to_string()),
+            ("EMBED__E__0__BATCH_SIZE".to_string(), "2".to_string()),
+            (
+                "EMBED__RETRY__BACKOFF_BASE_S".to_string(),
+                "0.01".to_string(),
+            ),
+            (
+                "EMBED__RETRY__BACKOFF_MAX_S".to_string(),
+                "0.02".to_string(),
+            ),
+        ];
+        v.extend(extra.iter().map(|(k, x)| (k.to_string(), x.to_string())));
+        v
+    }
+
+    #[tokio::test]
+    async fn embedding_order_survives_a_failing_then_retried_batch() {
+        let m = mock().await;
+        m.push_scripts([Behavior::default(), Behavior::status(500)]);
+        let c = EmbeddingClient::from_vars(embed_vars(&m, &[]), "EMBED")
+            .await
+            .unwrap();
+        let texts: Vec<String> = (0..5).map(|i| format!("document {i}")).collect();
+        let e = c.embed(&texts).await.unwrap();
+        assert_eq!(e.vectors.len(), 5);
+        for (t, v) in texts.iter().zip(&e.vectors) {
+            assert_eq!(v, &embedding_of(t, 16), "vector of {t:?} out of order");
+        }
+        assert_eq!(e.call_stats.attempts, 4, "3 batches, one retried");
+        assert_eq!(e.usage_source, UsageSource::Measured);
+        let reqs = m.requests();
+        assert_eq!(reqs.len(), 4);
+        assert_eq!(
+            reqs[1].body["input"], reqs[2].body["input"],
+            "the same batch again"
+        );
+    }
+
+    #[tokio::test]
+    async fn a_batch_without_usage_makes_the_call_unavailable_and_its_cost_null() {
+        let m = mock().await;
+        m.push_scripts([
+            Behavior::default(),
+            Behavior {
+                usage: UsageMode::None,
+                ..Behavior::default()
+            },
+        ]);
+        let c = EmbeddingClient::from_vars(
+            embed_vars(
+                &m,
+                &[
+                    ("EMBED__E__0__INPUT_PRICE", "0.1"),
+                    ("EMBED__E__0__OUTPUT_PRICE", "0"),
+                ],
+            ),
+            "EMBED",
+        )
+        .await
+        .unwrap();
+        let texts: Vec<String> = (0..4).map(|i| format!("t{i}")).collect();
+        let e = c.embed(&texts).await.unwrap();
+        assert_eq!(e.usage_source, UsageSource::Unavailable);
+        assert_eq!(e.cost, None);
+        let e = c.embed(&texts[..2]).await.unwrap();
+        assert_eq!(e.usage_source, UsageSource::Measured);
+        assert!(e.cost.unwrap() > 0.0);
+    }
+
+    #[tokio::test]
+    async fn a_cache_hit_is_a_free_row_and_reaches_no_upstream() {
+        let m = mock().await;
+        m.set_default(Behavior::text(&["cached"]));
+        let dir = tempfile::tempdir().unwrap();
+        let db = format!("sqlite://{}", dir.path().join("t.db").display());
+        let c = GatewayClient::from_vars(
+            vars(
+                vec![source_vars("a", &m, 0)],
+                &[
+                    ("LLM__CACHE__TTL_S", "60"),
+                    ("LLM__TELEMETRY__URL", db.as_str()),
+                    ("LLM__A__0__INPUT_PRICE", "1"),
+                    ("LLM__A__0__OUTPUT_PRICE", "1"),
+                ],
+            ),
+            "LLM",
+        )
+        .await
+        .unwrap();
+        let first = c.chat(ChatRequest::user("same question")).await.unwrap();
+        let hit = c.chat(ChatRequest::user("same question")).await.unwrap();
+        assert_eq!(hit.content, first.content);
+        assert!(hit.call_stats.cache_hit);
+        assert_eq!(
+            (hit.call_stats.attempts, hit.call_stats.generation_ms),
+            (0, 0)
+        );
+        assert_eq!(m.requests().len(), 1);
+        c.shutdown().await;
+        let rows = polygw_telemetry_sql::read_rows(&db, None).await.unwrap();
+        let hit_row = rows.iter().find(|r| r.kind == RowKind::CacheHit).unwrap();
+        assert_eq!(hit_row.cost, Some(0.0));
+        assert!(hit_row.cache_hit && hit_row.ok);
+        assert_eq!(hit_row.logical_call_id, hit.logical_call_id);
+        assert_eq!(rows.len(), 2);
+    }
+
+    #[derive(Debug, serde::Deserialize, PartialEq)]
+    struct Pick {
+        city: String,
+    }
+
+    #[tokio::test]
+    async fn a_reask_succeeds_on_the_second_round() {
+        let m = mock().await;
+        m.push_scripts([
+            Behavior::text(&["Paris, ", "obviously."]),
+            Behavior::text(&["{\"city\":", " \"Paris\"}"]),
+        ]);
+        let c = GatewayClient::from_vars(vars(vec![source_vars("a", &m, 0)], &[]), "LLM")
+            .await
+            .unwrap();
+        let s = c
+            .chat_json::<Pick>(ChatRequest::user("Which city? JSON please"))
+            .await
+            .unwrap();
+        assert_eq!(
+            s.value,
+            Pick {
+                city: "Paris".into()
+            }
+        );
+        assert_eq!(s.rounds, 2);
+        assert_eq!(s.response.call_stats.attempts, 2);
+        let reqs = m.requests();
+        assert_eq!(reqs[0].body["response_format"]["type"], "json_object");
+        let msgs = reqs[1].body["messages"].as_array().unwrap();
+        let last = msgs.last().unwrap()["content"].as_str().unwrap();
+        assert!(
+            last.contains("not valid JSON"),
+            "the parse error is sent back: {last}"
+        );
+        assert_eq!(msgs[msgs.len() - 2]["role"], "assistant");
+    }
+
+    #[tokio::test]
+    async fn an_ocr_call_sends_a_vision_request_and_records_its_row() {
+        let m = mock().await;
+        let dir = tempfile::tempdir().unwrap();
+        let db = format!("sqlite://{}", dir.path().join("t.db").display());
+        let v: Vec<(String, String)> = vec![
+            ("OCR__V__0__BASE_URL".into(), m.base_url()),
+            ("OCR__V__0__API_KEY".into(), "k".into()),
+            ("OCR__V__0__MODEL".into(), "vision-model".into()),
+            ("OCR__V__0__PRICE_PER_CALL".into(), "0.003".into()),
+            ("OCR__V__0__RPM".into(), "60".into()),
+            ("OCR__TELEMETRY__URL".into(), db.clone()),
+            ("OCR__OCR__PROMPT".into(), "Read every word.".into()),
+        ];
+        let c = OcrClient::from_vars(v, "OCR").await.unwrap();
+        let png = b"\x89PNG\r\n\x1a\nfake image bytes";
+        let t = c.recognize(png, "image/png").await.unwrap();
+        assert!(!t.text.is_empty());
+        assert_eq!(t.cost, Some(0.003));
+        let reqs = m.requests();
+        assert_eq!(reqs[0].images.len(), 1);
+        assert_eq!(reqs[0].images[0].mime, "image/png");
+        assert_eq!(reqs[0].images[0].bytes, png.len());
+        assert!(reqs[0].body.to_string().contains("Read every word."));
+        let flushed = c.shutdown().await;
+        assert_eq!((flushed.written, flushed.dropped), (1, 0));
+        let rows = polygw_telemetry_sql::read_rows(&db, None).await.unwrap();
+        assert_eq!(rows.len(), 1);
+        let r = &rows[0];
+        assert_eq!(r.operation, "ocr");
+        assert_eq!(r.usage_source, UsageSource::Measured);
+        assert_eq!((r.prompt_tokens, r.completion_tokens), (Some(0), Some(0)));
+        assert_eq!(r.cost, Some(0.003));
+    }
 }

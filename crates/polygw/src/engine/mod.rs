@@ -74,6 +74,23 @@ impl Engine {
         }
     }
 
+    /// Flushes background settlements and telemetry (on shutdown).
+    pub(crate) async fn shutdown(&self) -> polygw_core::ports::FlushReport {
+        if let Err(e) = self.ports.limiter.flush().await {
+            tracing::warn!(error = %e, "flushing the limiter's background settlements failed");
+        }
+        match self.ports.telemetry.flush().await {
+            Ok(r) => r,
+            Err(e) => {
+                tracing::warn!(error = %e, "flushing telemetry failed");
+                polygw_core::ports::FlushReport {
+                    dropped: self.ports.telemetry.dropped(),
+                    ..Default::default()
+                }
+            }
+        }
+    }
+
     pub(crate) fn budget(&self) -> std::sync::MutexGuard<'_, HedgeBudget> {
         self.hedge_budget.lock().unwrap_or_else(|e| e.into_inner())
     }
