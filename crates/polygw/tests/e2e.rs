@@ -251,7 +251,7 @@ async fn redis_governance_is_wired_and_fails_closed() {
     let e = c.chat(ChatRequest::user("hi")).await.unwrap_err();
     assert_eq!(
         e.terminal_reason(),
-        Some(TerminalReason::GovernanceBackend),
+        Some(polygw::TerminalReason::GovernanceBackend),
         "{e}"
     );
     assert_eq!(a.requests().len(), before);
