@@ -94,32 +94,10 @@ fn now_unix_ms() -> i64 {
         .unwrap_or(0)
 }
 
-/// Days from 1970-01-01 → (year, month, day), proleptic Gregorian.
-fn civil_from_days(days: i64) -> (i64, i64, i64) {
-    let z = days + 719_468;
-    let era = z.div_euclid(146_097);
-    let doe = z.rem_euclid(146_097);
-    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
-    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
-    let mp = (5 * doy + 2) / 153;
-    let day = doy - (153 * mp + 2) / 5 + 1;
-    let month = if mp < 10 { mp + 3 } else { mp - 9 };
-    let year = yoe + era * 400 + i64::from(month <= 2);
-    (year, month, day)
-}
-
-/// Milliseconds since the epoch as ISO-8601 UTC (`2026-12-02T11:32:08.123Z`).
+/// Milliseconds since the epoch as ISO-8601 UTC (`2026-12-02T11:32:08.123Z`), the
+/// telemetry adapter's own format.
 pub fn iso(ms: i64) -> String {
-    let days = ms.div_euclid(86_400_000);
-    let rem = ms.rem_euclid(86_400_000);
-    let (y, mo, d) = civil_from_days(days);
-    format!(
-        "{y:04}-{mo:02}-{d:02}T{:02}:{:02}:{:02}.{:03}Z",
-        rem / 3_600_000,
-        rem / 60_000 % 60,
-        rem / 1000 % 60,
-        rem % 1000
-    )
+    polygw::telemetry::format_utc_ms(ms)
 }
 
 /// What the report was asked for and the database-wide figures next to the rows.

@@ -20,6 +20,7 @@ pub mod breaker;
 pub mod cache_key;
 pub mod classify;
 pub mod config;
+mod durations;
 pub mod error;
 pub mod hedge;
 pub mod ports;

@@ -48,13 +48,13 @@ pub struct RetrySettings {
     /// Budget of budget-consuming rounds.
     pub max_attempts: u32,
     /// Max time without progress.
-    #[serde(with = "secs")]
+    #[serde(with = "crate::durations::secs")]
     pub stall_window: Duration,
     /// Backoff base.
-    #[serde(with = "secs")]
+    #[serde(with = "crate::durations::secs")]
     pub backoff_base: Duration,
     /// Backoff cap.
-    #[serde(with = "secs")]
+    #[serde(with = "crate::durations::secs")]
     pub backoff_max: Duration,
     /// What to do when no source can be admitted.
     pub on_no_runnable: OnNoRunnable,
@@ -87,10 +87,10 @@ pub struct BreakerSettings {
     /// Consecutive breaker-feeding failures that open the breaker.
     pub failures: u32,
     /// First open time (doubles on each re-open, up to 10×).
-    #[serde(with = "secs")]
+    #[serde(with = "crate::durations::secs")]
     pub open: Duration,
     /// How long a dead source (401/403/404) stays out.
-    #[serde(with = "secs")]
+    #[serde(with = "crate::durations::secs")]
     pub dead: Duration,
 }
 
@@ -108,10 +108,10 @@ impl Default for BreakerSettings {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
 pub struct HedgeSettings {
     /// First-token trigger.
-    #[serde(with = "opt_secs")]
+    #[serde(with = "crate::durations::opt_secs")]
     pub after: Option<Duration>,
     /// Mid-stream stall trigger (streams only).
-    #[serde(with = "opt_secs")]
+    #[serde(with = "crate::durations::opt_secs")]
     pub stall_after: Option<Duration>,
     /// Extra legs per round, 1..=3.
     pub max_extra: u32,
@@ -146,7 +146,7 @@ impl HedgeSettings {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
 pub struct StreamSettings {
     /// A gap between incremental chunks longer than this counts as a stall in metering.
-    #[serde(with = "millis")]
+    #[serde(with = "crate::durations::millis")]
     pub stall_threshold: Duration,
 }
 
@@ -162,7 +162,7 @@ impl Default for StreamSettings {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
 pub struct CacheSettings {
     /// Entry lifetime; `None` = cache off.
-    #[serde(with = "opt_secs")]
+    #[serde(with = "crate::durations::opt_secs")]
     pub ttl: Option<Duration>,
     /// Max entries.
     pub capacity: usize,
@@ -192,7 +192,7 @@ pub struct ScopeSettings {
     /// The sources, in configuration order.
     pub sources: Vec<SourceConfig>,
     /// Bound on the whole logical call.
-    #[serde(with = "opt_secs")]
+    #[serde(with = "crate::durations::opt_secs")]
     pub call_deadline: Option<Duration>,
     /// Retry loop.
     pub retry: RetrySettings,
@@ -256,33 +256,6 @@ fn ser_opt_url<S: serde::Serializer>(v: &Option<Secret>, s: S) -> Result<S::Ok, 
     match v {
         Some(u) => s.serialize_some(&redact_url(u.expose())),
         None => s.serialize_none(),
-    }
-}
-
-mod secs {
-    use serde::Serializer;
-    use std::time::Duration;
-    pub fn serialize<S: Serializer>(d: &Duration, s: S) -> Result<S::Ok, S::Error> {
-        s.serialize_f64(d.as_secs_f64())
-    }
-}
-
-mod millis {
-    use serde::Serializer;
-    use std::time::Duration;
-    pub fn serialize<S: Serializer>(d: &Duration, s: S) -> Result<S::Ok, S::Error> {
-        s.serialize_u64(d.as_millis() as u64)
-    }
-}
-
-mod opt_secs {
-    use serde::Serializer;
-    use std::time::Duration;
-    pub fn serialize<S: Serializer>(d: &Option<Duration>, s: S) -> Result<S::Ok, S::Error> {
-        match d {
-            Some(d) => s.serialize_some(&d.as_secs_f64()),
-            None => s.serialize_none(),
-        }
     }
 }
 

@@ -35,13 +35,13 @@ pub struct SourceConfig {
     /// In-flight cap; 0 = unlimited.
     pub max_concurrency: u32,
     /// Whole-request timeout (plain); stream fallback.
-    #[serde(with = "secs")]
+    #[serde(with = "crate::durations::secs")]
     pub timeout: Duration,
     /// Stream: time to the first incremental chunk.
-    #[serde(with = "opt_secs")]
+    #[serde(with = "crate::durations::opt_secs")]
     pub ttft_timeout: Option<Duration>,
     /// Stream: max gap between incremental chunks (falls back to `timeout`).
-    #[serde(with = "opt_secs")]
+    #[serde(with = "crate::durations::opt_secs")]
     pub inter_token_timeout: Option<Duration>,
     /// Lower = preferred tier.
     pub priority: u32,
@@ -191,25 +191,6 @@ pub fn effective_est_tokens(est_tokens: u64, source_tpm: u64, scope_tpm: u64) ->
     match tightest {
         Some(tpm) => (tpm / 60).max(1),
         None => 0,
-    }
-}
-
-mod secs {
-    use serde::Serializer;
-    use std::time::Duration;
-    pub fn serialize<S: Serializer>(d: &Duration, s: S) -> Result<S::Ok, S::Error> {
-        s.serialize_f64(d.as_secs_f64())
-    }
-}
-
-mod opt_secs {
-    use serde::Serializer;
-    use std::time::Duration;
-    pub fn serialize<S: Serializer>(d: &Option<Duration>, s: S) -> Result<S::Ok, S::Error> {
-        match d {
-            Some(d) => s.serialize_some(&d.as_secs_f64()),
-            None => s.serialize_none(),
-        }
     }
 }
 

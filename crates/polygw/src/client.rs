@@ -6,15 +6,14 @@ use std::sync::Arc;
 use futures_util::future::BoxFuture;
 use polygw_core::cache_key::cache_key;
 use polygw_core::hedge::HedgePolicy;
-use polygw_core::ports::{ChatAttempt, ChunkObserver, FlushReport, TransportResult};
+use polygw_core::ports::{ChatAttempt, ChunkObserver, TransportResult};
 use polygw_core::stall::{generation_ms, ms};
 use polygw_core::{
     AttemptError, CallStats, ChatRequest, ConfigWarning, GatewayError, GovernanceError,
-    LlmResponse, ScopeSettings, SourceConfig, TerminalReason,
+    LlmResponse, SourceConfig, TerminalReason,
 };
 use tracing::Instrument;
 
-use crate::builder::GatewayBuilder;
 use crate::clock::new_id;
 use crate::engine::attempt::{Leg, SuccessFacts};
 use crate::engine::call::CallShared;
@@ -28,6 +27,8 @@ pub struct GatewayClient {
     pub(crate) engine: Arc<Engine>,
     pub(crate) warnings: Arc<Vec<ConfigWarning>>,
 }
+
+crate::scope_client::scope_client!(GatewayClient, polygw_core::ScopeKind::Chat, build);
 
 /// The chat attempt.
 struct ChatLeg<'r> {
@@ -99,42 +100,6 @@ pub(crate) async fn with_deadline<T>(
 }
 
 impl GatewayClient {
-    /// A builder over these settings; ports not given are built from the settings.
-    pub fn builder(settings: ScopeSettings) -> GatewayBuilder {
-        GatewayBuilder::new(settings)
-    }
-
-    /// Loads scope `scope` from the process environment (SPEC §2) and builds it.
-    pub async fn from_env(scope: &str) -> Result<Self, GatewayError> {
-        Self::from_vars(std::env::vars(), scope).await
-    }
-
-    /// Loads scope `scope` from any key/value source and builds it.
-    pub async fn from_vars<I, K, V>(vars: I, scope: &str) -> Result<Self, GatewayError>
-    where
-        I: IntoIterator<Item = (K, V)>,
-        K: AsRef<str>,
-        V: AsRef<str>,
-    {
-        let loaded = polygw_core::config::load_scope(vars, scope, polygw_core::ScopeKind::Chat)?;
-        GatewayBuilder::new(loaded.settings).build().await
-    }
-
-    /// Builds a client from settings made in code (or loaded and edited).
-    pub async fn from_settings(settings: ScopeSettings) -> Result<Self, GatewayError> {
-        GatewayBuilder::new(settings).build().await
-    }
-
-    /// The scope's settings.
-    pub fn settings(&self) -> &ScopeSettings {
-        &self.engine.scope
-    }
-
-    /// What the configuration guards warned about.
-    pub fn warnings(&self) -> &[ConfigWarning] {
-        &self.warnings
-    }
-
     /// The client's metrics.
     pub fn metrics(&self) -> Arc<Metrics> {
         self.engine.metrics.clone()
@@ -152,11 +117,6 @@ impl GatewayClient {
             .limiter
             .in_flight(&self.engine.scope.name, source)
             .await
-    }
-
-    /// Flushes background settlements and telemetry; call on shutdown.
-    pub async fn shutdown(&self) -> FlushReport {
-        self.engine.shutdown().await
     }
 
     /// One logical chat call: cache, retry loop with admission and hedging, telemetry.
@@ -230,41 +190,23 @@ impl GatewayClient {
         span: &tracing::Span,
         result: &Result<LlmResponse, GatewayError>,
     ) {
-        let engine = &self.engine;
-        let latency = ms(engine
-            .ports
-            .clock
-            .now()
-            .saturating_duration_since(call.started));
-        match result {
-            Ok(r) => {
-                span.record("gen_ai.response.model", r.model.as_str());
-                if let Some(f) = &r.finish_reason {
-                    span.record("gen_ai.response.finish_reasons", f.as_str());
-                }
-                span.record("gen_ai.usage.input_tokens", r.usage.prompt_tokens);
-                span.record("gen_ai.usage.output_tokens", r.usage.completion_tokens);
-                span.record("polygw.source", r.source.as_str());
-                span.record("polygw.attempts", r.call_stats.attempts);
-                span.record("polygw.hedges", r.call_stats.hedges);
-                span.record("polygw.hedge_won", r.call_stats.hedge_won);
-                span.record("polygw.cache_hit", r.call_stats.cache_hit);
-                engine.metrics.call(&engine.scope.name, "ok", latency);
-                if r.call_stats.hedge_won {
-                    engine.metrics.hedge_win(&engine.scope.name);
-                }
+        if let Ok(r) = result {
+            span.record("gen_ai.response.model", r.model.as_str());
+            if let Some(f) = &r.finish_reason {
+                span.record("gen_ai.response.finish_reasons", f.as_str());
             }
-            Err(e) => {
-                let reason = e
-                    .terminal_reason()
-                    .map(|r| r.as_str())
-                    .unwrap_or("invalid_request");
-                span.record("error.type", reason);
-                span.record("polygw.attempts", call.progress().attempts);
-                engine.metrics.call(&engine.scope.name, reason, latency);
-                engine.emit_terminal(call, e);
+            span.record("gen_ai.usage.input_tokens", r.usage.prompt_tokens);
+            span.record("gen_ai.usage.output_tokens", r.usage.completion_tokens);
+            span.record("polygw.source", r.source.as_str());
+            span.record("polygw.attempts", r.call_stats.attempts);
+            span.record("polygw.hedges", r.call_stats.hedges);
+            span.record("polygw.hedge_won", r.call_stats.hedge_won);
+            span.record("polygw.cache_hit", r.call_stats.cache_hit);
+            if r.call_stats.hedge_won {
+                self.engine.metrics.hedge_win(&self.engine.scope.name);
             }
         }
+        self.engine.conclude(call, span, result.as_ref().err());
     }
 
     /// One chat through cache and retry loop, in an existing logical call (the

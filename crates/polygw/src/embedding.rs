@@ -11,12 +11,11 @@ use polygw_core::stall::ms;
 use polygw_core::telemetry::{cost, CostBasis};
 use polygw_core::{
     AttemptError, CallStats, ConfigWarning, ErrorClass, ErrorLabel, GatewayError, ScopeKind,
-    ScopeSettings, SourceConfig, Usage, UsageSource,
+    SourceConfig, Usage, UsageSource,
 };
 use serde::Serialize;
 use tracing::Instrument;
 
-use crate::builder::GatewayBuilder;
 use crate::client::with_deadline;
 use crate::clock::new_id;
 use crate::engine::attempt::{Leg, SuccessFacts};
@@ -50,6 +49,8 @@ pub struct EmbeddingClient {
     pub(crate) engine: Arc<Engine>,
     pub(crate) warnings: Arc<Vec<ConfigWarning>>,
 }
+
+crate::scope_client::scope_client!(EmbeddingClient, ScopeKind::Embedding, build_embedding);
 
 struct EmbedLeg<'t> {
     texts: &'t [String],
@@ -106,42 +107,6 @@ impl Leg for EmbedLeg<'_> {
 }
 
 impl EmbeddingClient {
-    /// Loads scope `scope` from the process environment and builds it.
-    pub async fn from_env(scope: &str) -> Result<Self, GatewayError> {
-        Self::from_vars(std::env::vars(), scope).await
-    }
-
-    /// Loads scope `scope` from any key/value source and builds it.
-    pub async fn from_vars<I, K, V>(vars: I, scope: &str) -> Result<Self, GatewayError>
-    where
-        I: IntoIterator<Item = (K, V)>,
-        K: AsRef<str>,
-        V: AsRef<str>,
-    {
-        let loaded = polygw_core::config::load_scope(vars, scope, ScopeKind::Embedding)?;
-        Self::builder(loaded.settings).build_embedding().await
-    }
-
-    /// A builder for an embedding scope (give it ports, then `build_embedding()`).
-    pub fn builder(settings: ScopeSettings) -> GatewayBuilder {
-        GatewayBuilder::new(settings).kind(ScopeKind::Embedding)
-    }
-
-    /// The scope's settings.
-    pub fn settings(&self) -> &ScopeSettings {
-        &self.engine.scope
-    }
-
-    /// What the configuration guards warned about.
-    pub fn warnings(&self) -> &[ConfigWarning] {
-        &self.warnings
-    }
-
-    /// Flushes background settlements and telemetry; call on shutdown.
-    pub async fn shutdown(&self) -> polygw_core::ports::FlushReport {
-        self.engine.shutdown().await
-    }
-
     /// The batch size: the smallest `BATCH_SIZE` of the scope's sources, so that any
     /// source can take any batch.
     pub fn batch_size(&self) -> usize {
@@ -172,22 +137,10 @@ impl EmbeddingClient {
         let result = with_deadline(engine, &call, self.run(texts, &call))
             .instrument(span.clone())
             .await;
-        let latency = ms(engine.ports.clock.now().saturating_duration_since(started));
-        match &result {
-            Ok(e) => {
-                span.record("gen_ai.usage.input_tokens", e.usage.prompt_tokens);
-                engine.metrics.call(&engine.scope.name, "ok", latency);
-            }
-            Err(e) => {
-                let reason = e
-                    .terminal_reason()
-                    .map(|r| r.as_str())
-                    .unwrap_or("invalid_request");
-                span.record("error.type", reason);
-                engine.metrics.call(&engine.scope.name, reason, latency);
-                engine.emit_terminal(&call, e);
-            }
+        if let Ok(e) = &result {
+            span.record("gen_ai.usage.input_tokens", e.usage.prompt_tokens);
         }
+        engine.conclude(&call, &span, result.as_ref().err());
         result
     }
 

@@ -28,6 +28,7 @@ mod embedding;
 mod engine;
 pub mod metrics;
 mod ocr;
+mod scope_client;
 mod structured;
 mod wiring;
 
@@ -43,6 +44,7 @@ pub use structured::{strip_code_fence, Structured};
 /// The SQL telemetry adapter: the recorder, and reading rows back (`polygw report`).
 #[cfg(any(feature = "sqlite", feature = "postgres"))]
 pub mod telemetry {
+    pub use polygw_telemetry_sql::time::format_utc_ms;
     pub use polygw_telemetry_sql::{
         accounting_gap, read_rows, RecorderConfig, SqlRecorder, TelemetryReader,
     };

@@ -10,12 +10,11 @@ use polygw_core::stall::ms;
 use polygw_core::telemetry::{cost, CostBasis};
 use polygw_core::{
     AttemptError, CallStats, ConfigWarning, ErrorClass, ErrorLabel, GatewayError, ScopeKind,
-    ScopeSettings, SourceConfig, Usage, UsageSource,
+    SourceConfig, Usage, UsageSource,
 };
 use serde::Serialize;
 use tracing::Instrument;
 
-use crate::builder::GatewayBuilder;
 use crate::client::with_deadline;
 use crate::clock::new_id;
 use crate::engine::attempt::{Leg, SuccessFacts};
@@ -48,6 +47,8 @@ pub struct OcrClient {
     pub(crate) engine: Arc<Engine>,
     pub(crate) warnings: Arc<Vec<ConfigWarning>>,
 }
+
+crate::scope_client::scope_client!(OcrClient, ScopeKind::Ocr, build_ocr);
 
 struct OcrLeg<'i> {
     image: &'i [u8],
@@ -103,37 +104,6 @@ impl Leg for OcrLeg<'_> {
 }
 
 impl OcrClient {
-    /// Loads scope `scope` from the process environment and builds it.
-    pub async fn from_env(scope: &str) -> Result<Self, GatewayError> {
-        Self::from_vars(std::env::vars(), scope).await
-    }
-
-    /// Loads scope `scope` from any key/value source and builds it.
-    pub async fn from_vars<I, K, V>(vars: I, scope: &str) -> Result<Self, GatewayError>
-    where
-        I: IntoIterator<Item = (K, V)>,
-        K: AsRef<str>,
-        V: AsRef<str>,
-    {
-        let loaded = polygw_core::config::load_scope(vars, scope, ScopeKind::Ocr)?;
-        Self::builder(loaded.settings).build_ocr().await
-    }
-
-    /// A builder for an OCR scope (give it ports, then `build_ocr()`).
-    pub fn builder(settings: ScopeSettings) -> GatewayBuilder {
-        GatewayBuilder::new(settings).kind(ScopeKind::Ocr)
-    }
-
-    /// What the configuration guards warned about.
-    pub fn warnings(&self) -> &[ConfigWarning] {
-        &self.warnings
-    }
-
-    /// Flushes background settlements and telemetry; call on shutdown.
-    pub async fn shutdown(&self) -> polygw_core::ports::FlushReport {
-        self.engine.shutdown().await
-    }
-
     /// Recognizes the text of one image (`mime` like `image/png`).
     pub async fn recognize(&self, image: &[u8], mime: &str) -> Result<OcrText, GatewayError> {
         if image.is_empty() {
@@ -173,36 +143,22 @@ impl OcrClient {
         let result = with_deadline(engine, &call, engine.run_call(&leg, &call, off, None))
             .instrument(span.clone())
             .await;
-        let latency = ms(engine.ports.clock.now().saturating_duration_since(started));
-        match result {
-            Ok(won) => {
-                engine.metrics.call(&engine.scope.name, "ok", latency);
-                let src = &engine.scope.sources[won.info.source_idx];
-                let p = call.progress();
-                Ok(OcrText {
-                    text: won.output.text,
-                    model: won.output.model.unwrap_or_else(|| src.model.clone()),
-                    source: src.name.clone(),
-                    cost: cost(CostBasis::PerCall, src),
-                    logical_call_id: call.logical_call_id.clone(),
-                    call_stats: CallStats {
-                        attempts: p.attempts,
-                        total_latency_ms: latency,
-                        generation_ms: ms(won.wall),
-                        ..Default::default()
-                    },
-                })
-            }
-            Err(e) => {
-                let reason = e
-                    .terminal_reason()
-                    .map(|r| r.as_str())
-                    .unwrap_or("invalid_request");
-                span.record("error.type", reason);
-                engine.metrics.call(&engine.scope.name, reason, latency);
-                engine.emit_terminal(&call, &e);
-                Err(e)
-            }
-        }
+        engine.conclude(&call, &span, result.as_ref().err());
+        let won = result?;
+        let src = &engine.scope.sources[won.info.source_idx];
+        let p = call.progress();
+        Ok(OcrText {
+            text: won.output.text,
+            model: won.output.model.unwrap_or_else(|| src.model.clone()),
+            source: src.name.clone(),
+            cost: cost(CostBasis::PerCall, src),
+            logical_call_id: call.logical_call_id.clone(),
+            call_stats: CallStats {
+                attempts: p.attempts,
+                total_latency_ms: ms(engine.ports.clock.now().saturating_duration_since(started)),
+                generation_ms: ms(won.wall),
+                ..Default::default()
+            },
+        })
     }
 }

@@ -10,6 +10,34 @@ use super::Engine;
 use crate::clock::new_id;
 
 impl Engine {
+    /// Ends a logical call: the call metric, the span's `error.type`, and on failure
+    /// the `terminal_failure` row.
+    pub(crate) fn conclude(
+        &self,
+        call: &CallShared,
+        span: &tracing::Span,
+        error: Option<&GatewayError>,
+    ) {
+        let latency = ms(self
+            .ports
+            .clock
+            .now()
+            .saturating_duration_since(call.started));
+        match error {
+            None => self.metrics.call(&self.scope.name, "ok", latency),
+            Some(e) => {
+                let reason = e
+                    .terminal_reason()
+                    .map(|r| r.as_str())
+                    .unwrap_or("invalid_request");
+                span.record("error.type", reason);
+                span.record("polygw.attempts", call.progress().attempts);
+                self.metrics.call(&self.scope.name, reason, latency);
+                self.emit_terminal(call, e);
+            }
+        }
+    }
+
     fn call_row(&self, kind: RowKind, call: &CallShared) -> TelemetryRow {
         let mut r = TelemetryRow::new(
             kind,
