@@ -152,10 +152,11 @@ pub fn classify(failure: Failure) -> AttemptError {
             message,
         } => {
             let (class, label) = classify_status(status).unwrap_or((C::Invalid, L::Invalid));
+            // The status is its own field (and printed by Display): not repeated here.
             let detail = match (&code, &message) {
-                (_, Some(m)) => format!("HTTP {status}: {m}"),
-                (Some(c), None) => format!("HTTP {status}: {c}"),
-                (None, None) => format!("HTTP {status}"),
+                (_, Some(m)) => m.clone(),
+                (Some(c), None) => c.clone(),
+                (None, None) => "the upstream answered with an error status".to_string(),
             };
             // Retry-After only means something for 429 and 503-like answers; keep it
             // whenever given, the engine only uses it for rate limits and cooldown hints.
