@@ -438,6 +438,32 @@ mod tests {
     }
 
     proptest! {
+        /// The combined failure is refunded iff every leg was rate-limited, and is
+        /// otherwise the earliest-launched non-429 leg.
+        #[test]
+        fn combination_rules(classes in proptest::collection::vec(0u8..5, 1..5), order_seed: u64) {
+            use ErrorClass::*;
+            let all = [RateLimited, Transient, Dead, Invalid, Rejected];
+            let errs: Vec<AttemptError> = classes.iter().map(|c| err(all[*c as usize])).collect();
+            let mut legs: Vec<(usize, &AttemptError)> = errs.iter().enumerate().collect();
+            // completion order is arbitrary
+            let n = legs.len();
+            for i in 0..n {
+                let j = ((order_seed >> (i % 60)) as usize).wrapping_add(i) % n;
+                legs.swap(i, j);
+            }
+            let c = combine_failures(&legs).unwrap();
+            let every_429 = errs.iter().all(|e| e.class == RateLimited);
+            prop_assert_eq!(c.refunded, every_429);
+            let chosen = legs[c.index].0;
+            if every_429 {
+                prop_assert_eq!(chosen, 0);
+            } else {
+                let first_non_429 = errs.iter().position(|e| e.class != RateLimited).unwrap();
+                prop_assert_eq!(chosen, first_non_429);
+            }
+        }
+
         /// Never more than `max_extra` launches; every launch consumes a distinct trigger.
         #[test]
         fn launches_are_bounded(
