@@ -68,6 +68,8 @@ impl From<String> for Secret {
 /// [`REDACTED`], for printing connection URLs.
 pub fn redact_url(raw: &str) -> String {
     match url::Url::parse(raw) {
+        // Nothing to hide: show it as written.
+        Ok(u) if u.password().is_none() && u.query().is_none() => raw.to_string(),
         Ok(mut u) => {
             if u.password().is_some() {
                 let _ = u.set_password(Some(REDACTED));

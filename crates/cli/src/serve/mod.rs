@@ -373,7 +373,14 @@ pub async fn run(args: ServeArgs) -> Result<ExitCode> {
             args.grace_s
         );
     }
-    let state = prepare(&args.scope, args.max_body_bytes).await?;
+    // Everything that can stop the proxy from starting is configuration: exit 2.
+    let state = match prepare(&args.scope, args.max_body_bytes).await {
+        Ok(s) => s,
+        Err(e) => {
+            eprintln!("error: {e:#}");
+            return Ok(ExitCode::from(2));
+        }
+    };
     if state.keys.is_empty() {
         eprintln!("warning: POLYGW_PROXY_KEYS is not set: the proxy accepts any client");
     }

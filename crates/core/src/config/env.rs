@@ -287,11 +287,12 @@ fn build_source(
     }
     let get = |f: &str| fields.get(f).map(|(k, v)| (k.as_str(), v.trim()));
     let (url_key, url_val) = get("BASE_URL")?;
-    let base_url = match guards::base_url(url_key, url_val) {
-        Ok(u) => u,
+    // A bad URL is reported with every other bad field of the source.
+    let (base_url, url_ok) = match guards::base_url(url_key, url_val) {
+        Ok(u) => (u, true),
         Err(e) => {
             errors.push(e);
-            return None;
+            ("http://invalid".to_string(), false)
         }
     };
     let api_key = Secret::new(fields["API_KEY"].1.trim());
@@ -349,7 +350,7 @@ fn build_source(
     if let Some((k, v)) = get("EXTRA_BODY") {
         run(parse_object(k, v).map(|x| src.extra_body = x));
     }
-    Some(src)
+    url_ok.then_some(src)
 }
 
 fn apply_scope_keys(
