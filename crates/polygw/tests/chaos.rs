@@ -1,0 +1,2305 @@
+//! Chaos and accounting reconciliation (issue 10; docs/CHAOS.md).
+//!
+//! Thousands of seeded calls — plain and streamed, hedging off and on, memory and Redis
+//! governance — against three loopback mock upstreams whose fault schedules change at
+//! random (429 storms with and without Retry-After, 5xx bursts, resets before headers
+//! and mid-stream, stalls beyond the watchdogs, truncation, malformed frames, missing
+//! usage, slow first tokens), with callers that drop their futures at random points and
+//! short deadlines. After each run the evidence — the client's results, every telemetry
+//! row, every request each upstream logged, and what the transport returned for each
+//! attempt — is reconciled (`checks`): no panic, in-flight back to 0, no task left, no
+//! RPM window over-admitted by the upstreams' own logs, one row per attempt with the
+//! right label, one terminal row per failed call, every success equal to a complete
+//! answer an upstream sent, and measured tokens equal to what the upstreams reported.
+//!
+//! Size: `POLYGW_CHAOS_CALLS` calls per scenario (default 1000), `POLYGW_CHAOS_WORKERS`
+//! concurrent callers (default 24), `POLYGW_CHAOS_SEED` (default below). A failure
+//! prints the seed; the same seed replays the same fault schedules and caller decisions
+//! (interleavings, and so the exact draws per request, vary with the machine).
+
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use polygw::core::telemetry::{RowKind, TelemetryRow};
+use polygw::{ChatRequest, ErrorLabel, GatewayClient, GatewayError, LlmResponse, UsageSource};
+use polygw_mock_upstream::{
+    Behavior, EndKind, Fault, MockConfig, MockUpstream, Profile, ProfileKind, RecordedRequest,
+    RetryAfter, Stall, UsageMode, Weighted,
+};
+
+/// Sizes and the seed, from the environment.
+mod size {
+    /// The default seed (any u64; `POLYGW_CHAOS_SEED` overrides it, decimal or `0x…`).
+    pub const DEFAULT_SEED: u64 = 0xC4A0_5EED_2024_0010;
+
+    /// How big a run is.
+    #[derive(Debug, Clone, Copy)]
+    pub struct Size {
+        /// Logical calls per scenario.
+        pub calls: usize,
+        /// Concurrent callers.
+        pub workers: usize,
+        /// The run's seed.
+        pub seed: u64,
+    }
+
+    fn var<T: std::str::FromStr>(name: &str) -> Option<T> {
+        std::env::var(name).ok().and_then(|v| v.trim().parse().ok())
+    }
+
+    fn seed() -> u64 {
+        match std::env::var("POLYGW_CHAOS_SEED") {
+            Ok(v) => {
+                let v = v.trim();
+                let parsed = match v.strip_prefix("0x") {
+                    Some(hex) => u64::from_str_radix(hex, 16).ok(),
+                    None => v.parse().ok(),
+                };
+                parsed.unwrap_or_else(|| panic!("POLYGW_CHAOS_SEED={v:?} is not a u64"))
+            }
+            Err(_) => DEFAULT_SEED,
+        }
+    }
+
+    /// The size of this run.
+    pub fn get() -> Size {
+        Size {
+            calls: var("POLYGW_CHAOS_CALLS").filter(|n| *n > 0).unwrap_or(1000),
+            workers: var("POLYGW_CHAOS_WORKERS").filter(|n| *n > 0).unwrap_or(24),
+            seed: seed(),
+        }
+    }
+}
+
+/// The time budgets of every source and scope (ms unless said), and the margin that
+/// separates "planned to trip a watchdog" from "planned to pass it".
+mod budget {
+    /// Plain whole-request timeout (`TIMEOUT_S`).
+    pub const TIMEOUT_MS: f64 = 1500.0;
+    /// Streams: first incremental chunk (`TTFT_TIMEOUT_S`).
+    pub const TTFT_MS: f64 = 1000.0;
+    /// Streams: gap between incremental chunks (`INTER_TOKEN_TIMEOUT_S`).
+    pub const ITB_MS: f64 = 800.0;
+    /// A planned silence this far from a budget is unambiguous; closer, both outcomes
+    /// are accepted. Every behaviour keeps at least this distance, so that a loaded
+    /// machine (CI, other builds) cannot turn a planned success into a watchdog kill or
+    /// the reverse; the figures print the lateness actually seen.
+    pub const MARGIN_MS: f64 = 500.0;
+    /// `HEDGE__AFTER_S` and `HEDGE__STALL_AFTER_S` of hedged scenarios.
+    pub const HEDGE_AFTER_S: &str = "0.15";
+    /// `CALL_DEADLINE_S` of the scenarios that have one.
+    pub const DEADLINE_S: &str = "2.5";
+
+    /// Seconds, as an env value.
+    pub fn secs(ms: f64) -> String {
+        format!("{}", ms / 1000.0)
+    }
+}
+
+/// Panics anywhere in a scenario's runtime (product tasks included) are recorded by
+/// thread name, so a panic inside a spawned task cannot go unnoticed.
+mod panics {
+    use std::sync::{Mutex, Once};
+
+    static PANICS: Mutex<Vec<(String, String)>> = Mutex::new(Vec::new());
+    static HOOK: Once = Once::new();
+
+    /// Installs the recording hook (once per process; the default hook still prints).
+    pub fn install() {
+        HOOK.call_once(|| {
+            let previous = std::panic::take_hook();
+            std::panic::set_hook(Box::new(move |info| {
+                let thread = std::thread::current().name().unwrap_or("?").to_string();
+                let msg = info
+                    .payload()
+                    .downcast_ref::<&str>()
+                    .map(|s| s.to_string())
+                    .or_else(|| info.payload().downcast_ref::<String>().cloned())
+                    .unwrap_or_default();
+                let at = info
+                    .location()
+                    .map(|l| format!(" at {}:{}", l.file(), l.line()))
+                    .unwrap_or_default();
+                PANICS
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .push((thread, format!("{msg}{at}")));
+                previous(info);
+            }));
+        });
+    }
+
+    /// Panics seen on threads whose name starts with `prefix`.
+    pub fn on_threads(prefix: &str) -> Vec<String> {
+        PANICS
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .iter()
+            .filter(|(t, _)| t.starts_with(prefix))
+            .map(|(t, m)| format!("[{t}] {m}"))
+            .collect()
+    }
+}
+
+/// What the transport returned for each attempt, recorded by a pass-through wrapper
+/// around the real `OpenAiTransport` (the engine under test is unchanged).
+mod spy {
+    use std::collections::HashMap;
+    use std::sync::{Arc, Mutex};
+    use std::time::Instant;
+
+    use async_trait::async_trait;
+    use polygw::core::ports::{ChatAttempt, Transport, TransportResult};
+    use polygw::{AttemptError, ErrorLabel, Usage, UsageSource};
+    use polygw_transport_openai::OpenAiTransport;
+
+    /// How one transport call ended.
+    #[derive(Debug, Clone, PartialEq)]
+    pub enum Outcome {
+        /// Its future is still alive.
+        Running,
+        /// Its future was dropped before it returned (cancellation of any kind).
+        Dropped,
+        /// It returned a success.
+        Ok {
+            /// The aggregated content.
+            content: String,
+            /// Usage as reported.
+            usage: Usage,
+            /// Where the usage came from.
+            usage_source: UsageSource,
+        },
+        /// It returned a failure with this label.
+        Err(ErrorLabel),
+    }
+
+    /// One transport call.
+    #[derive(Debug, Clone)]
+    pub struct Rec {
+        /// Source name.
+        pub source: String,
+        /// Streamed or plain.
+        pub stream: bool,
+        /// When the transport was called (tokio's clock, as the mock's log).
+        pub sent_at: Instant,
+        /// How it ended.
+        pub outcome: Outcome,
+    }
+
+    /// The wrapper.
+    #[derive(Debug)]
+    pub struct Spy {
+        inner: OpenAiTransport,
+        log: Mutex<HashMap<String, Rec>>,
+    }
+
+    fn now() -> Instant {
+        tokio::time::Instant::now().into_std()
+    }
+
+    impl Spy {
+        /// Wraps a production transport on the production clock.
+        pub fn new() -> Arc<Self> {
+            let inner = OpenAiTransport::new(Arc::new(polygw::clock::TokioClock))
+                .expect("the HTTP transport builds");
+            Arc::new(Spy {
+                inner,
+                log: Mutex::new(HashMap::new()),
+            })
+        }
+
+        /// Every call so far, by attempt id.
+        pub fn records(&self) -> HashMap<String, Rec> {
+            self.log.lock().unwrap().clone()
+        }
+
+        fn set(&self, id: &str, outcome: Outcome) {
+            if let Some(r) = self.log.lock().unwrap().get_mut(id) {
+                r.outcome = outcome;
+            }
+        }
+    }
+
+    struct Mark<'a> {
+        spy: &'a Spy,
+        id: String,
+        done: bool,
+    }
+
+    impl Drop for Mark<'_> {
+        fn drop(&mut self) {
+            if !self.done {
+                self.spy.set(&self.id, Outcome::Dropped);
+            }
+        }
+    }
+
+    #[async_trait]
+    impl Transport for Spy {
+        async fn chat(&self, attempt: ChatAttempt<'_>) -> Result<TransportResult, AttemptError> {
+            let id = attempt.call_id.to_string();
+            let previous = self.log.lock().unwrap().insert(
+                id.clone(),
+                Rec {
+                    source: attempt.source.name.clone(),
+                    stream: attempt.request.stream,
+                    sent_at: now(),
+                    outcome: Outcome::Running,
+                },
+            );
+            assert!(previous.is_none(), "attempt id {id} sent twice");
+            let mut mark = Mark {
+                spy: self,
+                id,
+                done: false,
+            };
+            let r = self.inner.chat(attempt).await;
+            let outcome = match &r {
+                Ok(t) => Outcome::Ok {
+                    content: t.content.clone(),
+                    usage: t.usage,
+                    usage_source: t.usage_source,
+                },
+                Err(e) => Outcome::Err(e.label),
+            };
+            mark.done = true;
+            self.set(&mark.id, outcome);
+            r
+        }
+    }
+}
+
+/// The fault schedules: behaviours by feature, phases (mixes of features), and the
+/// conductor that switches each upstream's phase at random; plus what each behaviour
+/// must produce at the client (`expected`) and at the upstream (`planned_end`).
+mod faults {
+    use std::sync::Arc;
+    use std::time::Duration;
+
+    use super::*;
+
+    /// One kind of answer.
+    #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+    pub enum Feature {
+        Ok,
+        NoUsage,
+        SlowFirst,
+        ShortStall,
+        LongTtft,
+        LongStall,
+        Hang,
+        R429,
+        S5xx,
+        ResetBefore,
+        ResetMid,
+        ResetAfterFinish,
+        Truncate,
+        Malformed,
+        ErrorFrame,
+    }
+    use Feature as F;
+
+    /// A quick, complete answer with random shape (chunks, gaps, usage placement,
+    /// `[DONE]` or not, role chunk or not, some reasoning).
+    fn base(rng: &mut fastrand::Rng) -> Behavior {
+        let reasoning = if rng.u32(0..10) == 0 {
+            (0..rng.usize(1..=3))
+                .map(|i| format!("think{i} "))
+                .collect()
+        } else {
+            Vec::new()
+        };
+        Behavior {
+            ttft_ms: f64::from(rng.u32(0..=30)),
+            chunk_count: Some(rng.u32(2..=20)),
+            gap_ms: f64::from(rng.u32(0..=3)),
+            reasoning,
+            usage: [UsageMode::FinalFrame, UsageMode::Inline, UsageMode::Choice][rng.usize(0..3)],
+            done: rng.u32(0..5) != 0,
+            role_chunk: rng.bool(),
+            ..Behavior::default()
+        }
+    }
+
+    fn between(rng: &mut fastrand::Rng, lo: u32, hi: u32) -> f64 {
+        f64::from(rng.u32(lo..=hi))
+    }
+
+    /// A behaviour of this feature.
+    pub fn make(f: Feature, rng: &mut fastrand::Rng) -> Behavior {
+        let mut b = base(rng);
+        let n = b.chunk_count.unwrap_or(2);
+        let keepalive = if rng.bool() { Some(40.0) } else { None };
+        match f {
+            F::Ok => {}
+            F::NoUsage => b.usage = UsageMode::None,
+            // Past the hedge threshold, well inside the TTFT watchdog.
+            F::SlowFirst => b.ttft_ms = between(rng, 180, 300),
+            // Past the stall-hedge threshold, well inside the inter-token watchdog.
+            F::ShortStall => {
+                b.stalls = vec![Stall {
+                    before_chunk: rng.u32(1..n),
+                    ms: between(rng, 170, 240),
+                }]
+            }
+            // Beyond the TTFT watchdog (streams) and the whole-request timeout (plain).
+            F::LongTtft => {
+                b.ttft_ms = between(rng, 2000, 2300);
+                b.keepalive_ms = keepalive;
+            }
+            // Beyond the inter-token watchdog (streams) and the timeout (plain).
+            F::LongStall => {
+                b.stalls = vec![Stall {
+                    before_chunk: rng.u32(1..n),
+                    ms: between(rng, 2000, 2300),
+                }];
+                b.keepalive_ms = keepalive;
+            }
+            F::Hang => {
+                b.fault = Some(Fault::HangAfterFinish);
+                b.keepalive_ms = keepalive;
+            }
+            F::R429 => {
+                b = Behavior::status(429);
+                if rng.bool() {
+                    b.retry_after = Some(RetryAfter::Seconds([0.1, 0.2, 0.3][rng.usize(0..3)]));
+                }
+            }
+            F::S5xx => b = Behavior::status([500, 502, 503][rng.usize(0..3)]),
+            F::ResetBefore => b.fault = Some(Fault::ResetBeforeHeaders),
+            F::ResetMid => {
+                b.fault = Some(Fault::ResetAfter {
+                    chunks: rng.u32(0..n),
+                })
+            }
+            F::ResetAfterFinish => b.fault = Some(Fault::ResetAfterFinish),
+            F::Truncate => {
+                b.fault = Some(Fault::TruncateAfter {
+                    chunks: rng.u32(0..n),
+                })
+            }
+            F::Malformed => {
+                b.fault = Some(Fault::MalformedAt {
+                    chunk: rng.u32(0..n),
+                })
+            }
+            F::ErrorFrame => {
+                b.fault = Some(Fault::ErrorFrameAt {
+                    chunk: rng.u32(0..n),
+                    error: None,
+                })
+            }
+        }
+        b
+    }
+
+    /// A phase: a named mix of features.
+    pub struct Phase {
+        pub name: &'static str,
+        pub weight: f64,
+        pub mix: &'static [(Feature, f64)],
+    }
+
+    /// The phases a conductor draws from.
+    pub const PHASES: [Phase; 6] = [
+        Phase {
+            name: "calm",
+            weight: 40.0,
+            mix: &[
+                (F::Ok, 60.0),
+                (F::NoUsage, 6.0),
+                (F::SlowFirst, 8.0),
+                (F::ShortStall, 6.0),
+                (F::Hang, 2.0),
+                (F::LongTtft, 2.0),
+                (F::LongStall, 2.0),
+                (F::R429, 3.0),
+                (F::S5xx, 3.0),
+                (F::ResetBefore, 1.5),
+                (F::ResetMid, 1.5),
+                (F::ResetAfterFinish, 2.0),
+                (F::Truncate, 1.0),
+                (F::Malformed, 1.0),
+                (F::ErrorFrame, 1.0),
+            ],
+        },
+        Phase {
+            name: "429-storm",
+            weight: 12.0,
+            mix: &[(F::R429, 80.0), (F::Ok, 20.0)],
+        },
+        Phase {
+            name: "5xx-burst",
+            weight: 12.0,
+            mix: &[(F::S5xx, 65.0), (F::ResetBefore, 10.0), (F::Ok, 25.0)],
+        },
+        Phase {
+            name: "stalls",
+            weight: 14.0,
+            mix: &[
+                (F::LongTtft, 18.0),
+                (F::LongStall, 22.0),
+                (F::SlowFirst, 20.0),
+                (F::ShortStall, 15.0),
+                (F::Hang, 10.0),
+                (F::Ok, 15.0),
+            ],
+        },
+        Phase {
+            name: "broken",
+            weight: 12.0,
+            mix: &[
+                (F::ResetBefore, 15.0),
+                (F::ResetMid, 20.0),
+                (F::ResetAfterFinish, 15.0),
+                (F::Truncate, 20.0),
+                (F::Malformed, 15.0),
+                (F::ErrorFrame, 15.0),
+            ],
+        },
+        Phase {
+            name: "no-usage",
+            weight: 10.0,
+            mix: &[
+                (F::NoUsage, 60.0),
+                (F::ResetAfterFinish, 10.0),
+                (F::Hang, 5.0),
+                (F::Ok, 25.0),
+            ],
+        },
+    ];
+
+    /// The profile of a phase: three random variants of each feature of its mix.
+    pub fn profile(phase: &Phase, rng: &mut fastrand::Rng) -> Profile {
+        let mut mix = Vec::new();
+        for &(f, w) in phase.mix {
+            for _ in 0..3 {
+                mix.push(Weighted {
+                    weight: w / 3.0,
+                    behavior: make(f, rng),
+                });
+            }
+        }
+        Profile {
+            name: phase.name.to_string(),
+            time_scale: 1.0,
+            seed: rng.u64(..),
+            kind: ProfileKind::Mix(mix),
+        }
+    }
+
+    fn pick_phase(rng: &mut fastrand::Rng) -> &'static Phase {
+        let total: f64 = PHASES.iter().map(|p| p.weight).sum();
+        let mut x = rng.f64() * total;
+        for p in &PHASES {
+            if x < p.weight {
+                return p;
+            }
+            x -= p.weight;
+        }
+        &PHASES[0]
+    }
+
+    /// Switches `mock`'s phase every 150–700 ms until `stop`; returns how many phases
+    /// of each kind it played.
+    pub async fn conductor(
+        mock: Arc<MockUpstream>,
+        seed: u64,
+        mut stop: tokio::sync::watch::Receiver<bool>,
+    ) -> Vec<&'static str> {
+        let mut rng = fastrand::Rng::with_seed(seed);
+        let mut played = Vec::new();
+        let mut phase = &PHASES[0];
+        loop {
+            mock.set_profile(profile(phase, &mut rng));
+            played.push(phase.name);
+            let d = Duration::from_millis(rng.u64(150..=700));
+            tokio::select! {
+                _ = tokio::time::sleep(d) => {}
+                _ = stop.changed() => break,
+            }
+            if *stop.borrow() {
+                break;
+            }
+            phase = pick_phase(&mut rng);
+        }
+        played
+    }
+
+    /// What a client may see when nothing cancels it.
+    #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+    pub enum Out {
+        /// A success with this usage source.
+        Ok(UsageSource),
+        /// A failure with this label.
+        Fail(ErrorLabel),
+    }
+
+    fn gap_before(b: &Behavior, i: usize) -> f64 {
+        b.gaps_ms
+            .get(i.saturating_sub(1))
+            .copied()
+            .unwrap_or(b.gap_ms)
+    }
+
+    fn stall_before(b: &Behavior, i: usize) -> f64 {
+        b.stalls
+            .iter()
+            .filter(|s| s.before_chunk as usize == i)
+            .map(|s| s.ms)
+            .sum()
+    }
+
+    fn items(b: &Behavior) -> usize {
+        let content = if b.chunks.is_empty() {
+            b.chunk_count.unwrap_or(5) as usize
+        } else {
+            b.chunks.len()
+        };
+        b.reasoning.len() + content
+    }
+
+    /// The planned silence before the first incremental chunk (ms).
+    pub fn planned_first(b: &Behavior) -> f64 {
+        b.headers_delay_ms + b.ttft_ms + stall_before(b, 0)
+    }
+
+    /// The planned longest gap between incremental chunks (ms).
+    pub fn planned_max_gap(b: &Behavior) -> f64 {
+        (1..items(b))
+            .map(|i| gap_before(b, i) + stall_before(b, i))
+            .fold(0.0, f64::max)
+    }
+
+    /// Outcomes of an answer without fault, from its planned timing against the
+    /// budgets (both outcomes within the margin of a budget).
+    fn by_timing(b: &Behavior, stream: bool, ok: Out) -> Vec<Out> {
+        use budget::*;
+        let n = items(b);
+        let mut out = Vec::new();
+        if stream {
+            let first = planned_first(b);
+            if first >= TTFT_MS + MARGIN_MS {
+                return vec![Out::Fail(ErrorLabel::TtftTimeout)];
+            }
+            if first > TTFT_MS - MARGIN_MS {
+                out.push(Out::Fail(ErrorLabel::TtftTimeout));
+            }
+            let gap = planned_max_gap(b);
+            if gap >= ITB_MS + MARGIN_MS {
+                out.push(Out::Fail(ErrorLabel::StallTimeout));
+                return out;
+            }
+            if gap > ITB_MS - MARGIN_MS {
+                out.push(Out::Fail(ErrorLabel::StallTimeout));
+            }
+            out.push(ok);
+        } else {
+            let total = b.headers_delay_ms
+                + b.ttft_ms
+                + (1..n).map(|i| gap_before(b, i)).sum::<f64>()
+                + (0..n).map(|i| stall_before(b, i)).sum::<f64>();
+            if total >= TIMEOUT_MS + MARGIN_MS {
+                return vec![Out::Fail(ErrorLabel::Timeout)];
+            }
+            if total > TIMEOUT_MS - MARGIN_MS {
+                out.push(Out::Fail(ErrorLabel::Timeout));
+            }
+            out.push(ok);
+        }
+        out
+    }
+
+    /// What the transport may return for an upstream request that played `b`
+    /// (SPEC §5, docs/TRANSPORT.md), unless the attempt was cancelled.
+    pub fn expected(b: &Behavior, stream: bool) -> Vec<Out> {
+        use ErrorLabel as L;
+        use Out::{Fail, Ok};
+        if b.status == 429 {
+            return vec![Fail(L::RateLimited)];
+        }
+        if b.status >= 500 {
+            return vec![Fail(L::ServerError)];
+        }
+        let measured = if b.usage == UsageMode::None {
+            UsageSource::Unavailable
+        } else {
+            UsageSource::Measured
+        };
+        let on_finish = matches!(b.usage, UsageMode::Inline | UsageMode::Choice);
+        match &b.fault {
+            Some(Fault::ResetBeforeHeaders) => vec![Fail(L::Connect)],
+            Some(Fault::ResetAfter { .. }) if stream => vec![Fail(L::Truncated)],
+            Some(Fault::ResetAfter { .. }) => vec![Fail(L::Connect)],
+            // Salvaged when the finish chunk was read before the RST (its usage, if it
+            // carried any, becomes estimated); an RST may also discard unread bytes.
+            Some(Fault::ResetAfterFinish) if stream => vec![
+                Ok(if on_finish {
+                    UsageSource::Estimated
+                } else {
+                    UsageSource::Unavailable
+                }),
+                Fail(L::Truncated),
+            ],
+            Some(Fault::ResetAfterFinish) => vec![Fail(L::Connect)],
+            Some(Fault::TruncateAfter { .. }) if stream => vec![Fail(L::Truncated)],
+            // Half a JSON body, cleanly ended.
+            Some(Fault::TruncateAfter { .. }) => vec![Fail(L::Invalid)],
+            Some(Fault::MalformedAt { .. }) => vec![Fail(L::Invalid)],
+            Some(Fault::ErrorFrameAt { .. }) => vec![Fail(L::ServerError)],
+            // Salvaged after the inter-token budget of silence past the finish chunk.
+            Some(Fault::HangAfterFinish) if stream => vec![Ok(if b.usage == UsageMode::None {
+                UsageSource::Unavailable
+            } else {
+                UsageSource::Estimated
+            })],
+            Some(Fault::HangAfterFinish) => vec![Fail(L::Timeout)],
+            None => by_timing(b, stream, Ok(measured)),
+        }
+    }
+
+    /// How the upstream ends a request that played `b` when the client stays
+    /// (`None`: only when the client leaves).
+    pub fn planned_end(b: &Behavior) -> Option<EndKind> {
+        if !(200..300).contains(&b.status) {
+            return Some(EndKind::Error { status: b.status });
+        }
+        match &b.fault {
+            Some(Fault::ResetBeforeHeaders) => Some(EndKind::ResetBeforeHeaders),
+            Some(Fault::ResetAfter { .. }) | Some(Fault::ResetAfterFinish) => {
+                Some(EndKind::ResetMidStream)
+            }
+            Some(Fault::TruncateAfter { .. }) => Some(EndKind::Truncated),
+            Some(Fault::HangAfterFinish) => None,
+            _ => Some(EndKind::Completed),
+        }
+    }
+}
+
+/// One scenario: governance, hedging, deadline, limits.
+#[derive(Debug, Clone, Copy)]
+struct Scenario {
+    name: &'static str,
+    redis: bool,
+    /// `(MAX_EXTRA, BUDGET_PCT)`; `None` = hedging off.
+    hedge: Option<(u32, u32)>,
+    deadline: bool,
+    /// A scope-wide `LIMITS__RPM` that binds during the run.
+    scope_rpm: bool,
+    /// `RETRY__ON_NO_RUNNABLE=fail`.
+    fail_fast: bool,
+    /// `MAX_CONCURRENCY` of the second source.
+    concurrency: Option<u32>,
+}
+
+/// The three sources of every scenario: (provider, weight, priced).
+const SOURCES: [(&str, u32, bool); 3] = [
+    ("ALPHA", 1, true),
+    ("BRAVO", 1, true),
+    ("CHARLIE", 1, false),
+];
+/// `INPUT_PRICE` / `OUTPUT_PRICE` of priced sources.
+const PRICES: (f64, f64) = (0.5, 1.5);
+
+/// How the caller treats one call.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Caller {
+    /// Awaits the result.
+    Await,
+    /// Drops the future after this many ms (0: at the timer's next tick, ~1 ms).
+    Timeout(u64),
+    /// Spawns the call and aborts the task after this many ms.
+    Abort(u64),
+}
+
+/// What one logical call gave its caller.
+#[derive(Debug, Clone)]
+enum CallResult {
+    Ok(Box<LlmResponse>),
+    Err(GatewayError),
+    Dropped,
+    Panicked(String),
+}
+
+#[derive(Debug, Clone)]
+struct CallRecord {
+    idx: usize,
+    stream: bool,
+    caller: Caller,
+    result: CallResult,
+}
+
+/// One source as the checks see it.
+#[derive(Clone)]
+struct SourceEvidence {
+    name: String,
+    model: String,
+    rpm: u32,
+    priced: bool,
+    requests: Vec<RecordedRequest>,
+}
+
+/// Everything a run leaves behind.
+#[derive(Clone)]
+struct Evidence {
+    scenario: Scenario,
+    scope: String,
+    scope_rpm: u32,
+    sources: Vec<SourceEvidence>,
+    rows: Vec<TelemetryRow>,
+    spy: HashMap<String, spy::Rec>,
+    calls: Vec<CallRecord>,
+    in_flight: Vec<(String, Result<u32, String>)>,
+    /// Redis acquires whose future was dropped before it returned, per source (GOV-1).
+    dropped_acquires: HashMap<String, u32>,
+    flush: polygw::FlushReport,
+    telemetry_dropped: u64,
+    not_ended: Vec<String>,
+    phases: BTreeMap<&'static str, usize>,
+    elapsed: Duration,
+}
+
+/// The reconciliation: every invariant of docs/CHAOS.md, as a list of violations, and
+/// the figures of the run.
+mod checks {
+    use super::faults::{expected, planned_end, Out};
+    use super::spy::Outcome;
+    use super::*;
+
+    const CANCELS: [&str; 3] = ["cancelled", "hedge_cancelled", "deadline"];
+
+    fn is_cancel(label: Option<&str>) -> bool {
+        label.is_some_and(|l| CANCELS.contains(&l))
+    }
+
+    /// Figures of a run.
+    #[derive(Debug, Default)]
+    pub struct Figures {
+        pub lines: Vec<String>,
+    }
+
+    /// Violations, capped so a systematic failure stays readable.
+    #[derive(Default)]
+    pub struct Violations {
+        pub list: Vec<String>,
+        pub total: usize,
+    }
+
+    impl Violations {
+        fn push(&mut self, v: String) {
+            self.total += 1;
+            if self.list.len() < 60 {
+                self.list.push(v);
+            }
+        }
+    }
+
+    fn out_of(o: &Outcome) -> Option<Out> {
+        match o {
+            Outcome::Ok { usage_source, .. } => Some(Out::Ok(*usage_source)),
+            Outcome::Err(l) => Some(Out::Fail(*l)),
+            Outcome::Running | Outcome::Dropped => None,
+        }
+    }
+
+    fn tokens(u: &polygw::Usage) -> u64 {
+        u.prompt_tokens + u.completion_tokens
+    }
+
+    /// The largest number of instants inside any half-open window of length `w`.
+    pub fn max_in_window(times: &mut [Instant], w: Duration) -> usize {
+        times.sort_unstable();
+        let (mut best, mut j) = (0, 0);
+        for i in 0..times.len() {
+            while j < times.len() && times[j] < times[i] + w {
+                j += 1;
+            }
+            best = best.max(j - i);
+        }
+        best
+    }
+
+    /// Runs every check.
+    pub fn run(ev: &Evidence) -> (Violations, Figures) {
+        let mut v = Violations::default();
+        let mut fig = Figures::default();
+        let sc = ev.scenario;
+
+        // ---- the upstreams' logs -------------------------------------------------
+        let mut upstream: HashMap<&str, (usize, &RecordedRequest)> = HashMap::new();
+        for (si, s) in ev.sources.iter().enumerate() {
+            for r in &s.requests {
+                let Some(id) = r.call_id.as_deref() else {
+                    v.push(format!(
+                        "{}: request #{} without x-polygw-call-id",
+                        s.name, r.id
+                    ));
+                    continue;
+                };
+                if upstream.insert(id, (si, r)).is_some() {
+                    v.push(format!("attempt {id} reached an upstream twice"));
+                }
+                if r.model.as_deref() != Some(s.model.as_str()) {
+                    v.push(format!("{}: request {id} asked for {:?}", s.name, r.model));
+                }
+                if r.end == EndKind::InFlight || r.end == EndKind::ServerShutdown {
+                    v.push(format!("{}: request {id} ended {:?}", s.name, r.end));
+                }
+            }
+        }
+        for n in &ev.not_ended {
+            v.push(format!(
+                "upstream request still in flight after every call ended: {n}"
+            ));
+        }
+
+        // ---- rows -----------------------------------------------------------------
+        let mut attempts: HashMap<&str, &TelemetryRow> = HashMap::new();
+        let mut by_call: HashMap<&str, Vec<&TelemetryRow>> = HashMap::new();
+        let mut labels: BTreeMap<String, usize> = BTreeMap::new();
+        let source_idx: HashMap<&str, usize> = ev
+            .sources
+            .iter()
+            .enumerate()
+            .map(|(i, s)| (s.name.as_str(), i))
+            .collect();
+        for r in &ev.rows {
+            by_call
+                .entry(r.logical_call_id.as_str())
+                .or_default()
+                .push(r);
+            if r.scope != ev.scope || r.operation != "chat" {
+                v.push(format!(
+                    "row {} has scope {} / operation {}",
+                    r.call_id, r.scope, r.operation
+                ));
+            }
+            match r.kind {
+                RowKind::Attempt => {
+                    if attempts.insert(r.call_id.as_str(), r).is_some() {
+                        v.push(format!("two attempt rows for attempt {}", r.call_id));
+                    }
+                    *labels
+                        .entry(r.error.clone().unwrap_or_else(|| "ok".into()))
+                        .or_default() += 1;
+                    if r.source
+                        .as_deref()
+                        .and_then(|s| source_idx.get(s))
+                        .is_none()
+                        || r.attempt_index.is_none()
+                    {
+                        v.push(format!(
+                            "attempt row {} lacks a known source or index: {:?}",
+                            r.call_id, r.source
+                        ));
+                    }
+                    if r.ok != r.error.is_none() {
+                        v.push(format!(
+                            "attempt row {}: ok={} with error {:?}",
+                            r.call_id, r.ok, r.error
+                        ));
+                    }
+                    if r.is_hedge && sc.hedge.is_none() {
+                        v.push(format!("hedge leg {} in an unhedged scope", r.call_id));
+                    }
+                    if r.error.as_deref() == Some("hedge_cancelled") && sc.hedge.is_none() {
+                        v.push(format!(
+                            "hedge_cancelled row {} in an unhedged scope",
+                            r.call_id
+                        ));
+                    }
+                    if r.error.as_deref() == Some("deadline") && !sc.deadline {
+                        v.push(format!(
+                            "deadline row {} in a scope without deadline",
+                            r.call_id
+                        ));
+                    }
+                }
+                RowKind::TerminalFailure => {
+                    if r.ok
+                        || r.source.is_some()
+                        || r.usage_source != UsageSource::Unavailable
+                        || r.cost.is_some()
+                        || r.prompt_tokens.is_some()
+                    {
+                        v.push(format!(
+                            "terminal row {} is not a bare failure: {r:?}",
+                            r.call_id
+                        ));
+                    }
+                }
+                RowKind::CacheHit => {
+                    v.push(format!("cache hit row {} with the cache off", r.call_id))
+                }
+            }
+        }
+
+        // ---- per upstream request: one row, the right label, consistent ends ------
+        let mut gap = (0u64, 0u64); // (requests with usage whose row is a cancellation, their tokens)
+        let (mut late_first, mut late_gap): (Vec<f64>, Vec<f64>) = (Vec::new(), Vec::new());
+        for (id, (si, req)) in &upstream {
+            let s = &ev.sources[*si];
+            let Some(row) = attempts.get(id) else {
+                v.push(format!(
+                    "{}: upstream request {id} has no attempt row",
+                    s.name
+                ));
+                continue;
+            };
+            if row.source.as_deref() != Some(s.name.as_str()) || row.stream != req.stream {
+                v.push(format!(
+                    "row {id} says {:?}/stream={} but {} got it (stream={})",
+                    row.source, row.stream, s.name, req.stream
+                ));
+            }
+            let Some(b) = &req.behavior else {
+                v.push(format!(
+                    "{}: request {id} without a recorded behaviour",
+                    s.name
+                ));
+                continue;
+            };
+            let Some(rec) = ev.spy.get(*id) else {
+                v.push(format!(
+                    "upstream request {id} was never sent by the transport"
+                ));
+                continue;
+            };
+            let ctx = || {
+                format!(
+                    "{}: attempt {id} (stream={}, end {:?}, behaviour {:?})",
+                    s.name, req.stream, req.end, b
+                )
+            };
+            // The transport's outcome against what the upstream played.
+            if let Some(out) = out_of(&rec.outcome) {
+                let allowed = expected(b, req.stream);
+                if !allowed.contains(&out) {
+                    v.push(format!(
+                        "transport gave {out:?}, expected one of {allowed:?} — {}",
+                        ctx()
+                    ));
+                }
+            } else if rec.outcome == Outcome::Running {
+                v.push(format!(
+                    "transport call still running after the run — {}",
+                    ctx()
+                ));
+            }
+            // How the upstream saw it end.
+            let planned = planned_end(b);
+            if Some(req.end) != planned && req.end != EndKind::ClientDisconnected {
+                v.push(format!(
+                    "upstream ended {:?}, planned {planned:?} — {}",
+                    req.end,
+                    ctx()
+                ));
+            }
+            if req.end == EndKind::ClientDisconnected {
+                if let Outcome::Ok { .. } = rec.outcome {
+                    if b.fault != Some(Fault::HangAfterFinish) {
+                        v.push(format!(
+                            "a success although the client left mid-answer — {}",
+                            ctx()
+                        ));
+                    }
+                }
+            }
+            // Content: a success is the complete answer this upstream sent.
+            if let Outcome::Ok {
+                content,
+                usage,
+                usage_source,
+            } = &rec.outcome
+            {
+                if content != &req.full_content || req.content != req.full_content {
+                    v.push(format!(
+                        "success content {content:?} / sent {:?} / complete {:?} — {}",
+                        req.content,
+                        req.full_content,
+                        ctx()
+                    ));
+                }
+                match (usage_source, &req.usage) {
+                    (UsageSource::Unavailable, None) => {}
+                    (UsageSource::Measured | UsageSource::Estimated, Some(u)) if u == usage => {}
+                    (us, u) => v.push(format!(
+                        "transport usage {usage:?} ({us:?}) but upstream reported {u:?} — {}",
+                        ctx()
+                    )),
+                }
+            }
+            // How late the client saw what the upstream planned (scheduling on this
+            // machine), for the figures.
+            if row.ok && req.stream {
+                if let Some(t) = row.ttft_ms {
+                    late_first.push(t as f64 - super::faults::planned_first(b));
+                }
+                if let Some(g) = row.max_inter_token_ms {
+                    late_gap.push(g as f64 - super::faults::planned_max_gap(b));
+                }
+            }
+            // The row against the transport's outcome.
+            let label = row.error.as_deref();
+            let consistent = match &rec.outcome {
+                Outcome::Ok { .. } => row.ok || is_cancel(label),
+                Outcome::Err(l) => label == Some(l.as_str()) || is_cancel(label),
+                Outcome::Dropped | Outcome::Running => is_cancel(label),
+            };
+            if !consistent {
+                v.push(format!(
+                    "row label {label:?} but the transport gave {:?} — {}",
+                    rec.outcome,
+                    ctx()
+                ));
+            }
+            if is_cancel(label) {
+                if let Some(u) = &req.usage {
+                    gap.0 += 1;
+                    gap.1 += tokens(u);
+                }
+            }
+        }
+
+        // ---- per attempt row: sent, usage and cost ---------------------------------
+        let (mut measured_rows, mut measured_rows_tokens, mut measured_upstream_tokens) =
+            (0u64, 0u64, 0u64);
+        let (mut estimated_rows, mut estimated_tokens, mut unavailable_ok) = (0u64, 0u64, 0u64);
+        let mut unsent = 0u64;
+        for (id, row) in &attempts {
+            let label = row.error.as_deref();
+            match (ev.spy.get(*id), upstream.get(*id)) {
+                (None, _) => {
+                    // Launched, then dropped before its transport call started.
+                    unsent += 1;
+                    if !is_cancel(label) {
+                        v.push(format!(
+                            "attempt {id} never reached the transport but is labelled {label:?}"
+                        ));
+                    }
+                }
+                (Some(rec), _)
+                    if row.source.as_deref() != Some(rec.source.as_str())
+                        || row.stream != rec.stream =>
+                {
+                    v.push(format!("attempt {id}: row says {:?}/stream={}, the transport was called for {}/stream={}", row.source, row.stream, rec.source, rec.stream));
+                }
+                (Some(rec), None) => {
+                    if rec.outcome != Outcome::Dropped {
+                        v.push(format!(
+                            "attempt {id} ended {:?} (row {label:?}) without reaching its upstream",
+                            rec.outcome
+                        ));
+                    }
+                }
+                (Some(_), Some(_)) => {}
+            }
+            let src = row
+                .source
+                .as_deref()
+                .and_then(|s| source_idx.get(s))
+                .map(|i| &ev.sources[*i]);
+            let upstream_usage = upstream.get(id).and_then(|(_, r)| r.usage);
+            let known = |r: &TelemetryRow| (r.prompt_tokens, r.completion_tokens);
+            match (row.ok, row.usage_source) {
+                (true, UsageSource::Measured | UsageSource::Estimated) => {
+                    let t = row.prompt_tokens.unwrap_or(0) + row.completion_tokens.unwrap_or(0);
+                    match upstream_usage {
+                        Some(u)
+                            if known(row) == (Some(u.prompt_tokens), Some(u.completion_tokens))
+                                && row.reasoning_tokens == u.reasoning_tokens => {}
+                        u => v.push(format!(
+                            "row {id} has {:?}/{:?} tokens ({:?}) but its upstream reported {u:?}",
+                            row.prompt_tokens, row.completion_tokens, row.usage_source
+                        )),
+                    }
+                    if row.usage_source == UsageSource::Measured {
+                        measured_rows += 1;
+                        measured_rows_tokens += t;
+                        measured_upstream_tokens += upstream_usage.map(|u| tokens(&u)).unwrap_or(0);
+                    } else {
+                        estimated_rows += 1;
+                        estimated_tokens += t;
+                    }
+                    if let Some(s) = src {
+                        let want = s.priced.then(|| {
+                            (row.prompt_tokens.unwrap_or(0) as f64 * PRICES.0
+                                + row.completion_tokens.unwrap_or(0) as f64 * PRICES.1)
+                                / 1e6
+                        });
+                        let same = match (row.cost, want) {
+                            (Some(a), Some(b)) => (a - b).abs() <= 1e-12 + b.abs() * 1e-9,
+                            (None, None) => true,
+                            _ => false,
+                        };
+                        if !same {
+                            v.push(format!(
+                                "row {id} of {} costs {:?}, expected {want:?}",
+                                s.name, row.cost
+                            ));
+                        }
+                    }
+                }
+                (ok, UsageSource::Unavailable) => {
+                    if ok {
+                        unavailable_ok += 1;
+                    }
+                    if row.cost.is_some()
+                        || row.prompt_tokens.is_some()
+                        || row.completion_tokens.is_some()
+                    {
+                        v.push(format!(
+                            "row {id} with unknown usage has cost {:?} / tokens {:?}/{:?}",
+                            row.cost, row.prompt_tokens, row.completion_tokens
+                        ));
+                    }
+                }
+                (false, us) => v.push(format!("failed attempt {id} has usage_source {us:?}")),
+            }
+        }
+        if measured_rows_tokens != measured_upstream_tokens {
+            v.push(format!("Σ measured tokens: rows {measured_rows_tokens} ≠ upstream {measured_upstream_tokens}"));
+        }
+
+        // ---- per logical call -------------------------------------------------------
+        let mut seen: HashMap<&str, &'static str> = HashMap::new();
+        let (mut ok_calls, mut err_calls, mut dropped, mut panicked) = (0, 0, 0, 0);
+        let mut reasons: BTreeMap<&'static str, usize> = BTreeMap::new();
+        let (mut co_completers, mut ok_in_failed, mut hedged_calls, mut hedge_wins) = (0, 0, 0, 0);
+        let (mut streamed, mut by_caller) = (0, BTreeMap::<&'static str, usize>::new());
+        for c in &ev.calls {
+            if c.stream {
+                streamed += 1;
+            }
+            *by_caller
+                .entry(match c.caller {
+                    Caller::Await => "await",
+                    Caller::Timeout(_) => "timeout-drop",
+                    Caller::Abort(_) => "abort",
+                })
+                .or_default() += 1;
+            let empty = Vec::new();
+            match &c.result {
+                CallResult::Panicked(m) => {
+                    panicked += 1;
+                    v.push(format!("call #{} panicked: {m}", c.idx));
+                }
+                CallResult::Dropped => dropped += 1,
+                CallResult::Ok(r) => {
+                    ok_calls += 1;
+                    let lid = r.logical_call_id.as_str();
+                    if seen.insert(lid, "ok").is_some() {
+                        v.push(format!("logical call {lid} returned twice"));
+                    }
+                    let rows = by_call.get(lid).unwrap_or(&empty);
+                    let att: Vec<&&TelemetryRow> =
+                        rows.iter().filter(|r| r.kind == RowKind::Attempt).collect();
+                    if rows.iter().any(|r| r.kind != RowKind::Attempt) {
+                        v.push(format!("successful call {lid} has a non-attempt row"));
+                    }
+                    check_indexes(&mut v, lid, &att);
+                    if att.len() as u32 != r.call_stats.attempts
+                        || att.iter().filter(|r| r.is_hedge).count() as u32 != r.call_stats.hedges
+                    {
+                        v.push(format!(
+                            "call {lid}: {} attempt rows ({} hedge) but stats say {:?}",
+                            att.len(),
+                            att.iter().filter(|r| r.is_hedge).count(),
+                            r.call_stats
+                        ));
+                    }
+                    if r.call_stats.hedges > 0 {
+                        hedged_calls += 1;
+                    }
+                    if r.call_stats.hedge_won {
+                        hedge_wins += 1;
+                    }
+                    for a in &att {
+                        if a.stream != c.stream {
+                            v.push(format!(
+                                "call {lid} (stream={}) has row {} with stream={}",
+                                c.stream, a.call_id, a.stream
+                            ));
+                        }
+                        if matches!(a.error.as_deref(), Some("cancelled" | "deadline")) {
+                            v.push(format!("successful call {lid} has a {:?} attempt", a.error));
+                        }
+                    }
+                    let oks: Vec<&&&TelemetryRow> = att.iter().filter(|a| a.ok).collect();
+                    if oks.len() > 1 {
+                        co_completers += 1;
+                    }
+                    let Some(winner) = oks.iter().min_by_key(|a| a.attempt_index) else {
+                        v.push(format!("successful call {lid} has no ok attempt row"));
+                        continue;
+                    };
+                    if winner.source.as_deref() != Some(r.source.as_str())
+                        || winner.is_hedge != r.call_stats.hedge_won
+                        || winner.usage_source != r.usage_source
+                    {
+                        v.push(format!(
+                            "call {lid}: winner row {:?}/hedge={}/{:?} vs response {}/{}/{:?}",
+                            winner.source,
+                            winner.is_hedge,
+                            winner.usage_source,
+                            r.source,
+                            r.call_stats.hedge_won,
+                            r.usage_source
+                        ));
+                    }
+                    match upstream.get(winner.call_id.as_str()) {
+                        None => v.push(format!(
+                            "call {lid}: winner {} never reached an upstream",
+                            winner.call_id
+                        )),
+                        Some((_, req)) => {
+                            if r.content != req.full_content {
+                                v.push(format!(
+                                    "call {lid}: content {:?} ≠ complete answer {:?} of its winner",
+                                    r.content, req.full_content
+                                ));
+                            }
+                            if r.usage_source != UsageSource::Unavailable
+                                && Some(r.usage) != req.usage
+                            {
+                                v.push(format!(
+                                    "call {lid}: usage {:?} ≠ upstream's {:?}",
+                                    r.usage, req.usage
+                                ));
+                            }
+                        }
+                    }
+                }
+                CallResult::Err(e) => {
+                    err_calls += 1;
+                    let (Some(reason), Some(ctx)) = (e.terminal_reason(), e.context()) else {
+                        v.push(format!(
+                            "call #{} failed without a terminal reason: {e}",
+                            c.idx
+                        ));
+                        continue;
+                    };
+                    *reasons.entry(reason.as_str()).or_default() += 1;
+
+                    let lid = ctx.logical_call_id.as_str();
+                    if seen.insert(lid, "err").is_some() {
+                        v.push(format!("logical call {lid} returned twice"));
+                    }
+                    let rows = by_call.get(lid).unwrap_or(&empty);
+                    let terminal: Vec<&&TelemetryRow> = rows
+                        .iter()
+                        .filter(|r| r.kind == RowKind::TerminalFailure)
+                        .collect();
+                    if terminal.len() != 1
+                        || terminal[0].error.as_deref() != Some(reason.as_str())
+                        || terminal[0].stream != c.stream
+                    {
+                        v.push(format!(
+                            "failed call {lid} ({reason}) has terminal rows {:?}",
+                            terminal
+                                .iter()
+                                .map(|t| (&t.error, t.stream))
+                                .collect::<Vec<_>>()
+                        ));
+                    }
+                    let att: Vec<&&TelemetryRow> =
+                        rows.iter().filter(|r| r.kind == RowKind::Attempt).collect();
+                    check_indexes(&mut v, lid, &att);
+                    if att.len() as u32 != ctx.attempts {
+                        v.push(format!(
+                            "failed call {lid}: {} attempt rows, error says {}",
+                            att.len(),
+                            ctx.attempts
+                        ));
+                    }
+                    let deadline = reason == polygw::TerminalReason::DeadlineExceeded;
+                    let has_ok = att.iter().any(|a| a.ok);
+                    if has_ok {
+                        if deadline {
+                            ok_in_failed += 1;
+                        } else {
+                            v.push(format!("call {lid} failed ({reason}) with an ok attempt"));
+                        }
+                    }
+                    for a in &att {
+                        let bad = match a.error.as_deref() {
+                            Some("cancelled") => true,
+                            Some("deadline") => !deadline,
+                            Some("hedge_cancelled") => !has_ok,
+                            _ => false,
+                        };
+                        if bad {
+                            v.push(format!(
+                                "failed call {lid} ({reason}) has a {:?} attempt",
+                                a.error
+                            ));
+                        }
+                        if a.stream != c.stream {
+                            v.push(format!(
+                                "call {lid} (stream={}) has row {} with stream={}",
+                                c.stream, a.call_id, a.stream
+                            ));
+                        }
+                    }
+                }
+            }
+        }
+        // Logical calls with rows but no result: the dropped ones.
+        let mut dropped_with_rows = 0;
+        for (lid, rows) in &by_call {
+            if seen.contains_key(lid) {
+                continue;
+            }
+            dropped_with_rows += 1;
+            let att: Vec<&&TelemetryRow> =
+                rows.iter().filter(|r| r.kind == RowKind::Attempt).collect();
+            check_indexes(&mut v, lid, &att);
+            let has_ok = att.iter().any(|a| a.ok);
+            for r in rows.iter() {
+                let bad = match (r.kind, r.error.as_deref()) {
+                    (RowKind::Attempt, Some("deadline")) => true,
+                    (RowKind::Attempt, Some("hedge_cancelled")) => !has_ok,
+                    (RowKind::Attempt, _) => false,
+                    _ => true,
+                };
+                if bad {
+                    v.push(format!(
+                        "dropped call {lid} has a {:?} {:?} row",
+                        r.kind, r.error
+                    ));
+                }
+            }
+        }
+        if dropped_with_rows > dropped {
+            v.push(format!("{dropped_with_rows} logical calls have rows but no result, only {dropped} were dropped"));
+        }
+        for r in ev
+            .rows
+            .iter()
+            .filter(|r| r.error.as_deref() == Some("cancelled"))
+        {
+            if seen.contains_key(r.logical_call_id.as_str()) {
+                v.push(format!(
+                    "cancelled row {} in a call that returned",
+                    r.call_id
+                ));
+            }
+        }
+
+        // ---- windows: per source and scope-wide, from the upstreams' own logs -------
+        let delta = upstream
+            .iter()
+            .filter_map(|(id, (_, r))| {
+                ev.spy
+                    .get(*id)
+                    .map(|s| r.arrived_at.saturating_duration_since(s.sent_at))
+            })
+            .max()
+            .unwrap_or_default()
+            + ADMISSION_SLACK;
+        if delta > MAX_DELTA {
+            v.push(format!("admission→arrival delay bound {delta:?} is too large for the window check to mean anything"));
+        }
+        let w = WINDOW.saturating_sub(delta);
+        let mut all: Vec<Instant> = Vec::new();
+        let mut window_lines = Vec::new();
+        for s in &ev.sources {
+            let mut t: Vec<Instant> = s.requests.iter().map(|r| r.arrived_at).collect();
+            all.extend(&t);
+            let m = max_in_window(&mut t, w);
+            if s.rpm > 0 && m > s.rpm as usize {
+                v.push(format!(
+                    "{}: {m} requests arrived within {w:?}, RPM is {}",
+                    s.name, s.rpm
+                ));
+            }
+            window_lines.push(format!(
+                "{} {}/{}",
+                s.name,
+                m,
+                if s.rpm == 0 {
+                    "∞".to_string()
+                } else {
+                    s.rpm.to_string()
+                }
+            ));
+        }
+        let m = max_in_window(&mut all, w);
+        if ev.scope_rpm > 0 && m > ev.scope_rpm as usize {
+            v.push(format!(
+                "scope: {m} requests arrived within {w:?}, LIMITS__RPM is {}",
+                ev.scope_rpm
+            ));
+        }
+        window_lines.push(format!(
+            "scope {m}/{}",
+            if ev.scope_rpm == 0 {
+                "∞".to_string()
+            } else {
+                ev.scope_rpm.to_string()
+            }
+        ));
+
+        // ---- governance and telemetry after shutdown --------------------------------
+        let mut excluded = Vec::new();
+        for (s, n) in &ev.in_flight {
+            let dropped = ev.dropped_acquires.get(s).copied().unwrap_or(0);
+            match n {
+                Ok(0) => {}
+                // FINDING GOV-1 (see `findings`): only the slots that acquires dropped
+                // mid-flight can have taken are excused, and only until the fix is in.
+                Ok(k) if sc.redis && !gov_1_fixed() && *k <= dropped => {
+                    excluded.push(format!("{s} {k} (≤ {dropped} dropped acquires)"))
+                }
+                _ => v.push(format!(
+                    "{s}: in-flight after the run is {n:?} ({dropped} acquires dropped mid-flight)"
+                )),
+            }
+        }
+        if ev.telemetry_dropped > 0 || ev.flush.dropped > 0 || ev.flush.pending > 0 {
+            v.push(format!(
+                "telemetry lost rows: dropped {} / flush {:?}",
+                ev.telemetry_dropped, ev.flush
+            ));
+        }
+
+        let requests: usize = ev.sources.iter().map(|s| s.requests.len()).sum();
+        fig.lines.push(format!(
+            "{} calls in {:.1}s ({streamed} streamed; callers {by_caller:?}): {ok_calls} ok, {err_calls} failed {reasons:?}, {dropped} dropped ({dropped_with_rows} with rows), {panicked} panicked",
+            ev.calls.len(),
+            ev.elapsed.as_secs_f64()
+        ));
+        fig.lines.push(format!(
+            "{} attempt rows ({unsent} dropped before sending), {requests} upstream requests; labels {labels:?}",
+            attempts.len()
+        ));
+        fig.lines.push(format!(
+            "hedged calls {hedged_calls}, hedge wins {hedge_wins}, co-completing legs {co_completers}, ok attempt in deadline-failed calls {ok_in_failed}"
+        ));
+        fig.lines.push(format!(
+            "tokens: {measured_rows} measured rows = {measured_rows_tokens} (upstream {measured_upstream_tokens}); {estimated_rows} estimated rows = {estimated_tokens}; {unavailable_ok} ok rows without usage; {} cancelled attempts whose upstream reported {} tokens (accounting gap)",
+            gap.0, gap.1
+        ));
+        fig.lines.push(format!(
+            "windows (max arrivals in {w:?}): {}; phases {:?}",
+            window_lines.join(", "),
+            ev.phases
+        ));
+        fig.lines.push(format!(
+            "client lateness vs plan, ms (p50/p99/max): first chunk {}, largest gap {} (margin {})",
+            quantiles(&mut late_first),
+            quantiles(&mut late_gap),
+            budget::MARGIN_MS
+        ));
+        if sc.redis {
+            fig.lines.push(format!(
+                "Redis acquires dropped mid-flight {:?}; slots left in flight excused by GOV-1: {excluded:?}",
+                ev.dropped_acquires
+            ));
+        }
+        (v, fig)
+    }
+
+    fn quantiles(v: &mut [f64]) -> String {
+        if v.is_empty() {
+            return "-".into();
+        }
+        v.sort_by(f64::total_cmp);
+        let at = |p: f64| v[((v.len() - 1) as f64 * p).round() as usize];
+        format!("{:.0}/{:.0}/{:.0}", at(0.5), at(0.99), at(1.0))
+    }
+
+    /// The attempts of one logical call are numbered 0..n without gaps or repeats.
+    fn check_indexes(v: &mut Violations, lid: &str, att: &[&&TelemetryRow]) {
+        let idx: BTreeSet<u32> = att.iter().filter_map(|a| a.attempt_index).collect();
+        if idx.len() != att.len() || idx.iter().enumerate().any(|(i, x)| i as u32 != *x) {
+            v.push(format!(
+                "call {lid}: attempt indexes {idx:?} for {} rows",
+                att.len()
+            ));
+        }
+    }
+
+    /// The limiter's window.
+    pub const WINDOW: Duration = Duration::from_secs(60);
+    /// Added to the measured transport-call→arrival delay to bound admission→arrival
+    /// (admission and the transport call are separated by no I/O, only scheduling).
+    pub const ADMISSION_SLACK: Duration = Duration::from_millis(250);
+    /// Past this, the window check would be too loose to mean anything.
+    pub const MAX_DELTA: Duration = Duration::from_secs(10);
+}
+
+/// Redis governance built as the wiring does, with a counting limiter in front.
+mod governance {
+    use std::collections::HashMap;
+    use std::sync::{Arc, Mutex};
+
+    use async_trait::async_trait;
+    use polygw::core::ports::{AcquireRequest, Admission, BreakerStore, RateLimiter};
+    use polygw::core::GovernanceError;
+
+    /// Passes every call through; counts per source the acquires whose future was
+    /// dropped before it returned.
+    #[derive(Debug)]
+    pub struct Counting {
+        inner: Arc<dyn RateLimiter>,
+        dropped: Mutex<HashMap<String, u32>>,
+    }
+
+    impl Counting {
+        /// The counts so far.
+        pub fn dropped(&self) -> HashMap<String, u32> {
+            self.dropped.lock().unwrap().clone()
+        }
+    }
+
+    struct Mark<'a> {
+        owner: &'a Counting,
+        source: &'a str,
+        done: bool,
+    }
+
+    impl Drop for Mark<'_> {
+        fn drop(&mut self) {
+            if !self.done {
+                *self
+                    .owner
+                    .dropped
+                    .lock()
+                    .unwrap()
+                    .entry(self.source.to_string())
+                    .or_default() += 1;
+            }
+        }
+    }
+
+    #[async_trait]
+    impl RateLimiter for Counting {
+        async fn acquire(&self, req: &AcquireRequest<'_>) -> Result<Admission, GovernanceError> {
+            let mut mark = Mark {
+                owner: self,
+                source: req.source,
+                done: false,
+            };
+            let r = self.inner.acquire(req).await;
+            mark.done = true;
+            r
+        }
+
+        async fn in_flight(&self, scope: &str, source: &str) -> Result<u32, GovernanceError> {
+            self.inner.in_flight(scope, source).await
+        }
+
+        async fn flush(&self) -> Result<(), GovernanceError> {
+            self.inner.flush().await
+        }
+    }
+
+    /// The limiter (counting) and breaker store of `{S}__REDIS__URL`, as the wiring
+    /// builds them (`connect_lazy`, default options).
+    #[cfg(feature = "redis")]
+    pub fn redis(url: &str) -> (Arc<Counting>, Arc<dyn BreakerStore>) {
+        let g = polygw_limiter_redis::RedisGovernance::connect_lazy(
+            url,
+            polygw_limiter_redis::RedisOptions::default(),
+        )
+        .expect("redis governance");
+        (
+            Arc::new(Counting {
+                inner: Arc::new(g.limiter()),
+                dropped: Mutex::new(HashMap::new()),
+            }),
+            Arc::new(g.breakers()),
+        )
+    }
+
+    /// Without the `redis` feature no scenario reaches this (they skip first).
+    #[cfg(not(feature = "redis"))]
+    pub fn redis(_url: &str) -> (Arc<Counting>, Arc<dyn BreakerStore>) {
+        unreachable!("Redis scenarios skip without the `redis` feature")
+    }
+}
+
+/// Whether FINDING GOV-1 is fixed (see `findings`).
+fn gov_1_fixed() -> bool {
+    #[cfg(feature = "redis")]
+    {
+        findings::GOV_1_FIXED
+    }
+    #[cfg(not(feature = "redis"))]
+    {
+        true
+    }
+}
+
+fn env_vars(
+    sc: &Scenario,
+    scope: &str,
+    mocks: &[Arc<MockUpstream>],
+    calls: usize,
+    redis: Option<&str>,
+    sqlite: Option<&str>,
+) -> (Vec<(String, String)>, Vec<u32>, u32) {
+    // Low enough to bind during the run (the window check means something), high
+    // enough that the run does not turn into a queue for quota.
+    let rpm = [(calls / 4).max(20) as u32, (calls / 2).max(40) as u32, 0];
+    let mut v: Vec<(String, String)> = Vec::new();
+    let mut put = |k: String, x: String| v.push((k, x));
+    for (i, (p, weight, priced)) in SOURCES.iter().enumerate() {
+        let k = |f: &str| format!("{scope}__{p}__0__{f}");
+        put(k("BASE_URL"), mocks[i].base_url());
+        put(k("API_KEY"), format!("sk-chaos-{}", p.to_lowercase()));
+        put(k("MODEL"), format!("model-{}", p.to_lowercase()));
+        put(k("TIMEOUT_S"), budget::secs(budget::TIMEOUT_MS));
+        put(k("TTFT_TIMEOUT_S"), budget::secs(budget::TTFT_MS));
+        put(k("INTER_TOKEN_TIMEOUT_S"), budget::secs(budget::ITB_MS));
+        put(k("RPM"), rpm[i].to_string());
+        put(k("WEIGHT"), weight.to_string());
+        if *priced {
+            put(k("INPUT_PRICE"), PRICES.0.to_string());
+            put(k("OUTPUT_PRICE"), PRICES.1.to_string());
+        }
+        if i == 1 {
+            if let Some(c) = sc.concurrency {
+                put(k("MAX_CONCURRENCY"), c.to_string());
+            }
+        }
+    }
+    let s = |f: &str| format!("{scope}__{f}");
+    put(s("RETRY__MAX_ATTEMPTS"), "3".into());
+    put(s("RETRY__STALL_WINDOW_S"), "1.5".into());
+    put(s("RETRY__BACKOFF_BASE_S"), "0.02".into());
+    put(s("RETRY__BACKOFF_MAX_S"), "0.2".into());
+    put(s("BREAKER__FAILURES"), "6".into());
+    put(s("BREAKER__OPEN_S"), "0.25".into());
+    put(s("BREAKER__DEAD_S"), "1".into());
+    put(s("STREAM__STALL_THRESHOLD_MS"), "50".into());
+    if let Some((extra, pct)) = sc.hedge {
+        put(s("HEDGE__AFTER_S"), budget::HEDGE_AFTER_S.into());
+        put(s("HEDGE__STALL_AFTER_S"), budget::HEDGE_AFTER_S.into());
+        put(s("HEDGE__MAX_EXTRA"), extra.to_string());
+        put(s("HEDGE__BUDGET_PCT"), pct.to_string());
+    }
+    if sc.deadline {
+        put(s("CALL_DEADLINE_S"), budget::DEADLINE_S.into());
+    }
+    let scope_rpm = if sc.scope_rpm {
+        (calls + calls / 4) as u32
+    } else {
+        0
+    };
+    if scope_rpm > 0 {
+        put(s("LIMITS__RPM"), scope_rpm.to_string());
+    }
+    if sc.fail_fast {
+        put(s("RETRY__ON_NO_RUNNABLE"), "fail".into());
+    }
+    if let Some(url) = redis {
+        put(s("REDIS__URL"), url.into());
+    }
+    if let Some(url) = sqlite {
+        put(s("TELEMETRY__URL"), url.into());
+    }
+    (v, rpm.to_vec(), scope_rpm)
+}
+
+/// One caller's call `idx`, as the seed decides.
+async fn one_call(client: &GatewayClient, seed: u64, idx: usize) -> CallRecord {
+    let mut rng = fastrand::Rng::with_seed(seed ^ (idx as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15));
+    let stream = rng.bool();
+    let words = rng.usize(1..=40);
+    let prompt: String = (0..words)
+        .map(|i| format!("w{}{} ", i, rng.u32(0..1000)))
+        .collect();
+    let req = ChatRequest::user(format!("chaos call {idx}: {prompt}")).with_stream(stream);
+    let caller = match rng.u32(0..100) {
+        0..=71 => Caller::Await,
+        72..=75 => Caller::Timeout(0),
+        76..=91 => Caller::Timeout(rng.u64(1..=700)),
+        _ => Caller::Abort(rng.u64(0..=500)),
+    };
+    let from = |r: Result<LlmResponse, GatewayError>| match r {
+        Ok(x) => CallResult::Ok(Box::new(x)),
+        Err(e) => CallResult::Err(e),
+    };
+    let result = match caller {
+        Caller::Await => from(client.chat(req).await),
+        Caller::Timeout(ms) => {
+            match tokio::time::timeout(Duration::from_millis(ms), client.chat(req)).await {
+                Ok(r) => from(r),
+                Err(_) => CallResult::Dropped,
+            }
+        }
+        Caller::Abort(ms) => {
+            let c = client.clone();
+            let h = tokio::spawn(async move { c.chat(req).await });
+            tokio::time::sleep(Duration::from_millis(ms)).await;
+            h.abort();
+            match h.await {
+                Ok(r) => from(r),
+                Err(e) if e.is_cancelled() => CallResult::Dropped,
+                Err(e) => CallResult::Panicked(e.to_string()),
+            }
+        }
+    };
+    CallRecord {
+        idx,
+        stream,
+        caller,
+        result,
+    }
+}
+
+/// A finished run: its evidence, what outlived the teardown, and how to replay it.
+struct Finished {
+    evidence: Evidence,
+    leftover: Option<String>,
+    seed: u64,
+    threads: String,
+    replay: String,
+}
+
+/// Runs one scenario of `size` on its own runtime; `None` when it must be skipped
+/// (Redis unavailable outside CI).
+fn execute(sc: Scenario, size: size::Size) -> Option<Finished> {
+    panics::install();
+    let redis = if sc.redis {
+        if !cfg!(feature = "redis") {
+            if polygw_testkit::services::in_ci() {
+                panic!(
+                    "{}: polygw was built without its `redis` feature under CI=true",
+                    sc.name
+                );
+            }
+            eprintln!("skipping {}: polygw built without the `redis` feature (workspace builds enable it; or pass --features redis)", sc.name);
+            return None;
+        }
+        Some(polygw_testkit::services::redis_url()?)
+    } else {
+        None
+    };
+    let seed = size.seed
+        ^ sc.name
+            .bytes()
+            .fold(0u64, |h, b| h.wrapping_mul(131).wrapping_add(u64::from(b)));
+    let threads = format!("chaos-{}", sc.name);
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .thread_name(threads.clone())
+        .enable_all()
+        .build()
+        .expect("runtime");
+    let bound = Duration::from_secs(120) + Duration::from_millis(60 * size.calls as u64);
+    let replay = format!(
+        "replay: POLYGW_CHAOS_SEED={:#x} POLYGW_CHAOS_CALLS={} POLYGW_CHAOS_WORKERS={} cargo test -p polygw{} --test chaos {}",
+        size.seed,
+        size.calls,
+        size.workers,
+        if sc.redis { " --features redis" } else { "" },
+        sc.name
+    );
+    let outcome = rt.block_on(async {
+        tokio::time::timeout(bound, scenario(sc, size, seed, redis.as_deref())).await
+    });
+    rt.shutdown_timeout(Duration::from_secs(5));
+    let (evidence, leftover) = match outcome {
+        Ok(x) => x,
+        Err(_) => panic!(
+            "{}: the run did not finish within {bound:?}; {replay}",
+            sc.name
+        ),
+    };
+    Some(Finished {
+        evidence,
+        leftover,
+        seed,
+        threads,
+        replay,
+    })
+}
+
+/// Runs one scenario at the configured size and asserts every invariant.
+fn run(sc: Scenario) {
+    let Some(f) = execute(sc, size::get()) else {
+        return;
+    };
+    let (violations, figures) = checks::run(&f.evidence);
+    println!("chaos {} (seed {:#x}):", sc.name, f.seed);
+    for l in &figures.lines {
+        println!("  {l}");
+    }
+    let mut all = violations.list;
+    let mut total = violations.total;
+    for p in panics::on_threads(&f.threads) {
+        all.push(format!("panic: {p}"));
+        total += 1;
+    }
+    if let Some(l) = f.leftover {
+        all.push(l);
+        total += 1;
+    }
+    assert!(
+        all.is_empty(),
+        "chaos {}: {total} violation(s) (seed {:#x}; {}):\n  {}",
+        sc.name,
+        f.seed,
+        f.replay,
+        all.join("\n  ")
+    );
+}
+
+/// Builds the scenario, drives it, gathers the evidence, then tears everything down
+/// and waits for every task to end (what outlives that is the second value).
+async fn scenario(
+    sc: Scenario,
+    size: size::Size,
+    seed: u64,
+    redis: Option<&str>,
+) -> (Evidence, Option<String>) {
+    let mut mocks = Vec::new();
+    for _ in SOURCES {
+        let m = MockUpstream::start(MockConfig {
+            record_bodies: false,
+            log_capacity: 50_000_000,
+            ..MockConfig::default()
+        })
+        .await
+        .expect("mock upstream");
+        mocks.push(Arc::new(m));
+    }
+    let scope = if sc.redis {
+        polygw_testkit::services::unique_name("CHAOS").to_uppercase()
+    } else {
+        format!("CHAOS_{}", sc.name.to_uppercase())
+    };
+    let dir = tempfile::tempdir().expect("tempdir");
+    let sqlite = sc
+        .redis
+        .then(|| format!("sqlite://{}", dir.path().join("chaos.db").display()));
+    let (vars, rpm, scope_rpm) =
+        env_vars(&sc, &scope, &mocks, size.calls, redis, sqlite.as_deref());
+    let loaded = polygw::core::config::load_scope(vars, &scope, polygw::ScopeKind::Chat)
+        .unwrap_or_else(|e| panic!("chaos config: {e}"));
+    assert!(loaded.warnings.is_empty(), "{:?}", loaded.warnings);
+    let source_names: Vec<String> = loaded
+        .settings
+        .sources
+        .iter()
+        .map(|s| s.name.clone())
+        .collect();
+    let spy = spy::Spy::new();
+    let recording = polygw_testkit::fakes::RecordingTelemetry::new();
+    let mut builder = GatewayClient::builder(loaded.settings)
+        .transport(spy.clone())
+        .rng(Arc::new(polygw::core::ports::SplitMix64::new(seed)));
+    // Redis governance as the wiring builds it, its limiter wrapped to count the acquires
+    // dropped mid-flight (FINDING GOV-1). Memory governance comes from the wiring as is.
+    let counting = redis.map(governance::redis);
+    if let Some((limiter, breakers)) = &counting {
+        builder = builder.limiter(limiter.clone()).breakers(breakers.clone());
+    }
+    if sqlite.is_none() {
+        builder = builder.telemetry(recording.clone());
+    }
+    let client = builder.build().await.expect("client");
+
+    // Fault schedules.
+    let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
+    let conductors: Vec<_> = mocks
+        .iter()
+        .enumerate()
+        .map(|(i, m)| {
+            tokio::spawn(faults::conductor(
+                m.clone(),
+                seed.wrapping_add(i as u64 + 1),
+                stop_rx.clone(),
+            ))
+        })
+        .collect();
+
+    // Callers.
+    let started = tokio::time::Instant::now();
+    let next = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let records = Arc::new(Mutex::new(Vec::with_capacity(size.calls)));
+    let mut workers = tokio::task::JoinSet::new();
+    for _ in 0..size.workers {
+        let (client, next, records) = (client.clone(), next.clone(), records.clone());
+        let calls = size.calls;
+        workers.spawn(async move {
+            loop {
+                let idx = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                if idx >= calls {
+                    break;
+                }
+                let r = one_call(&client, seed, idx).await;
+                // Like a real client, a caller told that nothing can be admitted waits a
+                // little (with ON_NO_RUNNABLE=fail the refusals would else come back in
+                // microseconds and spin through the run while breakers are open).
+                let pause = matches!(
+                    &r.result,
+                    CallResult::Err(e) if e.terminal_reason() == Some(polygw::TerminalReason::NoRunnableSource)
+                );
+                records.lock().unwrap().push(r);
+                if pause {
+                    tokio::time::sleep(Duration::from_millis(200 + (idx as u64 * 37) % 200)).await;
+                }
+            }
+        });
+    }
+    let mut worker_panics = Vec::new();
+    while let Some(r) = workers.join_next().await {
+        if let Err(e) = r {
+            worker_panics.push(e.to_string());
+        }
+    }
+    let elapsed = started.elapsed();
+    let _ = stop_tx.send(true);
+    let mut phases: BTreeMap<&'static str, usize> = BTreeMap::new();
+    for c in conductors {
+        for p in c.await.expect("conductor") {
+            *phases.entry(p).or_default() += 1;
+        }
+    }
+
+    // Evidence.
+    let flush = client.shutdown().await;
+    let mut in_flight = Vec::new();
+    for s in &source_names {
+        in_flight.push((
+            s.clone(),
+            client.in_flight(s).await.map_err(|e| e.to_string()),
+        ));
+    }
+    let mut sources = Vec::new();
+    let mut not_ended = Vec::new();
+    for (i, m) in mocks.iter().enumerate() {
+        let n = m.requests().len();
+        let log = m.wait_for_ended(n, Duration::from_secs(15)).await;
+        for r in log.iter().filter(|r| !r.ended()) {
+            not_ended.push(format!("{} #{} {:?}", source_names[i], r.id, r.call_id));
+        }
+        sources.push(SourceEvidence {
+            name: source_names[i].clone(),
+            model: format!("model-{}", SOURCES[i].0.to_lowercase()),
+            rpm: rpm[i],
+            priced: SOURCES[i].2,
+            requests: log,
+        });
+    }
+    let rows = match &sqlite {
+        Some(url) => polygw::telemetry::read_rows(url, None)
+            .await
+            .expect("read rows"),
+        None => recording.rows(),
+    };
+    let mut calls = std::mem::take(&mut *records.lock().unwrap());
+    for p in worker_panics {
+        calls.push(CallRecord {
+            idx: usize::MAX,
+            stream: false,
+            caller: Caller::Await,
+            result: CallResult::Panicked(format!("a caller task: {p}")),
+        });
+    }
+    let ev = Evidence {
+        scenario: sc,
+        scope,
+        scope_rpm,
+        sources,
+        rows,
+        spy: spy.records(),
+        calls,
+        in_flight,
+        telemetry_dropped: client.telemetry_dropped(),
+        dropped_acquires: counting
+            .as_ref()
+            .map(|(l, _)| l.dropped())
+            .unwrap_or_default(),
+        flush,
+        not_ended,
+        phases,
+        elapsed,
+    };
+
+    // Teardown: nothing of the run may stay alive.
+    drop(client);
+    drop(counting);
+    drop(spy);
+    drop(recording);
+    for m in mocks {
+        match Arc::try_unwrap(m) {
+            Ok(m) => m.shutdown().await,
+            Err(_) => panic!("a mock upstream is still shared after the run"),
+        }
+    }
+    let until = tokio::time::Instant::now() + Duration::from_secs(15);
+    let leftover = loop {
+        let n = tokio::runtime::Handle::current()
+            .metrics()
+            .num_alive_tasks();
+        if n == 0 {
+            break None;
+        }
+        if tokio::time::Instant::now() > until {
+            break Some(format!(
+                "{n} task(s) still alive 15 s after the run was torn down"
+            ));
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    };
+    drop(dir);
+    (ev, leftover)
+}
+
+/// The checks are not vacuous: a small real run passes them, and each way of
+/// tampering with its evidence (a lost or doubled row, a wrong label, token or cost, a
+/// changed answer, a missing or extra terminal row, an over-admitted window, a slot
+/// left in flight) is caught.
+#[test]
+fn checks_catch_tampered_evidence() {
+    let sc = Scenario {
+        name: "tamper",
+        redis: false,
+        hedge: Some((1, 0)),
+        deadline: true,
+        scope_rpm: false,
+        fail_fast: false,
+        concurrency: None,
+    };
+    let size = size::Size {
+        calls: 250,
+        workers: 16,
+        seed: size::DEFAULT_SEED,
+    };
+    let f = execute(sc, size).expect("memory scenarios never skip");
+    let ev = f.evidence;
+    let (clean, _) = checks::run(&ev);
+    assert!(
+        clean.list.is_empty(),
+        "the untouched run fails: {:?}",
+        clean.list
+    );
+    assert!(f.leftover.is_none(), "{:?}", f.leftover);
+
+    let upstream_ids: std::collections::HashSet<String> = ev
+        .sources
+        .iter()
+        .flat_map(|s| s.requests.iter().filter_map(|r| r.call_id.clone()))
+        .collect();
+    let find = |pred: &dyn Fn(&TelemetryRow) -> bool| {
+        ev.rows
+            .iter()
+            .position(pred)
+            .expect("the sample run has such a row")
+    };
+    let mut cases: Vec<(&str, Evidence, &str)> = Vec::new();
+
+    let mut e = ev.clone();
+    e.rows.remove(find(&|r| {
+        r.kind == RowKind::Attempt && upstream_ids.contains(&r.call_id)
+    }));
+    cases.push(("a lost attempt row", e, "has no attempt row"));
+
+    let mut e = ev.clone();
+    let i = find(&|r| r.kind == RowKind::Attempt);
+    e.rows.push(ev.rows[i].clone());
+    cases.push(("a doubled attempt row", e, "two attempt rows"));
+
+    let mut e = ev.clone();
+    let i = find(&|r| r.ok && r.usage_source == UsageSource::Measured);
+    *e.rows[i].completion_tokens.as_mut().unwrap() += 1;
+    cases.push(("a wrong token count", e, "tokens"));
+
+    let mut e = ev.clone();
+    let i = find(&|r| r.kind == RowKind::Attempt && r.usage_source == UsageSource::Unavailable);
+    e.rows[i].cost = Some(0.0);
+    cases.push(("cost 0 for unknown usage", e, "unknown usage has cost"));
+
+    let mut e = ev.clone();
+    let i = find(&|r| {
+        r.error.as_deref() == Some("rate_limited") || r.error.as_deref() == Some("server_error")
+    });
+    let other = if ev.rows[i].error.as_deref() == Some("rate_limited") {
+        "server_error"
+    } else {
+        "rate_limited"
+    };
+    e.rows[i].error = Some(other.into());
+    cases.push(("a wrong label", e, "row label"));
+
+    let mut e = ev.clone();
+    let i = e
+        .calls
+        .iter()
+        .position(|c| matches!(c.result, CallResult::Ok(_)))
+        .expect("a successful call");
+    if let CallResult::Ok(r) = &mut e.calls[i].result {
+        r.content.push('!');
+    }
+    cases.push(("a changed answer", e, "complete answer"));
+
+    let mut e = ev.clone();
+    let i = find(&|r| r.kind == RowKind::TerminalFailure);
+    e.rows.remove(i);
+    cases.push(("a lost terminal row", e, "terminal rows"));
+
+    let mut e = ev.clone();
+    let i = find(&|r| r.ok);
+    let mut t = ev.rows[i].clone();
+    t.kind = RowKind::TerminalFailure;
+    t.call_id.push_str("-terminal");
+    t.ok = false;
+    t.source = None;
+    t.usage_source = UsageSource::Unavailable;
+    t.cost = None;
+    t.prompt_tokens = None;
+    t.completion_tokens = None;
+    t.error = Some("retry_exhausted".into());
+    e.rows.push(t);
+    cases.push(("a terminal row for a success", e, "non-attempt row"));
+
+    let mut e = ev.clone();
+    let busiest = e
+        .sources
+        .iter()
+        .map(|s| s.requests.len())
+        .max()
+        .unwrap_or(0);
+    for s in &mut e.sources {
+        if s.requests.len() == busiest {
+            s.rpm = busiest as u32 - 1;
+        }
+    }
+    cases.push(("an over-admitted window", e, "RPM is"));
+
+    let mut e = ev.clone();
+    e.in_flight[0].1 = Ok(1);
+    cases.push(("a slot left in flight", e, "in-flight after the run"));
+
+    for (what, e, needle) in cases {
+        let (v, _) = checks::run(&e);
+        assert!(
+            v.list.iter().any(|x| x.contains(needle)),
+            "{what} went unnoticed (wanted {needle:?}): {:?}",
+            v.list
+        );
+    }
+}
+
+#[test]
+fn chaos_memory_unhedged() {
+    run(Scenario {
+        name: "memory_unhedged",
+        redis: false,
+        hedge: None,
+        deadline: true,
+        scope_rpm: false,
+        fail_fast: false,
+        concurrency: None,
+    });
+}
+
+#[test]
+fn chaos_memory_hedged() {
+    run(Scenario {
+        name: "memory_hedged",
+        redis: false,
+        hedge: Some((2, 0)),
+        deadline: false,
+        scope_rpm: true,
+        fail_fast: true,
+        concurrency: None,
+    });
+}
+
+#[test]
+fn chaos_redis_unhedged() {
+    run(Scenario {
+        name: "redis_unhedged",
+        redis: true,
+        hedge: None,
+        deadline: false,
+        scope_rpm: false,
+        fail_fast: false,
+        concurrency: Some(6),
+    });
+}
+
+#[test]
+fn chaos_redis_hedged() {
+    run(Scenario {
+        name: "redis_hedged",
+        redis: true,
+        hedge: Some((1, 50)),
+        deadline: true,
+        scope_rpm: true,
+        fail_fast: false,
+        concurrency: None,
+    });
+}
+
+/// Product findings of this suite, each reproduced minimally (docs/CHAOS.md, "Findings").
+/// A `*_FIXED` constant says whether the fix is in; while it is `false` the reproduction
+/// asserts the bug is still there (so a fix is noticed) and the chaos checks exclude
+/// exactly that case.
+#[cfg(feature = "redis")]
+mod findings {
+    use std::time::Duration;
+
+    use futures_util::FutureExt;
+    use polygw::core::ports::{AcquireRequest, Admission, RateLimiter};
+    use polygw_limiter_redis::{RedisGovernance, RedisOptions};
+    use polygw_testkit::services::{redis_url, unique_name};
+
+    /// FINDING GOV-1: a Redis `acquire` whose future is dropped after the script was
+    /// sent (the caller drops the call, or the deadline fires, while admission awaits
+    /// Redis) admits in Redis but no `Permit` ever exists to release it: the in-flight
+    /// slot (and the reservation) stay until the lease ends (`CALL_DEADLINE_S` or the
+    /// source's timeout ×10 for streams, plus 30 s). The memory limiter has no await in
+    /// `acquire` and is not affected.
+    pub const GOV_1_FIXED: bool = false;
+
+    #[tokio::test]
+    async fn finding_gov_1_an_acquire_dropped_in_flight_holds_its_slot() {
+        let Some(url) = redis_url() else { return };
+        let g = RedisGovernance::connect_lazy(&url, RedisOptions::default()).unwrap();
+        let limiter = g.limiter();
+        let scope = unique_name("GOV1");
+        let req = AcquireRequest {
+            scope: &scope,
+            source: "a-0",
+            rpm: 0,
+            tpm: 0,
+            max_concurrency: 0,
+            scope_rpm: 0,
+            scope_tpm: 0,
+            est_tokens: 0,
+            lease: Duration::from_secs(30),
+        };
+        // Warm up: connected, script loaded; a finished permit leaves nothing behind.
+        match limiter.acquire(&req).await.unwrap() {
+            Admission::Admitted(mut p) => p.finish(0).await.unwrap(),
+            Admission::Refused(r) => panic!("refused: {r:?}"),
+        }
+        assert_eq!(limiter.in_flight(&scope, "a-0").await.unwrap(), 0);
+        // The caller goes away after the script was sent, before its answer came.
+        // One poll hands the script to the connection; while the caller is busy elsewhere
+        // the connection writes it and Redis admits; then the caller drops the future.
+        let mut acquire = Box::pin(limiter.acquire(&req));
+        assert!((&mut acquire).now_or_never().is_none());
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        drop(acquire);
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        limiter.flush().await.unwrap();
+        let left = limiter.in_flight(&scope, "a-0").await.unwrap();
+        if GOV_1_FIXED {
+            assert_eq!(left, 0, "a dropped acquire must not hold a slot");
+        } else {
+            assert_eq!(
+                left, 1,
+                "GOV-1 no longer reproduces: set GOV_1_FIXED = true"
+            );
+        }
+    }
+}
