@@ -14,13 +14,17 @@ pub const DEFAULT_BATCH_SIZE: u32 = 64;
 
 /// One source (`{SCOPE}__{PROVIDER}__{N}__…`). Build with [`SourceConfig::new`] and the
 /// `with_*` methods, or load from the environment.
-#[derive(Debug, Clone, PartialEq, Serialize)]
+///
+/// `Debug` never shows the API key, a query string of `BASE_URL` (some providers take a
+/// token there) or the values of `EXTRA_BODY` (which may carry credentials).
+#[derive(Clone, PartialEq, Serialize)]
 pub struct SourceConfig {
     /// `{provider}-{n}` lower-case.
     pub name: String,
     /// The provider segment, lower-case (e.g. `deepseek`).
     pub provider: String,
     /// e.g. `https://api.deepseek.com/v1` (no trailing slash).
+    #[serde(serialize_with = "ser_url")]
     pub base_url: String,
     /// Never printed; may be empty for local servers.
     pub api_key: Secret,
@@ -182,6 +186,38 @@ impl SourceConfig {
     }
 }
 
+fn ser_url<S: serde::Serializer>(u: &str, s: S) -> Result<S::Ok, S::Error> {
+    s.serialize_str(&crate::secret::redact_url(u))
+}
+
+impl std::fmt::Debug for SourceConfig {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SourceConfig")
+            .field("name", &self.name)
+            .field("base_url", &crate::secret::redact_url(&self.base_url))
+            .field("api_key", &self.api_key)
+            .field("model", &self.model)
+            .field("rpm", &self.rpm)
+            .field("tpm", &self.tpm)
+            .field("est_tokens", &self.est_tokens)
+            .field("max_concurrency", &self.max_concurrency)
+            .field("timeout", &self.timeout)
+            .field("ttft_timeout", &self.ttft_timeout)
+            .field("inter_token_timeout", &self.inter_token_timeout)
+            .field("priority", &self.priority)
+            .field("weight", &self.weight)
+            .field("input_price", &self.input_price)
+            .field("output_price", &self.output_price)
+            .field("price_per_call", &self.price_per_call)
+            .field("batch_size", &self.batch_size)
+            .field(
+                "extra_body_keys",
+                &self.extra_body.keys().collect::<Vec<_>>(),
+            )
+            .finish()
+    }
+}
+
 /// The pure rule behind [`SourceConfig::effective_est_tokens`].
 pub fn effective_est_tokens(est_tokens: u64, source_tpm: u64, scope_tpm: u64) -> u64 {
     if est_tokens > 0 {
@@ -221,6 +257,21 @@ mod tests {
                 "est={est} tpm={tpm} scope={scope}"
             );
         }
+    }
+
+    #[test]
+    fn debug_hides_credentials_outside_the_key_too() {
+        let mut extra = Map::new();
+        extra.insert("x_token".into(), Value::String("tok-123".into()));
+        let s = SourceConfig::new("p", 0, "https://h/v1?key=qq-999", "sk-1", "m")
+            .with_extra_body(extra);
+        let d = format!("{s:?}");
+        for secret in ["sk-1", "qq-999", "tok-123"] {
+            assert!(!d.contains(secret), "{secret} in {d}");
+        }
+        assert!(d.contains("x_token"), "keys are shown: {d}");
+        let j = serde_json::to_string(&s).unwrap();
+        assert!(!j.contains("qq-999") && !j.contains("sk-1"), "{j}");
     }
 
     #[test]

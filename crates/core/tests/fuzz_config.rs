@@ -235,14 +235,11 @@ fn secrets_of(vars: &[(String, Val)]) -> (Vec<String>, Vec<String>) {
     secrets_where(vars, |_| true)
 }
 
-/// The secrets the loaded settings keep as `Secret` (API keys, the telemetry and Redis
-/// URLs), whose `Debug` must hide them. A token in a `BASE_URL` (query string) and the
-/// body of an `EXTRA_BODY` are kept as plain values: see FINDING CFG-1 in
-/// [`check_load`].
+/// The secrets whose `Debug` of the loaded settings must hide: every one (API keys,
+/// telemetry and Redis URLs, a token in a `BASE_URL` query, an `EXTRA_BODY` body —
+/// FINDING CFG-1, fixed).
 fn secret_typed(vars: &[(String, Val)]) -> (Vec<String>, Vec<String>) {
-    secrets_where(vars, |k| {
-        !k.ends_with("__BASE_URL") && !k.ends_with("__EXTRA_BODY")
-    })
+    secrets_of(vars)
 }
 
 fn secrets_where(
@@ -334,11 +331,8 @@ fn check_load(vars: &[(String, Val)], scope: &str, kind: ScopeKind) -> Result<bo
                 let text = format!("{w} {w:?}");
                 prop_assert!(leaks(&text).is_none(), "secret in a warning: {}", text);
             }
-            // FINDING CFG-1 (reported): `BASE_URL` may carry a token in its query string
-            // (only a password is refused) and `EXTRA_BODY` may carry an upstream's
-            // credentials (the loader never echoes it in errors), yet `SourceConfig`'s
-            // Debug prints both as given; so only `Secret`-typed values are checked in
-            // the settings' Debug.
+            // FINDING CFG-1 (fixed): `SourceConfig`'s Debug hides a `BASE_URL` query and
+            // the values of `EXTRA_BODY`, so every secret is checked in the settings' Debug.
             let debug = format!("{:?}", loaded.settings);
             let found = leak(&debug, &typed, &typed_public);
             prop_assert!(

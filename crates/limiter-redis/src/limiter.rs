@@ -165,7 +165,21 @@ impl RedisLimiter {
             .arg(exact(ms(req.lease)))
             .arg(conn.window_ms())
             .arg(exact(ms(conn.opts.key_margin)));
+        // If this future is dropped (caller drop, deadline) once the script may have
+        // been sent, the admission would hold its slot until the lease ends: queue an
+        // idempotent release of this id behind it on the same connection (a no-op if the
+        // script refused or never ran). Disarmed once the reply says what happened.
+        let mut pending = PendingAcquire {
+            queue: &self.inner.queue,
+            settlement: Some(Settlement {
+                keys: keys.clone(),
+                id: id.clone(),
+                tokens: Some(0),
+                release: true,
+            }),
+        };
         let reply: Vec<i64> = conn.run("acquire", &inv).await?;
+        pending.settlement = None;
         match reply[..] {
             [1, _] => Ok(Admission::Admitted(Permit::new(
                 est,
@@ -184,6 +198,21 @@ impl RedisLimiter {
                 }))
             }
             _ => Err(unexpected(&reply)),
+        }
+    }
+}
+
+/// Releases an admission whose reply never arrived (see `acquire_as`). An error reply
+/// (a timeout, say) leaves it armed too: the script may have run on the server.
+struct PendingAcquire<'a> {
+    queue: &'a mpsc::UnboundedSender<Job>,
+    settlement: Option<Settlement>,
+}
+
+impl Drop for PendingAcquire<'_> {
+    fn drop(&mut self) {
+        if let Some(s) = self.settlement.take() {
+            let _ = self.queue.send(Job::Settle(s));
         }
     }
 }

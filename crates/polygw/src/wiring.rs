@@ -106,14 +106,10 @@ pub(crate) async fn telemetry(
     };
     let key = format!("{}__TELEMETRY__URL", s.name);
     let raw = url.expose();
-    let feature = if raw.starts_with("sqlite:") {
-        "sqlite"
+    let (feature, enabled) = if raw.starts_with("sqlite:") {
+        ("sqlite", cfg!(feature = "sqlite"))
     } else {
-        "postgres"
-    };
-    let enabled = match feature {
-        "sqlite" => cfg!(feature = "sqlite"),
-        _ => cfg!(feature = "postgres"),
+        ("postgres", cfg!(feature = "postgres"))
     };
     if !enabled {
         return Err(needs(

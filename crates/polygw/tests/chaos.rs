@@ -1442,16 +1442,10 @@ mod checks {
         ));
 
         // ---- governance and telemetry after shutdown --------------------------------
-        let mut excluded = Vec::new();
         for (s, n) in &ev.in_flight {
             let dropped = ev.dropped_acquires.get(s).copied().unwrap_or(0);
             match n {
                 Ok(0) => {}
-                // FINDING GOV-1 (see `findings`): only the slots that acquires dropped
-                // mid-flight can have taken are excused, and only until the fix is in.
-                Ok(k) if sc.redis && !gov_1_fixed() && *k <= dropped => {
-                    excluded.push(format!("{s} {k} (≤ {dropped} dropped acquires)"))
-                }
                 _ => v.push(format!(
                     "{s}: in-flight after the run is {n:?} ({dropped} acquires dropped mid-flight)"
                 )),
@@ -1494,7 +1488,7 @@ mod checks {
         ));
         if sc.redis {
             fig.lines.push(format!(
-                "Redis acquires dropped mid-flight {:?}; slots left in flight excused by GOV-1: {excluded:?}",
+                "Redis acquires dropped mid-flight {:?} (each released: GOV-1 is fixed)",
                 ev.dropped_acquires
             ));
         }
@@ -1618,18 +1612,6 @@ mod governance {
     #[cfg(not(feature = "redis"))]
     pub fn redis(_url: &str) -> (Arc<Counting>, Arc<dyn BreakerStore>) {
         unreachable!("Redis scenarios skip without the `redis` feature")
-    }
-}
-
-/// Whether FINDING GOV-1 is fixed (see `findings`).
-fn gov_1_fixed() -> bool {
-    #[cfg(feature = "redis")]
-    {
-        findings::GOV_1_FIXED
-    }
-    #[cfg(not(feature = "redis"))]
-    {
-        true
     }
 }
 
@@ -2252,16 +2234,13 @@ mod findings {
     use polygw_limiter_redis::{RedisGovernance, RedisOptions};
     use polygw_testkit::services::{redis_url, unique_name};
 
-    /// FINDING GOV-1: a Redis `acquire` whose future is dropped after the script was
-    /// sent (the caller drops the call, or the deadline fires, while admission awaits
-    /// Redis) admits in Redis but no `Permit` ever exists to release it: the in-flight
-    /// slot (and the reservation) stay until the lease ends (`CALL_DEADLINE_S` or the
-    /// source's timeout ×10 for streams, plus 30 s). The memory limiter has no await in
-    /// `acquire` and is not affected.
-    pub const GOV_1_FIXED: bool = false;
-
+    /// FINDING GOV-1 (fixed): a Redis `acquire` whose future was dropped after the
+    /// script was sent (the caller drops the call, or the deadline fires, while
+    /// admission awaits Redis) admitted in Redis with no `Permit` to release it, so the
+    /// in-flight slot stayed until its lease ended. The limiter now queues an idempotent
+    /// release of that permit id behind the script when the future is dropped.
     #[tokio::test]
-    async fn finding_gov_1_an_acquire_dropped_in_flight_holds_its_slot() {
+    async fn finding_gov_1_a_dropped_acquire_releases_its_slot() {
         let Some(url) = redis_url() else { return };
         let g = RedisGovernance::connect_lazy(&url, RedisOptions::default()).unwrap();
         let limiter = g.limiter();
@@ -2293,13 +2272,6 @@ mod findings {
         tokio::time::sleep(Duration::from_millis(100)).await;
         limiter.flush().await.unwrap();
         let left = limiter.in_flight(&scope, "a-0").await.unwrap();
-        if GOV_1_FIXED {
-            assert_eq!(left, 0, "a dropped acquire must not hold a slot");
-        } else {
-            assert_eq!(
-                left, 1,
-                "GOV-1 no longer reproduces: set GOV_1_FIXED = true"
-            );
-        }
+        assert_eq!(left, 0, "a dropped acquire must not hold a slot");
     }
 }

@@ -237,12 +237,15 @@ impl SseParser {
         };
         match field {
             b"data" => {
-                if self.data.len() + value.len() + 1 > self.max_event_bytes {
+                // The bound holds for what is stored: invalid UTF-8 decodes to U+FFFD
+                // (3 bytes per byte), so check after decoding.
+                let decoded = String::from_utf8_lossy(value);
+                if self.data.len() + decoded.len() + 1 > self.max_event_bytes {
                     return Err(SseError::EventTooLarge {
                         limit: self.max_event_bytes,
                     });
                 }
-                self.data.push_str(&String::from_utf8_lossy(value));
+                self.data.push_str(&decoded);
                 self.data.push('\n');
             }
             b"event" => self.event = Some(String::from_utf8_lossy(value).into_owned()),

@@ -66,22 +66,9 @@ struct Parsed {
     tail: Option<SseEvent>,
 }
 
-/// FINDING (SSE-1, reported; product not edited here): the event bound is checked on
-/// the raw bytes of `data:` values, but invalid UTF-8 is stored as U+FFFD (3 bytes per
-/// invalid byte), so an event's data — and the parser's buffer — can reach 3× the
-/// `max_event_bytes` bound (`data:\x80\x00\x80\n\n` with a 4-byte bound gives 7 bytes of
-/// data). Still bounded, but not by the documented bound. Flip this to `true` once the
-/// parser bounds the decoded data: the properties then check the documented bound, and
-/// `finding_sse_1_lossy_utf8_exceeds_the_event_bound` checks the fix.
-const SSE_1_FIXED: bool = false;
-
 /// The most bytes of data one event may hold under the bound `max_event`.
 fn data_bound(max_event: usize) -> usize {
-    if SSE_1_FIXED {
-        max_event
-    } else {
-        3 * max_event
-    }
+    max_event
 }
 
 /// Feeds the pieces one by one, checking the buffer bound after every feed.
@@ -433,26 +420,13 @@ fn bounds_are_errors_not_allocations() {
     assert!(out.is_empty());
 }
 
-/// FINDING SSE-1 (see [`SSE_1_FIXED`]): the minimal input proptest found.
+/// FINDING SSE-1 (fixed): invalid UTF-8 used to pass the event bound on raw bytes and
+/// be stored as U+FFFD (3 bytes each); the parser now bounds the decoded data.
 #[test]
-fn finding_sse_1_lossy_utf8_exceeds_the_event_bound() {
+fn finding_sse_1_decoded_data_stays_within_the_event_bound() {
     let mut p = SseParser::with_limits(8, 4);
     let mut out = Vec::new();
     let r = p.feed(b"data:\x80\x00\x80\n\n", &mut out);
-    if SSE_1_FIXED {
-        assert!(
-            r.is_err() || out.iter().all(|e| e.data.len() <= 4),
-            "decoded data must stay within the bound: {out:?}"
-        );
-    } else {
-        // Still reproduces: 3 raw bytes pass the 4-byte check, 7 bytes are stored.
-        assert!(r.is_ok());
-        assert_eq!(out.len(), 1);
-        assert_eq!(out[0].data, "\u{FFFD}\u{0}\u{FFFD}");
-        assert_eq!(
-            out[0].data.len(),
-            7,
-            "SSE-1 no longer reproduces: set SSE_1_FIXED"
-        );
-    }
+    assert!(r.is_err(), "7 decoded bytes exceed a 4-byte bound: {out:?}");
+    assert!(out.iter().all(|e| e.data.len() <= 4));
 }

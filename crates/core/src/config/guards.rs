@@ -90,7 +90,7 @@ pub fn base_url(key: &str, raw: &str) -> Result<String, ConfigError> {
     let expected = "an absolute http:// or https:// URL, e.g. https://api.deepseek.com/v1";
     match url::Url::parse(raw) {
         Ok(u) if (u.scheme() == "http" || u.scheme() == "https") && u.host().is_some() => {
-            if u.password().is_some() {
+            if u.password().is_some() || !u.username().is_empty() {
                 return Err(invalid(
                     key,
                     crate::secret::redact_url(raw),
