@@ -1,52 +1,144 @@
-//! `cargo xtask bench`: runs every benchmark of the workspace in release mode, part by
-//! part, so one command reproduces docs/BENCHMARKS.md.
+//! `cargo xtask bench [PART…]`: runs the workspace's benchmarks in release mode, part by
+//! part, so one command reproduces docs/BENCHMARKS.md. Every benchmark is a hand-written
+//! `harness = false` program that prints its method, its same-run baseline and the load
+//! average; none asserts a duration.
 
 use std::process::{Command, ExitCode};
 
-/// (part, cargo arguments).
-const BENCHES: &[(&str, &[&str])] = &[
-    (
-        "governance",
-        &[
+/// One part: its name, whether a bare `cargo xtask bench` runs it, what it measures, and
+/// the cargo arguments.
+struct Part {
+    name: &'static str,
+    in_all: bool,
+    what: &'static str,
+    cargo: &'static [&'static str],
+}
+
+const BENCHES: &[Part] = &[
+    Part {
+        name: "overhead",
+        in_all: true,
+        what: "GatewayClient vs direct reqwest: added µs, TTFT, calls/s, telemetry on/off",
+        cargo: &["bench", "-p", "polygw", "--bench", "overhead"],
+    },
+    Part {
+        name: "serve",
+        in_all: true,
+        what: "polygw serve vs calling the upstream directly",
+        cargo: &["bench", "-p", "polygw-cli", "--bench", "serve"],
+    },
+    Part {
+        name: "hedging",
+        in_all: true,
+        what: "hedging efficacy on the long-tail profile (off / first-token / stall / both)",
+        cargo: &["bench", "-p", "polygw", "--bench", "hedging"],
+    },
+    Part {
+        name: "governance",
+        in_all: true,
+        what: "memory and Redis acquire + settle; Redis shared by 4 processes",
+        cargo: &[
             "bench",
             "-p",
             "polygw-limiter-memory",
             "-p",
             "polygw-limiter-redis",
         ],
-    ),
-    ("telemetry", &["bench", "-p", "polygw-telemetry-sql"]),
+    },
+    Part {
+        name: "governance-processes",
+        in_all: false,
+        what: "only the 4-process Redis part of `governance`",
+        cargo: &[
+            "bench",
+            "-p",
+            "polygw-limiter-redis",
+            "--bench",
+            "redis_processes",
+        ],
+    },
+    Part {
+        name: "telemetry",
+        in_all: true,
+        what: "record() cost; rows/s into SQLite and PostgreSQL",
+        cargo: &["bench", "-p", "polygw-telemetry-sql"],
+    },
+    Part {
+        name: "transport",
+        in_all: true,
+        what: "SSE parser throughput; loopback streams/s",
+        cargo: &["bench", "-p", "polygw-transport-openai"],
+    },
 ];
 
 /// The part names.
-pub const PARTS: &[&str] = &["governance", "telemetry"];
+pub const PARTS: &[&str] = &[
+    "overhead",
+    "serve",
+    "hedging",
+    "governance",
+    "governance-processes",
+    "telemetry",
+    "transport",
+];
 
-/// Runs the named parts (all when none is named).
+/// Runs the named parts (all but the sub-parts when none is named).
 pub fn run(args: &[String]) -> ExitCode {
     let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
     for a in args {
+        if a == "--list" || a == "-l" {
+            for p in BENCHES {
+                println!(
+                    "{:<22} {}{}",
+                    p.name,
+                    p.what,
+                    if p.in_all {
+                        ""
+                    } else {
+                        " (not in the default run)"
+                    }
+                );
+            }
+            return ExitCode::SUCCESS;
+        }
         if !PARTS.contains(&a.as_str()) {
             eprintln!("bench: unknown part `{a}`; parts: {}", PARTS.join(", "));
             return ExitCode::from(2);
         }
     }
-    for (part, cargo_args) in BENCHES {
-        if !args.is_empty() && !args.iter().any(|a| a == part) {
+    for part in BENCHES {
+        let wanted = if args.is_empty() {
+            part.in_all
+        } else {
+            args.iter().any(|a| a == part.name)
+        };
+        if !wanted {
             continue;
         }
-        println!("== bench: {part} ==");
-        let status = Command::new(&cargo).args(*cargo_args).status();
+        println!("== bench: {} ({}) ==", part.name, part.what);
+        let status = Command::new(&cargo).args(part.cargo).status();
         match status {
             Ok(s) if s.success() => {}
             Ok(s) => {
-                eprintln!("bench {part} failed: {s}");
+                eprintln!("bench {} failed: {s}", part.name);
                 return ExitCode::FAILURE;
             }
             Err(e) => {
-                eprintln!("bench {part}: cannot run cargo: {e}");
+                eprintln!("bench {}: cannot run cargo: {e}", part.name);
                 return ExitCode::FAILURE;
             }
         }
     }
     ExitCode::SUCCESS
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_part_is_listed_once() {
+        let names: Vec<&str> = BENCHES.iter().map(|p| p.name).collect();
+        assert_eq!(names, PARTS);
+    }
 }

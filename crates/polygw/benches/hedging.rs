@@ -1,0 +1,389 @@
+//! `cargo bench -p polygw --bench hedging` (`cargo xtask bench hedging`): hedging
+//! efficacy on the reference long-tail workload (SPEC §12, time scaled) — latency
+//! p50/p95/p99/p99.9 of streamed calls with hedging off, first-token only, stall only and
+//! both, and what it costs: extra upstream requests and extra completion tokens (counted
+//! by the simulated upstreams themselves, cancelled legs included). Fixed seeds, fixed
+//! concurrency; every config faces fresh upstreams with the same seeds. Method and
+//! results: docs/BENCHMARKS.md, "Hedging efficacy".
+//!
+//! The profile is `polygw demo`'s: SPEC §12's TTFT, stall and generation-time
+//! distributions with chunks coalesced 5:1 (10–80 chunks, mean gap 150 ms), because at
+//! time scale 0.01 the full chunking asks two shared cores for ~100 000 SSE frames/s and
+//! the simulator falls behind its own schedule (the program prints how late the upstream
+//! answers ended against their plan, so this stays checked).
+//!
+//! Environment (optional): `POLYGW_BENCH_HEDGE_CALLS` (calls per config, default 4000),
+//! `POLYGW_BENCH_HEDGE_PROFILE=full` (SPEC §12's 50–400 chunks, 30 ms apart).
+
+#![allow(
+    clippy::disallowed_methods,
+    reason = "a benchmark measures real elapsed time"
+)]
+
+mod support;
+
+use std::time::Duration;
+
+use polygw::{ChatRequest, GatewayClient, LlmResponse};
+use polygw_mock_upstream::{Behavior, EndKind, LongTail, MockConfig, Profile, ProfileKind};
+use support::{cpu_time, full_run, loadavg, pct, MockHost};
+use tokio::time::Instant;
+
+/// 1 s of the reference workload lasts 10 ms.
+const TIME_SCALE: f64 = 0.01;
+const SEED: u64 = 42;
+const SOURCES: usize = 3;
+const CONCURRENCY: usize = 64;
+/// Hedge thresholds in real (unscaled) seconds, as in `polygw demo`.
+const AFTER_S: f64 = 8.0;
+const STALL_AFTER_S: f64 = 10.0;
+const BUDGET_PCT: u32 = 30;
+
+#[derive(Clone, Copy, Debug)]
+struct Config {
+    name: &'static str,
+    first_token: bool,
+    stall: bool,
+}
+
+const CONFIGS: &[Config] = &[
+    Config {
+        name: "off",
+        first_token: false,
+        stall: false,
+    },
+    Config {
+        name: "first-token only",
+        first_token: true,
+        stall: false,
+    },
+    Config {
+        name: "stall only",
+        first_token: false,
+        stall: true,
+    },
+    Config {
+        name: "both",
+        first_token: true,
+        stall: true,
+    },
+];
+
+fn profile(coalesced: bool, seed: u64) -> Profile {
+    let kind = if coalesced {
+        // polygw demo's shape: same TTFT, stalls and generation time, 5:1 fewer frames.
+        LongTail {
+            chunks_min: 10,
+            chunks_max: 80,
+            gap_mean_ms: 150.0,
+            ..LongTail::default()
+        }
+    } else {
+        LongTail::default()
+    };
+    Profile {
+        name: "long-tail".into(),
+        time_scale: TIME_SCALE,
+        seed,
+        kind: ProfileKind::LongTail(kind),
+    }
+}
+
+fn scaled(s: f64) -> String {
+    format!("{}", s * TIME_SCALE)
+}
+
+fn vars(scope: &str, urls: &[String], c: Config) -> Vec<(String, String)> {
+    let mut v = Vec::new();
+    for (i, url) in urls.iter().enumerate() {
+        let p = format!("{scope}__SIM__{i}");
+        v.push((format!("{p}__BASE_URL"), url.clone()));
+        v.push((format!("{p}__API_KEY"), String::new()));
+        v.push((format!("{p}__MODEL"), "sim-long-tail".into()));
+        v.push((format!("{p}__TIMEOUT_S"), scaled(600.0)));
+    }
+    v.push((
+        format!("{scope}__STREAM__STALL_THRESHOLD_MS"),
+        format!("{}", (1000.0 * TIME_SCALE).max(1.0) as u64),
+    ));
+    v.push((format!("{scope}__RETRY__BACKOFF_BASE_S"), scaled(0.5)));
+    v.push((format!("{scope}__RETRY__BACKOFF_MAX_S"), scaled(8.0)));
+    if c.first_token {
+        v.push((format!("{scope}__HEDGE__AFTER_S"), scaled(AFTER_S)));
+    }
+    if c.stall {
+        v.push((
+            format!("{scope}__HEDGE__STALL_AFTER_S"),
+            scaled(STALL_AFTER_S),
+        ));
+    }
+    if c.first_token || c.stall {
+        v.push((
+            format!("{scope}__HEDGE__BUDGET_PCT"),
+            BUDGET_PCT.to_string(),
+        ));
+    }
+    v
+}
+
+/// The figures of one config.
+struct Outcome {
+    latency_ms: Vec<f64>,
+    ttft_ms: Vec<f64>,
+    failures: Vec<String>,
+    calls: usize,
+    attempts: u64,
+    hedges: u64,
+    hedged_calls: usize,
+    wins: usize,
+    upstream_requests: usize,
+    upstream_tokens: u64,
+    winner_tokens: u64,
+    wall: Duration,
+    cpu: Duration,
+    /// Completed upstream responses: how much later than planned they ended (ms).
+    late_ms: Vec<f64>,
+}
+
+/// The time a sampled behavior plans from request to last chunk (ms, scaled).
+fn planned_ms(b: &Behavior) -> f64 {
+    b.headers_delay_ms
+        + b.ttft_ms
+        + b.gaps_ms.iter().sum::<f64>()
+        + b.stalls.iter().map(|s| s.ms).sum::<f64>()
+}
+
+async fn run_config(c: Config, calls: usize, coalesced: bool) -> Outcome {
+    // Fresh upstreams with the same seeds for every config: the same sequence of draws.
+    let host = tokio::task::spawn_blocking(move || {
+        MockHost::start(
+            (0..SOURCES)
+                .map(|i| MockConfig {
+                    record_bodies: false,
+                    log_capacity: calls * 3,
+                    ..MockConfig::with_profile(profile(coalesced, SEED + i as u64))
+                })
+                .collect(),
+        )
+    })
+    .await
+    .expect("mock host");
+    let scope = "HEDGE_BENCH";
+    let client = GatewayClient::from_vars(vars(scope, &host.urls(), c), scope)
+        .await
+        .expect("client");
+    let cpu0 = cpu_time(None);
+    let start = Instant::now();
+    let mut set = tokio::task::JoinSet::new();
+    let next = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    for _ in 0..CONCURRENCY {
+        let (client, next) = (client.clone(), next.clone());
+        set.spawn(async move {
+            let mut out: Vec<(f64, Result<LlmResponse, String>)> = Vec::new();
+            loop {
+                let i = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                if i >= calls {
+                    break;
+                }
+                let t = Instant::now();
+                let r = client
+                    .chat(
+                        ChatRequest::user(format!("Question {i}: tell me something."))
+                            .with_stream(true),
+                    )
+                    .await
+                    .map_err(|e| e.to_string());
+                out.push((t.elapsed().as_secs_f64() * 1e3, r));
+            }
+            out
+        });
+    }
+    let mut o = Outcome {
+        latency_ms: Vec::with_capacity(calls),
+        ttft_ms: Vec::with_capacity(calls),
+        failures: Vec::new(),
+        calls,
+        attempts: 0,
+        hedges: 0,
+        hedged_calls: 0,
+        wins: 0,
+        upstream_requests: 0,
+        upstream_tokens: 0,
+        winner_tokens: 0,
+        wall: Duration::ZERO,
+        cpu: Duration::ZERO,
+        late_ms: Vec::new(),
+    };
+    while let Some(r) = set.join_next().await {
+        for (ms, r) in r.expect("caller") {
+            match r {
+                Ok(resp) => {
+                    if resp.content.is_empty() || resp.finish_reason.as_deref() != Some("stop") {
+                        o.failures.push(format!(
+                            "incomplete answer: finish {:?}, {} chars",
+                            resp.finish_reason,
+                            resp.content.len()
+                        ));
+                        continue;
+                    }
+                    o.latency_ms.push(ms);
+                    if let Some(t) = resp.ttft_ms {
+                        o.ttft_ms.push(t as f64);
+                    }
+                    let s = resp.call_stats;
+                    o.attempts += s.attempts as u64;
+                    o.hedges += s.hedges as u64;
+                    o.hedged_calls += usize::from(s.hedges > 0);
+                    o.wins += usize::from(s.hedge_won);
+                    o.winner_tokens += resp.usage.completion_tokens;
+                }
+                Err(e) => o.failures.push(e),
+            }
+        }
+    }
+    o.wall = start.elapsed();
+    client.shutdown().await;
+    // Every leg has ended (losers are cancelled before chat() returns); give the
+    // upstreams a moment to notice the last disconnects, then read their logs.
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    for m in host.mocks() {
+        let log = m.requests();
+        o.upstream_requests += log.len();
+        o.upstream_tokens += log.iter().map(|r| r.chunks_sent as u64).sum::<u64>();
+        for r in log.iter().filter(|r| r.end == EndKind::Completed) {
+            if let (Some(b), Some(end)) = (&r.behavior, r.ended_at) {
+                let took = end.duration_since(r.arrived_at).as_secs_f64() * 1e3;
+                o.late_ms.push(took - planned_ms(b));
+            }
+        }
+    }
+    o.cpu = match (cpu0, cpu_time(None)) {
+        (Some(a), Some(b)) => b.saturating_sub(a),
+        _ => Duration::ZERO,
+    };
+    tokio::task::spawn_blocking(move || host.shutdown())
+        .await
+        .expect("mock shutdown");
+    o.latency_ms.sort_by(f64::total_cmp);
+    o.late_ms.sort_by(f64::total_cmp);
+    o.ttft_ms.sort_by(f64::total_cmp);
+    o
+}
+
+fn main() {
+    let full = full_run();
+    let calls: usize = std::env::var("POLYGW_BENCH_HEDGE_CALLS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(if full { 4000 } else { 100 });
+    let coalesced = std::env::var("POLYGW_BENCH_HEDGE_PROFILE").as_deref() != Ok("full");
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .expect("runtime");
+    println!(
+        "hedging efficacy: long-tail profile ({}), time scale {TIME_SCALE} (1 s → {} ms), seeds {SEED}..{}, \
+         {SOURCES} sources, {calls} streamed calls per config, {CONCURRENCY} concurrent callers; \
+         AFTER_S {AFTER_S} s, STALL_AFTER_S {STALL_AFTER_S} s (real time), MAX_EXTRA 1, BUDGET_PCT {BUDGET_PCT}; \
+         load average {}",
+        if coalesced { "coalesced 5:1 chunks" } else { "SPEC §12 chunks" },
+        1000.0 * TIME_SCALE,
+        SEED + SOURCES as u64 - 1,
+        loadavg()
+    );
+    let outcomes: Vec<Outcome> = CONFIGS
+        .iter()
+        .map(|c| rt.block_on(run_config(*c, calls, coalesced)))
+        .collect();
+    let off = &outcomes[0];
+    let q = |o: &Outcome, p: f64| pct(&o.latency_ms, p);
+    println!(
+        "\nlatency of the logical call (ms at time scale {TIME_SCALE}; ×{:.0} for real seconds ÷ 1000); ratio vs off in brackets",
+        1.0 / TIME_SCALE
+    );
+    println!(
+        "  {:<17} {:>5} {:>4} {:>15} {:>15} {:>15} {:>15} {:>7} {:>9} {:>7} {:>6} {:>6} {:>8} {:>8} {:>6} {:>7}",
+        "config",
+        "ok",
+        "fail",
+        "p50",
+        "p95",
+        "p99",
+        "p99.9",
+        "mean",
+        "ttft p99",
+        "hedged",
+        "wins",
+        "extra",
+        "req/call",
+        "tokens+",
+        "wall s",
+        "cpu s"
+    );
+    let mut ok = true;
+    for (c, o) in CONFIGS.iter().zip(&outcomes) {
+        let cell = |p: f64| format!("{:>6.0} ({:.2}×)", q(o, p), q(o, p) / q(off, p));
+        let mean = o.latency_ms.iter().sum::<f64>() / o.latency_ms.len().max(1) as f64;
+        let extra_req = (o.upstream_requests as f64 - o.calls as f64) / o.calls as f64 * 100.0;
+        let extra_tok = (o.upstream_tokens as f64 - o.winner_tokens as f64)
+            / o.winner_tokens.max(1) as f64
+            * 100.0;
+        println!(
+            "  {:<17} {:>5} {:>4} {} {} {} {} {:>7.0} {:>9.0} {:>6.1}% {:>6} {:>5.1}% {:>8.3} {:>7.1}% {:>6.1} {:>7.1}",
+            c.name,
+            o.latency_ms.len(),
+            o.failures.len(),
+            cell(0.50),
+            cell(0.95),
+            cell(0.99),
+            cell(0.999),
+            mean,
+            if o.ttft_ms.is_empty() { f64::NAN } else { pct(&o.ttft_ms, 0.99) },
+            o.hedged_calls as f64 / o.calls as f64 * 100.0,
+            o.wins,
+            extra_req,
+            o.attempts as f64 / o.calls as f64,
+            extra_tok,
+            o.wall.as_secs_f64(),
+            o.cpu.as_secs_f64(),
+        );
+        if !o.late_ms.is_empty() {
+            println!(
+                "      simulator fidelity: completed upstream answers ended {:.1} ms (p50) / {:.1} ms (p99) after their planned time",
+                pct(&o.late_ms, 0.5),
+                pct(&o.late_ms, 0.99)
+            );
+        }
+        for f in o.failures.iter().take(3) {
+            println!("      failure: {f}");
+        }
+        ok &= o.failures.is_empty();
+        // Cross-checks: the upstreams saw exactly the attempts the client reports; a
+        // hedging config really hedged, the unhedged one never did.
+        if o.upstream_requests as u64 != o.attempts {
+            println!(
+                "      mismatch: upstreams saw {} requests, the client reports {} attempts",
+                o.upstream_requests, o.attempts
+            );
+            ok = false;
+        }
+        let hedging = c.first_token || c.stall;
+        if hedging != (o.hedges > 0) && (o.calls >= 1000 || !hedging) {
+            println!(
+                "      unexpected: {} hedges with config {}",
+                o.hedges, c.name
+            );
+            ok = false;
+        }
+    }
+    println!(
+        "\nextra = upstream requests beyond one per call; tokens+ = completion tokens the upstreams sent \
+         (all legs, cancelled ones up to the cancel) beyond the winners'; load average {}",
+        loadavg()
+    );
+    if !ok {
+        eprintln!("hedging benchmark: failures or inconsistent counts (see above)");
+        std::process::exit(1);
+    }
+}
