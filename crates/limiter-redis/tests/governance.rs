@@ -506,7 +506,9 @@ mod fail_closed {
             .is_err());
         assert!(t.elapsed() < PROMPT);
         // Permits dropped during the outage: the queue gives up the first settlement after
-        // its attempts and the rest at once, instead of waiting out each one.
+        // its attempts and the rest at once, instead of waiting out each one. The two
+        // acquires that timed out queued a release too (their script may have run), so
+        // 10 + 2 settlements could not land.
         drop(held);
         let t = tokio::time::Instant::now();
         let e = g
@@ -514,7 +516,7 @@ mod fail_closed {
             .flush()
             .await
             .expect_err("settlements could not land");
-        assert!(e.message.contains("10 drop-time"), "{e}");
+        assert!(e.message.contains("12 drop-time"), "{e}");
         assert!(t.elapsed() < PROMPT * 3, "flush took {:?}", t.elapsed());
     }
 
