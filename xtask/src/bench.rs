@@ -61,13 +61,25 @@ const BENCHES: &[Part] = &[
         name: "telemetry",
         in_all: true,
         what: "record() cost; rows/s into SQLite and PostgreSQL",
-        cargo: &["bench", "-p", "polygw-telemetry-sql"],
+        cargo: &[
+            "bench",
+            "-p",
+            "polygw-telemetry-sql",
+            "--bench",
+            "telemetry",
+        ],
     },
     Part {
         name: "transport",
         in_all: true,
         what: "SSE parser throughput; loopback streams/s",
-        cargo: &["bench", "-p", "polygw-transport-openai"],
+        cargo: &[
+            "bench",
+            "-p",
+            "polygw-transport-openai",
+            "--bench",
+            "stream",
+        ],
     },
 ];
 

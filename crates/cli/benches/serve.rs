@@ -21,7 +21,8 @@ use std::time::Duration;
 
 use polygw_mock_upstream::{Behavior, MockConfig};
 use support::{
-    cpu_time, drive, full_run, loadavg, plain_answer, streamed_answer, Acc, Direct, MockHost,
+    cpu_time, drive, full_run, idle_cpu, loadavg, plain_answer, streamed_answer, Acc, Direct,
+    MockHost,
 };
 
 const CHUNKS: usize = 20;
@@ -159,9 +160,10 @@ async fn level(
     (accs, proxy_cpu)
 }
 
-fn report(concurrency: usize, accs: &[Acc], proxy_cpu: &[Duration]) -> bool {
+fn report(concurrency: usize, accs: &[Acc], proxy_cpu: &[Duration], idle_us_per_s: f64) -> bool {
     println!(
-        "\n{concurrency} concurrent caller(s): latency (µs); cpu/call = this process (callers + mock), proxy cpu/call = the polygw serve process"
+        "\n{concurrency} concurrent caller(s): latency (µs); cpu/call = this process (callers + mock), \
+         proxy cpu = the polygw serve process's CPU per call (µs), its idle use ({idle_us_per_s:.0} µs/s) taken out"
     );
     println!(
         "  {:<31} {:>6} {:>4} {:>7} {:>7} {:>8} {:>8} {:>8} {:>8} {:>9} | {:>7} {:>7} {:>7} {:>6}",
@@ -207,7 +209,8 @@ fn report(concurrency: usize, accs: &[Acc], proxy_cpu: &[Duration]) -> bool {
             a.per_s(),
             a.cpu_per_call_us(),
             if *proxied {
-                format!("{:.1}", support::us(proxy_cpu[vi]) / a.calls.max(1) as f64)
+                let busy = support::us(proxy_cpu[vi]) - idle_us_per_s * a.wall.as_secs_f64();
+                format!("{:.1}", busy / a.calls.max(1) as f64)
             } else {
                 "-".into()
             },
@@ -227,7 +230,9 @@ fn report(concurrency: usize, accs: &[Acc], proxy_cpu: &[Duration]) -> bool {
         {
             println!(
                 "  {name:<31} first → last content chunk p50 {s50:.0} µs, p99 {s99:.0} µs (upstream: 1 ms pause); \
-                 last chunk → end p50 {t50:.0} µs, p99 {t99:.0} µs"
+                 last chunk → end p50 {t50:.0} µs, p99 {t99:.0} µs; {} of {} streams arrived in fewer chunks",
+                a.coalesced,
+                a.calls
             );
         }
     }
@@ -262,6 +267,7 @@ fn main() {
         Direct::new(&proxy_url, "stream", PROXY_KEY),
     ];
     let pid = proxy.child.id();
+    let idle = idle_cpu(pid, Duration::from_secs(if full { 5 } else { 1 })).unwrap_or(0.0);
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
@@ -276,9 +282,9 @@ fn main() {
     );
     let ok = rt.block_on(async {
         let (one, p1) = level(&callers, pid, 1, rounds, c1).await;
-        let mut ok = report(1, &one, &p1);
+        let mut ok = report(1, &one, &p1, idle);
         let (many, p64) = level(&callers, pid, 64, rounds, c64).await;
-        ok &= report(64, &many, &p64);
+        ok &= report(64, &many, &p64, idle);
         ok
     });
     println!("\nload average {}", loadavg());

@@ -172,6 +172,7 @@ impl Callers {
                     total,
                     ttft: None,
                     last: None,
+                    coalesced: false,
                 })
             }
             Kind::Passthrough => {
@@ -191,6 +192,7 @@ impl Callers {
                     total,
                     ttft: Some(first.duration_since(start)),
                     last: None,
+                    coalesced: false,
                 })
             }
         }
