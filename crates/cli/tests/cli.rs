@@ -581,3 +581,43 @@ fn demo_finishes_and_prints_its_table() {
     }
     assert!(db.exists());
 }
+
+#[tokio::test]
+async fn serve_streams_an_answer_that_arrives_in_one_write() {
+    // The whole SSE body in a single write: the call can end in the poll that commits.
+    let body = [
+        r#"{"id":"x","object":"chat.completion.chunk","model":"m","choices":[{"index":0,"delta":{"role":"assistant","content":"all "},"finish_reason":null}]}"#,
+        r#"{"id":"x","object":"chat.completion.chunk","model":"m","choices":[{"index":0,"delta":{"content":"at once"},"finish_reason":"stop"}]}"#,
+        r#"{"id":"x","object":"chat.completion.chunk","model":"m","choices":[],"usage":{"prompt_tokens":3,"completion_tokens":2,"total_tokens":5}}"#,
+    ]
+    .iter()
+    .map(|l| format!("data: {l}\n\n"))
+    .collect::<String>()
+        + "data: [DONE]\n\n";
+    let a = mock(Behavior {
+        raw_sse: Some(body),
+        ..Behavior::default()
+    })
+    .await;
+    let s = serve(&source("LLM", "a", &a, &[]));
+    let http = reqwest::Client::new();
+    for _ in 0..5 {
+        let r = http
+            .post(format!("{}/v1/chat/completions", s.base))
+            .json(&serde_json::json!({"model": "llm", "stream": true, "stream_options": {"include_usage": true},
+                "messages": [{"role": "user", "content": "x"}]}))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status(), 200);
+        assert_eq!(r.headers()["x-polygw-source"], "a-0");
+        assert!(r.headers().contains_key("x-polygw-logical-call-id"));
+        let text = r.text().await.unwrap();
+        assert!(
+            text.contains("\"all \"") && text.contains("\"at once\""),
+            "{text}"
+        );
+        assert!(text.contains("\"total_tokens\":5"), "usage chunk: {text}");
+        assert!(text.trim_end().ends_with("data: [DONE]"), "{text}");
+    }
+}

@@ -5,6 +5,7 @@
 use std::collections::BTreeSet;
 use std::time::Duration;
 
+use crate::error::RefusalReason;
 use crate::ports::limiter::Refusal;
 use crate::ports::Rng;
 use crate::settings::OnNoRunnable;
@@ -74,6 +75,11 @@ pub const DEFAULT_POLL: Duration = Duration::from_millis(50);
 
 /// SPEC §4.1: with `wait` and at least one refusal that passes with time, wait until
 /// the earliest hint; otherwise fail.
+///
+/// Concurrency and token refusals pass as soon as another call releases its slot or
+/// settles below its reservation, which no hint can predict (their hints are upper
+/// bounds: a lease end, the window's age): they are looked at again after at most
+/// [`DEFAULT_POLL`] (the engine also wakes early when a permit of its own frees).
 pub fn on_no_runnable(refusals: &[(String, Refusal)], policy: OnNoRunnable) -> NoRunnable {
     if policy == OnNoRunnable::Fail {
         return NoRunnable::Fail;
@@ -81,7 +87,12 @@ pub fn on_no_runnable(refusals: &[(String, Refusal)], policy: OnNoRunnable) -> N
     refusals
         .iter()
         .filter(|(_, r)| r.reason.passes_with_time())
-        .map(|(_, r)| r.retry_after.unwrap_or(DEFAULT_POLL))
+        .map(|(_, r)| match r.reason {
+            RefusalReason::Concurrency | RefusalReason::Tpm | RefusalReason::ScopeTpm => {
+                r.retry_after.map_or(DEFAULT_POLL, |h| h.min(DEFAULT_POLL))
+            }
+            _ => r.retry_after.unwrap_or(DEFAULT_POLL),
+        })
         .min()
         .map(|d| NoRunnable::Wait(d.max(Duration::from_millis(1))))
         .unwrap_or(NoRunnable::Fail)
@@ -90,7 +101,6 @@ pub fn on_no_runnable(refusals: &[(String, Refusal)], policy: OnNoRunnable) -> N
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::error::RefusalReason;
     use crate::ports::SplitMix64;
 
     fn src(name: &str, prio: u32, weight: u32) -> SourceConfig {
@@ -158,6 +168,25 @@ mod tests {
         assert_eq!(
             on_no_runnable(&conc, OnNoRunnable::Wait),
             NoRunnable::Wait(DEFAULT_POLL)
+        );
+        // A lease end or a window age is only an upper bound for slots and tokens.
+        for reason in [
+            RefusalReason::Concurrency,
+            RefusalReason::Tpm,
+            RefusalReason::ScopeTpm,
+        ] {
+            let long = vec![("a".to_string(), r(reason, Some(60_000)))];
+            assert_eq!(
+                on_no_runnable(&long, OnNoRunnable::Wait),
+                NoRunnable::Wait(DEFAULT_POLL),
+                "{reason}"
+            );
+        }
+        // RPM, cooldown and open breakers pass exactly at their hint.
+        let rpm = vec![("a".to_string(), r(RefusalReason::Rpm, Some(30_000)))];
+        assert_eq!(
+            on_no_runnable(&rpm, OnNoRunnable::Wait),
+            NoRunnable::Wait(Duration::from_secs(30))
         );
         assert_eq!(on_no_runnable(&[], OnNoRunnable::Wait), NoRunnable::Fail);
     }

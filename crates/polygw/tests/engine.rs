@@ -335,6 +335,59 @@ mod basics {
     }
 
     #[tokio::test(start_paused = true)]
+    async fn a_call_waiting_for_a_slot_runs_when_one_frees() {
+        let h = harness(1, |s| s.sources[0].max_concurrency = 2).await;
+        h.fake.set_default("s-0", Script::ok(ms(200), "x"));
+        let started = tokio::time::Instant::now();
+        let calls: Vec<_> = (0..3)
+            .map(|i| {
+                let c = h.client.clone();
+                tokio::spawn(async move { c.chat(ChatRequest::user(format!("{i}"))).await })
+            })
+            .collect();
+        let mut latencies = vec![];
+        for c in calls {
+            latencies.push(c.await.unwrap().unwrap().call_stats.total_latency_ms);
+        }
+        latencies.sort();
+        assert_eq!(latencies[..2], [200, 200]);
+        // Not the 30 s lease of the slots it waited for: the first release wakes it.
+        assert!(latencies[2] <= 450, "{latencies:?}");
+        assert!(started.elapsed() <= ms(450));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_call_waiting_for_tokens_runs_when_a_settlement_frees_them() {
+        // est 1000 of a 2000 TPM: two calls reserve it all; they settle 20 tokens each.
+        let h = harness(1, |s| {
+            s.sources[0].tpm = 2000;
+            s.sources[0].est_tokens = 1000;
+        })
+        .await;
+        h.fake.set_default(
+            "s-0",
+            Script::Ok {
+                ttft: ms(200),
+                gaps: vec![],
+                text: "x".into(),
+                usage: Some(Usage::new(10, 10)),
+            },
+        );
+        let calls: Vec<_> = (0..3)
+            .map(|i| {
+                let c = h.client.clone();
+                tokio::spawn(async move { c.chat(ChatRequest::user(format!("{i}"))).await })
+            })
+            .collect();
+        let mut latencies = vec![];
+        for c in calls {
+            latencies.push(c.await.unwrap().unwrap().call_stats.total_latency_ms);
+        }
+        latencies.sort();
+        assert!(latencies[2] <= 450, "not the 60 s window: {latencies:?}");
+    }
+
+    #[tokio::test(start_paused = true)]
     async fn dead_source_is_skipped_afterwards() {
         let h = harness(2, |s| s.sources[1].priority = 1).await;
         h.fake.push("s-0", Script::http(ms(5), 401));

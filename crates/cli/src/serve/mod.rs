@@ -399,6 +399,13 @@ pub async fn run(args: ServeArgs) -> Result<ExitCode> {
         state.known_models().join(", ")
     );
     let stop = Arc::new(tokio::sync::Notify::new());
+    // Streams are many small writes: without TCP_NODELAY, Nagle's algorithm holds chunks
+    // back until the client's delayed ACK (~40 ms on Linux).
+    let listener = axum::serve::ListenerExt::tap_io(listener, |tcp: &mut tokio::net::TcpStream| {
+        if let Err(e) = tcp.set_nodelay(true) {
+            tracing::debug!(error = %e, "TCP_NODELAY could not be set");
+        }
+    });
     let server = axum::serve(listener, router(state.clone())).with_graceful_shutdown({
         let stop = stop.clone();
         async move { stop.notified().await }

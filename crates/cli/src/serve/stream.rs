@@ -14,7 +14,7 @@ use std::sync::Arc;
 
 use axum::body::Body;
 use axum::http::{header, HeaderValue, StatusCode};
-use axum::response::{IntoResponse, Response};
+use axum::response::Response;
 use bytes::Bytes;
 use polygw::{
     ChatRequest, Commit, DeltaSink, GatewayClient, GatewayError, LlmResponse, StreamDelta,
@@ -128,41 +128,34 @@ pub async fn respond(client: GatewayClient, request: ChatRequest, include_usage:
             .chat_streaming(request, Arc::new(ChannelSink(tx)))
             .await
     });
-    // Phase 1: until a leg commits, or the call ends.
-    let commit = loop {
+    // Phase 1: until a leg commits, or the call ends. A whole answer can arrive in one
+    // read, so the call may end in the same poll that committed: look for the commit in
+    // the channel before treating the call as ended without one.
+    let (commit, early) = loop {
         tokio::select! {
             biased;
             ev = rx.recv() => match ev {
-                Some(Event::Commit(c)) => break Ok(c),
-                Some(Event::Delta(_)) => {}
-                None => {}
+                Some(Event::Commit(c)) => break (c, None),
+                Some(Event::Delta(_)) | None => {}
             },
-            r = &mut call => break Err(r),
-        }
-    };
-    let commit = match commit {
-        Ok(c) => c,
-        Err(Err(e)) => return api_error_response(&ApiError::from_gateway(&e)),
-        Err(Ok(r)) => {
-            // Finished without any incremental chunk reaching us (cannot normally
-            // happen for a stream); answer it as a one-shot stream.
-            let id = format!("chatcmpl-{}", r.logical_call_id);
-            let d = StreamDelta {
-                role: Some("assistant".into()),
-                content: Some(r.content.clone()),
-                finish_reason: r.finish_reason.clone(),
-                ..Default::default()
-            };
-            let mut body = String::new();
-            if let Some(c) = chunk_json(&id, &r.model, unix_now(), &d) {
-                body.push_str(&format!("data: {c}\n\n"));
+            r = &mut call => {
+                let mut commit = None;
+                while let Ok(ev) = rx.try_recv() {
+                    if let Event::Commit(c) = ev {
+                        commit = Some(c);
+                        break;
+                    }
+                }
+                match (commit, r) {
+                    (Some(c), r) => break (c, Some(r)),
+                    (None, Err(e)) => return api_error_response(&ApiError::from_gateway(&e)),
+                    (None, Ok(r)) => return one_shot(r, include_usage),
+                }
             }
-            body.push_str("data: [DONE]\n\n");
-            return ([(header::CONTENT_TYPE, "text/event-stream")], body).into_response();
         }
     };
-    let state = SseState {
-        call: Some(call),
+    let mut state = SseState {
+        call: if early.is_some() { None } else { Some(call) },
         rx,
         rx_open: true,
         pending: VecDeque::new(),
@@ -172,6 +165,9 @@ pub async fn respond(client: GatewayClient, request: ChatRequest, include_usage:
         include_usage,
         done: false,
     };
+    if let Some(r) = early {
+        state.finish(r);
+    }
     // The commit event precedes the first deltas in the channel: nothing is lost.
     let stream = futures_util::stream::unfold(state, |mut s| async move {
         s.next_bytes()
@@ -179,6 +175,16 @@ pub async fn respond(client: GatewayClient, request: ChatRequest, include_usage:
             .map(|b| (Ok::<Bytes, std::io::Error>(b), s))
     });
     let mut resp = Response::new(Body::from_stream(stream));
+    stream_headers(
+        &mut resp,
+        &commit.logical_call_id,
+        &commit.source,
+        commit.is_hedge,
+    );
+    resp
+}
+
+fn stream_headers(resp: &mut Response, logical_call_id: &str, source: &str, hedged: bool) {
     *resp.status_mut() = StatusCode::OK;
     let h = resp.headers_mut();
     h.insert(
@@ -186,15 +192,46 @@ pub async fn respond(client: GatewayClient, request: ChatRequest, include_usage:
         HeaderValue::from_static("text/event-stream"),
     );
     h.insert(header::CACHE_CONTROL, HeaderValue::from_static("no-cache"));
-    if let Ok(v) = HeaderValue::from_str(&commit.logical_call_id) {
+    if let Ok(v) = HeaderValue::from_str(logical_call_id) {
         h.insert("x-polygw-logical-call-id", v);
     }
-    if let Ok(v) = HeaderValue::from_str(&commit.source) {
+    if let Ok(v) = HeaderValue::from_str(source) {
         h.insert("x-polygw-source", v);
     }
     h.insert(
         "x-polygw-hedged",
-        HeaderValue::from_static(if commit.is_hedge { "true" } else { "false" }),
+        HeaderValue::from_static(if hedged { "true" } else { "false" }),
+    );
+}
+
+/// A streamed answer that ended without its commit reaching the sink (it generated no
+/// incremental chunk): one chunk with the whole answer, the usage chunk when asked
+/// for, `[DONE]`, and the usual headers.
+fn one_shot(r: LlmResponse, include_usage: bool) -> Response {
+    let id = format!("chatcmpl-{}", r.logical_call_id);
+    let created = unix_now();
+    let d = StreamDelta {
+        role: Some("assistant".into()),
+        content: Some(r.content.clone()),
+        reasoning: r.reasoning_content.clone(),
+        finish_reason: r.finish_reason.clone(),
+        ..Default::default()
+    };
+    let mut body = String::new();
+    if let Some(c) = chunk_json(&id, &r.model, created, &d) {
+        body.push_str(&format!("data: {c}\n\n"));
+    }
+    if include_usage {
+        let u = usage_chunk_json(&id, &r.model, created, &r.usage);
+        body.push_str(&format!("data: {u}\n\n"));
+    }
+    body.push_str("data: [DONE]\n\n");
+    let mut resp = Response::new(Body::from(body));
+    stream_headers(
+        &mut resp,
+        &r.logical_call_id,
+        &r.source,
+        r.call_stats.hedge_won,
     );
     resp
 }

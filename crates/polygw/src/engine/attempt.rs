@@ -255,6 +255,7 @@ impl AttemptGuard {
         }
         engine.metrics.attempt(scope, &src_name, &label, ttft);
         self.armed = false;
+        engine.freed.notify_waiters();
     }
 }
 
@@ -298,6 +299,7 @@ impl Drop for AttemptGuard {
                 None => drop(permit),
             }
         }
+        self.engine.freed.notify_waiters();
         if self.probe {
             // Free the half-open probe; never a breaker failure (a slow leg is not dead).
             if let Ok(handle) = tokio::runtime::Handle::try_current() {

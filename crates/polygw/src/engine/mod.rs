@@ -56,6 +56,9 @@ pub(crate) struct Engine {
     pub ports: Ports,
     pub hedge_budget: Mutex<HedgeBudget>,
     pub metrics: Arc<Metrics>,
+    /// Signalled whenever an attempt of this client frees its slot or settles: calls
+    /// waiting for a runnable source look again at once.
+    pub freed: tokio::sync::Notify,
 }
 
 impl Engine {
@@ -71,6 +74,7 @@ impl Engine {
             ports,
             hedge_budget: Mutex::new(HedgeBudget::new()),
             metrics,
+            freed: tokio::sync::Notify::new(),
         }
     }
 

@@ -29,6 +29,8 @@ impl Engine {
     ) -> Result<Picked, GatewayError> {
         let none = BTreeSet::new();
         loop {
+            // Registered before the pick, so a slot freed meanwhile is not missed.
+            let freed = self.freed.notified();
             let pick = self
                 .try_pick(&none, &call.failed_sources(), stream)
                 .await
@@ -60,7 +62,11 @@ impl Engine {
                                 wait_ms = hint.min(left).as_millis() as u64,
                                 "no runnable source; waiting"
                             );
-                            tokio::time::sleep(hint.min(left)).await;
+                            // Until the hint, or until an attempt of ours frees a slot.
+                            tokio::select! {
+                                _ = tokio::time::sleep(hint.min(left)) => {}
+                                _ = freed => {}
+                            }
                         }
                     }
                 }
