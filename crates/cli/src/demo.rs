@@ -333,6 +333,11 @@ pub async fn run(args: DemoArgs) -> Result<ExitCode> {
     print!("{}", t.render());
     println!();
     println!(
+        "Extra upstream requests are hedge legs; the losers are cancelled, so their usage is \
+         unknown: they make the accounting gap and the \"unknown\" costs (an upstream may \
+         still bill them)."
+    );
+    println!(
         "Latencies are measured at the demo's time scale (×{}); at real scale multiply by {}.",
         args.time_scale,
         1.0 / args.time_scale
