@@ -37,7 +37,7 @@ pub struct ChatArgs {
 struct Printer;
 
 impl DeltaSink for Printer {
-    fn send(&self, delta: &StreamDelta) {
+    fn send(&self, delta: StreamDelta) {
         if let Some(c) = &delta.content {
             let mut out = std::io::stdout().lock();
             let _ = out.write_all(c.as_bytes());

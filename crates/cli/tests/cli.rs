@@ -435,6 +435,8 @@ async fn serve_hedges_before_the_commit_and_never_passes_off_a_broken_stream() {
     env.push(("LLM__HEDGE__AFTER_S".into(), "0.2".into()));
     env.push(("LLM__HEDGE__BUDGET_PCT".into(), "0".into()));
     env.push(("LLM__RETRY__ON_NO_RUNNABLE".into(), "fail".into()));
+    // Resume off: a failure after the commit is final (resumes have their own tests).
+    env.push(("LLM__STREAM__RESUME".into(), "off".into()));
     let s = serve(&env);
     let http = reqwest::Client::new();
     let r = http
@@ -459,8 +461,8 @@ async fn serve_hedges_before_the_commit_and_never_passes_off_a_broken_stream() {
         "the loser was cancelled"
     );
 
-    // After the commit a failure ends the stream with an error event: no [DONE], and
-    // nothing is retried elsewhere (the content is already on the wire).
+    // With resume off, a failure after the commit ends the stream with an error event:
+    // no [DONE], and nothing is retried elsewhere (the content is already on the wire).
     slow.set_default(Behavior {
         fault: Some(Fault::ResetAfter { chunks: 2 }),
         ..Behavior::text(&["part", " one", " two", " three"])

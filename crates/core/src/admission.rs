@@ -22,23 +22,33 @@ pub fn order_candidates(
     failed_in_call: &BTreeSet<String>,
     rng: &dyn Rng,
 ) -> Vec<usize> {
-    let mut groups: Vec<(bool, u32, Vec<usize>)> = Vec::new();
+    order_candidates_preferring(sources, exclude, failed_in_call, &|_| true, rng)
+}
+
+/// [`order_candidates`] with a preference (SPEC §13.3: a resume prefers
+/// prefill-capable sources): inside the not-failed and the failed groups, sources for
+/// which `preferred` holds come first, then priority tiers, then weighted random.
+pub fn order_candidates_preferring(
+    sources: &[SourceConfig],
+    exclude: &BTreeSet<String>,
+    failed_in_call: &BTreeSet<String>,
+    preferred: &dyn Fn(usize) -> bool,
+    rng: &dyn Rng,
+) -> Vec<usize> {
+    let mut groups: Vec<((bool, bool, u32), Vec<usize>)> = Vec::new();
     for (i, s) in sources.iter().enumerate() {
         if exclude.contains(&s.name) {
             continue;
         }
-        let failed = failed_in_call.contains(&s.name);
-        match groups
-            .iter_mut()
-            .find(|(f, p, _)| *f == failed && *p == s.priority)
-        {
-            Some(g) => g.2.push(i),
-            None => groups.push((failed, s.priority, vec![i])),
+        let key = (failed_in_call.contains(&s.name), !preferred(i), s.priority);
+        match groups.iter_mut().find(|(k, _)| *k == key) {
+            Some(g) => g.1.push(i),
+            None => groups.push((key, vec![i])),
         }
     }
-    groups.sort_by_key(|(failed, prio, _)| (*failed, *prio));
+    groups.sort_by_key(|(k, _)| *k);
     let mut out = Vec::with_capacity(sources.len());
-    for (_, _, mut members) in groups {
+    for (_, mut members) in groups {
         // Sequential weighted draws without replacement.
         while !members.is_empty() {
             let total: u64 = members
@@ -128,6 +138,26 @@ mod tests {
             let o = order_candidates(&s, &set(&["d"]), &set(&["b"]), &rng);
             let names: Vec<&str> = o.iter().map(|&i| s[i].name.as_str()).collect();
             assert_eq!(names, ["c", "a", "b"]);
+        }
+    }
+
+    /// A resume prefers prefill-capable sources over priority, but a source that
+    /// failed in this call still comes last.
+    #[test]
+    fn preferred_sources_come_first_within_failed_groups() {
+        let s = vec![
+            src("a", 0, 1),
+            src("b", 1, 1),
+            src("c", 2, 1),
+            src("d", 0, 1),
+        ];
+        let rng = SplitMix64::new(5);
+        let prefill = |i: usize| i == 1 || i == 2;
+        for _ in 0..20 {
+            let o = order_candidates_preferring(&s, &set(&[]), &set(&["c"]), &prefill, &rng);
+            let names: Vec<&str> = o.iter().map(|&i| s[i].name.as_str()).collect();
+            assert_eq!(names[0], "b");
+            assert_eq!(names[3], "c");
         }
     }
 

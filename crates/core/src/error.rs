@@ -184,11 +184,13 @@ pub enum ErrorLabel {
     Invalid,
     /// 401/403/404.
     Dead,
+    /// A replayed resume leg contradicted the text the caller already had.
+    ResumeDiverged,
 }
 
 impl ErrorLabel {
     /// Every label, for documentation and exhaustive tests.
-    pub const ALL: [ErrorLabel; 13] = [
+    pub const ALL: [ErrorLabel; 14] = [
         ErrorLabel::Cancelled,
         ErrorLabel::HedgeCancelled,
         ErrorLabel::Deadline,
@@ -202,6 +204,7 @@ impl ErrorLabel {
         ErrorLabel::Rejected,
         ErrorLabel::Invalid,
         ErrorLabel::Dead,
+        ErrorLabel::ResumeDiverged,
     ];
 
     /// The stable name stored in the `error` column.
@@ -220,6 +223,7 @@ impl ErrorLabel {
             ErrorLabel::Rejected => "rejected",
             ErrorLabel::Invalid => "invalid",
             ErrorLabel::Dead => "dead",
+            ErrorLabel::ResumeDiverged => "resume_diverged",
         }
     }
 }
@@ -667,7 +671,8 @@ mod tests {
                 "truncated",
                 "rejected",
                 "invalid",
-                "dead"
+                "dead",
+                "resume_diverged"
             ]
         );
         for l in ErrorLabel::ALL {

@@ -1,7 +1,8 @@
-//! Hedging decisions (SPEC §7), pure: when a round launches an extra leg
-//! ([`HedgeWindow`]), whether the scope's hedge budget allows it ([`HedgeBudget`]),
-//! which leg wins ([`pick_winner`]) and what a round whose legs all failed counts as
-//! ([`combine_failures`]).
+//! Hedging decisions (SPEC §7), pure: the policy that applies to a request
+//! ([`HedgePolicy`]), whether the scope's hedge budget allows an extra leg
+//! ([`HedgeBudget`]), and what a round whose legs all failed counts as
+//! ([`combine_failures`]). When triggers fire and which leg wins is the round state
+//! machine's ([`crate::round`]).
 //!
 //! Triggers, per running leg, each firing at most once:
 //! - first token (`HEDGE__AFTER_S`): the leg has produced no incremental chunk (plain:
@@ -9,8 +10,7 @@
 //! - stall (`HEDGE__STALL_AFTER_S`, streams only): the leg's gap since its last
 //!   incremental chunk reaches `stall_after` (re-armed by its next chunk).
 //!
-//! A trigger launches at most one extra leg; a new extra leg needs a new trigger. The
-//! engine sleeps on relative durations until the next trigger is due.
+//! A trigger launches at most one extra leg; a new extra leg needs a new trigger.
 
 use std::collections::VecDeque;
 use std::time::{Duration, Instant};
@@ -46,137 +46,24 @@ impl HedgePolicy {
     }
 }
 
-#[derive(Debug, Clone, Copy)]
-struct LegWatch {
-    launched_at: Instant,
-    last_chunk: Option<Instant>,
-    chunks: u32,
-    running: bool,
-    first_token_fired: bool,
-    /// The chunk count at which this leg's stall trigger last fired.
-    stall_fired_at: Option<u32>,
-}
-
-/// What the round should do about hedging now.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum HedgeStep {
-    /// A trigger fired: try to launch one extra leg now.
-    Launch,
-    /// Nothing is due; look again at this instant (or on the next event).
-    Wait(Instant),
-    /// No trigger can fire until something happens (a chunk arrives).
-    Idle,
-    /// No extra leg will ever be launched in this round.
-    Stop,
-}
-
-/// The hedge state of one round.
-#[derive(Debug, Clone)]
-pub struct HedgeWindow {
-    policy: HedgePolicy,
-    legs: Vec<LegWatch>,
-    extras: u32,
-    committed: bool,
-}
-
-impl HedgeWindow {
-    /// A round whose primary leg launched at `primary_at`.
-    pub fn new(policy: HedgePolicy, primary_at: Instant) -> Self {
-        let mut w = HedgeWindow {
-            policy,
-            legs: Vec::new(),
-            extras: 0,
-            committed: false,
-        };
-        w.push_leg(primary_at);
-        w
-    }
-
-    fn push_leg(&mut self, at: Instant) -> usize {
-        self.legs.push(LegWatch {
-            launched_at: at,
-            last_chunk: None,
-            chunks: 0,
-            running: true,
-            first_token_fired: false,
-            stall_fired_at: None,
-        });
-        self.legs.len() - 1
-    }
-
-    /// An extra leg was launched at `at`; returns its leg index.
-    pub fn on_extra_launched(&mut self, at: Instant) -> usize {
-        self.extras += 1;
-        self.push_leg(at)
-    }
-
-    /// Extra legs launched so far in this round.
-    pub fn extras(&self) -> u32 {
-        self.extras
-    }
-
-    /// Leg `leg` produced an incremental chunk at `at`.
-    pub fn on_chunk(&mut self, leg: usize, at: Instant) {
-        if let Some(l) = self.legs.get_mut(leg) {
-            l.chunks = l.chunks.saturating_add(1);
-            l.last_chunk = Some(l.last_chunk.map_or(at, |p| p.max(at)));
-        }
-    }
-
-    /// Leg `leg` ended (success, failure or cancellation).
-    pub fn on_leg_finished(&mut self, leg: usize) {
-        if let Some(l) = self.legs.get_mut(leg) {
-            l.running = false;
-        }
-    }
-
-    /// Passthrough commit: a leg's content is on the wire; no new leg from now on.
-    pub fn commit(&mut self) {
-        self.committed = true;
-    }
-
-    /// Evaluates the triggers at `now`. A due trigger is consumed and returns
-    /// [`HedgeStep::Launch`] (the caller launches one leg, or silently skips it).
-    pub fn poll(&mut self, now: Instant) -> HedgeStep {
-        if self.committed || !self.policy.enabled() || self.extras >= self.policy.max_extra {
-            return HedgeStep::Stop;
-        }
-        let mut earliest: Option<Instant> = None;
-        for l in self.legs.iter_mut().filter(|l| l.running) {
-            if let (Some(after), 0, false) = (self.policy.after, l.chunks, l.first_token_fired) {
-                let due = l.launched_at + after;
-                if due <= now {
-                    l.first_token_fired = true;
-                    return HedgeStep::Launch;
-                }
-                earliest = Some(earliest.map_or(due, |e: Instant| e.min(due)));
-            }
-            if let (Some(stall), Some(last)) = (self.policy.stall_after, l.last_chunk) {
-                if l.stall_fired_at != Some(l.chunks) {
-                    let due = last + stall;
-                    if due <= now {
-                        l.stall_fired_at = Some(l.chunks);
-                        return HedgeStep::Launch;
-                    }
-                    earliest = Some(earliest.map_or(due, |e: Instant| e.min(due)));
-                }
-            }
-        }
-        match earliest {
-            Some(t) => HedgeStep::Wait(t),
-            None => HedgeStep::Idle,
-        }
-    }
-}
-
 /// The scope's hedge budget: extra legs over the last 60 s stay under `BUDGET_PCT` % of
 /// the calls over the same window, with a floor of 1 (the cap is never below one leg).
-/// One-second buckets keep memory constant whatever the call rate.
+/// One-second buckets keep memory constant whatever the call rate; buckets stay in
+/// time order whatever order the callers' instants come in (an instant older than the
+/// newest bucket counts in the newest one).
 #[derive(Debug, Clone, Default)]
 pub struct HedgeBudget {
-    /// (second index, calls, extra legs), oldest first.
+    /// (second index, calls, extra legs), oldest first, strictly increasing seconds.
     buckets: VecDeque<(u64, u64, u64)>,
     origin: Option<Instant>,
+}
+
+/// One extra leg taken from a [`HedgeBudget`]; give it back with
+/// [`HedgeBudget::give_back`] when the leg is not launched after all.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[must_use = "a ticket not launched must be given back"]
+pub struct BudgetTicket {
+    sec: u64,
 }
 
 const BUDGET_WINDOW_S: u64 = 60;
@@ -189,7 +76,10 @@ impl HedgeBudget {
 
     fn bucket(&mut self, now: Instant) -> &mut (u64, u64, u64) {
         let origin = *self.origin.get_or_insert(now);
-        let sec = now.saturating_duration_since(origin).as_secs();
+        let mut sec = now.saturating_duration_since(origin).as_secs();
+        if let Some(&(last, _, _)) = self.buckets.back() {
+            sec = sec.max(last);
+        }
         while let Some(&(s, _, _)) = self.buckets.front() {
             if s + BUDGET_WINDOW_S <= sec {
                 self.buckets.pop_front();
@@ -217,29 +107,26 @@ impl HedgeBudget {
     }
 
     /// Takes one extra leg from the budget if allowed (`pct` 0 = no cap).
-    pub fn try_take(&mut self, now: Instant, pct: u32) -> bool {
+    pub fn try_take(&mut self, now: Instant, pct: u32) -> Option<BudgetTicket> {
         let (calls, extras) = self.totals(now);
         if pct > 0 {
             let cap = (calls * pct as u64 / 100).max(1);
             if extras >= cap {
-                return false;
+                return None;
             }
         }
-        self.bucket(now).2 += 1;
-        true
-    }
-
-    /// Gives back a leg taken by [`HedgeBudget::try_take`] that could not be admitted.
-    pub fn give_back(&mut self, now: Instant) {
         let b = self.bucket(now);
-        b.2 = b.2.saturating_sub(1);
+        b.2 += 1;
+        Some(BudgetTicket { sec: b.0 })
     }
-}
 
-/// The winner among legs that completed successfully at the same instant: the
-/// earliest launched (lowest leg index).
-pub fn pick_winner(successful_legs: &[usize]) -> Option<usize> {
-    successful_legs.iter().copied().min()
+    /// Gives back a leg taken by [`HedgeBudget::try_take`] that was not launched: from
+    /// the bucket it was taken from (nothing if that bucket already left the window).
+    pub fn give_back(&mut self, ticket: BudgetTicket) {
+        if let Some(b) = self.buckets.iter_mut().find(|b| b.0 == ticket.sec) {
+            b.2 = b.2.saturating_sub(1);
+        }
+    }
 }
 
 /// How a round whose legs all failed counts.
@@ -289,14 +176,6 @@ mod tests {
         Duration::from_millis(n)
     }
 
-    fn policy(after: Option<u64>, stall: Option<u64>, max: u32) -> HedgePolicy {
-        HedgePolicy {
-            after: after.map(ms),
-            stall_after: stall.map(ms),
-            max_extra: max,
-        }
-    }
-
     #[test]
     fn plain_request_with_only_stall_is_unhedged() {
         let h = HedgeSettings {
@@ -305,74 +184,7 @@ mod tests {
         };
         let p = HedgePolicy::for_request(&h, false);
         assert!(!p.enabled());
-        let mut w = HedgeWindow::new(p, t0());
-        assert_eq!(w.poll(t0() + ms(10_000)), HedgeStep::Stop);
         assert!(HedgePolicy::for_request(&h, true).enabled());
-    }
-
-    #[test]
-    fn first_token_trigger_fires_once_after_threshold() {
-        let s = t0();
-        let mut w = HedgeWindow::new(policy(Some(100), None, 1), s);
-        assert_eq!(w.poll(s + ms(50)), HedgeStep::Wait(s + ms(100)));
-        assert_eq!(w.poll(s + ms(100)), HedgeStep::Launch);
-        // the trigger is consumed even if the leg could not be admitted
-        assert_eq!(w.poll(s + ms(150)), HedgeStep::Idle);
-    }
-
-    #[test]
-    fn first_token_never_fires_after_a_chunk() {
-        let s = t0();
-        let mut w = HedgeWindow::new(policy(Some(100), None, 1), s);
-        w.on_chunk(0, s + ms(20));
-        assert_eq!(w.poll(s + ms(500)), HedgeStep::Idle);
-    }
-
-    #[test]
-    fn stall_trigger_rearms_on_each_chunk() {
-        let s = t0();
-        let mut w = HedgeWindow::new(policy(None, Some(100), 3), s);
-        assert_eq!(
-            w.poll(s + ms(1000)),
-            HedgeStep::Idle,
-            "no chunk yet: no stall"
-        );
-        w.on_chunk(0, s + ms(1000));
-        assert_eq!(w.poll(s + ms(1050)), HedgeStep::Wait(s + ms(1100)));
-        assert_eq!(w.poll(s + ms(1100)), HedgeStep::Launch);
-        w.on_extra_launched(s + ms(1100));
-        assert_eq!(
-            w.poll(s + ms(1150)),
-            HedgeStep::Idle,
-            "same silence fires once"
-        );
-        w.on_chunk(0, s + ms(1200));
-        assert_eq!(w.poll(s + ms(1300)), HedgeStep::Launch);
-    }
-
-    #[test]
-    fn ladder_of_extra_legs_needs_new_triggers_and_stops_at_max() {
-        let s = t0();
-        let mut w = HedgeWindow::new(policy(Some(100), None, 2), s);
-        assert_eq!(w.poll(s + ms(100)), HedgeStep::Launch);
-        let l1 = w.on_extra_launched(s + ms(100));
-        assert_eq!(l1, 1);
-        // the new leg's own first-token timer is the next trigger
-        assert_eq!(w.poll(s + ms(150)), HedgeStep::Wait(s + ms(200)));
-        assert_eq!(w.poll(s + ms(200)), HedgeStep::Launch);
-        w.on_extra_launched(s + ms(200));
-        assert_eq!(w.poll(s + ms(10_000)), HedgeStep::Stop);
-    }
-
-    #[test]
-    fn finished_legs_do_not_trigger_and_commit_stops() {
-        let s = t0();
-        let mut w = HedgeWindow::new(policy(Some(100), Some(100), 3), s);
-        w.on_leg_finished(0);
-        assert_eq!(w.poll(s + ms(500)), HedgeStep::Idle);
-        let mut w = HedgeWindow::new(policy(Some(100), None, 3), s);
-        w.commit();
-        assert_eq!(w.poll(s + ms(500)), HedgeStep::Stop);
     }
 
     #[test]
@@ -380,23 +192,52 @@ mod tests {
         let s = t0();
         let mut b = HedgeBudget::new();
         b.record_call(s);
-        assert!(b.try_take(s, 20), "floor of one");
-        assert!(!b.try_take(s, 20));
+        assert!(b.try_take(s, 20).is_some(), "floor of one");
+        assert!(b.try_take(s, 20).is_none());
         for _ in 0..9 {
             b.record_call(s);
         }
         // 10 calls × 20 % = 2
-        assert!(b.try_take(s, 20));
-        assert!(!b.try_take(s, 20));
+        assert!(b.try_take(s, 20).is_some());
+        assert!(b.try_take(s, 20).is_none());
         // the window slides
-        assert!(b.try_take(s + Duration::from_secs(61), 20));
-        assert!(b.try_take(s, 0) && b.try_take(s, 0), "0 = no cap");
+        assert!(b.try_take(s + Duration::from_secs(61), 20).is_some());
+        assert!(
+            b.try_take(s, 0).is_some() && b.try_take(s, 0).is_some(),
+            "0 = no cap"
+        );
     }
 
+    /// A leg given back later than it was taken returns to its own bucket (it used to
+    /// decrement the current bucket, and the taken slot stayed used for 60 s).
     #[test]
-    fn winner_is_earliest_launched() {
-        assert_eq!(pick_winner(&[2, 0, 1]), Some(0));
-        assert_eq!(pick_winner(&[]), None);
+    fn give_back_returns_the_leg_to_its_bucket() {
+        let s = t0();
+        let mut b = HedgeBudget::new();
+        for _ in 0..10 {
+            b.record_call(s);
+        }
+        let t = b.try_take(s, 10).expect("1 of 10 calls");
+        assert!(b.try_take(s + Duration::from_secs(5), 10).is_none());
+        b.give_back(t);
+        assert_eq!(b.totals(s + Duration::from_secs(5)), (10, 0));
+        assert!(b.try_take(s + Duration::from_secs(5), 10).is_some());
+    }
+
+    /// Instants older than the newest bucket never create a bucket out of order (a
+    /// call counted at its start after later calls: it used to be counted twice once
+    /// the older bucket was evicted late).
+    #[test]
+    fn out_of_order_instants_keep_buckets_in_order() {
+        let s = t0();
+        let mut b = HedgeBudget::new();
+        b.record_call(s + Duration::from_secs(10));
+        b.record_call(s + Duration::from_secs(3));
+        b.record_call(s + Duration::from_secs(12));
+        let secs: Vec<u64> = b.buckets.iter().map(|x| x.0).collect();
+        assert!(secs.windows(2).all(|w| w[0] < w[1]), "{secs:?}");
+        assert_eq!(b.totals(s + Duration::from_secs(12)), (3, 0));
+        assert_eq!(b.totals(s + Duration::from_secs(71)), (1, 0));
     }
 
     fn err(class: ErrorClass) -> AttemptError {
@@ -462,35 +303,6 @@ mod tests {
                 let first_non_429 = errs.iter().position(|e| e.class != RateLimited).unwrap();
                 prop_assert_eq!(chosen, first_non_429);
             }
-        }
-
-        /// Never more than `max_extra` launches; every launch consumes a distinct trigger.
-        #[test]
-        fn launches_are_bounded(
-            max in 1u32..4,
-            after in proptest::option::of(10u64..200),
-            stall in proptest::option::of(10u64..200),
-            events in proptest::collection::vec((0u64..100, 0usize..4, any::<bool>()), 0..80),
-        ) {
-            let s = t0();
-            let mut w = HedgeWindow::new(HedgePolicy { after: after.map(ms), stall_after: stall.map(ms), max_extra: max }, s);
-            let mut now = s;
-            let mut launches = 0;
-            for (dt, leg, chunk) in events {
-                now += ms(dt);
-                if chunk { w.on_chunk(leg, now); }
-                while let HedgeStep::Launch = w.poll(now) {
-                    launches += 1;
-                    w.on_extra_launched(now);
-                    prop_assert!(launches <= max);
-                }
-                match w.poll(now) {
-                    HedgeStep::Wait(t) => prop_assert!(t > now),
-                    HedgeStep::Launch => prop_assert!(false, "launch right after the loop"),
-                    _ => {}
-                }
-            }
-            prop_assert!(w.extras() <= max);
         }
     }
 }

@@ -10,7 +10,8 @@
 //! - errors: [`error`]
 //! - configuration: [`config`] (environment loading, guards)
 //! - decisions: [`classify`], [`settlement`], [`stall`], [`backoff`], [`admission`],
-//!   [`hedge`], [`retry`], [`breaker`], [`window`], [`body`], [`cache_key`]
+//!   [`hedge`], [`round`] (the round state machine), [`resume`], [`retry`],
+//!   [`breaker`], [`window`], [`body`], [`cache_key`]
 //! - ports: [`ports`]
 
 pub mod admission;
@@ -26,7 +27,9 @@ pub mod hedge;
 pub mod ports;
 pub mod request;
 pub mod response;
+pub mod resume;
 pub mod retry;
+pub mod round;
 pub mod secret;
 pub mod settings;
 pub mod settlement;

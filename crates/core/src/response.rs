@@ -126,6 +126,10 @@ pub struct CallStats {
     pub total_latency_ms: u64,
     /// Extra legs actually launched.
     pub hedges: u32,
+    /// Resume legs launched (SPEC §13): streams continued on another attempt after a
+    /// failure or a stall.
+    #[serde(default)]
+    pub resumes: u32,
     /// The winner was an extra leg.
     pub hedge_won: bool,
     /// The winner's transport wall time minus `stall_ms`, clamped at 0.

@@ -5,6 +5,7 @@ use std::time::Duration;
 
 use serde::Serialize;
 
+use crate::resume::ResumeSetting;
 use crate::secret::{redact_url, Secret};
 use crate::source::SourceConfig;
 
@@ -148,13 +149,30 @@ pub struct StreamSettings {
     /// A gap between incremental chunks longer than this counts as a stall in metering.
     #[serde(with = "crate::durations::millis")]
     pub stall_threshold: Duration,
+    /// `STREAM__RESUME`: how a stream that fails or stalls after its first chunk is
+    /// continued on another source (SPEC §13).
+    pub resume: ResumeSetting,
+    /// `STREAM__MAX_RESUMES`: resume legs per logical call (0 = off).
+    pub max_resumes: u32,
 }
+
+/// Default `STREAM__MAX_RESUMES`.
+pub const DEFAULT_MAX_RESUMES: u32 = 2;
 
 impl Default for StreamSettings {
     fn default() -> Self {
         StreamSettings {
             stall_threshold: Duration::from_millis(1000),
+            resume: ResumeSetting::Auto,
+            max_resumes: DEFAULT_MAX_RESUMES,
         }
+    }
+}
+
+impl StreamSettings {
+    /// Whether a stream may be resumed at all.
+    pub fn resume_enabled(&self) -> bool {
+        self.resume != ResumeSetting::Off && self.max_resumes > 0
     }
 }
 

@@ -5,6 +5,7 @@ use std::time::Duration;
 use serde::Serialize;
 use serde_json::{Map, Value};
 
+use crate::resume::PrefillDialect;
 use crate::secret::Secret;
 
 /// Default whole-request timeout (`TIMEOUT_S`).
@@ -61,6 +62,9 @@ pub struct SourceConfig {
     pub batch_size: u32,
     /// Merged into every request body (after the caller's overlay).
     pub extra_body: Map<String, Value>,
+    /// How this source continues an assistant prefill (`PREFILL`; `None` = it does not:
+    /// a resume on it replays).
+    pub prefill: Option<PrefillDialect>,
 }
 
 impl SourceConfig {
@@ -93,7 +97,14 @@ impl SourceConfig {
             price_per_call: None,
             batch_size: DEFAULT_BATCH_SIZE,
             extra_body: Map::new(),
+            prefill: None,
         }
+    }
+
+    /// Sets the prefill dialect (`PREFILL`).
+    pub fn with_prefill(mut self, dialect: PrefillDialect) -> Self {
+        self.prefill = Some(dialect);
+        self
     }
 
     /// Sets RPM.
@@ -214,6 +225,7 @@ impl std::fmt::Debug for SourceConfig {
                 "extra_body_keys",
                 &self.extra_body.keys().collect::<Vec<_>>(),
             )
+            .field("prefill", &self.prefill)
             .finish()
     }
 }

@@ -97,6 +97,15 @@ pub struct TelemetryRow {
     pub cache_hit: bool,
     /// Wall clock, ms since the Unix epoch (UTC).
     pub created_at_ms: i64,
+    /// A resume leg: the `call_id` of the attempt whose answer it continues.
+    #[serde(default)]
+    pub resume_of: Option<String>,
+    /// A resume leg: `prefill` or `replay`.
+    #[serde(default)]
+    pub resume_mode: Option<String>,
+    /// A resume leg: characters of content the caller had when it started.
+    #[serde(default)]
+    pub prefix_chars: Option<u64>,
 }
 
 impl TelemetryRow {
@@ -137,6 +146,9 @@ impl TelemetryRow {
             stall_count: None,
             cache_hit: false,
             created_at_ms,
+            resume_of: None,
+            resume_mode: None,
+            prefix_chars: None,
         }
     }
 

@@ -109,7 +109,7 @@ const VARIANTS: &[Variant] = &[
 struct FirstToken(OnceLock<Instant>);
 
 impl DeltaSink for FirstToken {
-    fn send(&self, delta: &StreamDelta) {
+    fn send(&self, delta: StreamDelta) {
         if delta.is_incremental() {
             let _ = self.0.set(Instant::now());
         }

@@ -3,14 +3,18 @@
 
 use std::sync::Arc;
 
-use futures_util::future::BoxFuture;
+use futures_util::future::{BoxFuture, FutureExt};
 use polygw_core::cache_key::cache_key;
 use polygw_core::hedge::HedgePolicy;
 use polygw_core::ports::{ChatAttempt, ChunkObserver, TransportResult};
+use polygw_core::resume::{
+    estimate_prompt_tokens, estimate_tokens, prefill_request, PrefillDialect, ResumeMode,
+};
+use polygw_core::round::LegKind;
 use polygw_core::stall::{generation_ms, ms};
 use polygw_core::{
     AttemptError, CallStats, ChatRequest, ConfigWarning, GatewayError, GovernanceError,
-    LlmResponse, SourceConfig, TerminalReason,
+    LlmResponse, SourceConfig, ToolCall,
 };
 use tracing::Instrument;
 
@@ -20,6 +24,7 @@ use crate::engine::call::CallShared;
 use crate::engine::round::{DeltaSink, Won};
 use crate::engine::Engine;
 use crate::metrics::Metrics;
+use crate::stream::ChatStream;
 
 /// A chat client over one scope. See the crate documentation for an example.
 #[derive(Clone, Debug)]
@@ -48,14 +53,46 @@ impl Leg for ChatLeg<'_> {
         source: &'a SourceConfig,
         call_id: &'a str,
         observer: &'a dyn ChunkObserver,
+        kind: &'a LegKind,
     ) -> BoxFuture<'a, Result<TransportResult, AttemptError>> {
-        engine.ports.transport.chat(ChatAttempt {
-            source,
-            request: self.request,
-            call_id,
-            stall_threshold: engine.scope.stream.stall_threshold,
-            observer,
-        })
+        let stall_threshold = engine.scope.stream.stall_threshold;
+        match kind {
+            LegKind::Resume {
+                mode: ResumeMode::Prefill,
+                prefix,
+                ..
+            } => {
+                // The original request plus the delivered text as an assistant
+                // prefill in the source's dialect; max tokens reduced by what was
+                // delivered (estimated).
+                let dialect = source.prefill.unwrap_or(PrefillDialect::Assistant);
+                let request =
+                    prefill_request(self.request, dialect, prefix, estimate_tokens(prefix));
+                async move {
+                    let attempt = ChatAttempt {
+                        source,
+                        request: &request,
+                        call_id,
+                        stall_threshold,
+                        observer,
+                    };
+                    engine.ports.transport.chat(attempt).await
+                }
+                .boxed()
+            }
+            // Fresh legs and replays send the original request.
+            _ => engine.ports.transport.chat(ChatAttempt {
+                source,
+                request: self.request,
+                call_id,
+                stall_threshold,
+                observer,
+            }),
+        }
+    }
+
+    fn estimate_prompt_tokens(&self) -> u64 {
+        estimate_prompt_tokens(self.request)
     }
 
     fn facts(&self, out: &TransportResult) -> SuccessFacts {
@@ -88,13 +125,7 @@ pub(crate) async fn with_deadline<T>(
         Err(_) => {
             call.mark_deadline();
             drop(fut);
-            Err(call.terminal(
-                TerminalReason::DeadlineExceeded,
-                Some(format!(
-                    "CALL_DEADLINE_S of {:.3}s passed",
-                    deadline.as_secs_f64()
-                )),
-            ))
+            Err(engine.deadline_error(call))
         }
     }
 }
@@ -126,13 +157,29 @@ impl GatewayClient {
 
     /// Like [`GatewayClient::chat`], streaming the committed leg's chunks to `sink` as
     /// they arrive (passthrough; the request must have `stream = true`). After the
-    /// first incremental chunk no new leg starts and a failure is not retried.
+    /// first incremental chunk only resume legs start: a failure or a stall is
+    /// continued on another attempt (SPEC §13) when the scope allows it.
     pub async fn chat_streaming(
         &self,
         request: ChatRequest,
         sink: Arc<dyn DeltaSink>,
     ) -> Result<LlmResponse, GatewayError> {
         self.chat_inner(request, Some(sink)).await
+    }
+
+    /// A streamed chat call as a `futures::Stream` of [`ChatEvent`]s: the committed
+    /// leg's chunks as they arrive, resumed on another attempt after a failure or a
+    /// stall when the scope allows it (SPEC §13), then the whole answer. The request
+    /// is streamed from the upstream whatever its `stream` says. Dropping the stream
+    /// cancels the call.
+    ///
+    /// [`ChatEvent`]: crate::ChatEvent
+    pub fn chat_stream(&self, mut request: ChatRequest) -> ChatStream {
+        request.stream = true;
+        let client = self.clone();
+        ChatStream::new(move |sink| {
+            Box::pin(async move { client.chat_inner(request, Some(sink)).await })
+        })
     }
 
     pub(crate) fn new_call(&self, stream: bool) -> (Arc<CallShared>, tracing::Span) {
@@ -232,7 +279,9 @@ impl GatewayClient {
                 }
             }
         }
-        engine.budget().record_call(call.started);
+        if call.count_in_budget() {
+            engine.budget().record_call(engine.ports.clock.now());
+        }
         let policy = HedgePolicy::for_request(&engine.scope.hedge, request.stream);
         let leg = ChatLeg { request };
         let won = engine.run_call(&leg, call, policy, sink).await?;
@@ -259,6 +308,7 @@ impl GatewayClient {
                 .now()
                 .saturating_duration_since(call.started)),
             hedges: 0,
+            resumes: 0,
             hedge_won: false,
             generation_ms: 0,
             stall_ms: None,
@@ -275,16 +325,44 @@ impl GatewayClient {
         let tr = won.output;
         let figures = tr.stream;
         let stall_ms = figures.and_then(|f| f.stall_ms);
+        // The answer: what the caller received (passthrough), or the winner's text
+        // after the prefix it continued (aggregated prefill).
+        let (content, reasoning_content, tool_calls) = match won.delivered {
+            Some(t) => (
+                t.content,
+                (!t.reasoning.is_empty()).then_some(t.reasoning),
+                t.tools
+                    .into_iter()
+                    .map(|(index, x)| ToolCall {
+                        index,
+                        id: x.id,
+                        name: x.name,
+                        arguments: x.arguments,
+                    })
+                    .collect(),
+            ),
+            None => (
+                format!("{}{}", won.info.kind.prefill_prefix(), tr.content),
+                tr.reasoning_content,
+                tr.tool_calls,
+            ),
+        };
+        let mut usage = tr.usage;
+        let mut usage_source = tr.usage_source;
+        for part in &won.parts {
+            usage = usage.add(&part.usage);
+            usage_source = usage_source.merge(part.source);
+        }
         let p = call.progress();
         LlmResponse {
-            content: tr.content,
-            reasoning_content: tr.reasoning_content,
-            tool_calls: tr.tool_calls,
+            content,
+            reasoning_content,
+            tool_calls,
             finish_reason: tr.finish_reason,
             model: tr.model.unwrap_or_else(|| src.model.clone()),
             source: src.name.clone(),
-            usage: tr.usage,
-            usage_source: tr.usage_source,
+            usage,
+            usage_source,
             ttft_ms: figures.and_then(|f| f.ttft_ms),
             max_inter_token_ms: figures.and_then(|f| f.max_inter_token_ms),
             logical_call_id: call.logical_call_id.clone(),
@@ -297,6 +375,7 @@ impl GatewayClient {
                     .now()
                     .saturating_duration_since(call.started)),
                 hedges: p.hedges,
+                resumes: p.resumes,
                 hedge_won: won.info.is_hedge,
                 generation_ms: generation_ms(ms(won.wall), stall_ms),
                 stall_ms,

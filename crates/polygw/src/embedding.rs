@@ -7,6 +7,7 @@ use std::sync::Arc;
 use futures_util::future::{BoxFuture, FutureExt};
 use polygw_core::hedge::HedgePolicy;
 use polygw_core::ports::{ChunkObserver, EmbeddingResult};
+use polygw_core::round::LegKind;
 use polygw_core::stall::ms;
 use polygw_core::telemetry::{cost, CostBasis};
 use polygw_core::{
@@ -69,6 +70,7 @@ impl Leg for EmbedLeg<'_> {
         source: &'a SourceConfig,
         call_id: &'a str,
         _observer: &'a dyn ChunkObserver,
+        _kind: &'a LegKind,
     ) -> BoxFuture<'a, Result<EmbeddingResult, AttemptError>> {
         let n = self.texts.len();
         async move {
@@ -205,6 +207,7 @@ impl EmbeddingClient {
                 .now()
                 .saturating_duration_since(call.started)),
             hedges: 0,
+            resumes: 0,
             hedge_won: false,
             generation_ms: generation,
             stall_ms: None,

@@ -29,6 +29,7 @@ mod engine;
 pub mod metrics;
 mod ocr;
 mod scope_client;
+mod stream;
 mod structured;
 mod wiring;
 
@@ -39,6 +40,7 @@ pub use engine::round::{Commit, DeltaSink};
 pub use engine::Ports;
 pub use metrics::Metrics;
 pub use ocr::{OcrClient, OcrText, MAX_IMAGE_BYTES};
+pub use stream::{ChatEvent, ChatStream};
 pub use structured::{strip_code_fence, Structured};
 
 /// The SQL telemetry adapter: the recorder, and reading rows back (`polygw report`).

@@ -45,6 +45,8 @@ struct Inner {
     ttft: BTreeMap<(String, String), Histogram>,
     /// scope → cache hits.
     cache_hits: BTreeMap<String, u64>,
+    /// (scope, mode, outcome) → resume legs; outcome is `ok` or the leg's label.
+    resumes: BTreeMap<(String, String, String), u64>,
 }
 
 /// Counters and histograms of one or more clients.
@@ -91,6 +93,24 @@ impl Metrics {
 
     pub(crate) fn hedge_win(&self, scope: &str) {
         *self.lock().hedge_wins.entry(scope.into()).or_default() += 1;
+    }
+
+    pub(crate) fn resume(&self, scope: &str, mode: &str, outcome: &str) {
+        *self
+            .lock()
+            .resumes
+            .entry((scope.into(), mode.into(), outcome.into()))
+            .or_default() += 1;
+    }
+
+    /// Resume legs that ended with this outcome (`ok` or a label), any scope and mode.
+    pub fn resumes_with(&self, outcome: &str) -> u64 {
+        self.lock()
+            .resumes
+            .iter()
+            .filter(|((_, _, o), _)| o == outcome)
+            .map(|(_, n)| n)
+            .sum()
     }
 
     pub(crate) fn cache_hit(&self, scope: &str) {
@@ -160,6 +180,20 @@ impl Metrics {
                 "polygw_errors_total{{scope=\"{}\",label=\"{}\"}} {n}",
                 esc(scope),
                 esc(label)
+            );
+        }
+        let _ = writeln!(
+            s,
+            "# HELP polygw_resumes_total Resume legs of streams, by mode and outcome (ok or label)."
+        );
+        let _ = writeln!(s, "# TYPE polygw_resumes_total counter");
+        for ((scope, mode, outcome), n) in &g.resumes {
+            let _ = writeln!(
+                s,
+                "polygw_resumes_total{{scope=\"{}\",mode=\"{}\",outcome=\"{}\"}} {n}",
+                esc(scope),
+                esc(mode),
+                esc(outcome)
             );
         }
         let _ = writeln!(s, "# HELP polygw_hedges_total Extra hedge legs launched.");

@@ -6,6 +6,7 @@ use std::sync::Arc;
 use futures_util::future::{BoxFuture, FutureExt};
 use polygw_core::hedge::HedgePolicy;
 use polygw_core::ports::{ChunkObserver, OcrResult};
+use polygw_core::round::LegKind;
 use polygw_core::stall::ms;
 use polygw_core::telemetry::{cost, CostBasis};
 use polygw_core::{
@@ -68,6 +69,7 @@ impl Leg for OcrLeg<'_> {
         source: &'a SourceConfig,
         call_id: &'a str,
         _observer: &'a dyn ChunkObserver,
+        _kind: &'a LegKind,
     ) -> BoxFuture<'a, Result<OcrResult, AttemptError>> {
         async move {
             let Some(t) = engine.ports.ocr.as_ref() else {

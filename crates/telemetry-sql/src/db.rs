@@ -18,7 +18,7 @@ use crate::migrations;
 use crate::time::{format_utc_ms, parse_utc_ms};
 
 /// The columns of `llm_calls`, in table order (SPEC §8).
-pub const COLUMNS: [&str; 27] = [
+pub const COLUMNS: [&str; 30] = [
     "call_id",
     "logical_call_id",
     "scope",
@@ -46,6 +46,9 @@ pub const COLUMNS: [&str; 27] = [
     "stall_count",
     "cache_hit",
     "created_at",
+    "resume_of",
+    "resume_mode",
+    "prefix_chars",
 ];
 
 /// `application_name` of polygw's PostgreSQL connections (unless the URL sets one).
@@ -310,6 +313,7 @@ impl Db {
                     qb.push_values(chunk, |mut b, r| {
                         push_common!(b, r);
                         b.push_bind(format_utc_ms(r.created_at_ms));
+                        push_resume!(b, r);
                     });
                     qb.push(" ON CONFLICT (call_id) DO NOTHING");
                     qb.build().execute(&mut *tx).await?;
@@ -325,6 +329,7 @@ impl Db {
                         b.push("CAST(");
                         b.push_bind_unseparated(format_utc_ms(r.created_at_ms));
                         b.push_unseparated(" AS TIMESTAMPTZ)");
+                        push_resume!(b, r);
                     });
                     qb.push(" ON CONFLICT (call_id) DO NOTHING");
                     qb.build().execute(&mut *tx).await?;
@@ -437,7 +442,7 @@ fn null_type(backend: Backend, column: &str) -> &'static str {
             _,
             "attempt_index" | "http_status" | "prompt_tokens" | "completion_tokens"
             | "reasoning_tokens" | "latency_ms" | "ttft_ms" | "max_inter_token_ms" | "stall_ms"
-            | "stall_count",
+            | "stall_count" | "prefix_chars",
         ) => match backend {
             Backend::Sqlite => "INTEGER",
             Backend::Postgres => "BIGINT",
@@ -489,6 +494,16 @@ macro_rules! push_common {
     };
 }
 use push_common;
+
+/// Binds the columns after `created_at`, in [`COLUMNS`] order.
+macro_rules! push_resume {
+    ($b:ident, $r:ident) => {
+        $b.push_bind($r.resume_of.clone())
+            .push_bind($r.resume_mode.clone())
+            .push_bind(big($r.prefix_chars));
+    };
+}
+use push_resume;
 
 /// Reads one column, naming it and the row in the error.
 fn get<'r, R, T>(row: &'r R, col: &str, call_id: &str, url: &str) -> Result<T, TelemetryError>
@@ -574,6 +589,9 @@ macro_rules! decode_row {
             stall_count: unsigned(int("stall_count")?, "stall_count", id)?,
             cache_hit: flag("cache_hit")?,
             created_at_ms,
+            resume_of: get(row, "resume_of", id, url)?,
+            resume_mode: get(row, "resume_mode", id, url)?,
+            prefix_chars: unsigned(int("prefix_chars")?, "prefix_chars", id)?,
             call_id,
         })
     }};

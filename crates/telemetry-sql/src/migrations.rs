@@ -43,20 +43,36 @@ pub struct EmbeddedMigration {
 pub const DESCRIPTION_PREFIX: &str = "polygw ";
 
 /// SQLite migrations, in order.
-pub const SQLITE: &[EmbeddedMigration] = &[EmbeddedMigration {
-    version: 1,
-    description: "polygw llm calls",
-    file: "0001_polygw_llm_calls.sql",
-    sql: include_str!("../migrations/sqlite/0001_polygw_llm_calls.sql"),
-}];
+pub const SQLITE: &[EmbeddedMigration] = &[
+    EmbeddedMigration {
+        version: 1,
+        description: "polygw llm calls",
+        file: "0001_polygw_llm_calls.sql",
+        sql: include_str!("../migrations/sqlite/0001_polygw_llm_calls.sql"),
+    },
+    EmbeddedMigration {
+        version: 2,
+        description: "polygw resume columns",
+        file: "0002_polygw_resume_columns.sql",
+        sql: include_str!("../migrations/sqlite/0002_polygw_resume_columns.sql"),
+    },
+];
 
 /// PostgreSQL migrations, in order (same versions and descriptions as [`SQLITE`]).
-pub const POSTGRES: &[EmbeddedMigration] = &[EmbeddedMigration {
-    version: 1,
-    description: "polygw llm calls",
-    file: "0001_polygw_llm_calls.sql",
-    sql: include_str!("../migrations/postgres/0001_polygw_llm_calls.sql"),
-}];
+pub const POSTGRES: &[EmbeddedMigration] = &[
+    EmbeddedMigration {
+        version: 1,
+        description: "polygw llm calls",
+        file: "0001_polygw_llm_calls.sql",
+        sql: include_str!("../migrations/postgres/0001_polygw_llm_calls.sql"),
+    },
+    EmbeddedMigration {
+        version: 2,
+        description: "polygw resume columns",
+        file: "0002_polygw_resume_columns.sql",
+        sql: include_str!("../migrations/postgres/0002_polygw_resume_columns.sql"),
+    },
+];
 
 /// A list of embedded migrations as a sqlx [`MigrationSource`].
 #[derive(Debug, Clone, Copy)]

@@ -1493,24 +1493,29 @@ mod schema {
 
     use crate::common::*;
 
-    static SQLITE_V2: &[EmbeddedMigration] = &[
+    /// A later polygw's migration list: this binary's, plus one that adds a column.
+    static SQLITE_NEXT: &[EmbeddedMigration] = &[
         migrations::SQLITE[0],
+        migrations::SQLITE[1],
         EmbeddedMigration {
-            version: 2,
+            version: 3,
             description: "polygw test region",
-            file: "0002_polygw_test_region.sql",
+            file: "0003_polygw_test_region.sql",
             sql: "ALTER TABLE llm_calls ADD COLUMN region TEXT;\nCREATE INDEX IF NOT EXISTS llm_calls_region ON llm_calls (region);",
         },
     ];
-    static POSTGRES_V2: &[EmbeddedMigration] = &[
+    static POSTGRES_NEXT: &[EmbeddedMigration] = &[
         migrations::POSTGRES[0],
+        migrations::POSTGRES[1],
         EmbeddedMigration {
-            version: 2,
+            version: 3,
             description: "polygw test region",
-            file: "0002_polygw_test_region.sql",
+            file: "0003_polygw_test_region.sql",
             sql: "ALTER TABLE llm_calls ADD COLUMN region TEXT;\nCREATE INDEX IF NOT EXISTS llm_calls_region ON llm_calls (region);",
         },
     ];
+    /// This binary's latest migration.
+    const LATEST: i64 = 2;
 
     async fn run_migrator(db: &TestDb, list: &'static [EmbeddedMigration]) {
         let m = Migrator::new(Embedded(list)).await.unwrap();
@@ -1621,13 +1626,13 @@ mod schema {
             assert_eq!(b.flush().await.unwrap().written, 1);
             assert_eq!(
                 db.scalar("SELECT COUNT(*) FROM _sqlx_migrations").await,
-                1,
+                LATEST,
                 "{}",
                 db.name()
             );
             assert_eq!(
                 db.scalar("SELECT MAX(version) FROM _sqlx_migrations").await,
-                1
+                LATEST
             );
             assert_eq!(db.count().await, 2);
             a.shutdown().await;
@@ -1638,7 +1643,26 @@ mod schema {
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_database_of_migration_1_upgrades_and_older_binaries_keep_writing() {
         for db in TestDb::all().await {
-            // Created by migration 1 (this binary), with rows.
+            // A database made by a polygw that knew only migration 1, with a row.
+            let (first, next) = match db.backend() {
+                Backend::Sqlite => (&migrations::SQLITE[..1], SQLITE_NEXT),
+                Backend::Postgres => (&migrations::POSTGRES[..1], POSTGRES_NEXT),
+            };
+            let first: &'static [EmbeddedMigration] = first;
+            run_migrator(&db, first).await;
+            let created = match db.backend() {
+                Backend::Sqlite => "'2026-12-02T11:32:08.123Z'",
+                Backend::Postgres => "CAST('2026-12-02T11:32:08.123Z' AS TIMESTAMPTZ)",
+            };
+            db.exec(&format!(
+                "INSERT INTO llm_calls (call_id, logical_call_id, scope, operation, kind, ok, usage_source, created_at) \
+                 VALUES ('old', 'l', 'LLM', 'chat', 'attempt', {}, 'unavailable', {created})",
+                if db.backend() == Backend::Sqlite { "1" } else { "TRUE" }
+            ))
+            .await;
+
+            // This binary upgrades it in place: the resume columns are added, the old
+            // row reads them as NULL.
             let rec = SqlRecorder::connect(db.url(), fast_config()).await.unwrap();
             let rows = scenario();
             for r in &rows {
@@ -1646,38 +1670,48 @@ mod schema {
             }
             rec.flush().await.unwrap();
             rec.shutdown().await;
-
-            // A later polygw adds a column (migration 2).
-            let v2 = match db.backend() {
-                Backend::Sqlite => SQLITE_V2,
-                Backend::Postgres => POSTGRES_V2,
-            };
-            run_migrator(&db, v2).await;
             assert_eq!(
                 db.scalar("SELECT MAX(version) FROM _sqlx_migrations").await,
-                2
+                LATEST
+            );
+            let cols = column_names(&db).await;
+            let names: Vec<&str> = cols.iter().map(|(n, _)| n.as_str()).collect();
+            assert_eq!(names, COLUMNS, "{}", db.name());
+            let read = read_rows(db.url(), None).await.unwrap();
+            let old = read.iter().find(|r| r.call_id == "old").unwrap();
+            assert_eq!(
+                (&old.resume_of, &old.resume_mode, old.prefix_chars),
+                (&None, &None, None)
+            );
+
+            // A later polygw adds a column (migration 3).
+            run_migrator(&db, next).await;
+            assert_eq!(
+                db.scalar("SELECT MAX(version) FROM _sqlx_migrations").await,
+                LATEST + 1
             );
             let cols = column_names(&db).await;
             assert_eq!(cols.len(), COLUMNS.len() + 1);
             assert_eq!(cols.last().unwrap().0, "region");
-            assert_eq!(
-                db.scalar("SELECT COUNT(*) FROM llm_calls WHERE region IS NULL")
-                    .await,
-                rows.len() as i64
-            );
 
-            // The migrated database keeps its rows, and this binary (which knows only
-            // migration 1) still connects, writes and reads.
+            // The migrated database keeps its rows, and this binary (which does not
+            // know migration 3) still connects, writes and reads.
             let rec = SqlRecorder::connect(db.url(), fast_config()).await.unwrap();
             rec.record(attempt("after", "after", T0 + 100));
             assert_eq!(rec.flush().await.unwrap().written, 1);
             rec.shutdown().await;
+            let read = read_rows(db.url(), None).await.unwrap();
+            assert_eq!(read.len(), rows.len() + 2, "{}", db.name());
             let mut want = rows.clone();
             want.push(attempt("after", "after", T0 + 100));
-            assert_same_rows(&read_rows(db.url(), None).await.unwrap(), &want, db.name());
+            let read_ours: Vec<_> = read.into_iter().filter(|r| r.call_id != "old").collect();
+            assert_same_rows(&read_ours, &want, db.name());
             // Running the newer migrator again is a no-op.
-            run_migrator(&db, v2).await;
-            assert_eq!(db.scalar("SELECT COUNT(*) FROM _sqlx_migrations").await, 2);
+            run_migrator(&db, next).await;
+            assert_eq!(
+                db.scalar("SELECT COUNT(*) FROM _sqlx_migrations").await,
+                LATEST + 1
+            );
         }
     }
 

@@ -316,7 +316,17 @@ impl FakeTransport {
                     if stream {
                         let at = self.clock.now();
                         meter.on_chunk(at);
-                        attempt.observer.on_chunk(at);
+                        if attempt.observer.wants_deltas() {
+                            attempt.observer.on_delta(
+                                at,
+                                polygw_core::ports::StreamDelta {
+                                    content: Some("x".into()),
+                                    ..Default::default()
+                                },
+                            );
+                        } else {
+                            attempt.observer.on_chunk(at);
+                        }
                     }
                 }
                 tokio::time::sleep(after_last).await;
@@ -337,14 +347,22 @@ impl FakeTransport {
                     if stream {
                         let at = self.clock.now();
                         meter.on_chunk(at);
-                        attempt.observer.on_chunk(at);
                         if attempt.observer.wants_deltas() {
                             let piece: String = chars.iter().skip(i * per).take(per).collect();
-                            attempt.observer.on_delta(&polygw_core::ports::StreamDelta {
-                                role: (i == 0).then(|| "assistant".to_string()),
-                                content: Some(if piece.is_empty() { " ".into() } else { piece }),
-                                ..Default::default()
-                            });
+                            attempt.observer.on_delta(
+                                at,
+                                polygw_core::ports::StreamDelta {
+                                    role: (i == 0).then(|| "assistant".to_string()),
+                                    content: Some(if piece.is_empty() {
+                                        " ".into()
+                                    } else {
+                                        piece
+                                    }),
+                                    ..Default::default()
+                                },
+                            );
+                        } else {
+                            attempt.observer.on_chunk(at);
                         }
                     }
                 }

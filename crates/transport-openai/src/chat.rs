@@ -285,6 +285,7 @@ impl OpenAiTransport {
             meter: StallMeter::new(self.inner.clock.now(), Duration::MAX),
             observer: &null,
             wants: false,
+            wants_raw: false,
             clock: self.inner.clock.as_ref(),
             max_content: cfg.max_content_bytes,
             done: false,
@@ -369,6 +370,7 @@ impl OpenAiTransport {
             meter: StallMeter::new(start, attempt.stall_threshold),
             observer: attempt.observer,
             wants: attempt.observer.wants_deltas(),
+            wants_raw: attempt.observer.wants_raw(),
             clock: self.inner.clock.as_ref(),
             max_content: cfg.max_content_bytes,
             done: false,
@@ -533,6 +535,7 @@ struct StreamState<'a> {
     meter: StallMeter,
     observer: &'a dyn ChunkObserver,
     wants: bool,
+    wants_raw: bool,
     clock: &'a dyn Clock,
     max_content: usize,
     done: bool,
@@ -599,20 +602,28 @@ impl StreamState<'_> {
         if out.incremental {
             let t = *at.get_or_insert_with(|| self.clock.now());
             self.meter.on_chunk(t);
-            self.observer.on_chunk(t);
+            if !self.wants {
+                self.observer.on_chunk(t);
+            }
         }
-        if let Some(d) = out.delta {
-            self.observer.on_delta(&d);
+        if let Some(mut d) = out.delta {
+            if self.wants_raw {
+                d.raw = Some(obj);
+            }
+            let t = *at.get_or_insert_with(|| self.clock.now());
+            self.observer.on_delta(t, d);
         }
         Ok(out.incremental)
     }
 
     /// A plain completion received for a stream request counts as one chunk.
     fn plain_as_chunk(&mut self, a: &Aggregate) {
+        let t = self.clock.now();
         if a.generated_anything() {
-            let t = self.clock.now();
             self.meter.on_chunk(t);
-            self.observer.on_chunk(t);
+            if !self.wants {
+                self.observer.on_chunk(t);
+            }
         }
         if self.wants {
             let d = StreamDelta {
@@ -632,8 +643,9 @@ impl StreamState<'_> {
                 finish_reason: a.finish_reason.clone(),
                 usage: a.usage,
                 model: a.model.clone(),
+                raw: None,
             };
-            self.observer.on_delta(&d);
+            self.observer.on_delta(t, d);
         }
     }
 

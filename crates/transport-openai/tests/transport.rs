@@ -106,8 +106,12 @@ mod common {
         fn wants_deltas(&self) -> bool {
             self.want
         }
-        fn on_delta(&self, d: &StreamDelta) {
-            self.deltas.lock().unwrap().push(d.clone());
+        fn on_delta(&self, at: Instant, d: StreamDelta) {
+            // With deltas, the transport reports incremental chunks here only.
+            if d.is_incremental() {
+                self.on_chunk(at);
+            }
+            self.deltas.lock().unwrap().push(d);
         }
     }
 

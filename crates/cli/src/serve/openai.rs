@@ -374,18 +374,6 @@ pub fn chunk_json(id: &str, model: &str, created: u64, d: &StreamDelta) -> Optio
     }))
 }
 
-/// The final usage chunk of a stream (`stream_options.include_usage`).
-pub fn usage_chunk_json(id: &str, model: &str, created: u64, u: &Usage) -> Value {
-    json!({
-        "id": id,
-        "object": "chat.completion.chunk",
-        "created": created,
-        "model": model,
-        "choices": [],
-        "usage": usage_json(u),
-    })
-}
-
 /// Reads `/v1/embeddings` JSON: `model` and `input` (a string or an array of strings).
 pub fn parse_embeddings(body: &[u8]) -> Result<(String, Vec<String>), ApiError> {
     let v: Value = serde_json::from_slice(body)

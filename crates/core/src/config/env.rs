@@ -10,6 +10,7 @@ use serde_json::{Map, Value};
 use super::guards;
 use super::LoadedScope;
 use crate::error::ConfigError;
+use crate::resume::{PrefillDialect, ResumeSetting};
 use crate::secret::{Secret, REDACTED};
 use crate::settings::{OnNoRunnable, ScopeKind, ScopeSettings};
 use crate::source::SourceConfig;
@@ -30,7 +31,7 @@ pub const RESERVED_SEGMENTS: [&str; 11] = [
 ];
 
 /// The FIELDs a source accepts.
-pub const SOURCE_FIELDS: [&str; 17] = [
+pub const SOURCE_FIELDS: [&str; 18] = [
     "BASE_URL",
     "API_KEY",
     "MODEL",
@@ -48,10 +49,11 @@ pub const SOURCE_FIELDS: [&str; 17] = [
     "PRICE_PER_CALL",
     "BATCH_SIZE",
     "EXTRA_BODY",
+    "PREFILL",
 ];
 
 /// Scope keys: (group or "" for two-segment keys, field).
-pub const SCOPE_KEYS: [(&str, &str); 22] = [
+pub const SCOPE_KEYS: [(&str, &str); 24] = [
     ("", "CALL_DEADLINE_S"),
     ("", "MODEL_ALIASES"),
     ("RETRY", "MAX_ATTEMPTS"),
@@ -69,6 +71,8 @@ pub const SCOPE_KEYS: [(&str, &str); 22] = [
     ("HEDGE", "MAX_EXTRA"),
     ("HEDGE", "BUDGET_PCT"),
     ("STREAM", "STALL_THRESHOLD_MS"),
+    ("STREAM", "RESUME"),
+    ("STREAM", "MAX_RESUMES"),
     ("CACHE", "TTL_S"),
     ("CACHE", "CAPACITY"),
     ("TELEMETRY", "URL"),
@@ -350,7 +354,21 @@ fn build_source(
     if let Some((k, v)) = get("EXTRA_BODY") {
         run(parse_object(k, v).map(|x| src.extra_body = x));
     }
+    if let Some((k, v)) = get("PREFILL") {
+        run(parse_prefill(k, v).map(|x| src.prefill = x));
+    }
     url_ok.then_some(src)
+}
+
+/// `PREFILL`: `none` (or empty) = no prefill, else a dialect.
+fn parse_prefill(k: &str, v: &str) -> Result<Option<PrefillDialect>, ConfigError> {
+    let t = v.trim();
+    if t.is_empty() || t.eq_ignore_ascii_case("none") {
+        return Ok(None);
+    }
+    t.parse::<PrefillDialect>()
+        .map(Some)
+        .map_err(|()| invalid(k, v, "none, assistant, prefix, partial or vllm"))
 }
 
 fn apply_scope_keys(
@@ -398,6 +416,13 @@ fn apply_scope_keys(
             ("STREAM", "STALL_THRESHOLD_MS") => run(parse_int::<u64>(k, v)
                 .and_then(|x| guards::int_in(k, x, &guards::STALL_THRESHOLD_MS_RANGE))
                 .map(|x| s.stream.stall_threshold = Duration::from_millis(x))),
+            ("STREAM", "RESUME") => run(v
+                .parse::<ResumeSetting>()
+                .map(|x| s.stream.resume = x)
+                .map_err(|()| invalid(k, v, "auto, prefill or off"))),
+            ("STREAM", "MAX_RESUMES") => run(parse_int::<u32>(k, v)
+                .and_then(|x| guards::int_in(k, x, &guards::MAX_RESUMES_RANGE))
+                .map(|x| s.stream.max_resumes = x)),
             ("CACHE", "TTL_S") => run(parse_secs(k, v).map(|x| s.cache.ttl = Some(x))),
             ("CACHE", "CAPACITY") => run(parse_int::<u64>(k, v)
                 .and_then(|x| guards::int_in(k, x, &guards::CACHE_CAPACITY_RANGE))

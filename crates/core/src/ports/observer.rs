@@ -1,14 +1,18 @@
 //! The `ChunkObserver` port: a synchronous callback the transport calls for every
-//! incremental chunk (hedge triggers, passthrough streaming).
+//! incremental chunk (hedge triggers, resume, passthrough streaming), and
+//! [`StreamDelta`], one parsed chunk as the observer sees it.
 
 use std::time::Instant;
 
 use serde::{Deserialize, Serialize};
+use serde_json::{Map, Value};
 
 use crate::response::Usage;
 
-/// One normalized streamed chunk, built only for observers that ask for it
-/// ([`ChunkObserver::wants_deltas`]): the proxy uses it for passthrough streaming.
+/// One streamed chunk, built only for observers that ask for it
+/// ([`ChunkObserver::wants_deltas`]): the normalized fields the gateway reasons about,
+/// plus the upstream's whole frame (`raw`) so a proxy can pass every other field
+/// through unchanged (SPEC §15).
 #[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
 pub struct StreamDelta {
     /// `delta.role`, when present.
@@ -25,6 +29,11 @@ pub struct StreamDelta {
     pub usage: Option<Usage>,
     /// The upstream's `model`, when present.
     pub model: Option<String>,
+    /// The upstream's frame as received (a `chat.completion.chunk` object), when the
+    /// transport had one; edits made by the gateway (see the `set_*` methods) keep it in
+    /// step with the normalized fields.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub raw: Option<Map<String, Value>>,
 }
 
 impl StreamDelta {
@@ -36,6 +45,122 @@ impl StreamDelta {
                 !t.arguments.is_empty() || t.name.as_deref().is_some_and(|n| !n.is_empty())
             })
     }
+
+    /// Whether forwarding the chunk would tell a client nothing: no text, no role, no
+    /// finish_reason, no usage (and, in the raw frame, no other delta field such as
+    /// `refusal` or logprobs on choice 0).
+    pub fn is_empty_chunk(&self) -> bool {
+        if self.is_incremental()
+            || self.role.is_some()
+            || self.finish_reason.is_some()
+            || self.usage.is_some()
+        {
+            return false;
+        }
+        let Some(raw) = &self.raw else { return true };
+        match choice0_ref(raw) {
+            None => true,
+            Some(c) => {
+                let delta_other = c.get("delta").and_then(Value::as_object).is_some_and(|d| {
+                    d.iter().any(|(k, v)| {
+                        !matches!(
+                            k.as_str(),
+                            "role" | "content" | "reasoning_content" | "reasoning" | "tool_calls"
+                        ) && !v.is_null()
+                    })
+                });
+                let choice_other = c.iter().any(|(k, v)| {
+                    !matches!(k.as_str(), "index" | "delta" | "finish_reason") && !v.is_null()
+                });
+                !(delta_other || choice_other)
+            }
+        }
+    }
+
+    /// Removes `delta.role` (a resumed stream sends the role chunk once).
+    pub fn strip_role(&mut self) {
+        self.role = None;
+        if let Some(d) = self.raw_delta_mut() {
+            d.remove("role");
+        }
+    }
+
+    /// Removes the usage this frame carries (the gateway sends one summed usage at the
+    /// end of a resumed stream).
+    pub fn strip_usage(&mut self) {
+        self.usage = None;
+        if let Some(raw) = self.raw.as_mut() {
+            raw.remove("usage");
+            if let Some(c) = choice0_mut(raw) {
+                c.remove("usage");
+            }
+        }
+    }
+
+    /// Replaces the chunk's text: content, no reasoning, these tool-call fragments.
+    /// The raw frame's choice-0 delta is rewritten to match (content as a string).
+    pub fn set_text(&mut self, content: Option<String>, tool_calls: Vec<ToolCallDelta>) {
+        self.reasoning = None;
+        if let Some(d) = self.raw_delta_mut() {
+            d.remove("reasoning_content");
+            d.remove("reasoning");
+            match &content {
+                Some(c) => {
+                    d.insert("content".into(), Value::String(c.clone()));
+                }
+                None => {
+                    d.remove("content");
+                }
+            }
+            if tool_calls.is_empty() {
+                d.remove("tool_calls");
+            } else {
+                d.insert(
+                    "tool_calls".into(),
+                    Value::Array(tool_calls.iter().map(ToolCallDelta::to_json).collect()),
+                );
+            }
+        }
+        self.content = content;
+        self.tool_calls = tool_calls;
+    }
+
+    fn raw_delta_mut(&mut self) -> Option<&mut Map<String, Value>> {
+        let c = choice0_mut(self.raw.as_mut()?)?;
+        let d = c
+            .entry("delta")
+            .or_insert_with(|| Value::Object(Map::new()));
+        if !d.is_object() {
+            *d = Value::Object(Map::new());
+        }
+        d.as_object_mut()
+    }
+}
+
+/// Choice 0 of a frame: the choice whose `index` is 0, or the first one without index.
+fn choice0_pos(raw: &Map<String, Value>) -> Option<usize> {
+    let choices = raw.get("choices")?.as_array()?;
+    choices.iter().enumerate().find_map(|(pos, c)| {
+        let c = c.as_object()?;
+        let is0 = match c.get("index") {
+            None => pos == 0,
+            Some(v) => v.as_u64() == Some(0) || v.as_f64() == Some(0.0),
+        };
+        is0.then_some(pos)
+    })
+}
+
+fn choice0_ref(raw: &Map<String, Value>) -> Option<&Map<String, Value>> {
+    let pos = choice0_pos(raw)?;
+    raw.get("choices")?.as_array()?.get(pos)?.as_object()
+}
+
+fn choice0_mut(raw: &mut Map<String, Value>) -> Option<&mut Map<String, Value>> {
+    let pos = choice0_pos(raw)?;
+    raw.get_mut("choices")?
+        .as_array_mut()?
+        .get_mut(pos)?
+        .as_object_mut()
 }
 
 /// A fragment of a tool call in a stream.
@@ -51,10 +176,30 @@ pub struct ToolCallDelta {
     pub arguments: String,
 }
 
+impl ToolCallDelta {
+    /// The fragment in OpenAI's wire shape.
+    pub fn to_json(&self) -> Value {
+        let mut f = Map::new();
+        if let Some(n) = &self.name {
+            f.insert("name".into(), Value::String(n.clone()));
+        }
+        f.insert("arguments".into(), Value::String(self.arguments.clone()));
+        let mut c = Map::new();
+        c.insert("index".into(), Value::from(self.index));
+        if let Some(id) = &self.id {
+            c.insert("id".into(), Value::String(id.clone()));
+            c.insert("type".into(), Value::String("function".into()));
+        }
+        c.insert("function".into(), Value::Object(f));
+        Value::Object(c)
+    }
+}
+
 /// Called by the transport; must not block (it runs on the read path).
 pub trait ChunkObserver: Send + Sync {
-    /// An incremental chunk arrived at `at` (monotonic). Nothing else runs per chunk
-    /// unless [`ChunkObserver::wants_deltas`] is true.
+    /// An incremental chunk arrived at `at` (monotonic). Called only when
+    /// [`ChunkObserver::wants_deltas`] is false; otherwise [`ChunkObserver::on_delta`]
+    /// replaces it.
     fn on_chunk(&self, at: Instant);
 
     /// Whether the transport should build and pass [`StreamDelta`]s.
@@ -62,8 +207,15 @@ pub trait ChunkObserver: Send + Sync {
         false
     }
 
-    /// Every parsed chunk (incremental or not), in order, when `wants_deltas()`.
-    fn on_delta(&self, _delta: &StreamDelta) {}
+    /// Whether the deltas should carry the upstream's whole frame (`raw`), for a proxy
+    /// that passes every field through.
+    fn wants_raw(&self) -> bool {
+        false
+    }
+
+    /// Every parsed chunk (incremental or not), in order, when `wants_deltas()`; `at`
+    /// is the arrival time of the read that carried it.
+    fn on_delta(&self, _at: Instant, _delta: StreamDelta) {}
 }
 
 /// An observer that ignores everything.
@@ -72,4 +224,76 @@ pub struct NullObserver;
 
 impl ChunkObserver for NullObserver {
     fn on_chunk(&self, _at: Instant) {}
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    fn delta(raw: Value) -> StreamDelta {
+        let raw = raw.as_object().cloned();
+        StreamDelta {
+            role: Some("assistant".into()),
+            content: Some("Hello".into()),
+            raw,
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn set_text_rewrites_the_raw_frame() {
+        let mut d = delta(
+            json!({"id":"x","choices":[{"index":0,"delta":{"role":"assistant","content":"Hello","reasoning_content":"r"},"logprobs":{"content":[]}}]}),
+        );
+        d.set_text(
+            Some("lo".into()),
+            vec![ToolCallDelta {
+                index: 0,
+                id: Some("c1".into()),
+                name: Some("f".into()),
+                arguments: "{".into(),
+            }],
+        );
+        d.strip_role();
+        let raw = Value::Object(d.raw.clone().unwrap());
+        assert_eq!(
+            raw["choices"][0]["delta"],
+            json!({"content":"lo","tool_calls":[{"index":0,"id":"c1","type":"function","function":{"name":"f","arguments":"{"}}]})
+        );
+        assert_eq!(raw["choices"][0]["logprobs"], json!({"content":[]}));
+        assert_eq!(raw["id"], "x");
+        assert_eq!(d.content.as_deref(), Some("lo"));
+        assert!(d.role.is_none());
+    }
+
+    #[test]
+    fn empty_chunks_are_recognized() {
+        let mut d = delta(json!({"choices":[{"index":0,"delta":{"role":"assistant"}}]}));
+        d.content = None;
+        assert!(!d.is_empty_chunk());
+        d.strip_role();
+        assert!(d.is_empty_chunk());
+        // A refusal or logprobs field is something a client wants.
+        let mut d =
+            delta(json!({"choices":[{"index":0,"delta":{"role":"assistant","refusal":"no"}}]}));
+        d.content = None;
+        d.strip_role();
+        assert!(!d.is_empty_chunk());
+    }
+
+    #[test]
+    fn strip_usage_removes_both_places() {
+        let mut d = StreamDelta {
+            usage: Some(Usage::new(1, 2)),
+            raw: json!({"choices":[{"index":0,"delta":{},"usage":{"prompt_tokens":1}}],"usage":{"prompt_tokens":1}})
+                .as_object()
+                .cloned(),
+            ..Default::default()
+        };
+        d.strip_usage();
+        let raw = Value::Object(d.raw.unwrap());
+        assert!(raw.get("usage").is_none());
+        assert!(raw["choices"][0].get("usage").is_none());
+    }
 }

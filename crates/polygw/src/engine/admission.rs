@@ -3,9 +3,10 @@
 //! reason; excluded ones record nothing.
 
 use std::collections::BTreeSet;
+use std::sync::Arc;
 use std::time::Duration;
 
-use polygw_core::admission::order_candidates;
+use polygw_core::admission::order_candidates_preferring;
 use polygw_core::breaker::{BreakerAdmit, BreakerOutcome};
 use polygw_core::ports::{AcquireRequest, Admission, Permit, Refusal};
 use polygw_core::{GovernanceError, ScopeKind, SourceConfig};
@@ -22,6 +23,17 @@ pub(crate) struct Picked {
     pub permit: Permit,
     /// This attempt is the source's half-open probe.
     pub probe: bool,
+}
+
+/// What a pick may choose from, beyond the round's exclusions.
+#[derive(Debug, Clone, Copy, Default)]
+pub(crate) struct PickPrefs {
+    /// Only this source.
+    pub only: Option<usize>,
+    /// Prefill-capable sources first.
+    pub prefer_prefill: bool,
+    /// Prefill-capable sources only.
+    pub require_prefill: bool,
 }
 
 /// The result of one pass over the candidates.
@@ -65,19 +77,26 @@ impl Engine {
         }
     }
 
-    /// One pass over the candidates; never waits for capacity.
-    pub(crate) async fn try_pick(
+    /// One pass over the candidates, in core's order with these preferences; never
+    /// waits for capacity.
+    pub(crate) async fn try_pick_with(
         &self,
         exclude: &BTreeSet<String>,
         failed_in_call: &BTreeSet<String>,
         stream: bool,
+        prefs: PickPrefs,
     ) -> Result<Pick, GovernanceError> {
-        let order = order_candidates(
+        let capable = |i: usize| self.prefill_capable(i);
+        let mut order = order_candidates_preferring(
             &self.scope.sources,
             exclude,
             failed_in_call,
+            &|i| !prefs.prefer_prefill || capable(i),
             self.ports.rng.as_ref(),
         );
+        order.retain(|&i| {
+            prefs.only.is_none_or(|o| o == i) && (!prefs.require_prefill || capable(i))
+        });
         let mut refusals = Vec::new();
         for idx in order {
             let src = &self.scope.sources[idx];
@@ -120,11 +139,11 @@ impl Engine {
                     });
                 }
                 Ok(Admission::Refused(r)) => {
-                    self.release_probe(src, probe).await;
+                    self.release_probe(idx, probe).await;
                     refusals.push((src.name.clone(), r));
                 }
                 Err(e) => {
-                    self.release_probe(src, probe).await;
+                    self.release_probe(idx, probe).await;
                     return Err(e);
                 }
             }
@@ -135,8 +154,10 @@ impl Engine {
         })
     }
 
-    async fn release_probe(&self, src: &SourceConfig, probe: bool) {
+    /// Frees a half-open probe that no attempt used (a neutral outcome).
+    pub(crate) async fn release_probe(&self, source: usize, probe: bool) {
         if probe {
+            let src = &self.scope.sources[source];
             let _ = self
                 .ports
                 .breakers
@@ -148,6 +169,14 @@ impl Engine {
                     &self.scope.breaker,
                 )
                 .await;
+        }
+    }
+
+    /// [`Engine::release_probe`] from a `Drop` (a short task; nothing if no runtime).
+    pub(crate) fn release_probe_in_background(self: &Arc<Self>, source: usize) {
+        if let Ok(handle) = tokio::runtime::Handle::try_current() {
+            let engine = self.clone();
+            handle.spawn(async move { engine.release_probe(source, true).await });
         }
     }
 }

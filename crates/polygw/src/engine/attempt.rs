@@ -1,18 +1,23 @@
 //! One attempt: an HTTP request to one source, and what follows it — settlement of the
 //! permit (SPEC §4.3), the breaker outcome (§4.4), the telemetry row (§8).
 //!
-//! An [`AttemptGuard`] is armed for the whole attempt. Dropped before the attempt was
-//! finalized (caller drop, deadline, hedge loser), it settles the permit's reservation
-//! through the non-blocking path, frees a half-open probe, and queues the row with
-//! `cancelled`, `deadline` or `hedge_cancelled` — all without awaiting.
+//! An [`AttemptGuard`] is armed for the whole attempt. Its outcome is *decided*
+//! synchronously when the round's state machine decides the leg's fate
+//! ([`AttemptGuard::decide_success`], [`AttemptGuard::decide_failure`]) and *carried
+//! out* asynchronously ([`AttemptGuard::finish`]). Dropped at any point, it completes
+//! without awaiting: a decided outcome keeps its row and settlement; an undecided one
+//! is a cancellation whose label the round set on the leg's [`LegControl`]
+//! (`hedge_cancelled`, `deadline`, `cancelled`, `resume_diverged`) — the reservation is
+//! settled through the permit's non-blocking path and the half-open probe freed.
 
-use std::sync::atomic::{AtomicU8, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU8, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use futures_util::future::BoxFuture;
 use polygw_core::breaker::BreakerOutcome;
 use polygw_core::ports::{ChunkObserver, Permit};
+use polygw_core::round::LegKind;
 use polygw_core::settlement::{settle, AttemptOutcome};
 use polygw_core::stall::{ms, StreamFigures};
 use polygw_core::telemetry::{cost, CostBasis, RowKind, TelemetryRow};
@@ -41,22 +46,51 @@ pub(crate) trait Leg: Send + Sync {
     type Output: Send;
     /// Whether the upstream is read as a stream.
     fn stream(&self) -> bool;
-    /// Sends the request to `source`.
+    /// Sends the request to `source`; `kind` says whether it is the original request
+    /// or a resume (only chat legs resume).
     fn call<'a>(
         &'a self,
         engine: &'a Engine,
         source: &'a SourceConfig,
         call_id: &'a str,
         observer: &'a dyn ChunkObserver,
+        kind: &'a LegKind,
     ) -> BoxFuture<'a, Result<Self::Output, AttemptError>>;
     /// The facts of a success.
     fn facts(&self, out: &Self::Output) -> SuccessFacts;
+    /// Estimated prompt tokens of the request (usage of a leg cut before its usage
+    /// frame, marked estimated).
+    fn estimate_prompt_tokens(&self) -> u64 {
+        0
+    }
 }
 
-/// Why a leg is being cancelled by its round (read by its guard on drop): not at all.
-pub(crate) const CANCEL_NONE: u8 = 0;
-/// The leg lost a hedged round.
-pub(crate) const CANCEL_HEDGE_LOSER: u8 = 1;
+/// Shared by a leg's future (its guard and observer) and its round: the label the
+/// round decided for a cancellation, and whether a chunk must wake the round.
+#[derive(Debug, Default)]
+pub(crate) struct LegControl {
+    /// 0 = none; `i + 1` = `ErrorLabel::ALL[i]`.
+    label: AtomicU8,
+    /// The next incremental chunk changes the round's timers (or must be forwarded).
+    pub wake_on_chunk: AtomicBool,
+}
+
+impl LegControl {
+    pub(crate) fn set_label(&self, label: ErrorLabel) {
+        let i = ErrorLabel::ALL
+            .iter()
+            .position(|l| *l == label)
+            .map_or(0, |i| i + 1);
+        self.label.store(i as u8, Ordering::SeqCst);
+    }
+
+    pub(crate) fn label(&self) -> Option<ErrorLabel> {
+        match self.label.load(Ordering::SeqCst) {
+            0 => None,
+            i => ErrorLabel::ALL.get(i as usize - 1).copied(),
+        }
+    }
+}
 
 /// Identity of one leg.
 #[derive(Debug, Clone)]
@@ -70,20 +104,31 @@ pub(crate) struct LegInfo {
     pub call_id: String,
     pub launched_at: Instant,
     pub probe: bool,
+    /// What it sends.
+    pub kind: LegKind,
+    /// A resume leg: the call_id of the attempt it continues.
+    pub resume_of: Option<String>,
+}
+
+/// A decided outcome, not yet carried out.
+struct Decided {
+    tokens: u64,
+    row: TelemetryRow,
+    outcome: BreakerOutcome,
+    ttft: Option<u64>,
 }
 
 /// Armed for the whole attempt; see the module doc.
 pub(crate) struct AttemptGuard {
     engine: Arc<Engine>,
     call: Arc<CallShared>,
-    cancel: Arc<AtomicU8>,
+    control: Arc<LegControl>,
     permit: Option<Permit>,
     probe: bool,
     source_idx: usize,
     started: Instant,
     base: TelemetryRow,
-    /// Set once the attempt's outcome is known: (tokens to settle, its row).
-    pending: Option<(u64, TelemetryRow)>,
+    decided: Option<Decided>,
     armed: bool,
 }
 
@@ -100,7 +145,7 @@ impl AttemptGuard {
     pub(crate) fn new(
         engine: Arc<Engine>,
         call: Arc<CallShared>,
-        cancel: Arc<AtomicU8>,
+        control: Arc<LegControl>,
         permit: Permit,
         info: &LegInfo,
         stream: bool,
@@ -120,16 +165,21 @@ impl AttemptGuard {
         base.attempt_index = Some(info.attempt_index);
         base.is_hedge = info.is_hedge;
         base.stream = stream;
+        if let LegKind::Resume { mode, prefix, .. } = &info.kind {
+            base.resume_of = info.resume_of.clone();
+            base.resume_mode = Some(mode.as_str().to_string());
+            base.prefix_chars = Some(prefix.chars().count() as u64);
+        }
         AttemptGuard {
             source_idx: info.source_idx,
             started: info.launched_at,
             engine,
             call,
-            cancel,
+            control,
             permit: Some(permit),
             probe: info.probe,
             base,
-            pending: None,
+            decided: None,
             armed: true,
         }
     }
@@ -138,14 +188,13 @@ impl AttemptGuard {
         &self.engine.scope.sources[self.source_idx]
     }
 
-    /// The label a cancellation gets now.
+    /// The label a cancellation gets now: the round's decision, else the deadline or
+    /// the caller's drop.
     fn cancel_label(&self) -> ErrorLabel {
-        if self.cancel.load(Ordering::SeqCst) == CANCEL_HEDGE_LOSER {
-            ErrorLabel::HedgeCancelled
-        } else if self.call.deadline_hit() {
-            ErrorLabel::Deadline
-        } else {
-            ErrorLabel::Cancelled
+        match self.control.label() {
+            Some(l) => l,
+            None if self.call.deadline_hit() => ErrorLabel::Deadline,
+            None => ErrorLabel::Cancelled,
         }
     }
 
@@ -156,8 +205,8 @@ impl AttemptGuard {
         r
     }
 
-    /// Finalizes a success: settle, breaker, row.
-    pub(crate) async fn succeed(self, facts: &SuccessFacts, wall: Duration) {
+    /// Decides a success: tokens to settle, breaker success, the row.
+    pub(crate) fn decide_success(&mut self, facts: &SuccessFacts, wall: Duration) {
         let src = self.source().clone();
         let est = self.engine.scope.est_tokens(&src);
         let tokens = facts.settle_override.unwrap_or_else(|| {
@@ -193,15 +242,18 @@ impl AttemptGuard {
             row.stall_ms = f.stall_ms;
             row.stall_count = f.stall_count;
         }
-        let ttft = facts.figures.and_then(|f| f.ttft_ms);
-        self.finish(tokens, row, BreakerOutcome::Success, ttft)
-            .await;
+        self.decided = Some(Decided {
+            tokens,
+            row,
+            outcome: BreakerOutcome::Success,
+            ttft: facts.figures.and_then(|f| f.ttft_ms),
+        });
     }
 
-    /// Finalizes a failure: settle per class, breaker outcome, row with the label.
-    /// `fallback_cooldown` is the cooldown of a 429 without Retry-After.
-    pub(crate) async fn fail(
-        self,
+    /// Decides a failure: settlement per class, the breaker outcome, the row with its
+    /// label. `fallback_cooldown` is the cooldown of a 429 without Retry-After.
+    pub(crate) fn decide_failure(
+        &mut self,
         error: &AttemptError,
         wall: Duration,
         fallback_cooldown: Duration,
@@ -213,22 +265,30 @@ impl AttemptGuard {
         row.error_detail = Some(error.short_detail());
         row.http_status = error.http_status;
         row.cost = None;
-        let outcome =
-            BreakerOutcome::of_class(error.class, error.retry_after.unwrap_or(fallback_cooldown));
-        self.finish(tokens, row, outcome, None).await;
+        let outcome = match error.label {
+            // A replay that did not reproduce the text says nothing about the source.
+            ErrorLabel::ResumeDiverged => BreakerOutcome::Neutral,
+            _ => BreakerOutcome::of_class(
+                error.class,
+                error.retry_after.unwrap_or(fallback_cooldown),
+            ),
+        };
+        self.decided = Some(Decided {
+            tokens,
+            row,
+            outcome,
+            ttft: None,
+        });
     }
 
-    /// Settles, records the breaker outcome and queues the row. If this future is
+    /// Carries out the decided outcome: settle, breaker, row. If this future is
     /// dropped half-way, the guard's drop completes it without awaiting.
-    async fn finish(
-        mut self,
-        tokens: u64,
-        row: TelemetryRow,
-        outcome: BreakerOutcome,
-        ttft: Option<u64>,
-    ) {
-        let label = row.error.clone().unwrap_or_else(|| "ok".into());
-        self.pending = Some((tokens, row));
+    pub(crate) async fn finish(mut self) {
+        let Some(d) = self.decided.as_ref() else {
+            // Nothing decided: the drop records a cancellation.
+            return;
+        };
+        let (tokens, outcome, ttft) = (d.tokens, d.outcome, d.ttft);
         let engine = self.engine.clone();
         let scope = engine.scope.name.as_str();
         let src_name = engine.scope.sources[self.source_idx].name.clone();
@@ -250,12 +310,23 @@ impl AttemptGuard {
             tracing::warn!(source = %src_name, error = %e, "breaker update failed");
         }
         self.probe = false;
-        if let Some((_, row)) = self.pending.take() {
-            engine.ports.telemetry.record(row);
+        if let Some(d) = self.decided.take() {
+            let label = d.row.error.clone().unwrap_or_else(|| "ok".into());
+            self.count(&label, ttft);
+            engine.ports.telemetry.record(d.row);
         }
-        engine.metrics.attempt(scope, &src_name, &label, ttft);
         self.armed = false;
         engine.freed.notify_waiters();
+    }
+
+    fn count(&self, label: &str, ttft: Option<u64>) {
+        let scope = &self.engine.scope.name;
+        self.engine
+            .metrics
+            .attempt(scope, &self.source().name, label, ttft);
+        if let Some(mode) = &self.base.resume_mode {
+            self.engine.metrics.resume(scope, mode, label);
+        }
     }
 }
 
@@ -266,12 +337,9 @@ impl Drop for AttemptGuard {
         }
         let scope = self.engine.scope.name.clone();
         let src_name = self.source().name.clone();
-        let (tokens, row, label) = match self.pending.take() {
-            // Dropped while finalizing: the outcome is known, keep it.
-            Some((tokens, row)) => {
-                let label = row.error.clone().unwrap_or_else(|| "ok".into());
-                (Some(tokens), row, label)
-            }
+        let (tokens, row, outcome) = match self.decided.take() {
+            // Dropped while finishing: the outcome is known, keep it.
+            Some(d) => (Some(d.tokens), d.row, d.outcome),
             None => {
                 let label = self.cancel_label();
                 let wall = self
@@ -283,15 +351,19 @@ impl Drop for AttemptGuard {
                 let mut row = self.row(wall);
                 row.error = Some(label.as_str().to_string());
                 row.error_detail = Some(match label {
-                    ErrorLabel::HedgeCancelled => "another leg of the hedged round won".to_string(),
+                    ErrorLabel::HedgeCancelled => "another leg of the round won".to_string(),
                     ErrorLabel::Deadline => "the call deadline passed".to_string(),
+                    ErrorLabel::ResumeDiverged => {
+                        "the replayed answer diverged from the delivered text".to_string()
+                    }
                     _ => "the caller dropped the call".to_string(),
                 });
-                (None, row, label.as_str().to_string())
+                (None, row, BreakerOutcome::Neutral)
             }
         };
+        let label = row.error.clone().unwrap_or_else(|| "ok".into());
+        self.count(&label, None);
         self.engine.ports.telemetry.record(row);
-        self.engine.metrics.attempt(&scope, &src_name, &label, None);
         if let Some(permit) = self.permit.take() {
             match tokens {
                 Some(t) => permit.finish_in_background(t),
@@ -300,14 +372,16 @@ impl Drop for AttemptGuard {
             }
         }
         self.engine.freed.notify_waiters();
-        if self.probe {
-            // Free the half-open probe; never a breaker failure (a slow leg is not dead).
+        if self.probe || outcome != BreakerOutcome::Neutral {
+            // The breaker outcome (or the freeing of a half-open probe, never a
+            // failure: a cancelled leg is not a dead source) needs an await.
             if let Ok(handle) = tokio::runtime::Handle::try_current() {
                 let breakers = self.engine.ports.breakers.clone();
                 let settings = self.engine.scope.breaker;
+                let probe = self.probe;
                 handle.spawn(async move {
                     let _ = breakers
-                        .record(&scope, &src_name, BreakerOutcome::Neutral, true, &settings)
+                        .record(&scope, &src_name, outcome, probe, &settings)
                         .await;
                 });
             }

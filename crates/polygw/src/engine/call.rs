@@ -19,6 +19,8 @@ pub(crate) struct Progress {
     pub attempts: u32,
     /// Extra hedge legs launched.
     pub hedges: u32,
+    /// Resume legs launched.
+    pub resumes: u32,
     /// Every source's latest reason.
     pub reasons: SourceReasons,
     /// The last attempt error.
@@ -36,6 +38,7 @@ pub(crate) struct CallShared {
     pub started: Instant,
     pub stream: bool,
     deadline_hit: AtomicBool,
+    budget_counted: AtomicBool,
     progress: Mutex<Progress>,
 }
 
@@ -46,6 +49,7 @@ impl CallShared {
             started,
             stream,
             deadline_hit: AtomicBool::new(false),
+            budget_counted: AtomicBool::new(false),
             progress: Mutex::new(Progress::default()),
         }
     }
@@ -62,13 +66,22 @@ impl CallShared {
         self.deadline_hit.load(Ordering::SeqCst)
     }
 
-    /// Reserves the next attempt index (and counts a hedge leg).
-    pub(crate) fn next_attempt(&self, is_hedge: bool) -> u32 {
+    /// True the first time only: the logical call counts once in the scope's hedge
+    /// budget, however many rounds or structured re-asks it runs.
+    pub(crate) fn count_in_budget(&self) -> bool {
+        !self.budget_counted.swap(true, Ordering::SeqCst)
+    }
+
+    /// Reserves the next attempt index (and counts a hedge leg, a resume leg).
+    pub(crate) fn next_attempt(&self, is_hedge: bool, is_resume: bool) -> u32 {
         let mut p = self.progress();
         let i = p.attempts;
         p.attempts += 1;
         if is_hedge {
             p.hedges += 1;
+        }
+        if is_resume {
+            p.resumes += 1;
         }
         i
     }

@@ -10,6 +10,7 @@
 pub(crate) mod admission;
 pub(crate) mod attempt;
 pub(crate) mod call;
+mod capability;
 pub(crate) mod emit;
 pub(crate) mod retry;
 pub(crate) mod round;

@@ -1,6 +1,10 @@
-//! The retry loop (SPEC §6): admission (waiting for a runnable source within the stall
-//! window), a round, then core's [`RetryState`] decides — retry after a backoff, or end
-//! with a terminal reason. The call deadline wraps this future from outside.
+//! The retry loop (SPEC §6, §13): admission (waiting for a runnable source within the
+//! stall window), a round, then core's [`RetryState`] decides — retry after a backoff,
+//! or end with a terminal reason. A streamed answer that failed after its first chunk
+//! continues in the next round from the round's resume point (prefill on a capable
+//! source, else replay; a plain restart in aggregated calls); if nothing can resume,
+//! the call ends with that stream's original failure. The call deadline wraps this
+//! future from outside and is also the rounds' own deadline.
 
 use std::collections::BTreeSet;
 use std::sync::Arc;
@@ -8,14 +12,25 @@ use std::sync::Arc;
 use polygw_core::admission::{on_no_runnable, NoRunnable};
 use polygw_core::backoff::backoff_cap;
 use polygw_core::hedge::HedgePolicy;
+use polygw_core::resume::{ResumeMode, ResumeSetting};
 use polygw_core::retry::{RetryState, RoundVerdict};
-use polygw_core::{GatewayError, TerminalReason};
+use polygw_core::round::{Carried, LegKind, RoundSpec};
+use polygw_core::{AttemptError, GatewayError, ScopeKind, TerminalReason};
 
-use super::admission::Picked;
+use super::admission::{PickPrefs, Picked};
 use super::attempt::Leg;
 use super::call::CallShared;
-use super::round::{DeltaSink, RoundOutcome, Won};
+use super::round::{DeltaSink, RoundOutcome, RoundStart, UsagePart, Won};
 use super::Engine;
+
+/// The stream a continuation round resumes.
+struct Continuation {
+    carried: Carried,
+    /// The call_id of the attempt whose text it is.
+    from: Option<String>,
+    /// The text reached the caller (passthrough).
+    delivered_to_caller: bool,
+}
 
 impl Engine {
     /// Waits for an admitted source: `ON_NO_RUNNABLE=wait` waits for the earliest hint,
@@ -26,13 +41,14 @@ impl Engine {
         call: &Arc<CallShared>,
         retry: &mut RetryState,
         stream: bool,
+        prefs: PickPrefs,
     ) -> Result<Picked, GatewayError> {
         let none = BTreeSet::new();
         loop {
             // Registered before the pick, so a slot freed meanwhile is not missed.
             let freed = self.freed.notified();
             let pick = self
-                .try_pick(&none, &call.failed_sources(), stream)
+                .try_pick_with(&none, &call.failed_sources(), stream, prefs)
                 .await
                 .map_err(|e| {
                     call.terminal(TerminalReason::GovernanceBackend, Some(e.to_string()))
@@ -74,6 +90,49 @@ impl Engine {
         }
     }
 
+    /// What the primary of a round sends: the original request, or a continuation
+    /// of the carried text by prefill (capable source, no tool call) or replay.
+    fn primary_kind(&self, cont: Option<&Continuation>, source: usize) -> Option<LegKind> {
+        let Some(c) = cont else {
+            return Some(LegKind::Fresh);
+        };
+        let text = &c.carried.delivered;
+        if self.prefill_capable(source) && !text.has_tool_call() && !text.content.is_empty() {
+            return Some(LegKind::Resume {
+                mode: ResumeMode::Prefill,
+                prefix: text.content.clone(),
+                of: None,
+            });
+        }
+        if !c.delivered_to_caller {
+            // Aggregated: nothing reached the caller, a replay is a plain restart.
+            return Some(LegKind::Fresh);
+        }
+        (self.scope.stream.resume == ResumeSetting::Auto).then(|| LegKind::Resume {
+            mode: ResumeMode::Replay,
+            prefix: text.content.clone(),
+            of: None,
+        })
+    }
+
+    /// Ends a call whose stream reached the caller and cannot be continued: the
+    /// stream's original failure is the error.
+    fn unresumable(
+        &self,
+        call: &CallShared,
+        original: AttemptError,
+        reason: TerminalReason,
+        why: &str,
+    ) -> GatewayError {
+        call.progress().last_error = Some(original);
+        call.terminal(
+            reason,
+            Some(format!(
+                "the streamed answer failed after its first chunk reached the client; {why}"
+            )),
+        )
+    }
+
     /// Runs rounds until one wins or the loop ends the call.
     pub(crate) async fn run_call<L: Leg>(
         self: &Arc<Self>,
@@ -83,35 +142,160 @@ impl Engine {
         sink: Option<Arc<dyn DeltaSink>>,
     ) -> Result<Won<L::Output>, GatewayError> {
         let mut retry = RetryState::new(&self.scope.retry);
+        let stream_settings = self.scope.stream;
+        let resume_setting = if leg.stream() && self.kind == ScopeKind::Chat {
+            stream_settings.resume
+        } else {
+            ResumeSetting::Off
+        };
+        let passthrough = sink.is_some();
+        let mut cont: Option<Continuation> = None;
+        let mut parts: Vec<UsagePart> = Vec::new();
+        let mut resumes_used: u32 = 0;
         loop {
-            let picked = self.admit(call, &mut retry, leg.stream()).await?;
+            let prefs = match &cont {
+                Some(c) => PickPrefs {
+                    only: None,
+                    prefer_prefill: true,
+                    require_prefill: c.delivered_to_caller
+                        && resume_setting == ResumeSetting::Prefill,
+                },
+                None => PickPrefs::default(),
+            };
+            if prefs.require_prefill
+                && !(0..self.scope.sources.len()).any(|i| self.prefill_capable(i))
+            {
+                let original = cont.map(|c| c.carried.original).unwrap_or_else(|| {
+                    AttemptError::new(
+                        polygw_core::ErrorClass::Transient,
+                        polygw_core::ErrorLabel::Truncated,
+                        "the stream failed",
+                    )
+                });
+                return Err(self.unresumable(
+                    call,
+                    original,
+                    TerminalReason::RetryExhausted,
+                    "STREAM__RESUME=prefill and no source of the scope accepts a prefill",
+                ));
+            }
+            let picked = match self.admit(call, &mut retry, leg.stream(), prefs).await {
+                Ok(p) => p,
+                Err(e) => {
+                    // A continuation that cannot be admitted ends with the stream's
+                    // own failure as the last error.
+                    if let (Some(c), Some(reason)) = (&cont, e.terminal_reason()) {
+                        if c.delivered_to_caller {
+                            let why = format!("no source could take it over ({reason})");
+                            return Err(self.unresumable(
+                                call,
+                                c.carried.original.clone(),
+                                reason,
+                                &why,
+                            ));
+                        }
+                    }
+                    return Err(e);
+                }
+            };
+            let Some(kind) = self.primary_kind(cont.as_ref(), picked.source_idx) else {
+                // STREAM__RESUME=prefill admitted only capable sources: not reached.
+                let c = cont.take().map(|c| c.carried.original);
+                return Err(self.unresumable(
+                    call,
+                    c.unwrap_or_else(|| {
+                        AttemptError::new(
+                            polygw_core::ErrorClass::Transient,
+                            polygw_core::ErrorLabel::Truncated,
+                            "the stream failed",
+                        )
+                    }),
+                    TerminalReason::RetryExhausted,
+                    "no source can continue it",
+                ));
+            };
+            if kind.resume_mode().is_some() {
+                resumes_used += 1;
+            }
             let round_started = self.ports.clock.now();
             // A 429 without Retry-After cools its source down for the current backoff.
-            let cooldown = backoff_cap(
+            let fallback_cooldown = backoff_cap(
                 retry.budget_used(),
                 self.scope.retry.backoff_base,
                 self.scope.retry.backoff_max,
             );
+            let carried_from = cont.as_ref().and_then(|c| c.from.clone());
+            let spec = RoundSpec {
+                policy,
+                passthrough,
+                resume: resume_setting,
+                resumes_left: stream_settings.max_resumes.saturating_sub(resumes_used),
+                deadline: self.scope.call_deadline.map(|d| call.started + d),
+                primary_source: picked.source_idx,
+                primary_kind: kind,
+                carried: cont.as_ref().map(|c| c.carried.clone()),
+            };
             let outcome = self
-                .run_round(leg, call, picked, policy, sink.clone(), cooldown)
+                .run_round(
+                    leg,
+                    call,
+                    RoundStart {
+                        primary: picked,
+                        spec,
+                        carried_from,
+                        sink: sink.clone(),
+                        fallback_cooldown,
+                    },
+                )
                 .await
                 .map_err(|e| {
                     call.terminal(TerminalReason::GovernanceBackend, Some(e.to_string()))
                 })?;
             match outcome {
-                RoundOutcome::Won(w) => return Ok(w),
+                RoundOutcome::Won(mut w) => {
+                    parts.append(&mut w.parts);
+                    w.parts = parts;
+                    return Ok(w);
+                }
+                RoundOutcome::Deadline => {
+                    call.mark_deadline();
+                    return Err(self.deadline_error(call));
+                }
                 RoundOutcome::Failed {
                     error,
                     refunded,
-                    committed,
+                    resume,
+                    resume_of,
+                    parts: mut p,
                 } => {
+                    parts.append(&mut p);
                     call.progress().last_error = Some(error.clone());
-                    if committed {
-                        // Its content is already on the wire: never retried elsewhere.
-                        return Err(call.terminal(
-                            TerminalReason::RetryExhausted,
-                            Some("the streamed answer failed after its first chunk reached the client; it cannot be retried".into()),
-                        ));
+                    if let Some(rp) = resume {
+                        let resumable = rp.resumable
+                            && resumes_used < stream_settings.max_resumes
+                            && resume_setting != ResumeSetting::Off;
+                        if rp.delivered_to_caller && !resumable {
+                            let why = if resume_setting == ResumeSetting::Off {
+                                "STREAM__RESUME=off"
+                            } else {
+                                "STREAM__MAX_RESUMES is spent"
+                            };
+                            return Err(self.unresumable(
+                                call,
+                                rp.original,
+                                TerminalReason::RetryExhausted,
+                                why,
+                            ));
+                        }
+                        cont = resumable.then_some(Continuation {
+                            carried: Carried {
+                                delivered: rp.delivered,
+                                role_sent: rp.role_sent,
+                                original: rp.original,
+                            },
+                            from: resume_of,
+                            delivered_to_caller: rp.delivered_to_caller,
+                        });
                     }
                     let now = self.ports.clock.now();
                     match retry.on_round_failed(
@@ -126,10 +310,29 @@ impl Engine {
                                 tokio::time::sleep(backoff).await;
                             }
                         }
-                        RoundVerdict::Fail(reason) => return Err(call.terminal(reason, None)),
+                        RoundVerdict::Fail(reason) => {
+                            if let Some(c) = cont.filter(|c| c.delivered_to_caller) {
+                                return Err(self.unresumable(
+                                    call,
+                                    c.carried.original,
+                                    reason,
+                                    "the retry budget is spent",
+                                ));
+                            }
+                            return Err(call.terminal(reason, None));
+                        }
                     }
                 }
             }
         }
+    }
+
+    /// The terminal error of a call whose deadline passed.
+    pub(crate) fn deadline_error(&self, call: &CallShared) -> GatewayError {
+        let d = self.scope.call_deadline.unwrap_or_default();
+        call.terminal(
+            TerminalReason::DeadlineExceeded,
+            Some(format!("CALL_DEADLINE_S of {:.3}s passed", d.as_secs_f64())),
+        )
     }
 }

@@ -1,32 +1,43 @@
-//! One round of the retry loop (SPEC §7): the primary leg, and — when a hedge trigger
-//! fires — extra legs on other sources, raced inside this future.
+//! One round of the retry loop, executed (SPEC §7, §13): core's
+//! [`Round`](polygw_core::round::Round) state machine decides which leg starts, wins,
+//! is committed, resumes, and how every leg ends; this module only turns I/O into its
+//! events and its actions into I/O.
 //!
-//! - Triggers come from core's [`HedgeWindow`]; the round sleeps on relative durations
-//!   until the next one is due, and wakes on chunks (a stall trigger arms on the first).
-//! - An extra leg goes through full admission (excluding sources used in the round)
-//!   and the scope's hedge budget; if none can be admitted it is silently skipped.
-//! - The first leg to complete successfully wins (ties: earliest launched); the legs
-//!   still running are cancelled as `hedge_cancelled` (reservation kept, no breaker
-//!   feed). A leg that fails while others run is recorded and the round goes on.
-//! - All legs failed: core's [`combine_failures`] decides what the round counts as.
-//! - Passthrough: the first leg to deliver an incremental chunk is committed; the
-//!   others are cancelled and no new leg starts.
+//! - Legs are futures polled inside the round's future (nothing spawned); their
+//!   observers queue chunk events, which the round feeds to the machine in arrival
+//!   order. A chunk wakes the round only when the machine says it matters now
+//!   (passthrough forwarding, or a stall trigger it arms); other chunks wait in the
+//!   queue until the next timer or leg end, so a plain aggregated stream costs no
+//!   wake-up per chunk.
+//! - Legs, the hedge admission in flight, the finalization of ended legs and the
+//!   timers are polled together: nothing the round awaits stops the legs.
+//! - Legs that end in the same poll are fed in launch order, after every chunk that
+//!   came before them.
+//! - A leg's fate is set on its guard synchronously when the machine decides it, so a
+//!   deadline or a drop while fates are being carried out keeps them; dropping the
+//!   round feeds the caller's drop (or the deadline) to the machine so that even then
+//!   every label comes from it.
 
-use std::collections::BTreeSet;
-use std::sync::atomic::{AtomicU8, Ordering};
+use std::collections::{BTreeMap, BTreeSet, VecDeque};
+use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use futures_util::future::{AbortHandle, Abortable, BoxFuture, FutureExt};
 use futures_util::stream::{FuturesUnordered, StreamExt};
-use polygw_core::hedge::{combine_failures, HedgePolicy, HedgeStep, HedgeWindow};
+use polygw_core::hedge::BudgetTicket;
 use polygw_core::ports::{ChunkObserver, StreamDelta};
-use polygw_core::{AttemptError, GovernanceError, ScopeKind};
+use polygw_core::resume::{estimate_tokens, ResumeMode, Transcript};
+use polygw_core::round::{
+    Action, Event, Fate, LegEnd, LegId, LegKind, PickRequest, Picked as MachinePicked, ResumePoint,
+    Round, RoundResult, RoundSpec,
+};
+use polygw_core::{AttemptError, GovernanceError, ScopeKind, Usage, UsageSource};
 use tokio::sync::Notify;
 use tracing::Instrument;
 
-use super::admission::Picked;
-use super::attempt::{AttemptGuard, Leg, LegInfo, SuccessFacts, CANCEL_HEDGE_LOSER, CANCEL_NONE};
+use super::admission::{Pick, PickPrefs, Picked};
+use super::attempt::{AttemptGuard, Leg, LegControl, LegInfo, SuccessFacts};
 use super::call::CallShared;
 use super::Engine;
 use crate::clock::new_id;
@@ -42,99 +53,28 @@ pub struct Commit {
     pub model: String,
     /// The committed leg is an extra hedge leg.
     pub is_hedge: bool,
+    /// The call's first commit (a proxy sends its headers then); later commits are
+    /// resume legs taking over the stream.
+    pub first: bool,
+    /// The committed leg continues the stream by this mode, when it is a resume leg.
+    pub resume_mode: Option<ResumeMode>,
 }
 
-/// Receives the committed leg's chunks in passthrough streaming (`polygw serve`).
+/// Receives a passthrough stream (`polygw serve`, `chat_streaming`, `chat_stream`):
+/// one uninterrupted sequence of chunks, whichever legs produce them.
 pub trait DeltaSink: Send + Sync {
-    /// A leg committed (called once, before its first chunk is sent).
+    /// A leg was committed (before its first chunk is sent).
     fn committed(&self, _commit: &Commit) {}
-    /// One normalized chunk of the committed leg, in order.
-    fn send(&self, delta: &StreamDelta);
+    /// The next chunk for the caller, in order (role once, text never repeated).
+    fn send(&self, delta: StreamDelta);
 }
 
-/// The most non-incremental chunks (role, empty deltas) buffered per leg before commit.
-const MAX_BUFFERED_DELTAS: usize = 16;
-
-#[derive(Default)]
-struct Passthrough {
-    committed: Option<usize>,
-    buffers: Vec<Vec<StreamDelta>>,
-    /// Per leg: its commit description.
-    legs: Vec<Commit>,
-}
-
-/// State shared by the round and its legs' observers.
-pub(crate) struct RoundShared {
-    window: Mutex<HedgeWindow>,
-    notify: Notify,
-    sink: Option<Arc<dyn DeltaSink>>,
-    pass: Mutex<Passthrough>,
-}
-
-impl RoundShared {
-    fn window(&self) -> std::sync::MutexGuard<'_, HedgeWindow> {
-        self.window.lock().unwrap_or_else(|e| e.into_inner())
-    }
-
-    fn pass(&self) -> std::sync::MutexGuard<'_, Passthrough> {
-        self.pass.lock().unwrap_or_else(|e| e.into_inner())
-    }
-
-    fn committed(&self) -> Option<usize> {
-        self.pass().committed
-    }
-}
-
-/// The observer of one leg.
-struct LegObserver {
-    shared: Arc<RoundShared>,
-    leg: usize,
-}
-
-impl ChunkObserver for LegObserver {
-    fn on_chunk(&self, at: Instant) {
-        self.shared.window().on_chunk(self.leg, at);
-        self.shared.notify.notify_one();
-    }
-
-    fn wants_deltas(&self) -> bool {
-        self.shared.sink.is_some()
-    }
-
-    fn on_delta(&self, delta: &StreamDelta) {
-        let Some(sink) = &self.shared.sink else {
-            return;
-        };
-        let mut p = self.shared.pass();
-        match p.committed {
-            Some(c) if c == self.leg => sink.send(delta),
-            Some(_) => {}
-            None if delta.is_incremental() => {
-                p.committed = Some(self.leg);
-                if let Some(c) = p.legs.get(self.leg) {
-                    sink.committed(c);
-                }
-                if let Some(buf) = p.buffers.get_mut(self.leg) {
-                    for d in buf.drain(..) {
-                        sink.send(&d);
-                    }
-                }
-                sink.send(delta);
-                drop(p);
-                self.shared.window().commit();
-                self.shared.notify.notify_one();
-            }
-            None => {
-                if p.buffers.len() <= self.leg {
-                    p.buffers.resize_with(self.leg + 1, Vec::new);
-                }
-                let buf = &mut p.buffers[self.leg];
-                if buf.len() < MAX_BUFFERED_DELTAS {
-                    buf.push(delta.clone());
-                }
-            }
-        }
-    }
+/// A part of the call's usage from a leg whose text the answer contains but that did
+/// not win (a cut committed leg, the leg a prefill continued).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub(crate) struct UsagePart {
+    pub usage: Usage,
+    pub source: UsageSource,
 }
 
 /// A leg whose transport phase ended.
@@ -153,6 +93,10 @@ pub(crate) struct Won<T> {
     /// The winner's transport wall time (from its own launch).
     pub wall: Duration,
     pub info: LegInfo,
+    /// Passthrough: what the caller received (the answer).
+    pub delivered: Option<Transcript>,
+    /// Usage of other legs the answer contains.
+    pub parts: Vec<UsagePart>,
 }
 
 /// How a round ended.
@@ -163,62 +107,294 @@ pub(crate) enum RoundOutcome<T> {
         error: AttemptError,
         /// Every leg was rate-limited: no budget.
         refunded: bool,
-        /// Passthrough: content of the failed leg is already on the wire.
-        committed: bool,
+        /// Text to continue from.
+        resume: Option<ResumePoint>,
+        /// The call_id of the attempt that text came from.
+        resume_of: Option<String>,
+        /// Usage of legs whose text reached the caller.
+        parts: Vec<UsagePart>,
     },
+    Deadline,
+}
+
+/// What a round starts from (set by the retry loop).
+pub(crate) struct RoundStart {
+    pub primary: Picked,
+    pub spec: RoundSpec,
+    /// The call_id the carried text came from (continuation rounds).
+    pub carried_from: Option<String>,
+    pub sink: Option<Arc<dyn DeltaSink>>,
+    pub fallback_cooldown: Duration,
+}
+
+/// Events queued by the legs' observers.
+struct EventQueue {
+    events: Mutex<Vec<Event>>,
+    notify: Notify,
+}
+
+impl EventQueue {
+    fn push(&self, e: Event, wake: bool) {
+        self.events
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .push(e);
+        if wake {
+            self.notify.notify_one();
+        }
+    }
+
+    fn take(&self) -> Vec<Event> {
+        std::mem::take(&mut *self.events.lock().unwrap_or_else(|e| e.into_inner()))
+    }
+}
+
+/// The observer of one leg.
+struct LegObserver {
+    queue: Arc<EventQueue>,
+    leg: LegId,
+    control: Arc<LegControl>,
+    deltas: bool,
+    raw: bool,
+}
+
+impl ChunkObserver for LegObserver {
+    fn on_chunk(&self, at: Instant) {
+        let wake = self.control.wake_on_chunk.load(Ordering::Relaxed);
+        self.queue.push(
+            Event::Chunk {
+                leg: self.leg,
+                at,
+                incremental: true,
+                delta: None,
+            },
+            wake,
+        );
+    }
+
+    fn wants_deltas(&self) -> bool {
+        self.deltas
+    }
+
+    fn wants_raw(&self) -> bool {
+        self.raw
+    }
+
+    fn on_delta(&self, at: Instant, delta: StreamDelta) {
+        let incremental = delta.is_incremental();
+        // Passthrough (`raw`) forwards every chunk; otherwise only a chunk that arms
+        // a trigger needs the round now.
+        let wake = self.raw || (incremental && self.control.wake_on_chunk.load(Ordering::Relaxed));
+        self.queue.push(
+            Event::Chunk {
+                leg: self.leg,
+                at,
+                incremental,
+                delta: Some(delta),
+            },
+            wake,
+        );
+    }
 }
 
 type LegFuture<'a, T> = Abortable<BoxFuture<'a, LegDone<T>>>;
 
-impl Engine {
-    fn launch<'a, L: Leg>(
-        self: &'a Arc<Self>,
-        leg: &'a L,
-        call: &Arc<CallShared>,
-        shared: &Arc<RoundShared>,
-        picked: Picked,
-        index: usize,
-        is_hedge: bool,
-    ) -> (LegFuture<'a, L::Output>, Arc<AtomicU8>, AbortHandle) {
-        let now = self.ports.clock.now();
+type LegResult<T> = Result<LegDone<T>, futures_util::future::Aborted>;
+
+enum Wake<T> {
+    Leg(Option<Box<LegResult<T>>>),
+    Finalized,
+    Pick(Result<Pick, GovernanceError>),
+    Timer,
+    Chunks,
+}
+
+/// The executor of one round.
+struct Exec<'a, L: Leg> {
+    engine: &'a Arc<Engine>,
+    leg: &'a L,
+    call: &'a Arc<CallShared>,
+    machine: Round,
+    queue: Arc<EventQueue>,
+    sink: Option<Arc<dyn DeltaSink>>,
+    deltas: bool,
+    legs: FuturesUnordered<LegFuture<'a, L::Output>>,
+    controls: Vec<(Arc<LegControl>, AbortHandle)>,
+    infos: Vec<LegInfo>,
+    primary: Option<Picked>,
+    carried_from: Option<String>,
+    pick: Option<BoxFuture<'a, Result<Pick, GovernanceError>>>,
+    ticket: Option<BudgetTicket>,
+    picked: Option<Picked>,
+    finalizing: FuturesUnordered<BoxFuture<'static, ()>>,
+    /// Ended legs waiting for their fate (within one feed).
+    ended: BTreeMap<LegId, LegDone<L::Output>>,
+    /// Outputs of legs that ended successfully, kept for the winner.
+    outputs: BTreeMap<LegId, (L::Output, SuccessFacts, Duration)>,
+    /// Per leg: text forwarded to the caller (usage estimates of cut legs).
+    forwarded: Vec<String>,
+    committed_legs: BTreeSet<LegId>,
+    fallback_cooldown: Duration,
+    failed: Option<GovernanceError>,
+    events: VecDeque<Event>,
+}
+
+impl<'a, L: Leg> Exec<'a, L> {
+    fn now(&self) -> Instant {
+        self.engine.ports.clock.now()
+    }
+
+    /// Feeds an event and everything that follows from it.
+    fn feed(&mut self, event: Event) {
+        self.events.push_back(event);
+        let mut out = Vec::new();
+        while let Some(e) = self.events.pop_front() {
+            let now = self.now();
+            self.machine.on(e, now, &mut out);
+            for a in out.drain(..) {
+                self.apply(a);
+            }
+        }
+        for (i, (c, _)) in self.controls.iter().enumerate() {
+            c.wake_on_chunk
+                .store(self.machine.chunk_wakes(i), Ordering::Relaxed);
+        }
+    }
+
+    fn drain_queue(&mut self) {
+        for e in self.queue.take() {
+            self.feed(e);
+        }
+    }
+
+    fn apply(&mut self, action: Action) {
+        match action {
+            Action::Launch { leg, source, kind } => {
+                let picked = if leg == 0 {
+                    self.primary.take()
+                } else {
+                    self.ticket = None;
+                    self.picked.take()
+                };
+                match picked {
+                    Some(p) if p.source_idx == source => self.launch(leg, p, kind),
+                    other => {
+                        // The machine launches only what was admitted: never reached.
+                        tracing::error!(leg, source, "launch without a matching admission");
+                        if let Some(p) = other {
+                            self.release(p);
+                        }
+                    }
+                }
+            }
+            Action::Pick(req) => self.start_pick(req),
+            Action::ReleasePick => {
+                if let Some(p) = self.picked.take() {
+                    self.release(p);
+                }
+                if let Some(t) = self.ticket.take() {
+                    self.engine.budget().give_back(t);
+                }
+            }
+            Action::Commit { leg, first } => {
+                self.committed_legs.insert(leg);
+                let info = &self.infos[leg];
+                let src = &self.engine.scope.sources[info.source_idx];
+                if let Some(mode) = info.kind.resume_mode() {
+                    tracing::info!(
+                        source = %src.name,
+                        resume_mode = %mode,
+                        call_id = %info.call_id,
+                        "a resume leg took over the stream"
+                    );
+                }
+                if let Some(sink) = &self.sink {
+                    sink.committed(&Commit {
+                        logical_call_id: self.call.logical_call_id.clone(),
+                        source: src.name.clone(),
+                        model: src.model.clone(),
+                        is_hedge: info.is_hedge,
+                        first,
+                        resume_mode: info.kind.resume_mode(),
+                    });
+                }
+            }
+            Action::Forward { leg, delta } => {
+                if let Some(f) = self.forwarded.get_mut(leg) {
+                    if let Some(c) = &delta.content {
+                        f.push_str(c);
+                    }
+                    if let Some(r) = &delta.reasoning {
+                        f.push_str(r);
+                    }
+                    for t in &delta.tool_calls {
+                        f.push_str(&t.arguments);
+                    }
+                }
+                if let Some(sink) = &self.sink {
+                    sink.send(delta);
+                }
+            }
+            Action::Cancel { leg, reason } => {
+                if let Some((c, h)) = self.controls.get(leg) {
+                    c.set_label(reason.label());
+                    h.abort();
+                }
+            }
+            Action::Finalize { leg, fate } => self.finalize(leg, fate),
+            Action::MarkNoPrefill { source } => self.engine.mark_no_prefill(source),
+            Action::Done => {}
+        }
+    }
+
+    fn launch(&mut self, index: LegId, picked: Picked, kind: LegKind) {
+        let engine = self.engine;
+        let now = self.now();
+        let is_hedge = self.machine.is_extra(index);
+        let resume_of = match &kind {
+            LegKind::Fresh => None,
+            LegKind::Resume { of: Some(l), .. } => self.infos.get(*l).map(|i| i.call_id.clone()),
+            LegKind::Resume { of: None, .. } => self.carried_from.clone(),
+        };
         let info = LegInfo {
             index,
-            attempt_index: call.next_attempt(is_hedge),
+            attempt_index: self
+                .call
+                .next_attempt(is_hedge, kind.resume_mode().is_some()),
             is_hedge,
             source_idx: picked.source_idx,
             call_id: new_id(),
             launched_at: now,
             probe: picked.probe,
+            kind,
+            resume_of,
         };
-        let cancel = Arc::new(AtomicU8::new(CANCEL_NONE));
+        if is_hedge {
+            engine.metrics.hedge(&engine.scope.name);
+        }
+        let info_copy = info.clone();
+        let control = Arc::new(LegControl::default());
+        control
+            .wake_on_chunk
+            .store(self.machine.chunk_wakes(index), Ordering::Relaxed);
         let guard = AttemptGuard::new(
-            self.clone(),
-            call.clone(),
-            cancel.clone(),
+            engine.clone(),
+            self.call.clone(),
+            control.clone(),
             picked.permit,
             &info,
-            leg.stream(),
+            self.leg.stream(),
         );
-        let engine: &'a Arc<Engine> = self;
         let src = &engine.scope.sources[info.source_idx];
-        {
-            let mut p = shared.pass();
-            if p.legs.len() <= index {
-                p.legs.resize_with(index + 1, || Commit {
-                    logical_call_id: String::new(),
-                    source: String::new(),
-                    model: String::new(),
-                    is_hedge: false,
-                });
-            }
-            p.legs[index] = Commit {
-                logical_call_id: call.logical_call_id.clone(),
-                source: src.name.clone(),
-                model: src.model.clone(),
-                is_hedge,
-            };
+        if let LegKind::Resume { mode, prefix, .. } = &info.kind {
+            tracing::info!(
+                source = %src.name,
+                resume_mode = %mode,
+                prefix_chars = prefix.chars().count(),
+                resume_of = info.resume_of.as_deref().unwrap_or(""),
+                "resuming the stream on another attempt"
+            );
         }
-        let shared = shared.clone();
         let span = tracing::info_span!(
             "polygw.attempt",
             gen_ai.operation.name = engine.kind.operation(),
@@ -229,16 +405,21 @@ impl Engine {
             polygw.hedge = is_hedge,
             polygw.attempt_index = info.attempt_index,
             polygw.call_id = %info.call_id,
-            polygw.logical_call_id = %call.logical_call_id,
+            polygw.logical_call_id = %self.call.logical_call_id,
+            polygw.resume_mode = info.kind.resume_mode().map(|m| m.as_str()),
             error.type = tracing::field::Empty,
         );
+        let observer = LegObserver {
+            queue: self.queue.clone(),
+            leg: index,
+            control: control.clone(),
+            deltas: self.deltas,
+            raw: self.sink.is_some(),
+        };
+        let leg = self.leg;
         let fut = async move {
-            let observer = LegObserver {
-                shared,
-                leg: info.index,
-            };
             let result = leg
-                .call(engine, src, &info.call_id, &observer)
+                .call(engine, src, &info.call_id, &observer, &info.kind)
                 .instrument(span.clone())
                 .await;
             if let Err(e) = &result {
@@ -258,243 +439,443 @@ impl Engine {
         }
         .boxed();
         let (handle, reg) = AbortHandle::new_pair();
-        (Abortable::new(fut, reg), cancel, handle)
+        self.legs.push(Abortable::new(fut, reg));
+        self.controls.push((control, handle));
+        self.infos.push(info_copy);
+        self.forwarded.push(String::new());
     }
 
-    /// Runs one round from an admitted primary.
-    pub(crate) async fn run_round<L: Leg>(
-        self: &Arc<Self>,
-        leg: &L,
-        call: &Arc<CallShared>,
-        primary: Picked,
-        policy: HedgePolicy,
-        sink: Option<Arc<dyn DeltaSink>>,
-        fallback_cooldown: Duration,
-    ) -> Result<RoundOutcome<L::Output>, GovernanceError> {
-        let clock = self.ports.clock.clone();
-        let now = clock.now();
-        let shared = Arc::new(RoundShared {
-            window: Mutex::new(HedgeWindow::new(policy, now)),
-            notify: Notify::new(),
-            sink,
-            pass: Mutex::new(Passthrough::default()),
-        });
-        let mut used: BTreeSet<String> = BTreeSet::new();
-        used.insert(self.scope.sources[primary.source_idx].name.clone());
-        let mut legs: FuturesUnordered<LegFuture<'_, L::Output>> = FuturesUnordered::new();
-        let mut controls: Vec<(Arc<AtomicU8>, AbortHandle)> = Vec::new();
-        let (f, c, h) = self.launch(leg, call, &shared, primary, 0, false);
-        legs.push(f);
-        controls.push((c, h));
-        let mut failures: Vec<(usize, AttemptError)> = Vec::new();
-        let mut aborted_for_commit = false;
-
-        loop {
-            // Passthrough commit: cancel every other leg once, no new leg after it.
-            if let (Some(c), false) = (shared.committed(), aborted_for_commit) {
-                aborted_for_commit = true;
-                for (i, (flag, handle)) in controls.iter().enumerate() {
-                    if i != c {
-                        flag.store(CANCEL_HEDGE_LOSER, Ordering::SeqCst);
-                        handle.abort();
-                    }
+    fn start_pick(&mut self, req: PickRequest) {
+        let engine = self.engine;
+        if engine.kind != ScopeKind::Chat {
+            self.events.push_back(Event::Picked(None));
+            return;
+        }
+        if req.hedge_budget {
+            match engine
+                .budget()
+                .try_take(self.now(), engine.scope.hedge.budget_pct)
+            {
+                Some(t) => self.ticket = Some(t),
+                None => {
+                    tracing::debug!("extra leg skipped: hedge budget");
+                    self.events.push_back(Event::Picked(None));
+                    return;
                 }
-            }
-            // Launch what the triggers ask for.
-            let mut timer: Option<Instant> = None;
-            // Chunks only matter to the round when they can arm a trigger (Idle: a
-            // stall timer starts with the first chunk) or commit a passthrough stream;
-            // otherwise a due timer re-reads the state, so no wake-up per chunk.
-            let mut listen = shared.sink.is_some() && shared.committed().is_none();
-            loop {
-                let step = shared.window().poll(clock.now());
-                match step {
-                    HedgeStep::Launch => {
-                        if let Some(p) = self.hedge_pick(&used, call, leg.stream()).await? {
-                            used.insert(self.scope.sources[p.source_idx].name.clone());
-                            let index = controls.len();
-                            let (f, c, h) = self.launch(leg, call, &shared, p, index, true);
-                            legs.push(f);
-                            controls.push((c, h));
-                            shared.window().on_extra_launched(clock.now());
-                            self.metrics.hedge(&self.scope.name);
-                        }
-                    }
-                    HedgeStep::Wait(t) => {
-                        timer = Some(t);
-                        break;
-                    }
-                    HedgeStep::Idle => {
-                        listen = true;
-                        break;
-                    }
-                    HedgeStep::Stop => break,
-                }
-            }
-            let sleep = timer.map(|t| t.saturating_duration_since(clock.now()));
-            tokio::select! {
-                biased;
-                next = legs.next() => {
-                    let done = match next {
-                        Some(Ok(done)) => done,
-                        Some(Err(_aborted)) => {
-                            if legs.is_empty() {
-                                // Only reachable if the committed leg was aborted: never.
-                                return Ok(self.combine(failures, shared.committed().is_some()));
-                            }
-                            continue;
-                        }
-                        None => return Ok(self.combine(failures, shared.committed().is_some())),
-                    };
-                    shared.window().on_leg_finished(done.info.index);
-                    if done.result.is_ok() {
-                        let mut ready = vec![done];
-                        while let Some(Some(next)) = legs.next().now_or_never() {
-                            if let Ok(d) = next {
-                                ready.push(d);
-                            }
-                        }
-                        return Ok(self
-                            .settle_round(leg, ready, legs, &controls, call, fallback_cooldown)
-                            .await);
-                    }
-                    let committed = shared.committed() == Some(done.info.index);
-                    let LegDone { info, guard, result, wall } = done;
-                    let Err(error) = result else { continue };
-                    guard.fail(&error, wall, fallback_cooldown).await;
-                    call.note_failure(&self.scope.sources[info.source_idx].name, &error);
-                    if committed {
-                        drop(legs);
-                        return Ok(RoundOutcome::Failed { error, refunded: false, committed: true });
-                    }
-                    failures.push((info.index, error));
-                    if legs.is_empty() {
-                        return Ok(self.combine(failures, false));
-                    }
-                }
-                _ = async { tokio::time::sleep(sleep.unwrap_or_default()).await }, if sleep.is_some() => {}
-                _ = shared.notify.notified(), if listen => {}
             }
         }
+        let exclude: BTreeSet<String> = req
+            .exclude
+            .iter()
+            .map(|&i| engine.scope.sources[i].name.clone())
+            .collect();
+        let failed = self.call.failed_sources();
+        let prefs = PickPrefs {
+            only: req.only,
+            prefer_prefill: req.prefer_prefill,
+            require_prefill: req.require_prefill,
+        };
+        let stream = self.leg.stream();
+        self.pick = Some(
+            async move { engine.try_pick_with(&exclude, &failed, stream, prefs).await }.boxed(),
+        );
     }
 
-    /// Admission for an extra leg: never waits; budget first, then the full pick.
-    async fn hedge_pick(
-        &self,
-        used: &BTreeSet<String>,
-        call: &Arc<CallShared>,
-        stream: bool,
-    ) -> Result<Option<Picked>, GovernanceError> {
-        if self.kind != ScopeKind::Chat {
-            return Ok(None);
-        }
-        let now = self.ports.clock.now();
-        if !self.budget().try_take(now, self.scope.hedge.budget_pct) {
-            tracing::debug!("hedge skipped: budget");
-            return Ok(None);
-        }
-        let pick = self.try_pick(used, &call.failed_sources(), stream).await;
-        match pick {
-            Ok(p) if p.admitted.is_some() => Ok(p.admitted),
+    fn on_pick(&mut self, r: Result<Pick, GovernanceError>) {
+        match r {
+            Ok(Pick {
+                admitted: Some(p), ..
+            }) => {
+                let picked = MachinePicked {
+                    source: p.source_idx,
+                    prefill_capable: self.engine.prefill_capable(p.source_idx),
+                };
+                self.picked = Some(p);
+                self.feed(Event::Picked(Some(picked)));
+            }
             Ok(_) => {
-                self.budget().give_back(now);
-                tracing::debug!("hedge skipped: no other source admitted");
-                Ok(None)
+                tracing::debug!("extra leg skipped: no other source admitted");
+                if let Some(t) = self.ticket.take() {
+                    self.engine.budget().give_back(t);
+                }
+                self.feed(Event::Picked(None));
             }
             Err(e) => {
-                self.budget().give_back(now);
-                Err(e)
+                if let Some(t) = self.ticket.take() {
+                    self.engine.budget().give_back(t);
+                }
+                self.failed = Some(e);
             }
         }
     }
 
-    /// A leg succeeded: the earliest-launched success among the legs that completed
-    /// together wins, the running legs are cancelled as hedge losers, the others that
-    /// completed are finalized as what they were.
-    async fn settle_round<'a, L: Leg>(
-        &self,
-        leg: &L,
-        mut ready: Vec<LegDone<L::Output>>,
-        running: FuturesUnordered<LegFuture<'a, L::Output>>,
-        controls: &[(Arc<AtomicU8>, AbortHandle)],
-        call: &Arc<CallShared>,
-        fallback_cooldown: Duration,
-    ) -> RoundOutcome<L::Output> {
-        let win_pos = ready
-            .iter()
-            .enumerate()
-            .filter(|(_, d)| d.result.is_ok())
-            .min_by_key(|(_, d)| d.info.index)
-            .map(|(i, _)| i)
-            .unwrap_or(0);
-        let winner = ready.swap_remove(win_pos);
-        for (flag, _) in controls {
-            flag.store(CANCEL_HEDGE_LOSER, Ordering::SeqCst);
-        }
-        // Dropping the running legs fires their guards: `hedge_cancelled`.
-        drop(running);
-        for d in ready {
-            let LegDone {
-                info,
-                guard,
-                result,
-                wall,
-            } = d;
-            match result {
-                // Completed in the same instant but launched later: not cancelled, so a
-                // normal success row with its usage settled.
-                Ok(out) => guard.succeed(&leg.facts(&out), wall).await,
-                Err(e) => {
-                    guard.fail(&e, wall, fallback_cooldown).await;
-                    call.note_failure(&self.scope.sources[info.source_idx].name, &e);
+    /// Frees an admission that no leg uses: settles nothing, frees the slot and a
+    /// half-open probe.
+    fn release(&mut self, p: Picked) {
+        let engine = self.engine.clone();
+        let src = engine.scope.sources[p.source_idx].name.clone();
+        let p_source = p.source_idx;
+        let mut permit = p.permit;
+        let probe = p.probe;
+        self.finalizing.push(
+            async move {
+                if let Err(e) = permit.finish(0).await {
+                    tracing::warn!(source = %src, error = %e, "releasing an unused admission failed; handed to the background path");
+                    permit.finish_in_background(0);
                 }
+                engine.release_probe(p_source, probe).await;
+                engine.freed.notify_waiters();
             }
-        }
+            .boxed(),
+        );
+    }
+
+    fn finalize(&mut self, leg: LegId, fate: Fate) {
+        let Some(done) = self.ended.remove(&leg) else {
+            tracing::error!(leg, "a fate for a leg that has not ended");
+            return;
+        };
         let LegDone {
             info,
-            guard,
+            mut guard,
             result,
             wall,
-        } = winner;
-        match result {
-            Ok(output) => {
-                let facts = leg.facts(&output);
-                guard.succeed(&facts, wall).await;
+        } = done;
+        match (fate, result) {
+            (Fate::Won | Fate::Succeeded, Ok(out)) => {
+                let facts = self.leg.facts(&out);
+                guard.decide_success(&facts, wall);
+                self.outputs.insert(leg, (out, facts, wall));
+                self.infos[leg] = info;
+            }
+            (Fate::Failed(e), result) => {
+                let e = match result {
+                    // An answer the machine rejected (a diverged replay) keeps its
+                    // measured usage for settlement.
+                    Ok(out) => {
+                        let f = self.leg.facts(&out);
+                        e.with_usage(f.usage, f.usage_source)
+                    }
+                    Err(_) => e,
+                };
+                guard.decide_failure(&e, wall, self.fallback_cooldown);
+                let src = &self.engine.scope.sources[info.source_idx].name;
+                self.call.note_failure(src, &e);
+                self.infos[leg] = info;
+            }
+            (fate, Err(e)) => {
+                // Never decided by the machine (a success fate for a failed leg).
+                tracing::error!(leg, ?fate, "inconsistent fate for a failed leg");
+                guard.decide_failure(&e, wall, self.fallback_cooldown);
+                self.infos[leg] = info;
+            }
+            (Fate::Cancelled(reason), Ok(_)) => {
+                guard_label(&self.controls, leg, reason.label());
+                self.infos[leg] = info;
+                drop(guard);
+                return;
+            }
+        }
+        self.finalizing.push(guard.finish().boxed());
+    }
+
+    /// Ended legs of one poll: chunks first, then the ends in launch order.
+    fn on_legs(
+        &mut self,
+        first: Option<Result<LegDone<L::Output>, futures_util::future::Aborted>>,
+    ) {
+        let mut batch: Vec<LegDone<L::Output>> = Vec::new();
+        let mut next = first;
+        loop {
+            match next {
+                Some(Ok(d)) => batch.push(d),
+                Some(Err(_aborted)) => {}
+                None => break,
+            }
+            next = match self.legs.next().now_or_never() {
+                Some(Some(x)) => Some(x),
+                _ => None,
+            };
+        }
+        self.drain_queue();
+        batch.sort_by_key(|d| d.info.index);
+        let order: Vec<(LegId, LegEnd)> = batch
+            .iter()
+            .map(|d| {
+                (
+                    d.info.index,
+                    match &d.result {
+                        Ok(_) => LegEnd::Ok,
+                        Err(e) => LegEnd::Err(e.clone()),
+                    },
+                )
+            })
+            .collect();
+        for d in batch {
+            self.ended.insert(d.info.index, d);
+        }
+        for (leg, end) in order {
+            self.feed(Event::Ended { leg, end });
+        }
+        // Anything the machine did not decide (never expected) records as cancelled.
+        self.ended.clear();
+    }
+
+    fn on_timer(&mut self) {
+        self.drain_queue();
+        let now = self.now();
+        let deadline = self.machine_deadline();
+        if deadline.is_some_and(|d| now >= d) {
+            self.call.mark_deadline();
+            self.feed(Event::Deadline);
+        } else {
+            self.feed(Event::Tick);
+        }
+    }
+
+    fn machine_deadline(&self) -> Option<Instant> {
+        self.engine
+            .scope
+            .call_deadline
+            .map(|d| self.call.started + d)
+    }
+
+    fn usage_parts(&self, exclude: Option<LegId>) -> Vec<UsagePart> {
+        let mut parts = Vec::new();
+        for &leg in &self.committed_legs {
+            if Some(leg) == exclude {
+                continue;
+            }
+            let text = &self.forwarded[leg];
+            let (usage, source) = match self.outputs.get(&leg) {
+                // A committed leg that completed (a prefill whose continuation was
+                // taken over cannot complete; kept for completeness).
+                Some((_, f, _)) => (f.usage, f.usage_source),
+                None => (
+                    Usage::new(self.leg.estimate_prompt_tokens(), estimate_tokens(text)),
+                    UsageSource::Estimated,
+                ),
+            };
+            parts.push(UsagePart { usage, source });
+        }
+        parts
+    }
+
+    fn outcome(&mut self) -> RoundOutcome<L::Output> {
+        match self.machine.result().cloned() {
+            Some(RoundResult::Won { leg }) => {
+                let Some((output, facts, wall)) = self.outputs.remove(&leg) else {
+                    return RoundOutcome::Failed {
+                        error: AttemptError::new(
+                            polygw_core::ErrorClass::Invalid,
+                            polygw_core::ErrorLabel::Invalid,
+                            "the winner's answer was lost",
+                        ),
+                        refunded: false,
+                        resume: None,
+                        resume_of: None,
+                        parts: Vec::new(),
+                    };
+                };
+                let mut parts = self.usage_parts(Some(leg));
+                let info = self.infos[leg].clone();
+                let delivered = self
+                    .sink
+                    .is_some()
+                    .then(|| self.machine.delivered().clone());
+                if delivered.is_none() {
+                    // Aggregated prefill: the prefix came from a leg that did not
+                    // finish; its tokens are estimated.
+                    let prefix = info.kind.prefill_prefix();
+                    if !prefix.is_empty() {
+                        parts.push(UsagePart {
+                            usage: Usage::new(
+                                self.leg.estimate_prompt_tokens(),
+                                estimate_tokens(prefix),
+                            ),
+                            source: UsageSource::Estimated,
+                        });
+                    }
+                }
                 RoundOutcome::Won(Won {
                     output,
                     facts,
                     wall,
                     info,
+                    delivered,
+                    parts,
                 })
             }
-            Err(error) => {
-                guard.fail(&error, wall, fallback_cooldown).await;
+            Some(RoundResult::Failed {
+                error,
+                refunded,
+                resume,
+            }) => {
+                let resume_of = resume.as_ref().and_then(|p| match p.of {
+                    Some(l) => self.infos.get(l).map(|i| i.call_id.clone()),
+                    None => self.carried_from.clone(),
+                });
                 RoundOutcome::Failed {
                     error,
-                    refunded: false,
-                    committed: false,
+                    refunded,
+                    resume: resume.map(|b| *b),
+                    resume_of,
+                    parts: self.usage_parts(None),
                 }
+            }
+            Some(RoundResult::Deadline) | Some(RoundResult::Dropped) | None => {
+                RoundOutcome::Deadline
             }
         }
     }
 
-    fn combine<T>(&self, failures: Vec<(usize, AttemptError)>, committed: bool) -> RoundOutcome<T> {
-        let refs: Vec<(usize, &AttemptError)> = failures.iter().map(|(i, e)| (*i, e)).collect();
-        match combine_failures(&refs) {
-            Some(c) => RoundOutcome::Failed {
-                error: failures[c.index].1.clone(),
-                refunded: c.refunded,
-                committed,
-            },
-            None => RoundOutcome::Failed {
-                error: AttemptError::new(
-                    polygw_core::ErrorClass::Transient,
-                    polygw_core::ErrorLabel::Cancelled,
-                    "the round ended without an attempt",
-                ),
-                refunded: false,
-                committed,
-            },
+    async fn run(
+        mut self,
+        initial: Vec<Action>,
+    ) -> Result<RoundOutcome<L::Output>, GovernanceError> {
+        for a in initial {
+            self.apply(a);
         }
+        // The deadline may already have passed.
+        self.on_timer_if_due();
+        loop {
+            self.drain_queue();
+            if let Some(e) = self.failed.take() {
+                return Err(e);
+            }
+            if self.machine.result().is_some()
+                && self.finalizing.is_empty()
+                && self.pick.is_none()
+                && self.picked.is_none()
+            {
+                return Ok(self.outcome());
+            }
+            let wake_at = if self.machine.result().is_none() {
+                self.machine.next_wakeup()
+            } else {
+                None
+            };
+            let notified = self.queue.notify.notified();
+            let sleep = wake_at.map(|t| tokio::time::sleep_until(t.into()));
+            let pick = &mut self.pick;
+            let wake = tokio::select! {
+                biased;
+                r = self.legs.next(), if !self.legs.is_empty() => Wake::Leg(r.map(Box::new)),
+                _ = self.finalizing.next(), if !self.finalizing.is_empty() => Wake::Finalized,
+                r = async { match pick.as_mut() { Some(f) => f.await, None => std::future::pending().await } }, if pick.is_some() => Wake::Pick(r),
+                _ = async { match sleep { Some(s) => s.await, None => std::future::pending().await } }, if wake_at.is_some() => Wake::Timer,
+                _ = notified => Wake::Chunks,
+            };
+            match wake {
+                Wake::Leg(first) => {
+                    if let Some(first) = first {
+                        self.on_legs(Some(*first));
+                    }
+                }
+                Wake::Finalized | Wake::Chunks => {}
+                Wake::Pick(r) => {
+                    self.pick = None;
+                    self.drain_queue();
+                    self.on_pick(r);
+                }
+                Wake::Timer => self.on_timer(),
+            }
+        }
+    }
+
+    fn on_timer_if_due(&mut self) {
+        if let Some(d) = self.machine_deadline() {
+            if self.now() >= d && self.machine.result().is_none() {
+                self.call.mark_deadline();
+                self.feed(Event::Deadline);
+            }
+        }
+    }
+}
+
+fn guard_label(
+    controls: &[(Arc<LegControl>, AbortHandle)],
+    leg: LegId,
+    label: polygw_core::ErrorLabel,
+) {
+    if let Some((c, _)) = controls.get(leg) {
+        c.set_label(label);
+    }
+}
+
+impl<L: Leg> Drop for Exec<'_, L> {
+    fn drop(&mut self) {
+        if self.machine.result().is_none() {
+            // The round's future is dropped: the deadline (the wrapper marked it) or
+            // the caller. The machine labels every running leg.
+            let ev = if self.call.deadline_hit() {
+                Event::Deadline
+            } else {
+                Event::CallerDrop
+            };
+            let mut out = Vec::new();
+            let now = self.engine.ports.clock.now();
+            self.machine.on(ev, now, &mut out);
+            for a in out {
+                if let Action::Cancel { leg, reason } = a {
+                    guard_label(&self.controls, leg, reason.label());
+                }
+            }
+        }
+        if let Some(p) = self.picked.take() {
+            // An admission in hand that no leg used: nothing was sent on it.
+            p.permit.finish_in_background(0);
+            if p.probe {
+                self.engine.release_probe_in_background(p.source_idx);
+            }
+        }
+        if let Some(t) = self.ticket.take() {
+            self.engine.budget().give_back(t);
+        }
+    }
+}
+
+impl Engine {
+    /// Runs one round.
+    pub(crate) async fn run_round<L: Leg>(
+        self: &Arc<Self>,
+        leg: &L,
+        call: &Arc<CallShared>,
+        start: RoundStart,
+    ) -> Result<RoundOutcome<L::Output>, GovernanceError> {
+        let now = self.ports.clock.now();
+        let resume_on = start.spec.resume != polygw_core::resume::ResumeSetting::Off
+            && (start.spec.resumes_left > 0 || start.spec.carried.is_some());
+        let deltas = start.sink.is_some() || (leg.stream() && resume_on);
+        let (machine, initial) = Round::new(start.spec, now);
+        let exec = Exec {
+            engine: self,
+            leg,
+            call,
+            machine,
+            queue: Arc::new(EventQueue {
+                events: Mutex::new(Vec::new()),
+                notify: Notify::new(),
+            }),
+            sink: start.sink,
+            deltas,
+            legs: FuturesUnordered::new(),
+            controls: Vec::new(),
+            infos: Vec::new(),
+            primary: Some(start.primary),
+            carried_from: start.carried_from,
+            pick: None,
+            ticket: None,
+            picked: None,
+            finalizing: FuturesUnordered::new(),
+            ended: BTreeMap::new(),
+            outputs: BTreeMap::new(),
+            forwarded: Vec::new(),
+            committed_legs: BTreeSet::new(),
+            fallback_cooldown: start.fallback_cooldown,
+            failed: None,
+            events: VecDeque::new(),
+        };
+        exec.run(initial).await
     }
 }

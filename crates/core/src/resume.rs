@@ -1,0 +1,645 @@
+//! Resume after commit (SPEC §13), the pure parts: the delivered [`Transcript`] and
+//! replay verification against it, the four prefill dialects and the continuation
+//! request they build, token estimates for text whose usage is unknown, and the
+//! recognition of a target that refuses prefill.
+//!
+//! The round state machine ([`crate::round`]) decides *when* a leg resumes; this
+//! module says *what* a resume leg sends and whether a replayed answer matches what
+//! the caller already has.
+
+use std::collections::BTreeMap;
+use std::fmt;
+use std::str::FromStr;
+
+use serde::{Deserialize, Serialize};
+use serde_json::{Map, Value};
+
+use crate::error::{AttemptError, ErrorClass};
+use crate::ports::{StreamDelta, ToolCallDelta};
+use crate::request::{ChatRequest, Message};
+
+/// How a source continues an assistant message it is given (`{S}__{P}__{N}__PREFILL`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum PrefillDialect {
+    /// A plain final assistant message.
+    Assistant,
+    /// `"prefix": true` on the final assistant message (DeepSeek beta, Mistral).
+    Prefix,
+    /// `"partial": true` on the final assistant message (Moonshot/Kimi, Qwen/DashScope).
+    Partial,
+    /// Top-level `continue_final_message: true`, `add_generation_prompt: false` (vLLM).
+    Vllm,
+}
+
+impl PrefillDialect {
+    /// Every dialect.
+    pub const ALL: [PrefillDialect; 4] = [
+        PrefillDialect::Assistant,
+        PrefillDialect::Prefix,
+        PrefillDialect::Partial,
+        PrefillDialect::Vllm,
+    ];
+
+    /// The configuration value.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            PrefillDialect::Assistant => "assistant",
+            PrefillDialect::Prefix => "prefix",
+            PrefillDialect::Partial => "partial",
+            PrefillDialect::Vllm => "vllm",
+        }
+    }
+}
+
+impl fmt::Display for PrefillDialect {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+impl FromStr for PrefillDialect {
+    type Err = ();
+    fn from_str(s: &str) -> Result<Self, ()> {
+        PrefillDialect::ALL
+            .into_iter()
+            .find(|d| d.as_str().eq_ignore_ascii_case(s.trim()))
+            .ok_or(())
+    }
+}
+
+/// `{S}__STREAM__RESUME`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ResumeSetting {
+    /// Prefill where the target supports it, else replay.
+    #[default]
+    Auto,
+    /// Prefill only (no replay).
+    Prefill,
+    /// Never resume.
+    Off,
+}
+
+impl ResumeSetting {
+    /// The configuration value.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ResumeSetting::Auto => "auto",
+            ResumeSetting::Prefill => "prefill",
+            ResumeSetting::Off => "off",
+        }
+    }
+}
+
+impl FromStr for ResumeSetting {
+    type Err = ();
+    fn from_str(s: &str) -> Result<Self, ()> {
+        [
+            ResumeSetting::Auto,
+            ResumeSetting::Prefill,
+            ResumeSetting::Off,
+        ]
+        .into_iter()
+        .find(|d| d.as_str().eq_ignore_ascii_case(s.trim()))
+        .ok_or(())
+    }
+}
+
+/// How a resume leg continues (telemetry `resume_mode`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ResumeMode {
+    /// The delivered text is sent as an assistant prefill; the output is the remainder.
+    Prefill,
+    /// The original request again; the output must reproduce the delivered text.
+    Replay,
+}
+
+impl ResumeMode {
+    /// The stored name.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ResumeMode::Prefill => "prefill",
+            ResumeMode::Replay => "replay",
+        }
+    }
+}
+
+impl fmt::Display for ResumeMode {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// One tool call's text as delivered.
+#[derive(Debug, Clone, PartialEq, Eq, Default, Serialize, Deserialize)]
+pub struct ToolText {
+    /// The first non-empty id.
+    pub id: Option<String>,
+    /// The first non-empty function name.
+    pub name: Option<String>,
+    /// The concatenated arguments.
+    pub arguments: String,
+}
+
+/// Text of an answer as a caller sees it: content, reasoning, tool calls by index.
+#[derive(Debug, Clone, PartialEq, Eq, Default, Serialize, Deserialize)]
+pub struct Transcript {
+    /// Answer text.
+    pub content: String,
+    /// Reasoning text (never part of a prefill, never verified).
+    pub reasoning: String,
+    /// Tool calls by index.
+    pub tools: BTreeMap<u32, ToolText>,
+}
+
+/// Where a replayed answer stands against the delivered transcript.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ReplayCheck {
+    /// Everything so far agrees, but the delivered text is not reproduced yet.
+    Behind,
+    /// The delivered text is reproduced exactly (the replay may be ahead of it).
+    Covered,
+    /// The replay contradicts the delivered text (at this char of content, or in a
+    /// tool call).
+    Diverged,
+}
+
+fn prefix_compatible(a: &str, b: &str) -> bool {
+    if a.len() <= b.len() {
+        b.starts_with(a)
+    } else {
+        a.starts_with(b)
+    }
+}
+
+impl Transcript {
+    /// Appends one chunk's text.
+    pub fn absorb(&mut self, d: &StreamDelta) {
+        if let Some(c) = &d.content {
+            self.content.push_str(c);
+        }
+        if let Some(r) = &d.reasoning {
+            self.reasoning.push_str(r);
+        }
+        for t in &d.tool_calls {
+            let slot = self.tools.entry(t.index).or_default();
+            if slot.id.is_none() {
+                slot.id = t.id.clone().filter(|s| !s.is_empty());
+            }
+            if slot.name.is_none() {
+                slot.name = t.name.clone().filter(|s| !s.is_empty());
+            }
+            slot.arguments.push_str(&t.arguments);
+        }
+    }
+
+    /// Whether a tool call has started.
+    pub fn has_tool_call(&self) -> bool {
+        !self.tools.is_empty()
+    }
+
+    /// Whether nothing (content or tool call) has been produced.
+    pub fn is_empty(&self) -> bool {
+        self.content.is_empty() && self.tools.is_empty()
+    }
+
+    /// Characters of content (the `prefix_chars` of a resume).
+    pub fn content_chars(&self) -> usize {
+        self.content.chars().count()
+    }
+
+    /// Checks this transcript (a replay) against `delivered`. Reasoning is ignored;
+    /// content must agree char for char; a tool call must agree on its name and its
+    /// arguments as a prefix; tool ids may differ (they are generated per response).
+    pub fn check_replay(&self, delivered: &Transcript) -> ReplayCheck {
+        let (r, d) = (self, delivered);
+        if !prefix_compatible(&r.content, &d.content) {
+            return ReplayCheck::Diverged;
+        }
+        // Delivered content that was followed by a tool call is final.
+        if r.content.len() > d.content.len() && d.has_tool_call() {
+            return ReplayCheck::Diverged;
+        }
+        if r.has_tool_call() && r.content.len() < d.content.len() {
+            return ReplayCheck::Diverged;
+        }
+        let r_max = r.tools.keys().next_back().copied();
+        for (i, rt) in &r.tools {
+            match d.tools.get(i) {
+                Some(dt) => {
+                    if let (Some(a), Some(b)) = (&rt.name, &dt.name) {
+                        if a != b {
+                            return ReplayCheck::Diverged;
+                        }
+                    }
+                    if !prefix_compatible(&rt.arguments, &dt.arguments) {
+                        return ReplayCheck::Diverged;
+                    }
+                    // The replay moved on to a later call: this one is final there.
+                    let moved_on = r_max.is_some_and(|m| m > *i);
+                    if moved_on && rt.arguments.len() < dt.arguments.len() {
+                        return ReplayCheck::Diverged;
+                    }
+                }
+                None => {
+                    // A call the caller never saw: everything delivered must be
+                    // reproduced before it, and no delivered call may come after it.
+                    if d.tools.keys().any(|k| k > i) {
+                        return ReplayCheck::Diverged;
+                    }
+                    for (k, dt) in &d.tools {
+                        match r.tools.get(k) {
+                            Some(rt2) if rt2.arguments.len() >= dt.arguments.len() => {}
+                            _ => return ReplayCheck::Diverged,
+                        }
+                    }
+                }
+            }
+        }
+        let covered = r.content.len() >= d.content.len()
+            && d.tools.iter().all(|(k, dt)| {
+                r.tools.get(k).is_some_and(|rt| {
+                    rt.arguments.len() >= dt.arguments.len()
+                        && (dt.name.is_none() || rt.name == dt.name)
+                })
+            });
+        if covered {
+            ReplayCheck::Covered
+        } else {
+            ReplayCheck::Behind
+        }
+    }
+
+    /// What a covering replay has beyond `delivered`: the content remainder and the
+    /// tool-call fragments the caller has not seen (whole calls keep id and name).
+    pub fn excess_over(&self, delivered: &Transcript) -> (Option<String>, Vec<ToolCallDelta>) {
+        let content = self
+            .content
+            .get(delivered.content.len()..)
+            .filter(|s| !s.is_empty())
+            .map(str::to_string);
+        let mut tools = Vec::new();
+        for (i, t) in &self.tools {
+            match delivered.tools.get(i) {
+                Some(dt) => {
+                    let rest = t.arguments.get(dt.arguments.len()..).unwrap_or("");
+                    if !rest.is_empty() {
+                        tools.push(ToolCallDelta {
+                            index: *i,
+                            id: None,
+                            name: None,
+                            arguments: rest.to_string(),
+                        });
+                    }
+                }
+                None => tools.push(ToolCallDelta {
+                    index: *i,
+                    id: t.id.clone(),
+                    name: t.name.clone(),
+                    arguments: t.arguments.clone(),
+                }),
+            }
+        }
+        (content, tools)
+    }
+
+    /// The char index (in content) where this replay first differs from `delivered`,
+    /// for error details.
+    pub fn divergence_char(&self, delivered: &Transcript) -> usize {
+        self.content
+            .chars()
+            .zip(delivered.content.chars())
+            .take_while(|(a, b)| a == b)
+            .count()
+    }
+}
+
+/// A rough token count for text whose usage is unknown (a cut leg's delivered text,
+/// a prompt): one token per four bytes, at least one for non-empty text. Used only
+/// where the usage is marked `estimated`.
+pub fn estimate_tokens(text: &str) -> u64 {
+    if text.is_empty() {
+        0
+    } else {
+        (text.len() as u64).div_ceil(4).max(1)
+    }
+}
+
+/// The estimated prompt tokens of a request: its messages' text (and tool definitions).
+pub fn estimate_prompt_tokens(req: &ChatRequest) -> u64 {
+    let mut n = 0u64;
+    for m in &req.messages {
+        n += match &m.content {
+            Some(Value::String(s)) => estimate_tokens(s),
+            Some(v) => estimate_tokens(&v.to_string()),
+            None => 0,
+        };
+        n += 4; // role and framing
+    }
+    if let Some(t) = &req.tools {
+        n += estimate_tokens(&Value::Array(t.clone()).to_string());
+    }
+    n.max(1)
+}
+
+/// The continuation request of a prefill resume: the original request plus one final
+/// assistant message with `prefix` (the delivered content, reasoning excluded) in the
+/// target's dialect; `max_tokens` / `max_completion_tokens` reduced by the tokens
+/// already delivered (`delivered_tokens`, estimated when unknown), never below 1.
+pub fn prefill_request(
+    original: &ChatRequest,
+    dialect: PrefillDialect,
+    prefix: &str,
+    delivered_tokens: u64,
+) -> ChatRequest {
+    let mut req = original.clone();
+    let mut msg = Message::assistant(prefix);
+    match dialect {
+        PrefillDialect::Assistant => {}
+        PrefillDialect::Prefix => {
+            msg.extra.insert("prefix".into(), Value::Bool(true));
+        }
+        PrefillDialect::Partial => {
+            msg.extra.insert("partial".into(), Value::Bool(true));
+        }
+        PrefillDialect::Vllm => {
+            let o = req.overlay.get_or_insert_with(Map::new);
+            o.insert("continue_final_message".into(), Value::Bool(true));
+            o.insert("add_generation_prompt".into(), Value::Bool(false));
+        }
+    }
+    req.messages.push(msg);
+    let reduce = |n: u64| n.saturating_sub(delivered_tokens).max(1);
+    if let Some(m) = req.max_tokens {
+        req.max_tokens = Some(reduce(u64::from(m)).min(u64::from(u32::MAX)) as u32);
+    }
+    if let Some(o) = req.overlay.as_mut() {
+        for key in ["max_completion_tokens", "max_tokens"] {
+            if let Some(n) = o.get(key).and_then(Value::as_u64) {
+                o.insert(key.into(), Value::from(reduce(n)));
+            }
+        }
+    }
+    req
+}
+
+/// Whether a failed prefill leg says its target does not support assistant prefill
+/// (then the source is marked not prefill-capable for the rest of the process): a
+/// rejection whose provider message or code mentions the prefill mechanism.
+pub fn is_prefill_unsupported(e: &AttemptError) -> bool {
+    if e.class != ErrorClass::Rejected {
+        return false;
+    }
+    let text = format!(
+        "{} {} {}",
+        e.provider_code.as_deref().unwrap_or(""),
+        e.provider_message.as_deref().unwrap_or(""),
+        e.detail
+    )
+    .to_ascii_lowercase();
+    let mentions = [
+        "prefill",
+        "prefix",
+        "partial",
+        "continue_final_message",
+        "assistant message",
+        "final message",
+        "last message",
+    ]
+    .iter()
+    .any(|k| text.contains(k));
+    let refuses = [
+        "not support",
+        "unsupported",
+        "only supported",
+        "not allowed",
+        "must be",
+        "invalid",
+        "cannot",
+        "can't",
+    ]
+    .iter()
+    .any(|k| text.contains(k));
+    mentions && refuses
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::error::ErrorLabel;
+    use proptest::prelude::*;
+
+    fn d(content: &str) -> StreamDelta {
+        StreamDelta {
+            content: Some(content.into()),
+            ..Default::default()
+        }
+    }
+
+    fn tool(index: u32, name: Option<&str>, args: &str) -> StreamDelta {
+        StreamDelta {
+            tool_calls: vec![ToolCallDelta {
+                index,
+                id: name.map(|_| format!("call_{index}")),
+                name: name.map(str::to_string),
+                arguments: args.into(),
+            }],
+            ..Default::default()
+        }
+    }
+
+    fn tr(parts: &[StreamDelta]) -> Transcript {
+        let mut t = Transcript::default();
+        for p in parts {
+            t.absorb(p);
+        }
+        t
+    }
+
+    #[test]
+    fn replay_of_content() {
+        let delivered = tr(&[d("Hello, "), d("wor")]);
+        assert_eq!(
+            tr(&[d("Hel")]).check_replay(&delivered),
+            ReplayCheck::Behind
+        );
+        assert_eq!(
+            tr(&[d("Hello, wor")]).check_replay(&delivered),
+            ReplayCheck::Covered
+        );
+        let ahead = tr(&[d("Hello, world!")]);
+        assert_eq!(ahead.check_replay(&delivered), ReplayCheck::Covered);
+        assert_eq!(ahead.excess_over(&delivered).0.as_deref(), Some("ld!"));
+        assert_eq!(
+            tr(&[d("Hello! ")]).check_replay(&delivered),
+            ReplayCheck::Diverged
+        );
+        assert_eq!(tr(&[d("Hello! ")]).divergence_char(&delivered), 5);
+    }
+
+    #[test]
+    fn replay_of_tool_calls() {
+        let delivered = tr(&[d("ok"), tool(0, Some("f"), "{\"a\":"), tool(0, None, "1")]);
+        // Same call, other id: fine.
+        let r = tr(&[d("ok"), tool(0, Some("f"), "{\"a\":1")]);
+        assert_eq!(r.check_replay(&delivered), ReplayCheck::Covered);
+        let r = tr(&[d("ok"), tool(0, Some("f"), "{\"a\":12}")]);
+        let (c, t) = r.excess_over(&delivered);
+        assert_eq!(c, None);
+        assert_eq!(t[0].arguments, "2}");
+        assert_eq!(t[0].name, None);
+        // Another function, other arguments, more content before the call: diverged.
+        for bad in [
+            tr(&[d("ok"), tool(0, Some("g"), "{")]),
+            tr(&[d("ok"), tool(0, Some("f"), "{\"b\"")]),
+            tr(&[d("ok!")]),
+            tr(&[d("o"), tool(0, Some("f"), "{")]),
+        ] {
+            assert_eq!(
+                bad.check_replay(&delivered),
+                ReplayCheck::Diverged,
+                "{bad:?}"
+            );
+        }
+        // A second call before the first is complete: diverged.
+        let r = tr(&[d("ok"), tool(0, Some("f"), "{"), tool(1, Some("g"), "{")]);
+        assert_eq!(r.check_replay(&delivered), ReplayCheck::Diverged);
+        // A second call after the first is reproduced: covered, the new call whole.
+        let r = tr(&[
+            d("ok"),
+            tool(0, Some("f"), "{\"a\":1"),
+            tool(1, Some("g"), "{"),
+        ]);
+        assert_eq!(r.check_replay(&delivered), ReplayCheck::Covered);
+        let (_, t) = r.excess_over(&delivered);
+        assert_eq!(t.len(), 1);
+        assert_eq!(
+            (t[0].index, t[0].name.as_deref(), t[0].id.as_deref()),
+            (1, Some("g"), Some("call_1"))
+        );
+    }
+
+    #[test]
+    fn prefill_requests_per_dialect() {
+        let mut orig = ChatRequest::user("q").with_max_tokens(100);
+        orig = orig.with_overlay("max_completion_tokens", Value::from(50u64));
+        for dialect in PrefillDialect::ALL {
+            let r = prefill_request(&orig, dialect, "Hel", 30);
+            let last = r.messages.last().unwrap();
+            assert_eq!(last.role, "assistant");
+            assert_eq!(last.text(), Some("Hel"));
+            assert_eq!(r.max_tokens, Some(70));
+            let o = r.overlay.clone().unwrap();
+            assert_eq!(o["max_completion_tokens"], 20);
+            assert_eq!(
+                last.extra.get("prefix").is_some(),
+                dialect == PrefillDialect::Prefix
+            );
+            assert_eq!(
+                last.extra.get("partial").is_some(),
+                dialect == PrefillDialect::Partial
+            );
+            assert_eq!(
+                o.get("continue_final_message").is_some(),
+                dialect == PrefillDialect::Vllm
+            );
+            if dialect == PrefillDialect::Vllm {
+                assert_eq!(o["add_generation_prompt"], false);
+            }
+        }
+        // Never below 1.
+        assert_eq!(
+            prefill_request(&orig, PrefillDialect::Prefix, "x", 1000).max_tokens,
+            Some(1)
+        );
+    }
+
+    #[test]
+    fn prefill_rejections_are_recognized() {
+        let rej = |msg: &str| {
+            AttemptError::new(ErrorClass::Rejected, ErrorLabel::Rejected, "HTTP 400")
+                .with_provider(Some("invalid_request_error".into()), Some(msg.into()))
+        };
+        assert!(is_prefill_unsupported(&rej(
+            "This model does not support assistant message prefill."
+        )));
+        assert!(is_prefill_unsupported(&rej(
+            "Prefix completion is only supported in the beta API"
+        )));
+        assert!(is_prefill_unsupported(&rej(
+            "The last message must be a user message"
+        )));
+        assert!(!is_prefill_unsupported(&rej(
+            "This model's maximum context length is 8192 tokens"
+        )));
+        let server = AttemptError::new(
+            ErrorClass::Transient,
+            ErrorLabel::ServerError,
+            "prefix not supported",
+        );
+        assert!(!is_prefill_unsupported(&server));
+    }
+
+    #[test]
+    fn estimates() {
+        assert_eq!(estimate_tokens(""), 0);
+        assert_eq!(estimate_tokens("a"), 1);
+        assert_eq!(estimate_tokens("abcdefgh"), 2);
+        assert!(estimate_prompt_tokens(&ChatRequest::user("hello world")) >= 3);
+    }
+
+    fn chunks_of(s: &str, cuts: &[usize]) -> Vec<String> {
+        let chars: Vec<char> = s.chars().collect();
+        let mut out = Vec::new();
+        let mut at = 0;
+        for c in cuts {
+            let end = (at + c).min(chars.len());
+            out.push(chars[at..end].iter().collect());
+            at = end;
+        }
+        out.push(chars[at..].iter().collect());
+        out
+    }
+
+    proptest! {
+        /// A replay of the same answer, split differently, is Behind then Covered, and
+        /// delivered + excess is the replay's text; a replay that differs at some char
+        /// is Diverged as soon as it passes that char.
+        #[test]
+        fn replay_agrees_with_prefixes(
+            answer in "[a-cé😀 ]{1,30}",
+            delivered_chars in 0usize..30,
+            cuts in proptest::collection::vec(1usize..5, 0..10),
+            flip in proptest::option::of(0usize..30),
+        ) {
+            let chars: Vec<char> = answer.chars().collect();
+            let k = delivered_chars.min(chars.len());
+            let delivered = tr(&[d(&chars[..k].iter().collect::<String>())]);
+            let mut replay_text: Vec<char> = chars.clone();
+            let flipped = flip.filter(|f| *f < replay_text.len());
+            if let Some(f) = flipped {
+                replay_text[f] = if replay_text[f] == 'z' { 'y' } else { 'z' };
+            }
+            let replay: String = replay_text.iter().collect();
+            let mut r = Transcript::default();
+            let mut seen_chars = 0usize;
+            for piece in chunks_of(&replay, &cuts) {
+                seen_chars += piece.chars().count();
+                r.absorb(&d(&piece));
+                let check = r.check_replay(&delivered);
+                match flipped {
+                    Some(f) if f < k && seen_chars > f => prop_assert_eq!(check, ReplayCheck::Diverged),
+                    _ if seen_chars >= k => {
+                        prop_assert_eq!(check, ReplayCheck::Covered);
+                        let (excess, _) = r.excess_over(&delivered);
+                        let joined = format!("{}{}", delivered.content, excess.unwrap_or_default());
+                        prop_assert_eq!(joined, r.content.clone());
+                    }
+                    _ => prop_assert_eq!(check, ReplayCheck::Behind),
+                }
+            }
+        }
+    }
+}
