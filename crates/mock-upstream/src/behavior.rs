@@ -419,6 +419,34 @@ mod tests {
     }
 
     #[test]
+    fn prefill_fields() {
+        use crate::prefill::{PrefillDialect, PrefillMode, PrefillPolicy};
+        let b: Behavior = serde_json::from_value(json!({
+            "prefill": "reject", "prefill_dialects": ["assistant", "vllm"]
+        }))
+        .unwrap();
+        let policy = b.prefill_policy().unwrap();
+        assert_eq!(policy.mode, PrefillMode::Reject);
+        assert!(policy.honours(PrefillDialect::Vllm) && !policy.honours(PrefillDialect::Prefix));
+        let back: Behavior = serde_json::from_value(serde_json::to_value(&b).unwrap()).unwrap();
+        assert_eq!(back, b);
+        assert_eq!(Behavior::default().prefill_policy(), None);
+        let only: Behavior = serde_json::from_value(json!({"prefill_dialects": []})).unwrap();
+        assert_eq!(
+            only.prefill_policy(),
+            Some(PrefillPolicy::only(&[])),
+            "a list alone means accept those"
+        );
+        assert_eq!(
+            Behavior::default()
+                .with_prefill(PrefillPolicy::ignore())
+                .prefill_policy(),
+            Some(PrefillPolicy::ignore())
+        );
+        assert!(serde_json::from_value::<Behavior>(json!({"prefill_dialects": ["nope"]})).is_err());
+    }
+
+    #[test]
     fn unknown_fields_are_refused() {
         assert!(serde_json::from_value::<Behavior>(json!({"ttft": 1})).is_err());
         assert!(serde_json::from_value::<Behavior>(json!({"fault": {"kind": "nope"}})).is_err());

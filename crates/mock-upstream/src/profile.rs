@@ -601,6 +601,50 @@ mod tests {
     }
 
     #[test]
+    fn prefill_policy_in_profiles() {
+        use crate::prefill::{PrefillDialect, PrefillMode, PrefillPolicy};
+        let p = Profile::from_json(
+            r#"{"extends":"fast","prefill":"reject","prefill_dialects":["prefix"]}"#,
+            "x",
+        )
+        .unwrap();
+        let b = p.sample(&mut p.rng());
+        assert_eq!(
+            b.prefill_policy(),
+            Some(PrefillPolicy {
+                mode: PrefillMode::Reject,
+                dialects: Some(vec![PrefillDialect::Prefix]),
+            })
+        );
+        // A behavior's own policy is kept; the others get the profile's.
+        let p = Profile::from_json(
+            r#"{"prefill":"ignore","mix":[{"weight":1,"behavior":{"prefill":"accept"}},{"weight":1,"behavior":{}}]}"#,
+            "x",
+        )
+        .unwrap();
+        match &p.kind {
+            ProfileKind::Mix(m) => {
+                assert_eq!(m[0].behavior.prefill, Some(PrefillMode::Accept));
+                assert_eq!(m[1].behavior.prefill, Some(PrefillMode::Ignore));
+            }
+            other => panic!("{other:?}"),
+        }
+        let p = Profile::from_json(r#"{"long_tail":{"prefill_dialects":["vllm"]}}"#, "x").unwrap();
+        let b = p.sample(&mut p.rng());
+        assert_eq!(b.prefill_dialects, Some(vec![PrefillDialect::Vllm]));
+        let p = Profile::named("stall", 1.0, 0)
+            .unwrap()
+            .with_prefill(PrefillPolicy::ignore());
+        assert_eq!(p.sample(&mut p.rng()).prefill, Some(PrefillMode::Ignore));
+        assert!(Profile::from_json(r#"{"extends":"fast","prefill":"maybe"}"#, "x").is_err());
+        // Built-in profiles leave the policy to the server.
+        for n in PROFILE_NAMES {
+            let p = Profile::named(n, 1.0, 0).unwrap();
+            assert_eq!(p.sample(&mut p.rng()).prefill_policy(), None, "{n}");
+        }
+    }
+
+    #[test]
     fn files_and_errors() {
         let p =
             Profile::from_json(r#"{"extends":"stall","time_scale":0.5,"seed":9}"#, "x").unwrap();
