@@ -7,6 +7,8 @@ use std::path::PathBuf;
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
+use crate::prefill::{PrefillDialect, PrefillMode, PrefillPolicy};
+
 /// One scripted response. All durations are milliseconds (fractions allowed) of real
 /// time; a profile's `time_scale` multiplies them.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -79,6 +81,11 @@ pub struct Behavior {
     pub raw_chunk_bytes: Option<usize>,
     /// Silence between those writes.
     pub raw_chunk_gap_ms: f64,
+    /// What this answer does with a prefill request (see [`PrefillPolicy`]); when this
+    /// or `prefill_dialects` is set, the pair replaces the server's default policy.
+    pub prefill: Option<PrefillMode>,
+    /// The prefill dialects this answer honours (see [`PrefillPolicy::dialects`]).
+    pub prefill_dialects: Option<Vec<PrefillDialect>>,
 }
 
 /// An alias: one queued script is one [`Behavior`].
@@ -118,6 +125,8 @@ impl Default for Behavior {
             content_type: None,
             raw_chunk_bytes: None,
             raw_chunk_gap_ms: 0.0,
+            prefill: None,
+            prefill_dialects: None,
         }
     }
 }
@@ -280,6 +289,21 @@ impl Behavior {
         }
     }
 
+    /// This behavior with its own prefill policy.
+    pub fn with_prefill(mut self, policy: PrefillPolicy) -> Self {
+        self.prefill = Some(policy.mode);
+        self.prefill_dialects = policy.dialects;
+        self
+    }
+
+    /// The behavior's own prefill policy, if it sets one (else the server's applies).
+    pub fn prefill_policy(&self) -> Option<PrefillPolicy> {
+        (self.prefill.is_some() || self.prefill_dialects.is_some()).then(|| PrefillPolicy {
+            mode: self.prefill.unwrap_or_default(),
+            dialects: self.prefill_dialects.clone(),
+        })
+    }
+
     /// Every duration multiplied by `factor` (Retry-After seconds included).
     pub fn scaled(mut self, factor: f64) -> Self {
         let f = if factor.is_finite() && factor >= 0.0 {
@@ -392,6 +416,34 @@ mod tests {
             raw.retry_after.unwrap().header_value(),
             "Wed, 21 Oct 2015 07:28:00 GMT"
         );
+    }
+
+    #[test]
+    fn prefill_fields() {
+        use crate::prefill::{PrefillDialect, PrefillMode, PrefillPolicy};
+        let b: Behavior = serde_json::from_value(json!({
+            "prefill": "reject", "prefill_dialects": ["assistant", "vllm"]
+        }))
+        .unwrap();
+        let policy = b.prefill_policy().unwrap();
+        assert_eq!(policy.mode, PrefillMode::Reject);
+        assert!(policy.honours(PrefillDialect::Vllm) && !policy.honours(PrefillDialect::Prefix));
+        let back: Behavior = serde_json::from_value(serde_json::to_value(&b).unwrap()).unwrap();
+        assert_eq!(back, b);
+        assert_eq!(Behavior::default().prefill_policy(), None);
+        let only: Behavior = serde_json::from_value(json!({"prefill_dialects": []})).unwrap();
+        assert_eq!(
+            only.prefill_policy(),
+            Some(PrefillPolicy::only(&[])),
+            "a list alone means accept those"
+        );
+        assert_eq!(
+            Behavior::default()
+                .with_prefill(PrefillPolicy::ignore())
+                .prefill_policy(),
+            Some(PrefillPolicy::ignore())
+        );
+        assert!(serde_json::from_value::<Behavior>(json!({"prefill_dialects": ["nope"]})).is_err());
     }
 
     #[test]

@@ -8,6 +8,9 @@
 //! - Each request plays one [`Behavior`]: the next queued [`Script`]
 //!   ([`MockUpstream::push_script`]), else the default behavior, else a draw from the
 //!   [`Profile`] (seeded; `fast`, `long-tail`, `flaky`, `stall`, or a JSON file).
+//! - A request whose final assistant message is a prefix to continue (dialects
+//!   `assistant`, `prefix`, `partial`, `vllm`) gets the continuation of the planned
+//!   answer, a 400, or an answer from scratch, per the [`PrefillPolicy`].
 //! - Every request is recorded ([`RecordedRequest`]): what arrived, when, how its
 //!   response ended ([`EndKind`]) and the usage it reported.
 //! - Tasks are owned: [`MockUpstream::shutdown`] (or dropping the handle) stops the
@@ -17,6 +20,7 @@
 
 mod behavior;
 mod play;
+mod prefill;
 mod profile;
 mod record;
 mod server;
@@ -34,6 +38,10 @@ use tokio::task::JoinHandle;
 
 pub use behavior::{
     Behavior, Fault, ReasoningField, RetryAfter, Script, Stall, ToolCallSpec, UsageMode,
+};
+pub use prefill::{
+    continue_from, PrefillDialect, PrefillMode, PrefillOutcome, PrefillPolicy, PrefillSeen,
+    VLLM_CONFLICT_MESSAGE,
 };
 pub use profile::{
     exponential, lognormal, LongTail, Profile, ProfileError, ProfileFile, ProfileKind, Weighted,
@@ -67,6 +75,9 @@ pub struct MockConfig {
     /// The log keeps this many most recent requests (a long-running server stays
     /// bounded).
     pub log_capacity: usize,
+    /// What the mock does with prefill requests when the behavior played sets no policy
+    /// of its own (default: every dialect continued).
+    pub prefill: PrefillPolicy,
 }
 
 impl std::fmt::Debug for MockConfig {
@@ -87,6 +98,7 @@ impl std::fmt::Debug for MockConfig {
             .field("max_request_bytes", &self.max_request_bytes)
             .field("record_bodies", &self.record_bodies)
             .field("log_capacity", &self.log_capacity)
+            .field("prefill", &self.prefill)
             .finish()
     }
 }
@@ -103,6 +115,7 @@ impl Default for MockConfig {
             max_request_bytes: 32 * 1024 * 1024,
             record_bodies: true,
             log_capacity: 100_000,
+            prefill: PrefillPolicy::default(),
         }
     }
 }
@@ -149,6 +162,7 @@ impl MockUpstream {
         };
         let log = Log::new(cfg.log_capacity);
         let shared = Arc::new(Shared {
+            prefill: Mutex::new(cfg.prefill.clone()),
             cfg,
             log,
             scripts: Mutex::new(VecDeque::new()),
@@ -221,6 +235,15 @@ impl MockUpstream {
             rng: profile.rng(),
             profile: Box::new(profile),
         };
+    }
+
+    /// Sets the server's prefill policy (for behaviors that set none of their own).
+    pub fn set_prefill(&self, policy: PrefillPolicy) {
+        *self
+            .shared
+            .prefill
+            .lock()
+            .unwrap_or_else(|e| e.into_inner()) = policy;
     }
 
     /// Every request received so far (since the last [`MockUpstream::reset_log`]).

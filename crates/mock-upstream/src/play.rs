@@ -98,9 +98,14 @@ pub(crate) struct Ctx {
     pub(crate) kill: Arc<Notify>,
     pub(crate) model: String,
     pub(crate) prompt_tokens: u64,
+    /// The seed of generated words ([`crate::text::request_seed`]).
     pub(crate) seed: u64,
     pub(crate) created: u64,
     pub(crate) image_summary: Option<String>,
+    /// A prefill prefix to continue from (an honoured prefill request).
+    pub(crate) prefill: Option<String>,
+    /// The request's `max_tokens` / `max_completion_tokens` (the smaller when both).
+    pub(crate) max_tokens: Option<u64>,
 }
 
 /// One incremental item of an answer.
@@ -117,25 +122,74 @@ pub(crate) struct Plan {
     pub(crate) items: Vec<Item>,
     pub(crate) finish_reason: String,
     pub(crate) usage: Usage,
+    /// For a continued prefill: whether the planned content started with the prefix.
+    pub(crate) prefill_matched: Option<bool>,
+}
+
+/// Extends generated content (`chunk_count` words) with the next words of the request's
+/// word stream while they keep matching `prefix`, until the content covers it: a
+/// prefix delivered by a longer draw of the same request is continued, not mismatched.
+/// Leaves `content` as planned when the word stream departs from the prefix.
+fn extend_generated(content: &mut Vec<String>, seed: u64, prefix: &str) {
+    let p = prefix.as_bytes();
+    let mut len: usize = content.iter().map(String::len).sum();
+    if len >= p.len() || !p.starts_with(content.concat().as_bytes()) {
+        return;
+    }
+    let mut extra = Vec::new();
+    let mut i = content.len() as u32;
+    while len < p.len() {
+        let w = crate::text::word(seed, i);
+        let end = (len + w.len()).min(p.len());
+        if p[len..end] != w.as_bytes()[..end - len] {
+            return;
+        }
+        len += w.len();
+        i = i.saturating_add(1);
+        extra.push(w);
+    }
+    content.extend(extra);
 }
 
 impl Plan {
     pub(crate) fn new(b: &Behavior, ctx: &Ctx) -> Plan {
-        let mut items: Vec<Item> = b.reasoning.iter().cloned().map(Item::Reasoning).collect();
+        let mut reasoning: Vec<String> = b.reasoning.clone();
+        let mut content: Vec<String> = Vec::new();
         if !b.chunks.is_empty() {
-            items.extend(b.chunks.iter().cloned().map(Item::Content));
+            content.clone_from(&b.chunks);
         } else if let Some(n) = b.chunk_count {
-            items.extend((0..n).map(|i| Item::Content(crate::text::word(ctx.seed, i))));
+            content.extend((0..n).map(|i| crate::text::word(ctx.seed, i)));
         } else if b.reasoning.is_empty() && b.tool_call.is_none() {
             match &ctx.image_summary {
-                Some(s) => items.push(Item::Content(s.clone())),
-                None => items.extend(
+                Some(s) => content.push(s.clone()),
+                None => content.extend(
                     ["Hello", " from", " the", " polygw", " mock."]
                         .iter()
-                        .map(|s| Item::Content(s.to_string())),
+                        .map(|s| s.to_string()),
                 ),
             }
         }
+        let mut prefill_matched = None;
+        if let Some(prefix) = &ctx.prefill {
+            if b.chunks.is_empty() && b.chunk_count.is_some() {
+                extend_generated(&mut content, ctx.seed, prefix);
+            }
+            let matched = match crate::prefill::continue_from(&content, prefix) {
+                Some(rest) => {
+                    content = rest;
+                    true
+                }
+                // A different answer: sent whole, as the continuation.
+                None => false,
+            };
+            // The reasoning came before the delivered content: not thought again.
+            if !prefix.is_empty() {
+                reasoning.clear();
+            }
+            prefill_matched = Some(matched);
+        }
+        let mut items: Vec<Item> = reasoning.into_iter().map(Item::Reasoning).collect();
+        items.extend(content.into_iter().map(Item::Content));
         if let Some(t) = &b.tool_call {
             let n = t.fragments.max(1) as usize;
             let chars: Vec<char> = t.arguments.chars().collect();
@@ -151,14 +205,24 @@ impl Plan {
                 });
             }
         }
-        let finish_reason = b.finish_reason.clone().unwrap_or_else(|| {
+        let mut finish_reason = b.finish_reason.clone().unwrap_or_else(|| {
             if b.tool_call.is_some() {
                 "tool_calls".into()
             } else {
                 "stop".into()
             }
         });
-        let reasoning_n = b.reasoning.len() as u64;
+        if let Some(max) = ctx.max_tokens {
+            let max = usize::try_from(max).unwrap_or(usize::MAX);
+            if items.len() > max {
+                items.truncate(max);
+                finish_reason = "length".into();
+            }
+        }
+        let reasoning_n = items
+            .iter()
+            .filter(|i| matches!(i, Item::Reasoning(_)))
+            .count() as u64;
         let usage = Usage {
             prompt_tokens: b.prompt_tokens.unwrap_or(ctx.prompt_tokens),
             completion_tokens: b.completion_tokens.unwrap_or(items.len() as u64),
@@ -168,7 +232,19 @@ impl Plan {
             items,
             finish_reason,
             usage,
+            prefill_matched,
         }
+    }
+
+    /// The tool-call arguments of the plan, if it has any tool fragment.
+    fn tool_arguments(&self) -> Option<String> {
+        let mut out: Option<String> = None;
+        for i in &self.items {
+            if let Item::Tool { args, .. } = i {
+                out.get_or_insert_with(String::new).push_str(args);
+            }
+        }
+        out
     }
 
     pub(crate) fn full_content(&self) -> String {
@@ -447,11 +523,11 @@ pub(crate) fn completion_json(b: &Behavior, ctx: &Ctx, plan: &Plan) -> Value {
         };
         msg.insert(key.into(), json!(reasoning));
     }
-    if let Some(t) = &b.tool_call {
+    if let (Some(t), Some(args)) = (&b.tool_call, plan.tool_arguments()) {
         msg.insert(
             "tool_calls".into(),
             json!([{"index": 0, "id": t.id, "type": "function",
-                "function": {"name": t.name, "arguments": t.arguments}}]),
+                "function": {"name": t.name, "arguments": args}}]),
         );
     }
     let mut v = json!({

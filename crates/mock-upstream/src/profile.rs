@@ -7,6 +7,7 @@ use std::path::Path;
 use serde::{Deserialize, Serialize};
 
 use crate::behavior::{Behavior, Fault, RetryAfter, Stall};
+use crate::prefill::{PrefillDialect, PrefillMode, PrefillPolicy};
 
 /// The SPEC §12 long-tail shape, unscaled (seconds / milliseconds of real time).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -42,6 +43,10 @@ pub struct LongTail {
     pub reasoning_p: f64,
     /// Keepalive comments during silences (s), if any.
     pub keepalive_s: Option<f64>,
+    /// The prefill mode of every sampled behavior (None = the server's policy).
+    pub prefill: Option<PrefillMode>,
+    /// The prefill dialects of every sampled behavior (None = the server's policy).
+    pub prefill_dialects: Option<Vec<PrefillDialect>>,
 }
 
 impl Default for LongTail {
@@ -62,6 +67,8 @@ impl Default for LongTail {
             short_stall_max_s: 5.0,
             reasoning_p: 129.0 / 4407.0,
             keepalive_s: None,
+            prefill: None,
+            prefill_dialects: None,
         }
     }
 }
@@ -134,6 +141,10 @@ pub struct ProfileFile {
     pub mix: Option<Vec<Weighted>>,
     /// Long-tail parameters (missing fields take the SPEC §12 defaults).
     pub long_tail: Option<LongTail>,
+    /// The prefill mode of every behavior that does not set its own.
+    pub prefill: Option<PrefillMode>,
+    /// The prefill dialects of every behavior that does not set its own.
+    pub prefill_dialects: Option<Vec<PrefillDialect>>,
 }
 
 fn fast() -> LongTail {
@@ -277,6 +288,8 @@ impl LongTail {
                 .collect(),
             stalls,
             keepalive_ms: self.keepalive_s.map(|s| s * 1000.0),
+            prefill: self.prefill,
+            prefill_dialects: self.prefill_dialects.clone(),
             ..Behavior::default()
         }
     }
@@ -315,6 +328,28 @@ impl Profile {
         } else {
             Profile::from_file(arg)
         }
+    }
+
+    /// This profile with `policy` on every behavior that does not set its own prefill
+    /// policy (a long-tail profile: on every draw).
+    pub fn with_prefill(mut self, policy: PrefillPolicy) -> Profile {
+        let set = |b: &mut Behavior| {
+            if b.prefill_policy().is_none() {
+                b.prefill = Some(policy.mode);
+                b.prefill_dialects = policy.dialects.clone();
+            }
+        };
+        match &mut self.kind {
+            ProfileKind::Fixed(b) => set(b),
+            ProfileKind::Mix(m) => m.iter_mut().for_each(|w| set(&mut w.behavior)),
+            ProfileKind::LongTail(l) => {
+                if l.prefill.is_none() && l.prefill_dialects.is_none() {
+                    l.prefill = Some(policy.mode);
+                    l.prefill_dialects = policy.dialects.clone();
+                }
+            }
+        }
+        self
     }
 
     /// A profile that always plays `behavior`.
@@ -360,6 +395,11 @@ impl Profile {
         }
         let time_scale = f.time_scale.unwrap_or(1.0);
         let seed = f.seed.unwrap_or(0);
+        let prefill =
+            (f.prefill.is_some() || f.prefill_dialects.is_some()).then(|| PrefillPolicy {
+                mode: f.prefill.unwrap_or_default(),
+                dialects: f.prefill_dialects.clone(),
+            });
         let p = if let Some(base) = &f.extends {
             let mut p = Profile::named(base, time_scale, seed)?;
             if let Some(n) = f.name {
@@ -380,6 +420,10 @@ impl Profile {
                 seed,
                 kind,
             }
+        };
+        let p = match prefill {
+            Some(policy) => p.with_prefill(policy),
+            None => p,
         };
         p.validate()?;
         Ok(p)
@@ -554,6 +598,50 @@ mod tests {
             .count();
         let share = ok as f64 / n as f64;
         assert!((0.67..0.73).contains(&share), "{share}");
+    }
+
+    #[test]
+    fn prefill_policy_in_profiles() {
+        use crate::prefill::{PrefillDialect, PrefillMode, PrefillPolicy};
+        let p = Profile::from_json(
+            r#"{"extends":"fast","prefill":"reject","prefill_dialects":["prefix"]}"#,
+            "x",
+        )
+        .unwrap();
+        let b = p.sample(&mut p.rng());
+        assert_eq!(
+            b.prefill_policy(),
+            Some(PrefillPolicy {
+                mode: PrefillMode::Reject,
+                dialects: Some(vec![PrefillDialect::Prefix]),
+            })
+        );
+        // A behavior's own policy is kept; the others get the profile's.
+        let p = Profile::from_json(
+            r#"{"prefill":"ignore","mix":[{"weight":1,"behavior":{"prefill":"accept"}},{"weight":1,"behavior":{}}]}"#,
+            "x",
+        )
+        .unwrap();
+        match &p.kind {
+            ProfileKind::Mix(m) => {
+                assert_eq!(m[0].behavior.prefill, Some(PrefillMode::Accept));
+                assert_eq!(m[1].behavior.prefill, Some(PrefillMode::Ignore));
+            }
+            other => panic!("{other:?}"),
+        }
+        let p = Profile::from_json(r#"{"long_tail":{"prefill_dialects":["vllm"]}}"#, "x").unwrap();
+        let b = p.sample(&mut p.rng());
+        assert_eq!(b.prefill_dialects, Some(vec![PrefillDialect::Vllm]));
+        let p = Profile::named("stall", 1.0, 0)
+            .unwrap()
+            .with_prefill(PrefillPolicy::ignore());
+        assert_eq!(p.sample(&mut p.rng()).prefill, Some(PrefillMode::Ignore));
+        assert!(Profile::from_json(r#"{"extends":"fast","prefill":"maybe"}"#, "x").is_err());
+        // Built-in profiles leave the policy to the server.
+        for n in PROFILE_NAMES {
+            let p = Profile::named(n, 1.0, 0).unwrap();
+            assert_eq!(p.sample(&mut p.rng()).prefill_policy(), None, "{n}");
+        }
     }
 
     #[test]

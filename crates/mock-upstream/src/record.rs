@@ -11,6 +11,7 @@ use serde_json::Value;
 use tokio::sync::watch;
 
 use crate::behavior::Behavior;
+use crate::prefill::{PrefillOutcome, PrefillSeen};
 
 /// How a response ended.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -86,8 +87,12 @@ pub struct RecordedRequest {
     pub content: String,
     /// Reasoning text actually sent.
     pub reasoning: String,
-    /// The complete answer's content, as planned (a successful client must see this).
+    /// The complete answer's content, as planned (a successful client must see this);
+    /// for a continued prefill, the prefix followed by the planned continuation.
     pub full_content: String,
+    /// The prefill the request carried (a final assistant message to continue), and what
+    /// the mock did with it.
+    pub prefill: Option<PrefillSeen>,
     /// Images of a vision request.
     pub images: Vec<ImageSeen>,
     /// The behavior played (for raw/profile debugging).
@@ -98,6 +103,13 @@ impl RecordedRequest {
     /// Whether the response has ended.
     pub fn ended(&self) -> bool {
         self.end != EndKind::InFlight
+    }
+
+    /// Whether the request was a prefill the mock rejected (a 400).
+    pub fn prefill_rejected(&self) -> bool {
+        self.prefill
+            .as_ref()
+            .is_some_and(|p| p.outcome == PrefillOutcome::Rejected)
     }
 }
 

@@ -22,6 +22,7 @@ use tokio::task::JoinSet;
 
 use crate::behavior::{Behavior, Fault, UsageMode};
 use crate::play::{self, Ctx, Plan, PlayerBody};
+use crate::prefill::{self, Decision, PrefillOutcome, PrefillPolicy, PrefillSeen};
 use crate::profile::Profile;
 use crate::record::{now, EndKind, Guard, Log, RecordedRequest};
 use crate::text;
@@ -43,9 +44,17 @@ pub(crate) struct Shared {
     pub(crate) log: Arc<Log>,
     pub(crate) scripts: Mutex<VecDeque<Behavior>>,
     pub(crate) default: Mutex<DefaultPlay>,
+    pub(crate) prefill: Mutex<PrefillPolicy>,
 }
 
 impl Shared {
+    fn prefill_policy(&self) -> PrefillPolicy {
+        self.prefill
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
+    }
+
     fn next_behavior(&self) -> Behavior {
         if let Some(b) = self
             .scripts
@@ -260,6 +269,7 @@ async fn handle_request(
         content: String::new(),
         reasoning: String::new(),
         full_content: String::new(),
+        prefill: None,
         images: Vec::new(),
         behavior: None,
     });
@@ -310,7 +320,7 @@ async fn handle_request(
             if path.ends_with("/embeddings") {
                 embeddings(&shared, kill, guard, b, body).await
             } else {
-                chat(kill, guard, b, body).await
+                chat(&shared, kill, guard, b, body).await
             }
         }
         _ => simple(
@@ -406,10 +416,51 @@ async fn raw_bytes(b: &Behavior) -> Result<Option<(Bytes, &'static str)>, String
     Ok(None)
 }
 
-async fn chat(kill: Arc<Notify>, guard: Guard, b: Behavior, body: Value) -> Response<RespBody> {
+/// The request's `max_tokens` / `max_completion_tokens` (the smaller when both).
+fn max_tokens(body: &Value) -> Option<u64> {
+    ["max_tokens", "max_completion_tokens"]
+        .iter()
+        .filter_map(|k| body.get(*k).and_then(Value::as_u64))
+        .min()
+}
+
+async fn chat(
+    shared: &Shared,
+    kill: Arc<Notify>,
+    guard: Guard,
+    b: Behavior,
+    body: Value,
+) -> Response<RespBody> {
     let guard = match prelude(&kill, guard, &b).await {
         Ok(g) => g,
         Err(resp) => return resp,
+    };
+    // Prefill: continue from the prefix, reject, or answer from scratch.
+    let policy = b
+        .prefill_policy()
+        .unwrap_or_else(|| shared.prefill_policy());
+    let seen = |p: &prefill::Prefill, outcome| PrefillSeen {
+        dialect: p.dialect,
+        prefix_chars: p.prefix.chars().count(),
+        matched: false,
+        outcome,
+    };
+    let (prefix, mut prefill_seen) = match prefill::decide(&body, &policy) {
+        Decision::None => (None, None),
+        Decision::Reject(p, message) => {
+            let s = seen(&p, PrefillOutcome::Rejected);
+            guard_log(&guard, move |r| r.prefill = Some(s));
+            let mut g = guard;
+            g.headers_sent(400);
+            g.finish(EndKind::Error { status: 400 });
+            let v = error_json(400, Some("invalid_request_error"), Some(message));
+            return json_response(400, &v, None);
+        }
+        Decision::Ignore(p) => (None, Some(seen(&p, PrefillOutcome::Ignored))),
+        Decision::Continue(p) => {
+            let s = seen(&p, PrefillOutcome::Continued);
+            (Some(p.prefix), Some(s))
+        }
     };
     let stream = body.get("stream").and_then(Value::as_bool).unwrap_or(false);
     let images = text::images_of(&body);
@@ -431,18 +482,32 @@ async fn chat(kill: Arc<Notify>, guard: Guard, b: Behavior, body: Value) -> Resp
             })
             .unwrap_or_else(|| "mock-model".into()),
         prompt_tokens: text::prompt_tokens(&body, images.len()),
-        seed: guard.id,
+        seed: text::request_seed(&body),
         created: unix_secs(),
         image_summary,
+        prefill: prefix,
+        max_tokens: max_tokens(&body),
         kill,
         guard,
     };
     let plan = Plan::new(&b, &ctx);
     {
-        let full = plan.full_content();
+        let raw = b.raw_sse.is_some()
+            || b.raw_sse_file.is_some()
+            || b.jsonl_file.is_some()
+            || b.raw_body.is_some();
+        if let Some(s) = &mut prefill_seen {
+            // A verbatim body is played as is: never a continuation.
+            s.matched = !raw && plan.prefill_matched == Some(true);
+        }
+        let full = match &ctx.prefill {
+            Some(prefix) if !raw => format!("{prefix}{}", plan.full_content()),
+            _ => plan.full_content(),
+        };
         guard_log(&ctx.guard, move |r| {
             r.full_content = full;
             r.images = images;
+            r.prefill = prefill_seen;
         });
     }
 

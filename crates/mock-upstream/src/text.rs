@@ -21,6 +21,41 @@ pub(crate) fn mix(mut x: u64) -> u64 {
     x ^ (x >> 31)
 }
 
+/// FNV-1a of some bytes.
+fn fnv1a(bytes: &[u8]) -> u64 {
+    let mut h: u64 = 0xCBF2_9CE4_8422_2325;
+    for b in bytes {
+        h ^= u64::from(*b);
+        h = h.wrapping_mul(0x0000_0100_0000_01B3);
+    }
+    h
+}
+
+/// The seed of a request's generated words: a hash of the text of its last `user`
+/// message (string content, or its text parts). It depends on nothing else — not the
+/// model, the mock instance, the request's sequence number, a trailing assistant
+/// message or any sampling — so the same request gets the same words from any mock,
+/// and a replay reproduces a delivered prefix exactly.
+pub(crate) fn request_seed(body: &Value) -> u64 {
+    let last_user = body
+        .get("messages")
+        .and_then(Value::as_array)
+        .and_then(|ms| {
+            ms.iter()
+                .rev()
+                .find(|m| m.get("role").and_then(Value::as_str) == Some("user"))
+        });
+    let text: String = match last_user.and_then(|m| m.get("content")) {
+        Some(Value::String(s)) => s.clone(),
+        Some(Value::Array(parts)) => parts
+            .iter()
+            .filter_map(|p| p.get("text").and_then(Value::as_str))
+            .collect(),
+        _ => String::new(),
+    };
+    mix(fnv1a(text.as_bytes()))
+}
+
 /// Content chunk `i` of generated answer `seed`: one word, with a leading space after
 /// the first.
 pub(crate) fn word(seed: u64, i: u32) -> String {
@@ -74,11 +109,7 @@ pub(crate) fn text_tokens(text: &str) -> u64 {
 /// A deterministic unit vector of `dim` components derived from the text (FNV-1a then
 /// SplitMix64): equal texts give equal vectors.
 pub fn embedding_of(text: &str, dim: usize) -> Vec<f32> {
-    let mut h: u64 = 0xCBF2_9CE4_8422_2325;
-    for b in text.as_bytes() {
-        h ^= u64::from(*b);
-        h = h.wrapping_mul(0x0000_0100_0000_01B3);
-    }
+    let h = fnv1a(text.as_bytes());
     let mut v: Vec<f32> = (0..dim)
         .map(|i| {
             let r = mix(h ^ (i as u64).wrapping_mul(0xA24B_AED4_963E_E407));
@@ -157,6 +188,22 @@ mod tests {
         assert_eq!(word(7, 0), word(7, 0));
         assert!(word(7, 1).starts_with(' '));
         assert!(word(7, 0).chars().next().unwrap().is_uppercase());
+    }
+
+    #[test]
+    fn the_seed_is_the_last_user_message() {
+        let a = json!({"model": "x", "messages": [{"role": "user", "content": "q"}]});
+        let b = json!({"model": "y", "messages": [
+            {"role": "system", "content": "s"},
+            {"role": "user", "content": [{"type": "text", "text": "q"}]},
+            {"role": "assistant", "content": "partial answer", "prefix": true}]});
+        assert_eq!(request_seed(&a), request_seed(&b));
+        let c = json!({"messages": [{"role": "user", "content": "q2"}]});
+        assert_ne!(request_seed(&a), request_seed(&c));
+        assert_eq!(
+            request_seed(&json!({})),
+            request_seed(&json!({"messages": []}))
+        );
     }
 
     #[test]

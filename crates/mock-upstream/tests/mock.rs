@@ -1,6 +1,7 @@
 //! Integration tests of the mock upstream over real loopback HTTP (reqwest as the
 //! client, raw TCP where the wire itself matters): routes, the SSE it writes, delays,
-//! keepalives, every fault, the request log, profiles and shutdown.
+//! keepalives, every fault, the request log, profiles and shutdown; prefill in
+//! `mock/prefill.rs`.
 
 use std::io::{Read, Write};
 use std::time::Duration;
@@ -10,6 +11,9 @@ use polygw_mock_upstream::{
     UsageMode,
 };
 use serde_json::{json, Value};
+
+#[path = "mock/prefill.rs"]
+mod prefill;
 
 async fn mock() -> MockUpstream {
     MockUpstream::start(MockConfig::default()).await.unwrap()
