@@ -4,7 +4,8 @@
 //! 1. Every workspace crate has a layer; an unclassified crate is an error.
 //! 2. Workspace edges follow the direction core ← adapters ← facade ← binary; no
 //!    adapter depends on another adapter; the simulator and test support are only
-//!    used where SPEC §1 allows.
+//!    used where SPEC §1 allows; the top-level `tests/` package may use anything and
+//!    nothing uses it.
 //! 3. polygw-core's transitive normal dependencies stay inside an allow-list (no tokio
 //!    net/fs/process, reqwest, hyper, redis, sqlx, axum), and the list has no stale
 //!    entries.
@@ -25,6 +26,9 @@ pub enum Layer {
     Simulator,
     Tooling,
     TestSupport,
+    /// The top-level `tests/` package: cross-crate suites (SPEC §1: tests may depend on
+    /// anything; nothing depends on them).
+    Tests,
 }
 
 /// Layer of a workspace crate, by name.
@@ -40,6 +44,7 @@ pub fn layer_of(name: &str) -> Option<Layer> {
         "polygw-mock-upstream" => Layer::Simulator,
         "xtask" => Layer::Tooling,
         "polygw-testkit" => Layer::TestSupport,
+        "polygw-tests" => Layer::Tests,
         _ => return None,
     })
 }
@@ -58,7 +63,11 @@ pub fn edge_allowed(from: Layer, to: Layer, kind: Kind) -> bool {
     if to == TestSupport && kind != Kind::Dev {
         return false; // test support is only ever a dev-dependency
     }
+    if to == Tests {
+        return false; // the suites are a leaf: nothing depends on them
+    }
     match (from, kind) {
+        (Tests, _) => to != Tooling,
         (Core, _) => false,
         (Tooling, _) => false,
         (Adapter, Kind::Dev) => matches!(to, Core | TestSupport | Simulator),
@@ -547,5 +556,10 @@ mod tests {
         assert!(!edge_allowed(Adapter, Facade, Kind::Normal));
         assert!(!edge_allowed(Core, Core, Kind::Dev));
         assert!(!edge_allowed(Tooling, Core, Kind::Normal));
+        assert!(edge_allowed(Tests, Binary, Kind::Normal));
+        assert!(edge_allowed(Tests, Adapter, Kind::Dev));
+        assert!(!edge_allowed(Tests, TestSupport, Kind::Normal));
+        assert!(!edge_allowed(Binary, Tests, Kind::Dev));
+        assert!(!edge_allowed(Tests, Tooling, Kind::Dev));
     }
 }

@@ -16,7 +16,7 @@ use async_openai::Client;
 use futures_util::StreamExt;
 use polygw_mock_upstream::{Behavior, EndKind, Fault, MockConfig, MockUpstream};
 
-const BIN: &str = env!("CARGO_BIN_EXE_polygw");
+const BIN: &str = env!("CARGO_BIN_EXE_polygw-under-test");
 
 fn polygw(args: &[&str], env: &[(String, String)]) -> std::process::Output {
     Command::new(BIN)

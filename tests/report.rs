@@ -159,7 +159,7 @@ async fn write_db(path: &Path, rows: Vec<TelemetryRow>) -> String {
 }
 
 fn polygw(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_polygw"))
+    Command::new(env!("CARGO_BIN_EXE_polygw-under-test"))
         .args(args)
         .env("NO_COLOR", "1")
         .output()
