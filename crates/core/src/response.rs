@@ -168,6 +168,11 @@ pub struct LlmResponse {
     pub logical_call_id: String,
     /// The call's figures.
     pub call_stats: CallStats,
+    /// A plain (non-stream) answer: the upstream's completion object as received, so
+    /// a proxy can pass every field through (SPEC §15). `None` for streams, cache hits
+    /// and transports that do not keep it. Not part of the cached copy.
+    #[serde(skip)]
+    pub upstream: Option<serde_json::Map<String, serde_json::Value>>,
 }
 
 #[cfg(test)]

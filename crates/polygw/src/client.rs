@@ -288,7 +288,12 @@ impl GatewayClient {
         let response = self.response(won, call);
         if let (Some(k), Some(ttl)) = (&key, engine.scope.cache.ttl) {
             if response.finish_reason.is_some() {
-                if let Err(e) = engine.ports.cache.put(k, &response, ttl).await {
+                // The cached copy holds the answer, not the upstream's own object.
+                let cached = LlmResponse {
+                    upstream: None,
+                    ..response.clone()
+                };
+                if let Err(e) = engine.ports.cache.put(k, &cached, ttl).await {
                     tracing::warn!(error = %e, "response cache store failed");
                 }
             }
@@ -355,6 +360,7 @@ impl GatewayClient {
         }
         let p = call.progress();
         LlmResponse {
+            upstream: tr.raw,
             content,
             reasoning_content,
             tool_calls,

@@ -185,6 +185,7 @@ fn result_of(a: Aggregate, http_status: u16, salvaged: bool) -> TransportResult 
         http_status,
         stream: None,
         salvaged,
+        raw: None,
     }
 }
 
@@ -265,7 +266,9 @@ impl OpenAiTransport {
         }
         let obj = parse_object(&bytes).map_err(|f| fail(f, key))?;
         let a = plain_aggregate(&obj, &self.inner.cfg).map_err(|e| e.into_error(key))?;
-        Ok(result_of(a, status, false))
+        let mut r = result_of(a, status, false);
+        r.raw = Some(obj);
+        Ok(r)
     }
 
     /// A whole SSE body received for a plain request, folded with the stream rules

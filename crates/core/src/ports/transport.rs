@@ -61,6 +61,9 @@ pub struct TransportResult {
     pub stream: Option<StreamFigures>,
     /// The stream broke after its finish_reason and was accepted (SPEC §5 salvage).
     pub salvaged: bool,
+    /// A plain answer: the upstream's completion object as received.
+    #[serde(skip)]
+    pub raw: Option<serde_json::Map<String, serde_json::Value>>,
 }
 
 /// Chat over an OpenAI-compatible `/chat/completions`.
