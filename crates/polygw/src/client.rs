@@ -26,6 +26,25 @@ use crate::engine::Engine;
 use crate::metrics::Metrics;
 use crate::stream::ChatStream;
 
+/// Options of one call.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct CallOptions {
+    /// The longest this call may go without progress — waiting for admission, or in
+    /// rate-limited rounds — before it ends `stalled` (with `retry_after`, the earliest
+    /// time a source could take it): the scope's `RETRY__STALL_WINDOW_S`, lowered for
+    /// this call. `polygw serve --max-wait-s` uses it to answer 429 instead of holding
+    /// a client.
+    pub max_wait: Option<std::time::Duration>,
+}
+
+impl CallOptions {
+    /// Sets [`CallOptions::max_wait`].
+    pub fn with_max_wait(mut self, d: std::time::Duration) -> Self {
+        self.max_wait = Some(d);
+        self
+    }
+}
+
 /// A chat client over one scope. See the crate documentation for an example.
 #[derive(Clone, Debug)]
 pub struct GatewayClient {
@@ -152,7 +171,16 @@ impl GatewayClient {
 
     /// One logical chat call: cache, retry loop with admission and hedging, telemetry.
     pub async fn chat(&self, request: ChatRequest) -> Result<LlmResponse, GatewayError> {
-        self.chat_inner(request, None).await
+        self.chat_inner(request, None, CallOptions::default()).await
+    }
+
+    /// [`GatewayClient::chat`] with per-call options.
+    pub async fn chat_with(
+        &self,
+        request: ChatRequest,
+        options: CallOptions,
+    ) -> Result<LlmResponse, GatewayError> {
+        self.chat_inner(request, None, options).await
     }
 
     /// Like [`GatewayClient::chat`], streaming the committed leg's chunks to `sink` as
@@ -164,7 +192,8 @@ impl GatewayClient {
         request: ChatRequest,
         sink: Arc<dyn DeltaSink>,
     ) -> Result<LlmResponse, GatewayError> {
-        self.chat_inner(request, Some(sink)).await
+        self.chat_inner(request, Some(sink), CallOptions::default())
+            .await
     }
 
     /// A streamed chat call as a `futures::Stream` of [`ChatEvent`]s: the committed
@@ -174,11 +203,16 @@ impl GatewayClient {
     /// cancels the call.
     ///
     /// [`ChatEvent`]: crate::ChatEvent
-    pub fn chat_stream(&self, mut request: ChatRequest) -> ChatStream {
+    pub fn chat_stream(&self, request: ChatRequest) -> ChatStream {
+        self.chat_stream_with(request, CallOptions::default())
+    }
+
+    /// [`GatewayClient::chat_stream`] with per-call options.
+    pub fn chat_stream_with(&self, mut request: ChatRequest, options: CallOptions) -> ChatStream {
         request.stream = true;
         let client = self.clone();
         ChatStream::new(move |sink| {
-            Box::pin(async move { client.chat_inner(request, Some(sink)).await })
+            Box::pin(async move { client.chat_inner(request, Some(sink), options).await })
         })
     }
 
@@ -211,12 +245,14 @@ impl GatewayClient {
         &self,
         request: ChatRequest,
         sink: Option<Arc<dyn DeltaSink>>,
+        options: CallOptions,
     ) -> Result<LlmResponse, GatewayError> {
         request
             .validate()
             .map_err(|(field, message)| GatewayError::InvalidRequest { field, message })?;
         let engine = &self.engine;
         let (call, span) = self.new_call(request.stream);
+        call.set_max_wait(options.max_wait);
         if let Some(m) = request.max_tokens {
             span.record("gen_ai.request.max_tokens", m);
         }

@@ -34,7 +34,7 @@ mod structured;
 mod wiring;
 
 pub use builder::{GatewayBuilder, ScopeClients};
-pub use client::GatewayClient;
+pub use client::{CallOptions, GatewayClient};
 pub use embedding::{EmbeddingClient, Embeddings};
 pub use engine::round::{Commit, DeltaSink};
 pub use engine::Ports;

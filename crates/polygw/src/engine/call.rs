@@ -9,7 +9,8 @@ use std::time::{Duration, Instant};
 
 use polygw_core::ports::Refusal;
 use polygw_core::{
-    AttemptError, FailureContext, GatewayError, SourceReason, SourceReasons, TerminalReason,
+    AttemptError, FailureContext, GatewayError, RetrySettings, SourceReason, SourceReasons,
+    TerminalReason,
 };
 
 /// What the call has done so far.
@@ -39,6 +40,7 @@ pub(crate) struct CallShared {
     pub stream: bool,
     deadline_hit: AtomicBool,
     budget_counted: AtomicBool,
+    max_wait: Mutex<Option<Duration>>,
     progress: Mutex<Progress>,
 }
 
@@ -50,6 +52,7 @@ impl CallShared {
             stream,
             deadline_hit: AtomicBool::new(false),
             budget_counted: AtomicBool::new(false),
+            max_wait: Mutex::new(None),
             progress: Mutex::new(Progress::default()),
         }
     }
@@ -64,6 +67,21 @@ impl CallShared {
 
     pub(crate) fn deadline_hit(&self) -> bool {
         self.deadline_hit.load(Ordering::SeqCst)
+    }
+
+    /// Sets the call's own bound on waiting without progress ([`crate::CallOptions`]).
+    pub(crate) fn set_max_wait(&self, d: Option<Duration>) {
+        *self.max_wait.lock().unwrap_or_else(|e| e.into_inner()) = d;
+    }
+
+    /// The retry settings of this call: the scope's, with the stall window lowered to
+    /// the call's `max_wait`.
+    pub(crate) fn retry_settings(&self, scope: &RetrySettings) -> RetrySettings {
+        let mut s = scope.clone();
+        if let Some(w) = *self.max_wait.lock().unwrap_or_else(|e| e.into_inner()) {
+            s.stall_window = s.stall_window.min(w);
+        }
+        s
     }
 
     /// True the first time only: the logical call counts once in the scope's hedge

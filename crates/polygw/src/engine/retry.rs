@@ -141,7 +141,7 @@ impl Engine {
         policy: HedgePolicy,
         sink: Option<Arc<dyn DeltaSink>>,
     ) -> Result<Won<L::Output>, GatewayError> {
-        let mut retry = RetryState::new(&self.scope.retry);
+        let mut retry = RetryState::new(&call.retry_settings(&self.scope.retry));
         let stream_settings = self.scope.stream;
         let resume_setting = if leg.stream() && self.kind == ScopeKind::Chat {
             stream_settings.resume
