@@ -1,0 +1,437 @@
+//! Streams that survive (SPEC §13), end to end: `polygw serve` (the spawned program)
+//! in front of a primary and a fallback mock upstream, driven by a real OpenAI client
+//! (async-openai); and the library's aggregated and streaming calls in process.
+//!
+//! Every fault is one the fallback can rescue or not, decided by the scripts, never by
+//! a race: stalls are long (30 s) against a short `STALL_AFTER_S`, deadlines short
+//! against a fallback that never answers in time.
+
+mod support;
+
+use std::collections::BTreeSet;
+use std::time::{Duration, Instant};
+
+use async_openai::types::chat::{ChatCompletionStreamOptions, CreateChatCompletionRequestArgs};
+use futures_util::StreamExt;
+use polygw::{ChatEvent, ChatRequest, GatewayClient, UsageSource};
+use polygw_mock_upstream::{
+    Behavior, EndKind, Fault, MockUpstream, PrefillDialect, PrefillOutcome, PrefillPolicy, Stall,
+    ToolCallSpec,
+};
+use support::{mock, openai, serve, source, user};
+
+/// What an OpenAI client saw of a stream.
+#[derive(Debug, Default)]
+struct Seen {
+    content: String,
+    tool_args: String,
+    tool_name: Option<String>,
+    ids: BTreeSet<String>,
+    roles: usize,
+    finish: Option<String>,
+    usage: Option<u32>,
+    error: Option<String>,
+}
+
+async fn stream_through(base: &str, prompt: &str) -> Seen {
+    let c = openai(base, "any");
+    let req = CreateChatCompletionRequestArgs::default()
+        .model("llm")
+        .messages(vec![user(prompt)])
+        .stream(true)
+        .stream_options(ChatCompletionStreamOptions {
+            include_usage: Some(true),
+            include_obfuscation: None,
+        })
+        .build()
+        .unwrap();
+    let mut st = c.chat().create_stream(req).await.unwrap();
+    let mut seen = Seen::default();
+    while let Some(chunk) = st.next().await {
+        match chunk {
+            Ok(chunk) => {
+                seen.ids.insert(chunk.id.clone());
+                if let Some(u) = chunk.usage {
+                    seen.usage = Some(u.completion_tokens);
+                }
+                for ch in chunk.choices {
+                    if ch.delta.role.is_some() {
+                        seen.roles += 1;
+                    }
+                    if let Some(t) = ch.delta.content {
+                        seen.content.push_str(&t);
+                    }
+                    for t in ch.delta.tool_calls.unwrap_or_default() {
+                        if let Some(f) = t.function {
+                            if let Some(n) = f.name {
+                                seen.tool_name.get_or_insert(n);
+                            }
+                            seen.tool_args.push_str(&f.arguments.unwrap_or_default());
+                        }
+                    }
+                    if let Some(f) = ch.finish_reason {
+                        seen.finish = Some(format!("{f:?}"));
+                    }
+                }
+            }
+            Err(e) => {
+                seen.error = Some(e.to_string());
+                break;
+            }
+        }
+    }
+    seen
+}
+
+/// Primary `a` (priority 0) and fallback `b` (priority 1); fast retries.
+fn env(
+    a: &MockUpstream,
+    b: &MockUpstream,
+    b_extra: &[(&str, &str)],
+    extra: &[(&str, &str)],
+) -> Vec<(String, String)> {
+    let mut v = source("LLM", "a", a, &[("PRIORITY", "0")]);
+    let mut bx = vec![("PRIORITY", "1")];
+    bx.extend_from_slice(b_extra);
+    v.extend(source("LLM", "b", b, &bx));
+    v.push(("LLM__RETRY__BACKOFF_BASE_S".into(), "0.01".into()));
+    v.push(("LLM__RETRY__BACKOFF_MAX_S".into(), "0.02".into()));
+    v.extend(extra.iter().map(|(k, x)| (k.to_string(), x.to_string())));
+    v
+}
+
+fn words(n: u32) -> Behavior {
+    Behavior {
+        chunk_count: Some(n),
+        ..Behavior::default()
+    }
+}
+
+fn with_fault(mut b: Behavior, f: Fault) -> Behavior {
+    b.fault = Some(f);
+    b
+}
+
+/// The whole answer the primary planned for this request.
+async fn planned(a: &MockUpstream) -> String {
+    let log = a.wait_for_ended(1, Duration::from_secs(10)).await;
+    log[0].full_content.clone()
+}
+
+fn prefix_of_words(full: &str, n: usize) -> String {
+    // Generated chunks are one word each: "w1", " w2", … (a leading space after the
+    // first).
+    let mut out = String::new();
+    for (i, w) in full.split(' ').take(n).enumerate() {
+        if i > 0 {
+            out.push(' ');
+        }
+        out.push_str(w);
+    }
+    out
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cut_stream_is_continued_by_prefill_on_the_fallback() {
+    let a = mock(with_fault(words(60), Fault::ResetAfter { chunks: 40 })).await;
+    let b = mock(words(60)).await;
+    let s = serve(&env(&a, &b, &[("PREFILL", "prefix")], &[]));
+    let seen = stream_through(&s.base, "tell me a story").await;
+    let full = planned(&a).await;
+    assert_eq!(seen.error, None);
+    assert_eq!(seen.content, full, "the complete, exact answer");
+    assert_eq!(seen.ids.len(), 1, "one stream id: {:?}", seen.ids);
+    assert_eq!(seen.roles, 1, "the role chunk once");
+    assert!(seen.finish.is_some());
+    assert!(seen.usage.is_some(), "usage summed over the legs");
+    let rb = b.wait_for_ended(1, Duration::from_secs(5)).await;
+    let p = rb[0].prefill.clone().expect("a prefill request");
+    assert_eq!(p.dialect, PrefillDialect::Prefix);
+    assert_eq!(p.outcome, PrefillOutcome::Continued);
+    assert!(p.matched);
+    assert_eq!(p.prefix_chars, prefix_of_words(&full, 40).chars().count());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_thirty_second_stall_is_resumed_on_the_fallback() {
+    let a = mock(Behavior {
+        stalls: vec![Stall {
+            before_chunk: 20,
+            ms: 30_000.0,
+        }],
+        ..words(60)
+    })
+    .await;
+    let b = mock(words(60)).await;
+    let s = serve(&env(
+        &a,
+        &b,
+        &[("PREFILL", "partial")],
+        &[
+            ("LLM__HEDGE__STALL_AFTER_S", "0.3"),
+            ("LLM__HEDGE__BUDGET_PCT", "0"),
+        ],
+    ));
+    let t = Instant::now();
+    let seen = stream_through(&s.base, "a long answer").await;
+    assert!(t.elapsed() < Duration::from_secs(15), "{:?}", t.elapsed());
+    let full = planned(&a).await;
+    assert_eq!(seen.error, None);
+    assert_eq!(seen.content, full);
+    assert_eq!(seen.ids.len(), 1);
+    let ra = a.wait_for_ended(1, Duration::from_secs(5)).await;
+    assert_eq!(
+        ra[0].end,
+        EndKind::ClientDisconnected,
+        "the stalled leg was cancelled"
+    );
+    let rb = b.wait_for_ended(1, Duration::from_secs(5)).await;
+    assert_eq!(
+        rb[0].prefill.as_ref().map(|p| p.dialect),
+        Some(PrefillDialect::Partial)
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_malformed_event_is_resumed() {
+    let a = mock(with_fault(words(60), Fault::MalformedAt { chunk: 25 })).await;
+    let b = mock(words(60)).await;
+    let s = serve(&env(&a, &b, &[("PREFILL", "vllm")], &[]));
+    let seen = stream_through(&s.base, "malformed").await;
+    let full = planned(&a).await;
+    assert_eq!(seen.error, None);
+    assert_eq!(seen.content, full);
+    let rb = b.wait_for_ended(1, Duration::from_secs(5)).await;
+    assert_eq!(
+        rb[0].prefill.as_ref().map(|p| (p.dialect, p.outcome)),
+        Some((PrefillDialect::Vllm, PrefillOutcome::Continued))
+    );
+    assert_eq!(rb[0].body["continue_final_message"], true);
+    assert_eq!(rb[0].body["add_generation_prompt"], false);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_fallback_that_rejects_prefill_is_replayed_and_remembered() {
+    let a = mock(with_fault(words(60), Fault::ResetAfter { chunks: 30 })).await;
+    let b = mock(words(60).with_prefill(PrefillPolicy::reject())).await;
+    let s = serve(&env(&a, &b, &[("PREFILL", "assistant")], &[]));
+    let seen = stream_through(&s.base, "reject my prefill").await;
+    let full = planned(&a).await;
+    assert_eq!(seen.error, None, "the rejection never reaches the client");
+    assert_eq!(seen.content, full);
+    let rb = b.wait_for_ended(2, Duration::from_secs(5)).await;
+    assert!(rb[0].prefill_rejected(), "{:?}", rb[0].prefill);
+    assert_eq!(rb[1].prefill, None, "then a replay of the original request");
+    // Learned for the rest of the process: the next resume on b replays at once.
+    a.reset_log();
+    b.reset_log();
+    let seen = stream_through(&s.base, "again").await;
+    let full = planned(&a).await;
+    assert_eq!(seen.content, full);
+    let rb = b.wait_for_ended(1, Duration::from_secs(5)).await;
+    assert_eq!(rb.len(), 1);
+    assert_eq!(rb[0].prefill, None);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_fallback_without_prefill_replays_and_forwards_only_the_remainder() {
+    let a = mock(with_fault(words(60), Fault::ResetAfter { chunks: 30 })).await;
+    let b = mock(words(60)).await;
+    let s = serve(&env(&a, &b, &[], &[]));
+    let seen = stream_through(&s.base, "replay me").await;
+    let full = planned(&a).await;
+    assert_eq!(seen.error, None);
+    assert_eq!(seen.content, full, "no character duplicated or lost");
+    assert_eq!(seen.ids.len(), 1);
+    let rb = b.wait_for_ended(1, Duration::from_secs(5)).await;
+    assert_eq!(rb[0].prefill, None);
+    assert_eq!(rb[0].content, full, "b produced the whole answer again");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replay_that_diverges_ends_with_the_original_failure() {
+    let a = mock(Behavior::text(&["Other", " text", " entirely"])).await;
+    a.push_script(with_fault(words(60), Fault::ResetAfter { chunks: 30 }));
+    let b = mock(Behavior::text(&["Something", " else"])).await;
+    let s = serve(&env(&a, &b, &[], &[]));
+    let seen = stream_through(&s.base, "diverge").await;
+    let err = seen.error.expect("the stream ends with an error");
+    assert!(
+        err.contains("truncated") || err.contains("broke off"),
+        "the original failure names the cut: {err}"
+    );
+    assert!(!seen.content.is_empty());
+    assert!(
+        !seen.content.contains("Something") && !seen.content.contains("Other"),
+        "nothing of a diverged replay reached the client: {}",
+        seen.content
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cut_tool_call_stream_is_replayed() {
+    let tool = ToolCallSpec {
+        arguments: r#"{"city":"Paris","unit":"celsius","days":3}"#.into(),
+        fragments: 8,
+        ..ToolCallSpec::default()
+    };
+    let script = Behavior {
+        tool_call: Some(tool.clone()),
+        ..Behavior::text(&["Let me", " check."])
+    };
+    // Chunks: 2 of content, then tool fragments; the cut lands inside the arguments.
+    let a = mock(with_fault(script.clone(), Fault::ResetAfter { chunks: 6 })).await;
+    let b = mock(script).await;
+    let s = serve(&env(&a, &b, &[("PREFILL", "prefix")], &[]));
+    let seen = stream_through(&s.base, "weather").await;
+    assert_eq!(seen.error, None);
+    assert_eq!(seen.content, "Let me check.");
+    assert_eq!(seen.tool_args, tool.arguments, "arguments exactly once");
+    assert_eq!(seen.tool_name.as_deref(), Some("get_weather"));
+    let rb = b.wait_for_ended(1, Duration::from_secs(5)).await;
+    assert_eq!(
+        rb[0].prefill, None,
+        "a tool-call stream is resumed by replay only"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_deadline_ends_a_resume_cleanly() {
+    let a = mock(with_fault(words(60), Fault::ResetAfter { chunks: 30 })).await;
+    let b = mock(Behavior {
+        ttft_ms: 20_000.0,
+        ..words(60)
+    })
+    .await;
+    let s = serve(&env(
+        &a,
+        &b,
+        &[("PREFILL", "prefix")],
+        &[("LLM__CALL_DEADLINE_S", "1.5")],
+    ));
+    let t = Instant::now();
+    let seen = stream_through(&s.base, "too slow").await;
+    assert!(t.elapsed() < Duration::from_secs(10));
+    let err = seen.error.expect("an in-stream error");
+    assert!(err.contains("deadline"), "{err}");
+    let full = planned(&a).await;
+    assert_eq!(
+        seen.content,
+        prefix_of_words(&full, 30),
+        "what was delivered stays"
+    );
+    let rb = b.wait_for_ended(1, Duration::from_secs(5)).await;
+    assert_eq!(rb[0].end, EndKind::ClientDisconnected);
+}
+
+// ------------------------------------------------------------- the library, in process
+
+fn lib_vars(a: &MockUpstream, b: &MockUpstream, b_prefill: Option<&str>) -> Vec<(String, String)> {
+    let mut v = vec![
+        ("LLM__A__0__BASE_URL".into(), a.base_url()),
+        ("LLM__A__0__API_KEY".into(), "sk-a".into()),
+        ("LLM__A__0__MODEL".into(), "model-a".into()),
+        ("LLM__A__0__PRIORITY".into(), "0".into()),
+        ("LLM__B__0__BASE_URL".into(), b.base_url()),
+        ("LLM__B__0__API_KEY".into(), "sk-b".into()),
+        ("LLM__B__0__MODEL".into(), "model-b".into()),
+        ("LLM__B__0__PRIORITY".into(), "1".into()),
+        ("LLM__RETRY__BACKOFF_BASE_S".into(), "0.01".into()),
+        ("LLM__RETRY__BACKOFF_MAX_S".into(), "0.02".into()),
+    ];
+    if let Some(p) = b_prefill {
+        v.push(("LLM__B__0__PREFILL".into(), p.into()));
+    }
+    v
+}
+
+/// Aggregated `chat()`: the failed leg's text is continued by prefill on the fallback
+/// (only the remainder is generated), the usage is the sum and marked estimated.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn aggregated_chat_continues_a_cut_stream_by_prefill() {
+    let a = mock(with_fault(words(60), Fault::ResetAfter { chunks: 40 })).await;
+    let b = mock(words(60)).await;
+    let dir = tempfile::tempdir().unwrap();
+    let db = format!("sqlite://{}", dir.path().join("t.db").display());
+    let mut vars = lib_vars(&a, &b, Some("prefix"));
+    vars.push(("LLM__TELEMETRY__URL".into(), db.clone()));
+    let c = GatewayClient::from_vars(vars, "LLM").await.unwrap();
+    let r = c
+        .chat(ChatRequest::user("aggregate").with_stream(true))
+        .await
+        .unwrap();
+    let full = planned(&a).await;
+    assert_eq!(r.content, full);
+    assert_eq!(r.source, "b-0");
+    assert_eq!(r.call_stats.resumes, 1);
+    assert_eq!(r.call_stats.attempts, 2);
+    assert_eq!(
+        r.usage_source,
+        UsageSource::Estimated,
+        "a part of it is estimated"
+    );
+    let rb = b.wait_for_ended(1, Duration::from_secs(5)).await;
+    assert_eq!(
+        rb[0].prefill.as_ref().map(|p| p.outcome),
+        Some(PrefillOutcome::Continued)
+    );
+    assert!(r.usage.completion_tokens >= 60, "{:?}", r.usage);
+    assert_eq!(c.in_flight("a-0").await.unwrap(), 0);
+    assert_eq!(c.in_flight("b-0").await.unwrap(), 0);
+    c.shutdown().await;
+    // One row per attempt; the resume leg names the attempt it continues.
+    let rows = polygw_telemetry_sql::read_rows(&db, None).await.unwrap();
+    let cut = rows
+        .iter()
+        .find(|x| x.source.as_deref() == Some("a-0"))
+        .unwrap();
+    let resume = rows
+        .iter()
+        .find(|x| x.source.as_deref() == Some("b-0"))
+        .unwrap();
+    assert_eq!(cut.error.as_deref(), Some("truncated"));
+    assert_eq!(cut.resume_of, None);
+    assert_eq!(resume.resume_of.as_deref(), Some(cut.call_id.as_str()));
+    assert_eq!(resume.resume_mode.as_deref(), Some("prefill"));
+    assert_eq!(
+        resume.prefix_chars,
+        Some(prefix_of_words(&full, 40).chars().count() as u64)
+    );
+    assert!(resume.ok);
+    assert_eq!(
+        resume.usage_source,
+        UsageSource::Measured,
+        "the leg's own usage"
+    );
+}
+
+/// `chat_stream()`: the public streaming API has the passthrough semantics, resume
+/// included: the deltas are the exact answer, then the whole response.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn chat_stream_yields_one_uninterrupted_answer() {
+    let a = mock(with_fault(words(50), Fault::ResetAfter { chunks: 20 })).await;
+    let b = mock(words(50)).await;
+    let c = GatewayClient::from_vars(lib_vars(&a, &b, None), "LLM")
+        .await
+        .unwrap();
+    let mut st = c.chat_stream(ChatRequest::user("stream me"));
+    let mut text = String::new();
+    let mut commits = Vec::new();
+    let mut done = None;
+    while let Some(ev) = st.next().await {
+        match ev.unwrap() {
+            ChatEvent::Committed(c) => commits.push(c),
+            ChatEvent::Delta(d) => text.push_str(d.content.as_deref().unwrap_or("")),
+            ChatEvent::Done(r) => done = Some(r),
+        }
+    }
+    let full = planned(&a).await;
+    assert_eq!(text, full);
+    let r = done.expect("the response");
+    assert_eq!(r.content, full);
+    assert_eq!(commits.len(), 2);
+    assert!(commits[0].first && !commits[1].first);
+    assert_eq!(commits[0].source, "a-0");
+    assert_eq!(commits[1].source, "b-0");
+    assert_eq!(r.call_stats.resumes, 1);
+}
