@@ -9,7 +9,8 @@
 mod support;
 
 use std::collections::BTreeSet;
-use std::time::{Duration, Instant};
+use std::time::Duration;
+use tokio::time::Instant;
 
 use async_openai::types::chat::{ChatCompletionStreamOptions, CreateChatCompletionRequestArgs};
 use futures_util::StreamExt;
