@@ -1,0 +1,366 @@
+//! The races a review of the imperative round found (issue 13), each a regression test
+//! of the engine that now executes core's round state machine: tokio's paused clock and
+//! event-driven fakes, no real time.
+
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use async_trait::async_trait;
+use polygw::core::breaker::{BreakerAdmit, BreakerOutcome, BreakerState};
+use polygw::core::ports::{
+    AcquireRequest, Admission, BreakerStore, RateLimiter, SplitMix64, StreamDelta,
+};
+use polygw::core::telemetry::RowKind;
+use polygw::core::{BreakerSettings, GovernanceError};
+use polygw::{
+    ChatRequest, Commit, DeltaSink, ErrorClass, ErrorLabel, GatewayClient, ScopeSettings,
+    SourceConfig, TerminalReason, UsageSource,
+};
+use polygw_limiter_memory::{MemoryBreakerStore, MemoryLimiter};
+use polygw_testkit::clock::TokioClock;
+use polygw_testkit::fakes::{FakeTransport, RecordingTelemetry, Script};
+use tokio::time::Instant;
+
+fn ms(n: u64) -> Duration {
+    Duration::from_millis(n)
+}
+
+fn scope(n: usize) -> ScopeSettings {
+    let sources = (0..n)
+        .map(|i| {
+            let mut s =
+                SourceConfig::new("s", i as u32, "http://127.0.0.1:9/v1", "", format!("m{i}"));
+            s.priority = i as u32;
+            s
+        })
+        .collect();
+    let mut s = ScopeSettings::new("LLM", sources);
+    s.retry.backoff_base = ms(10);
+    s.retry.backoff_max = ms(20);
+    s.hedge.budget_pct = 0;
+    s
+}
+
+/// A breaker store whose `record` takes `delay` (a slow Redis round trip).
+#[derive(Debug)]
+struct SlowBreakers {
+    inner: MemoryBreakerStore,
+    delay: Duration,
+}
+
+#[async_trait]
+impl BreakerStore for SlowBreakers {
+    async fn admit(
+        &self,
+        scope: &str,
+        source: &str,
+        probe_lease: Duration,
+    ) -> Result<BreakerAdmit, GovernanceError> {
+        self.inner.admit(scope, source, probe_lease).await
+    }
+    async fn record(
+        &self,
+        scope: &str,
+        source: &str,
+        outcome: BreakerOutcome,
+        probe: bool,
+        settings: &BreakerSettings,
+    ) -> Result<(), GovernanceError> {
+        tokio::time::sleep(self.delay).await;
+        self.inner
+            .record(scope, source, outcome, probe, settings)
+            .await
+    }
+    async fn state(&self, scope: &str, source: &str) -> Result<BreakerState, GovernanceError> {
+        self.inner.state(scope, source).await
+    }
+}
+
+/// A limiter whose acquire for one source takes `delay`.
+#[derive(Debug)]
+struct SlowAdmission {
+    inner: MemoryLimiter,
+    slow_source: String,
+    delay: Duration,
+}
+
+#[async_trait]
+impl RateLimiter for SlowAdmission {
+    async fn acquire(&self, req: &AcquireRequest<'_>) -> Result<Admission, GovernanceError> {
+        if req.source == self.slow_source {
+            tokio::time::sleep(self.delay).await;
+        }
+        self.inner.acquire(req).await
+    }
+    async fn in_flight(&self, scope: &str, source: &str) -> Result<u32, GovernanceError> {
+        self.inner.in_flight(scope, source).await
+    }
+}
+
+/// Records what a passthrough stream delivers, and when.
+#[derive(Default)]
+struct Recorder {
+    commits: Mutex<Vec<Commit>>,
+    chunks: Mutex<Vec<(Instant, String)>>,
+}
+
+impl DeltaSink for Recorder {
+    fn committed(&self, c: &Commit) {
+        self.commits.lock().unwrap().push(c.clone());
+    }
+    fn send(&self, d: StreamDelta) {
+        self.chunks
+            .lock()
+            .unwrap()
+            .push((Instant::now(), d.content.unwrap_or_default()));
+    }
+}
+
+impl Recorder {
+    fn text(&self) -> String {
+        self.chunks
+            .lock()
+            .unwrap()
+            .iter()
+            .map(|c| c.1.clone())
+            .collect()
+    }
+}
+
+struct H {
+    client: GatewayClient,
+    fake: Arc<FakeTransport>,
+    rows: Arc<RecordingTelemetry>,
+}
+
+async fn harness(
+    s: ScopeSettings,
+    limiter: Option<Arc<dyn RateLimiter>>,
+    breakers: Option<Arc<dyn BreakerStore>>,
+) -> H {
+    let clock = Arc::new(TokioClock);
+    let fake = FakeTransport::new(clock.clone());
+    let rows = RecordingTelemetry::new();
+    let limiter = limiter.unwrap_or_else(|| Arc::new(MemoryLimiter::new(clock.clone())));
+    let breakers = breakers.unwrap_or_else(|| Arc::new(MemoryBreakerStore::new(clock.clone())));
+    let client = GatewayClient::builder(s)
+        .transport(fake.clone())
+        .telemetry(rows.clone())
+        .limiter(limiter)
+        .breakers(breakers)
+        .clock(clock)
+        .rng(Arc::new(SplitMix64::new(7)))
+        .build()
+        .await
+        .expect("client");
+    H { client, fake, rows }
+}
+
+fn attempt_labels(h: &H) -> Vec<(String, String)> {
+    let mut v: Vec<(String, String)> = h
+        .rows
+        .rows()
+        .into_iter()
+        .filter(|r| r.kind == RowKind::Attempt)
+        .map(|r| {
+            (
+                r.source.clone().unwrap_or_default(),
+                r.error.clone().unwrap_or_else(|| "ok".into()),
+            )
+        })
+        .collect();
+    v.sort();
+    v
+}
+
+/// A second leg completing in the same poll that commits the first: the client gets
+/// the committed leg's answer and source, never the other's end on the first's text.
+#[tokio::test(start_paused = true)]
+async fn passthrough_co_completion_returns_the_committed_leg() {
+    for offset in [0u64, 1, 2] {
+        let mut s = scope(2);
+        s.hedge.after = Some(ms(100));
+        let h = harness(s, None, None).await;
+        // Leg 0: one chunk and done at 300 ms; leg 1 (launched at 100 ms): the same
+        // instant (offset 0) or just after.
+        h.fake
+            .push("s-0", Script::stream(ms(300), &[], "first answer"));
+        h.fake
+            .push("s-1", Script::stream(ms(200 + offset), &[], "second"));
+        let sink = Arc::new(Recorder::default());
+        let r = h
+            .client
+            .chat_streaming(ChatRequest::user("x").with_stream(true), sink.clone())
+            .await
+            .unwrap();
+        let commits = sink.commits.lock().unwrap().clone();
+        assert_eq!(commits.len(), 1, "offset {offset}");
+        assert_eq!(
+            sink.text(),
+            r.content,
+            "offset {offset}: the answer is what was streamed"
+        );
+        assert_eq!(
+            commits[0].source, r.source,
+            "offset {offset}: x-polygw-source is the winner"
+        );
+    }
+}
+
+/// The deadline fires while the winner is being finalized (a slow breaker store): its
+/// row keeps its success and measured usage, not `hedge_cancelled`.
+#[tokio::test(start_paused = true)]
+async fn a_deadline_while_finalizing_keeps_the_winners_row() {
+    let mut s = scope(2);
+    s.hedge.after = Some(ms(100));
+    s.call_deadline = Some(ms(1000));
+    let clock = Arc::new(TokioClock);
+    let slow = Arc::new(SlowBreakers {
+        inner: MemoryBreakerStore::new(clock),
+        delay: ms(2000),
+    });
+    let h = harness(s, None, Some(slow)).await;
+    h.fake.push("s-0", Script::ok(ms(400), "winner"));
+    h.fake.push("s-1", Script::ok(ms(300), "co-winner"));
+    let e = h
+        .client
+        .chat(ChatRequest::user("x").with_stream(true))
+        .await
+        .unwrap_err();
+    assert_eq!(e.terminal_reason(), Some(TerminalReason::DeadlineExceeded));
+    let rows: Vec<_> = h
+        .rows
+        .rows()
+        .into_iter()
+        .filter(|r| r.kind == RowKind::Attempt)
+        .collect();
+    assert_eq!(rows.len(), 2);
+    for r in &rows {
+        assert!(r.ok, "{r:?}");
+        assert_eq!(r.error, None, "never hedge_cancelled: {r:?}");
+        assert_eq!(r.usage_source, UsageSource::Measured);
+    }
+}
+
+/// STALL_AFTER_S < AFTER_S: the stall hedge starts at its own time.
+#[tokio::test(start_paused = true)]
+async fn the_stall_hedge_fires_before_a_later_first_token_timer() {
+    let mut s = scope(2);
+    s.hedge.after = Some(ms(5000));
+    s.hedge.stall_after = Some(ms(1000));
+    let h = harness(s, None, None).await;
+    let t0 = Instant::now();
+    h.fake
+        .push("s-0", Script::stream(ms(100), &[ms(10_000)], "ab"));
+    h.fake
+        .push("s-1", Script::stream(ms(100), &[ms(100)], "cd"));
+    let r = h
+        .client
+        .chat(ChatRequest::user("x").with_stream(true))
+        .await
+        .unwrap();
+    assert_eq!(r.source, "s-1");
+    let calls = h.fake.calls();
+    let hedge_at = calls[1].started.duration_since(t0.into_std());
+    assert_eq!(hedge_at, ms(1100), "launched 1 s after the last chunk");
+}
+
+/// A hedge admission that takes long (a slow Redis): the committed leg's chunks are
+/// forwarded as they come, not after the admission answers.
+#[tokio::test(start_paused = true)]
+async fn legs_run_while_the_round_awaits_an_admission() {
+    let mut s = scope(2);
+    s.hedge.stall_after = Some(ms(150));
+    let clock = Arc::new(TokioClock);
+    let slow = Arc::new(SlowAdmission {
+        inner: MemoryLimiter::new(clock),
+        slow_source: "s-1".into(),
+        delay: ms(5000),
+    });
+    let h = harness(s, Some(slow), None).await;
+    // Chunks at 100, 400 (after a stall that triggers the slow hedge pick at 250), 500.
+    h.fake
+        .push("s-0", Script::stream(ms(100), &[ms(300), ms(100)], "abc"));
+    let sink = Arc::new(Recorder::default());
+    let t0 = Instant::now();
+    let r = h
+        .client
+        .chat_streaming(ChatRequest::user("x").with_stream(true), sink.clone())
+        .await
+        .unwrap();
+    assert_eq!(r.content, "abc");
+    let times: Vec<Duration> = sink
+        .chunks
+        .lock()
+        .unwrap()
+        .iter()
+        .map(|(t, _)| t.duration_since(t0))
+        .collect();
+    assert_eq!(
+        times,
+        [ms(100), ms(400), ms(500)],
+        "no chunk waited for the admission"
+    );
+}
+
+/// A committed leg that fails in its commit poll: the other leg lost to the commit
+/// (`hedge_cancelled`), and the stream is resumed on it by replay.
+#[tokio::test(start_paused = true)]
+async fn a_committed_leg_failing_in_its_commit_poll() {
+    let mut s = scope(2);
+    s.hedge.after = Some(ms(100));
+    let h = harness(s, None, None).await;
+    h.fake.push(
+        "s-0",
+        Script::ChunksThenFail {
+            ttft: ms(200),
+            gaps: vec![],
+            after_last: Duration::ZERO,
+            error: polygw::AttemptError::new(ErrorClass::Transient, ErrorLabel::Truncated, "cut"),
+        },
+    );
+    h.fake.push("s-1", Script::Hang);
+    h.fake.push("s-1", Script::stream(ms(10), &[], "xyz"));
+    let sink = Arc::new(Recorder::default());
+    let r = h
+        .client
+        .chat_streaming(ChatRequest::user("x").with_stream(true), sink.clone())
+        .await
+        .unwrap();
+    assert_eq!(r.content, "xyz");
+    assert_eq!(sink.text(), "xyz", "x, then the replay's remainder yz");
+    assert_eq!(
+        attempt_labels(&h),
+        [
+            ("s-0".to_string(), "truncated".to_string()),
+            ("s-1".to_string(), "hedge_cancelled".to_string()),
+            ("s-1".to_string(), "ok".to_string()),
+        ]
+    );
+}
+
+/// Dropping a passthrough call mid-stream: every leg is `cancelled` (never
+/// `hedge_cancelled`), decided by the round's state machine from the drop.
+#[tokio::test(start_paused = true)]
+async fn a_dropped_call_labels_every_leg_cancelled() {
+    let mut s = scope(2);
+    s.hedge.after = Some(ms(100));
+    let h = harness(s, None, None).await;
+    h.fake.push("s-0", Script::Hang);
+    h.fake.push("s-1", Script::Hang);
+    let sink = Arc::new(Recorder::default());
+    let r = tokio::time::timeout(
+        ms(500),
+        h.client
+            .chat_streaming(ChatRequest::user("x").with_stream(true), sink),
+    )
+    .await;
+    assert!(r.is_err());
+    assert_eq!(
+        attempt_labels(&h),
+        [
+            ("s-0".to_string(), "cancelled".to_string()),
+            ("s-1".to_string(), "cancelled".to_string()),
+        ]
+    );
+}
