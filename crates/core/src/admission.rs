@@ -71,6 +71,27 @@ pub fn order_candidates_preferring(
     out
 }
 
+/// SPEC §14.9: where a context-length rejection by source `rejecting` may go once:
+/// sources not yet tried in the call whose `CONTEXT_WINDOW` is larger — or, when the
+/// windows are not both set, whose `MODEL` differs. Empty: the rejection is final.
+pub fn larger_context_candidates(
+    sources: &[SourceConfig],
+    rejecting: usize,
+    tried: &BTreeSet<usize>,
+) -> BTreeSet<usize> {
+    let r = &sources[rejecting];
+    sources
+        .iter()
+        .enumerate()
+        .filter(|(i, _)| *i != rejecting && !tried.contains(i))
+        .filter(|(_, c)| match (r.context_window, c.context_window) {
+            (Some(rw), Some(cw)) => cw > rw,
+            _ => c.model != r.model,
+        })
+        .map(|(i, _)| i)
+        .collect()
+}
+
 /// What to do when no candidate was admitted.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum NoRunnable {
@@ -159,6 +180,33 @@ mod tests {
             assert_eq!(names[0], "b");
             assert_eq!(names[3], "c");
         }
+    }
+
+    #[test]
+    fn context_length_goes_to_a_larger_window_or_another_model() {
+        let mut s = vec![
+            src("a", 0, 1),
+            src("b", 0, 1),
+            src("c", 0, 1),
+            src("d", 0, 1),
+        ];
+        s[0].context_window = Some(8_000);
+        s[1].context_window = Some(32_000);
+        s[2].context_window = Some(4_000);
+        // d: no window, same model as a
+        let none = BTreeSet::new();
+        assert_eq!(larger_context_candidates(&s, 0, &none), BTreeSet::from([1]));
+        assert_eq!(
+            larger_context_candidates(&s, 0, &BTreeSet::from([1])),
+            BTreeSet::new(),
+            "tried already"
+        );
+        s[3].model = "bigger".into();
+        assert_eq!(
+            larger_context_candidates(&s, 0, &none),
+            BTreeSet::from([1, 3])
+        );
+        assert!(larger_context_candidates(&s, 1, &none).contains(&3));
     }
 
     #[test]

@@ -242,8 +242,69 @@ pub fn classify(failure: Failure) -> AttemptError {
     }
 }
 
+/// Whether a rejection says the prompt is longer than the model's context window
+/// (SPEC §14.9), by the provider's code or message.
+pub fn is_context_length(e: &AttemptError) -> bool {
+    if e.class != ErrorClass::Rejected {
+        return false;
+    }
+    if e.provider_code
+        .as_deref()
+        .is_some_and(|c| c.contains("context_length") || c.contains("context_window"))
+    {
+        return true;
+    }
+    let text = format!(
+        "{} {}",
+        e.provider_message.as_deref().unwrap_or(""),
+        e.detail
+    )
+    .to_ascii_lowercase();
+    [
+        "context length",
+        "context_length",
+        "context window",
+        "maximum context",
+        "too many tokens",
+        "prompt is too long",
+        "reduce the length",
+    ]
+    .iter()
+    .any(|k| text.contains(k))
+}
+
 #[cfg(test)]
 mod tests {
+
+    #[test]
+    fn context_length_rejections_are_recognized() {
+        let rej = |code: Option<&str>, msg: &str| {
+            AttemptError::new(ErrorClass::Rejected, ErrorLabel::Rejected, "HTTP 400")
+                .with_provider(code.map(str::to_string), Some(msg.into()))
+        };
+        assert!(is_context_length(&rej(
+            Some("context_length_exceeded"),
+            "x"
+        )));
+        assert!(is_context_length(&rej(
+            None,
+            "This model's maximum context length is 8192 tokens"
+        )));
+        assert!(is_context_length(&rej(
+            None,
+            "prompt is too long: 210000 tokens"
+        )));
+        assert!(!is_context_length(&rej(
+            Some("content_policy_violation"),
+            "no"
+        )));
+        let server = AttemptError::new(
+            ErrorClass::Transient,
+            ErrorLabel::ServerError,
+            "context length",
+        );
+        assert!(!is_context_length(&server));
+    }
     use super::*;
     use ErrorClass as C;
     use ErrorLabel as L;

@@ -47,8 +47,8 @@ pub use request::{ChatRequest, Message};
 pub use response::{CallStats, LlmResponse, ToolCall, Usage, UsageSource};
 pub use secret::Secret;
 pub use settings::{
-    BreakerSettings, CacheSettings, HedgeSettings, OnNoRunnable, RetrySettings, ScopeKind,
-    ScopeLimits, ScopeSettings, StreamSettings,
+    BreakerSettings, CacheSettings, HedgeSettings, OnNoRunnable, RetryPrefer, RetrySettings,
+    ScopeKind, ScopeLimits, ScopeSettings, StreamSettings,
 };
 pub use source::SourceConfig;
 pub use stall::StreamFigures;

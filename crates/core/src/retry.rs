@@ -1,6 +1,14 @@
-//! The retry loop's state (SPEC §6), pure: budget with 429 refunds, the stall window,
-//! and backoff. The facade's engine asks it what to do after each round and each
-//! fruitless admission; the deadline is the engine's (it bounds every wait).
+//! The retry loop's state (SPEC §6, §14), pure: budget with 429 refunds, the stall
+//! window, and backoff. The facade's engine asks it what to do after each round and
+//! each fruitless admission; the deadline is the engine's (it bounds every wait).
+//!
+//! - The stall window runs over rounds that make no progress (429s, waiting for a
+//!   runnable source) from the first such round; a budget-consuming round resets it.
+//! - Independently, the call's admission waits add up: their total never exceeds
+//!   `STALL_WINDOW_S`, whatever keeps sources out (SPEC §14.2).
+//! - The cooldown of a source that answered 429 (or 503) without a usable hint grows
+//!   with every failed round of the call, refunded ones included, so no upstream
+//!   answer can make the call retry in a tight loop (SPEC §14.1).
 
 use std::time::{Duration, Instant};
 
@@ -28,6 +36,12 @@ pub struct RetryState {
     settings: RetrySettings,
     budget_used: u32,
     stall_since: Option<Instant>,
+    /// Rounds that failed, refunded ones included (the cooldown's exponent).
+    failed_rounds: u32,
+    /// Admission waits so far, closed ones.
+    waited: Duration,
+    /// The admission wait in progress.
+    waiting_since: Option<Instant>,
 }
 
 impl RetryState {
@@ -37,7 +51,21 @@ impl RetryState {
             settings: settings.clone(),
             budget_used: 0,
             stall_since: None,
+            failed_rounds: 0,
+            waited: Duration::ZERO,
+            waiting_since: None,
         }
+    }
+
+    /// The cooldown of a source that failed without a usable hint (a 429 or a 503
+    /// without `Retry-After`), and the floor of any hint: the backoff cap of the rounds
+    /// failed so far, refunded ones included.
+    pub fn cooldown(&self) -> Duration {
+        crate::backoff::backoff_cap(
+            self.failed_rounds,
+            self.settings.backoff_base,
+            self.settings.backoff_max,
+        )
     }
 
     /// Budget-consuming rounds so far.
@@ -60,6 +88,7 @@ impl RetryState {
         refunded: bool,
         rng: &dyn Rng,
     ) -> RoundVerdict {
+        self.failed_rounds = self.failed_rounds.saturating_add(1);
         if failure.class == ErrorClass::Rejected {
             return RoundVerdict::Fail(TerminalReason::Rejected);
         }
@@ -87,15 +116,34 @@ impl RetryState {
         }
     }
 
-    /// No source could be admitted at `now`: the stall window runs. Returns how much
-    /// of it is left, or `None` when it is spent (terminal reason `stalled`).
+    /// No source could be admitted at `now`: the stall window runs, and so does the
+    /// call's total admission wait. Returns how long the call may still wait, or `None`
+    /// when either is spent (terminal reason `stalled`).
     pub fn on_no_runnable(&mut self, now: Instant) -> Option<Duration> {
         let since = *self.stall_since.get_or_insert(now);
         let spent = now.saturating_duration_since(since);
-        self.settings
-            .stall_window
-            .checked_sub(spent)
-            .filter(|left| !left.is_zero())
+        let waiting = *self.waiting_since.get_or_insert(now);
+        let waited = self.waited + now.saturating_duration_since(waiting);
+        let window = self.settings.stall_window;
+        let left = window
+            .saturating_sub(spent)
+            .min(window.saturating_sub(waited));
+        (!left.is_zero()).then_some(left)
+    }
+
+    /// A source was admitted at `now`: the admission wait in progress (if any) ends.
+    pub fn on_admitted(&mut self, now: Instant) {
+        if let Some(since) = self.waiting_since.take() {
+            self.waited += now.saturating_duration_since(since);
+        }
+    }
+
+    /// The call's admission waits so far.
+    pub fn waited(&self, now: Instant) -> Duration {
+        self.waited
+            + self
+                .waiting_since
+                .map_or(Duration::ZERO, |s| now.saturating_duration_since(s))
     }
 }
 
@@ -197,6 +245,43 @@ mod tests {
             r.on_round_failed(t2, t2, &e(ErrorClass::RateLimited), true, &rng),
             RoundVerdict::Retry { .. }
         ));
+    }
+
+    /// SPEC §14.2: admission waits add up over the call, even across budget-consuming
+    /// rounds that reset the no-progress window.
+    #[test]
+    fn admission_waits_add_up_to_at_most_the_window() {
+        let rng = SplitMix64::new(1);
+        let s = t0();
+        let mut r = RetryState::new(&settings(10, 10));
+        assert_eq!(r.on_no_runnable(s), Some(Duration::from_secs(10)));
+        let t = s + Duration::from_secs(6);
+        r.on_admitted(t);
+        r.on_round_failed(t, t, &e(ErrorClass::Transient), false, &rng);
+        // The no-progress window restarted, but 6 s of waiting are spent.
+        let t2 = t + Duration::from_secs(1);
+        assert_eq!(r.on_no_runnable(t2), Some(Duration::from_secs(4)));
+        assert_eq!(r.on_no_runnable(t2 + Duration::from_secs(4)), None);
+        assert_eq!(
+            r.waited(t2 + Duration::from_secs(4)),
+            Duration::from_secs(10)
+        );
+    }
+
+    /// SPEC §14.1: the fallback cooldown grows with refunded rounds too.
+    #[test]
+    fn the_cooldown_grows_with_every_failed_round() {
+        let rng = SplitMix64::new(1);
+        let s = t0();
+        let mut r = RetryState::new(&settings(2, 3600));
+        let mut seen = vec![r.cooldown()];
+        for _ in 0..5 {
+            r.on_round_failed(s, s, &e(ErrorClass::RateLimited), true, &rng);
+            seen.push(r.cooldown());
+        }
+        let ms: Vec<u128> = seen.iter().map(|d| d.as_millis()).collect();
+        assert_eq!(ms, [100, 200, 400, 800, 1000, 1000]);
+        assert_eq!(r.budget_used(), 0, "still refunded");
     }
 
     #[test]

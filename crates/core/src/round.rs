@@ -312,6 +312,8 @@ pub enum RoundResult {
     Failed {
         /// The round's failure for the retry loop (combined over its legs).
         error: AttemptError,
+        /// The leg whose failure represents the round.
+        leg: Option<LegId>,
         /// Every leg was rate-limited: no budget.
         refunded: bool,
         /// Text to continue from, when any was produced.
@@ -873,8 +875,12 @@ impl Round {
     fn failed_result(&self) -> RoundResult {
         let refs: Vec<(usize, &AttemptError)> =
             self.failures.iter().map(|(i, e)| (*i, e)).collect();
-        let (mut error, refunded) = match combine_failures(&refs) {
-            Some(c) => (self.failures[c.index].1.clone(), c.refunded),
+        let (mut error, refunded, leg) = match combine_failures(&refs) {
+            Some(c) => (
+                self.failures[c.index].1.clone(),
+                c.refunded,
+                Some(self.failures[c.index].0),
+            ),
             None => (
                 AttemptError::new(
                     ErrorClass::Transient,
@@ -882,6 +888,7 @@ impl Round {
                     "the round ended without an attempt",
                 ),
                 false,
+                None,
             ),
         };
         let resume = if self.spec.passthrough {
@@ -896,6 +903,7 @@ impl Round {
         }
         RoundResult::Failed {
             error,
+            leg,
             refunded,
             resume: resume.map(Box::new),
         }

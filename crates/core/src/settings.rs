@@ -59,6 +59,21 @@ pub struct RetrySettings {
     pub backoff_max: Duration,
     /// What to do when no source can be admitted.
     pub on_no_runnable: OnNoRunnable,
+    /// Which source a retry round tries first (`RETRY__PREFER`).
+    pub prefer: RetryPrefer,
+}
+
+/// `RETRY__PREFER` (SPEC §14.8).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum RetryPrefer {
+    /// The next round tries a source that has not failed in the call first.
+    #[default]
+    Other,
+    /// A transient failure (5xx, reset, timeout, 429 with a hint ≤ `BACKOFF_MAX_S`)
+    /// retries the same source once, after its hint or backoff, while its breaker
+    /// stays closed.
+    Same,
 }
 
 impl Default for RetrySettings {
@@ -69,6 +84,7 @@ impl Default for RetrySettings {
             backoff_base: Duration::from_millis(500),
             backoff_max: Duration::from_secs(8),
             on_no_runnable: OnNoRunnable::Wait,
+            prefer: RetryPrefer::Other,
         }
     }
 }

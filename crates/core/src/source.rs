@@ -65,6 +65,9 @@ pub struct SourceConfig {
     /// How this source continues an assistant prefill (`PREFILL`; `None` = it does not:
     /// a resume on it replays).
     pub prefill: Option<PrefillDialect>,
+    /// The model's context window in tokens (`CONTEXT_WINDOW`): a context-length
+    /// rejection elsewhere may be routed here when it is larger (SPEC §14.9).
+    pub context_window: Option<u64>,
 }
 
 impl SourceConfig {
@@ -98,12 +101,19 @@ impl SourceConfig {
             batch_size: DEFAULT_BATCH_SIZE,
             extra_body: Map::new(),
             prefill: None,
+            context_window: None,
         }
     }
 
     /// Sets the prefill dialect (`PREFILL`).
     pub fn with_prefill(mut self, dialect: PrefillDialect) -> Self {
         self.prefill = Some(dialect);
+        self
+    }
+
+    /// Sets the context window (`CONTEXT_WINDOW`, tokens).
+    pub fn with_context_window(mut self, tokens: u64) -> Self {
+        self.context_window = Some(tokens);
         self
     }
 
@@ -226,6 +236,7 @@ impl std::fmt::Debug for SourceConfig {
                 &self.extra_body.keys().collect::<Vec<_>>(),
             )
             .field("prefill", &self.prefill)
+            .field("context_window", &self.context_window)
             .finish()
     }
 }

@@ -56,6 +56,6 @@ pub use polygw_core as core;
 pub use polygw_core::ports::{FlushReport, StreamDelta, ToolCallDelta};
 pub use polygw_core::{
     AttemptError, CallStats, ChatRequest, ConfigError, ConfigWarning, ErrorClass, ErrorLabel,
-    GatewayError, LlmResponse, Message, ScopeKind, ScopeSettings, SourceConfig, TerminalReason,
-    ToolCall, Usage, UsageSource,
+    GatewayError, LlmResponse, Message, RetryPrefer, ScopeKind, ScopeSettings, SourceConfig,
+    TerminalReason, ToolCall, Usage, UsageSource,
 };

@@ -238,7 +238,9 @@ mod basics {
 
     #[tokio::test(start_paused = true)]
     async fn rejected_ends_the_call_at_once_keeping_the_provider_code() {
-        let h = harness(2, |_| {}).await;
+        // Same model on both sources: a context-length rejection has nowhere larger to
+        // go (SPEC §14.9), so it is final.
+        let h = harness(2, |s| s.sources[1].model = "model-0".into()).await;
         let err = polygw::AttemptError::new(ErrorClass::Rejected, ErrorLabel::Rejected, "too long")
             .with_status(400)
             .with_provider(

@@ -19,13 +19,15 @@ pub fn parse_retry_after(value: &str, now: SystemTime) -> Option<Duration> {
         return None;
     }
     if let Ok(secs) = v.parse::<f64>() {
-        if secs.is_finite() && secs >= 0.0 {
+        // 0 and negative are no hint (SPEC §14.1): the backoff applies instead.
+        if secs.is_finite() && secs > 0.0 {
             return Duration::try_from_secs_f64(secs).ok();
         }
         return None;
     }
     let at = httpdate::parse_http_date(v).ok()?;
-    Some(at.duration_since(now).unwrap_or(Duration::ZERO))
+    // A date in the past (or now) is no hint either.
+    at.duration_since(now).ok().filter(|d| !d.is_zero())
 }
 
 /// Retry-After of a response: `retry-after-ms` (OpenAI's precise variant) when present
@@ -35,7 +37,7 @@ pub fn retry_after(headers: &HeaderMap) -> Option<Duration> {
         .get("retry-after-ms")
         .and_then(|v| v.to_str().ok())
         .and_then(|s| s.trim().parse::<f64>().ok())
-        .filter(|ms| ms.is_finite() && *ms >= 0.0)
+        .filter(|ms| ms.is_finite() && *ms > 0.0)
     {
         return Duration::try_from_secs_f64(ms / 1000.0).ok();
     }
@@ -173,17 +175,20 @@ mod tests {
             parse_retry_after(" 1.5 ", now),
             Some(Duration::from_millis(1500))
         );
-        assert_eq!(parse_retry_after("0", now), Some(Duration::ZERO));
         assert_eq!(
             parse_retry_after("Sun, 06 Nov 1994 08:49:47 GMT", now),
             Some(Duration::from_secs(10))
         );
+        // SPEC §14.1: zero, past, negative or unparsable is no hint.
         assert_eq!(
             parse_retry_after("Sun, 06 Nov 1994 08:49:00 GMT", now),
-            Some(Duration::ZERO),
-            "a date in the past means now"
+            None
         );
-        for bad in ["-1", "NaN", "inf", "soon", ""] {
+        assert_eq!(
+            parse_retry_after("Sun, 06 Nov 1994 08:49:37 GMT", now),
+            None
+        );
+        for bad in ["0", "0.0", "-1", "NaN", "inf", "soon", ""] {
             assert_eq!(parse_retry_after(bad, now), None, "{bad}");
         }
     }
@@ -195,6 +200,9 @@ mod tests {
         assert_eq!(retry_after(&h), Some(Duration::from_secs(3)));
         h.insert("retry-after-ms", "250".parse().unwrap());
         assert_eq!(retry_after(&h), Some(Duration::from_millis(250)));
+        // A zero retry-after-ms is no hint: the seconds header is used.
+        h.insert("retry-after-ms", "0".parse().unwrap());
+        assert_eq!(retry_after(&h), Some(Duration::from_secs(3)));
     }
 
     #[test]

@@ -1237,9 +1237,11 @@ mod streaming {
         let f = r.stream.unwrap();
         assert_eq!(f.incremental_chunks, 8);
         assert!(f.ttft_ms.unwrap() >= 80, "{f:?}");
-        assert_eq!(f.stall_count, Some(1), "{f:?}");
+        // One scripted stall; a loaded machine may stretch a 5 ms gap past the
+        // threshold too, so at least one (the figures below must agree either way).
+        assert!(f.stall_count.is_some_and(|n| n >= 1), "{f:?}");
         let stall = f.stall_ms.unwrap();
-        assert!((1_000..5_000).contains(&stall), "{f:?}");
+        assert!((1_000..10_000).contains(&stall), "{f:?}");
         assert!(f.max_inter_token_ms.unwrap() >= 1_000);
         // The same figures from the observer's timestamps (same clock, same rule).
         let stamps = obs.chunks.lock().unwrap().clone();

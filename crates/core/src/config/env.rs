@@ -12,7 +12,7 @@ use super::LoadedScope;
 use crate::error::ConfigError;
 use crate::resume::{PrefillDialect, ResumeSetting};
 use crate::secret::{Secret, REDACTED};
-use crate::settings::{OnNoRunnable, ScopeKind, ScopeSettings};
+use crate::settings::{OnNoRunnable, RetryPrefer, ScopeKind, ScopeSettings};
 use crate::source::SourceConfig;
 
 /// Segment names that belong to scope keys and can never be a provider name.
@@ -31,7 +31,7 @@ pub const RESERVED_SEGMENTS: [&str; 11] = [
 ];
 
 /// The FIELDs a source accepts.
-pub const SOURCE_FIELDS: [&str; 18] = [
+pub const SOURCE_FIELDS: [&str; 19] = [
     "BASE_URL",
     "API_KEY",
     "MODEL",
@@ -50,10 +50,11 @@ pub const SOURCE_FIELDS: [&str; 18] = [
     "BATCH_SIZE",
     "EXTRA_BODY",
     "PREFILL",
+    "CONTEXT_WINDOW",
 ];
 
 /// Scope keys: (group or "" for two-segment keys, field).
-pub const SCOPE_KEYS: [(&str, &str); 24] = [
+pub const SCOPE_KEYS: [(&str, &str); 25] = [
     ("", "CALL_DEADLINE_S"),
     ("", "MODEL_ALIASES"),
     ("RETRY", "MAX_ATTEMPTS"),
@@ -61,6 +62,7 @@ pub const SCOPE_KEYS: [(&str, &str); 24] = [
     ("RETRY", "BACKOFF_BASE_S"),
     ("RETRY", "BACKOFF_MAX_S"),
     ("RETRY", "ON_NO_RUNNABLE"),
+    ("RETRY", "PREFER"),
     ("LIMITS", "RPM"),
     ("LIMITS", "TPM"),
     ("BREAKER", "FAILURES"),
@@ -354,6 +356,11 @@ fn build_source(
     if let Some((k, v)) = get("EXTRA_BODY") {
         run(parse_object(k, v).map(|x| src.extra_body = x));
     }
+    if let Some((k, v)) = get("CONTEXT_WINDOW") {
+        run(parse_int::<u64>(k, v)
+            .and_then(|x| guards::int_in(k, x, &guards::CONTEXT_WINDOW_RANGE))
+            .map(|x| src.context_window = Some(x)));
+    }
     if let Some((k, v)) = get("PREFILL") {
         run(parse_prefill(k, v).map(|x| src.prefill = x));
     }
@@ -393,6 +400,7 @@ fn apply_scope_keys(
             ("RETRY", "STALL_WINDOW_S") => run(parse_secs(k, v).map(|x| s.retry.stall_window = x)),
             ("RETRY", "BACKOFF_BASE_S") => run(parse_secs(k, v).map(|x| s.retry.backoff_base = x)),
             ("RETRY", "BACKOFF_MAX_S") => run(parse_secs(k, v).map(|x| s.retry.backoff_max = x)),
+            ("RETRY", "PREFER") => run(parse_prefer(k, v).map(|x| s.retry.prefer = x)),
             ("RETRY", "ON_NO_RUNNABLE") => {
                 run(parse_on_no_runnable(k, v).map(|x| s.retry.on_no_runnable = x))
             }
@@ -461,6 +469,14 @@ where
 {
     v.parse::<T>()
         .map_err(|_| invalid(key, v, &format!("an integer in 0..={}", T::max_text())))
+}
+
+fn parse_prefer(key: &str, v: &str) -> Result<RetryPrefer, ConfigError> {
+    match v.to_ascii_lowercase().as_str() {
+        "other" => Ok(RetryPrefer::Other),
+        "same" => Ok(RetryPrefer::Same),
+        _ => Err(invalid(key, v, "`other` or `same`")),
+    }
 }
 
 fn parse_on_no_runnable(key: &str, v: &str) -> Result<OnNoRunnable, ConfigError> {

@@ -26,10 +26,14 @@ pub(crate) struct Picked {
 }
 
 /// What a pick may choose from, beyond the round's exclusions.
-#[derive(Debug, Clone, Copy, Default)]
+#[derive(Debug, Clone, Default)]
 pub(crate) struct PickPrefs {
     /// Only this source.
     pub only: Option<usize>,
+    /// Only these sources (a context-length rejection routed to larger windows).
+    pub allowed: Option<BTreeSet<usize>>,
+    /// This source first, although it failed in the call (`RETRY__PREFER=same`).
+    pub first: Option<usize>,
     /// Prefill-capable sources first.
     pub prefer_prefill: bool,
     /// Prefill-capable sources only.
@@ -87,15 +91,25 @@ impl Engine {
         prefs: PickPrefs,
     ) -> Result<Pick, GovernanceError> {
         let capable = |i: usize| self.prefill_capable(i);
+        let first = prefs.first.map(|i| self.scope.sources[i].name.as_str());
+        let failed: BTreeSet<String> = match first {
+            Some(f) => failed_in_call.iter().filter(|n| *n != f).cloned().collect(),
+            None => failed_in_call.clone(),
+        };
         let mut order = order_candidates_preferring(
             &self.scope.sources,
             exclude,
-            failed_in_call,
-            &|i| !prefs.prefer_prefill || capable(i),
+            &failed,
+            &|i| match prefs.first {
+                Some(f) => i == f,
+                None => !prefs.prefer_prefill || capable(i),
+            },
             self.ports.rng.as_ref(),
         );
         order.retain(|&i| {
-            prefs.only.is_none_or(|o| o == i) && (!prefs.require_prefill || capable(i))
+            prefs.only.is_none_or(|o| o == i)
+                && prefs.allowed.as_ref().is_none_or(|a| a.contains(&i))
+                && (!prefs.require_prefill || capable(i))
         });
         let mut refusals = Vec::new();
         for idx in order {

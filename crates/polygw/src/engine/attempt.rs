@@ -115,6 +115,8 @@ struct Decided {
     tokens: u64,
     row: TelemetryRow,
     outcome: BreakerOutcome,
+    /// A cooldown on top of the outcome (a 503 with a `Retry-After` hint).
+    cooldown: Option<BreakerOutcome>,
     ttft: Option<u64>,
 }
 
@@ -246,6 +248,7 @@ impl AttemptGuard {
             tokens,
             row,
             outcome: BreakerOutcome::Success,
+            cooldown: None,
             ttft: facts.figures.and_then(|f| f.ttft_ms),
         });
     }
@@ -265,18 +268,26 @@ impl AttemptGuard {
         row.error_detail = Some(error.short_detail());
         row.http_status = error.http_status;
         row.cost = None;
+        // SPEC §14.1: a hint cools the source down (429 and 503 alike), never for less
+        // than the current backoff; without one, the backoff is the cooldown of a 429.
+        let cooldown = error
+            .retry_after
+            .map_or(fallback_cooldown, |h| h.max(fallback_cooldown));
         let outcome = match error.label {
             // A replay that did not reproduce the text says nothing about the source.
             ErrorLabel::ResumeDiverged => BreakerOutcome::Neutral,
-            _ => BreakerOutcome::of_class(
-                error.class,
-                error.retry_after.unwrap_or(fallback_cooldown),
-            ),
+            _ => BreakerOutcome::of_class(error.class, cooldown),
         };
+        let extra = (error.class == polygw_core::ErrorClass::Transient
+            && error.retry_after.is_some())
+        .then_some(BreakerOutcome::RateLimited {
+            cooldown_ms: cooldown.as_millis() as u64,
+        });
         self.decided = Some(Decided {
             tokens,
             row,
             outcome,
+            cooldown: extra,
             ttft: None,
         });
     }
@@ -288,7 +299,7 @@ impl AttemptGuard {
             // Nothing decided: the drop records a cancellation.
             return;
         };
-        let (tokens, outcome, ttft) = (d.tokens, d.outcome, d.ttft);
+        let (tokens, outcome, extra, ttft) = (d.tokens, d.outcome, d.cooldown, d.ttft);
         let engine = self.engine.clone();
         let scope = engine.scope.name.as_str();
         let src_name = engine.scope.sources[self.source_idx].name.clone();
@@ -310,6 +321,16 @@ impl AttemptGuard {
             tracing::warn!(source = %src_name, error = %e, "breaker update failed");
         }
         self.probe = false;
+        if let Some(c) = extra {
+            if let Err(e) = engine
+                .ports
+                .breakers
+                .record(scope, &src_name, c, false, &engine.scope.breaker)
+                .await
+            {
+                tracing::warn!(source = %src_name, error = %e, "cooldown update failed");
+            }
+        }
         if let Some(d) = self.decided.take() {
             let label = d.row.error.clone().unwrap_or_else(|| "ok".into());
             self.count(&label, ttft);
@@ -337,9 +358,9 @@ impl Drop for AttemptGuard {
         }
         let scope = self.engine.scope.name.clone();
         let src_name = self.source().name.clone();
-        let (tokens, row, outcome) = match self.decided.take() {
+        let (tokens, row, outcome, extra) = match self.decided.take() {
             // Dropped while finishing: the outcome is known, keep it.
-            Some(d) => (Some(d.tokens), d.row, d.outcome),
+            Some(d) => (Some(d.tokens), d.row, d.outcome, d.cooldown),
             None => {
                 let label = self.cancel_label();
                 let wall = self
@@ -358,7 +379,7 @@ impl Drop for AttemptGuard {
                     }
                     _ => "the caller dropped the call".to_string(),
                 });
-                (None, row, BreakerOutcome::Neutral)
+                (None, row, BreakerOutcome::Neutral, None)
             }
         };
         let label = row.error.clone().unwrap_or_else(|| "ok".into());
@@ -383,6 +404,11 @@ impl Drop for AttemptGuard {
                     let _ = breakers
                         .record(&scope, &src_name, outcome, probe, &settings)
                         .await;
+                    if let Some(c) = extra {
+                        let _ = breakers
+                            .record(&scope, &src_name, c, false, &settings)
+                            .await;
+                    }
                 });
             }
         }

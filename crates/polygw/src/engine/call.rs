@@ -28,6 +28,8 @@ pub(crate) struct Progress {
     pub last_error: Option<AttemptError>,
     /// Sources that failed in this call (retry rounds prefer the others).
     pub failed: BTreeSet<String>,
+    /// Sources an attempt of this call was sent to.
+    pub tried: BTreeSet<String>,
     /// The earliest known moment a refusal passes (for 503 Retry-After).
     pub retry_after: Option<Duration>,
 }
@@ -130,6 +132,24 @@ impl CallShared {
 
     pub(crate) fn failed_sources(&self) -> BTreeSet<String> {
         self.progress().failed.clone()
+    }
+
+    pub(crate) fn note_tried(&self, source: &str) {
+        let mut p = self.progress();
+        if !p.tried.contains(source) {
+            p.tried.insert(source.to_string());
+        }
+    }
+
+    /// Indices of the sources an attempt of this call was sent to.
+    pub(crate) fn tried_sources(&self, sources: &[polygw_core::SourceConfig]) -> BTreeSet<usize> {
+        let p = self.progress();
+        sources
+            .iter()
+            .enumerate()
+            .filter(|(_, s)| p.tried.contains(&s.name))
+            .map(|(i, _)| i)
+            .collect()
     }
 
     /// The terminal error of this call, from what it has done so far.

@@ -9,13 +9,13 @@
 use std::collections::BTreeSet;
 use std::sync::Arc;
 
-use polygw_core::admission::{on_no_runnable, NoRunnable};
-use polygw_core::backoff::backoff_cap;
+use polygw_core::admission::{larger_context_candidates, on_no_runnable, NoRunnable};
+use polygw_core::classify::is_context_length;
 use polygw_core::hedge::HedgePolicy;
 use polygw_core::resume::{ResumeMode, ResumeSetting};
 use polygw_core::retry::{RetryState, RoundVerdict};
 use polygw_core::round::{Carried, LegKind, RoundSpec};
-use polygw_core::{AttemptError, GatewayError, ScopeKind, TerminalReason};
+use polygw_core::{AttemptError, GatewayError, RetryPrefer, ScopeKind, TerminalReason};
 
 use super::admission::{PickPrefs, Picked};
 use super::attempt::Leg;
@@ -41,20 +41,21 @@ impl Engine {
         call: &Arc<CallShared>,
         retry: &mut RetryState,
         stream: bool,
-        prefs: PickPrefs,
+        prefs: &PickPrefs,
     ) -> Result<Picked, GatewayError> {
         let none = BTreeSet::new();
         loop {
             // Registered before the pick, so a slot freed meanwhile is not missed.
             let freed = self.freed.notified();
             let pick = self
-                .try_pick_with(&none, &call.failed_sources(), stream, prefs)
+                .try_pick_with(&none, &call.failed_sources(), stream, prefs.clone())
                 .await
                 .map_err(|e| {
                     call.terminal(TerminalReason::GovernanceBackend, Some(e.to_string()))
                 })?;
             call.note_refusals(&pick.refusals);
             if let Some(p) = pick.admitted {
+                retry.on_admitted(self.ports.clock.now());
                 return Ok(p);
             }
             match on_no_runnable(&pick.refusals, self.scope.retry.on_no_runnable) {
@@ -152,16 +153,24 @@ impl Engine {
         let mut cont: Option<Continuation> = None;
         let mut parts: Vec<UsagePart> = Vec::new();
         let mut resumes_used: u32 = 0;
+        // RETRY__PREFER=same: the source the next round tries first, once each.
+        let mut prefer_same: Option<usize> = None;
+        let mut retried_same: BTreeSet<usize> = BTreeSet::new();
+        // A context-length rejection routed to larger windows (once per call).
+        let mut restrict: Option<BTreeSet<usize>> = None;
+        let mut context_routed = false;
         loop {
-            let prefs = match &cont {
+            let mut prefs = match &cont {
                 Some(c) => PickPrefs {
-                    only: None,
                     prefer_prefill: true,
                     require_prefill: c.delivered_to_caller
                         && resume_setting == ResumeSetting::Prefill,
+                    ..PickPrefs::default()
                 },
                 None => PickPrefs::default(),
             };
+            prefs.first = prefer_same.take();
+            prefs.allowed = restrict.take();
             if prefs.require_prefill
                 && !(0..self.scope.sources.len()).any(|i| self.prefill_capable(i))
             {
@@ -179,7 +188,7 @@ impl Engine {
                     "STREAM__RESUME=prefill and no source of the scope accepts a prefill",
                 ));
             }
-            let picked = match self.admit(call, &mut retry, leg.stream(), prefs).await {
+            let picked = match self.admit(call, &mut retry, leg.stream(), &prefs).await {
                 Ok(p) => p,
                 Err(e) => {
                     // A continuation that cannot be admitted ends with the stream's
@@ -218,12 +227,9 @@ impl Engine {
                 resumes_used += 1;
             }
             let round_started = self.ports.clock.now();
-            // A 429 without Retry-After cools its source down for the current backoff.
-            let fallback_cooldown = backoff_cap(
-                retry.budget_used(),
-                self.scope.retry.backoff_base,
-                self.scope.retry.backoff_max,
-            );
+            // A source that answers 429 (or a hinted 503) cools down for at least the
+            // current backoff, refunded rounds included: no tight loop (SPEC §14.1).
+            let fallback_cooldown = retry.cooldown();
             let carried_from = cont.as_ref().and_then(|c| c.from.clone());
             let spec = RoundSpec {
                 policy,
@@ -263,6 +269,7 @@ impl Engine {
                 }
                 RoundOutcome::Failed {
                     error,
+                    source,
                     refunded,
                     resume,
                     resume_of,
@@ -270,6 +277,23 @@ impl Engine {
                 } => {
                     parts.append(&mut p);
                     call.progress().last_error = Some(error.clone());
+                    // SPEC §14.9: a context-length rejection goes once to a source with
+                    // a larger window (or another model) not yet tried.
+                    if let (Some(src), false, None) = (source, context_routed, &resume) {
+                        if is_context_length(&error) {
+                            let tried = call.tried_sources(&self.scope.sources);
+                            let to = larger_context_candidates(&self.scope.sources, src, &tried);
+                            if !to.is_empty() {
+                                tracing::info!(
+                                    rejected_by = %self.scope.sources[src].name,
+                                    "context length exceeded: trying a source with a larger window"
+                                );
+                                context_routed = true;
+                                restrict = Some(to);
+                                continue;
+                            }
+                        }
+                    }
                     if let Some(rp) = resume {
                         let resumable = rp.resumable
                             && resumes_used < stream_settings.max_resumes
@@ -306,6 +330,14 @@ impl Engine {
                         self.ports.rng.as_ref(),
                     ) {
                         RoundVerdict::Retry { backoff } => {
+                            if let Some(src) = source.filter(|s| {
+                                self.scope.retry.prefer == RetryPrefer::Same
+                                    && !retried_same.contains(s)
+                                    && self.retries_same(&error)
+                            }) {
+                                retried_same.insert(src);
+                                prefer_same = Some(src);
+                            }
                             if !backoff.is_zero() {
                                 tokio::time::sleep(backoff).await;
                             }
@@ -324,6 +356,18 @@ impl Engine {
                     }
                 }
             }
+        }
+    }
+
+    /// `RETRY__PREFER=same` retries the source after a transient failure: 5xx, reset,
+    /// timeout, or a 429 whose hint is at most `BACKOFF_MAX_S`.
+    fn retries_same(&self, e: &AttemptError) -> bool {
+        match e.class {
+            polygw_core::ErrorClass::Transient => true,
+            polygw_core::ErrorClass::RateLimited => e
+                .retry_after
+                .is_none_or(|h| h <= self.scope.retry.backoff_max),
+            _ => false,
         }
     }
 

@@ -105,6 +105,8 @@ pub(crate) enum RoundOutcome<T> {
     Won(Won<T>),
     Failed {
         error: AttemptError,
+        /// The source of the leg whose failure represents the round.
+        source: Option<usize>,
         /// Every leg was rate-limited: no budget.
         refunded: bool,
         /// Text to continue from.
@@ -372,6 +374,8 @@ impl<'a, L: Leg> Exec<'a, L> {
         if is_hedge {
             engine.metrics.hedge(&engine.scope.name);
         }
+        self.call
+            .note_tried(&engine.scope.sources[info.source_idx].name);
         let info_copy = info.clone();
         let control = Arc::new(LegControl::default());
         control
@@ -474,6 +478,7 @@ impl<'a, L: Leg> Exec<'a, L> {
             only: req.only,
             prefer_prefill: req.prefer_prefill,
             require_prefill: req.require_prefill,
+            ..PickPrefs::default()
         };
         let stream = self.leg.stream();
         self.pick = Some(
@@ -671,6 +676,7 @@ impl<'a, L: Leg> Exec<'a, L> {
                             polygw_core::ErrorLabel::Invalid,
                             "the winner's answer was lost",
                         ),
+                        source: None,
                         refunded: false,
                         resume: None,
                         resume_of: None,
@@ -708,6 +714,7 @@ impl<'a, L: Leg> Exec<'a, L> {
             }
             Some(RoundResult::Failed {
                 error,
+                leg,
                 refunded,
                 resume,
             }) => {
@@ -717,6 +724,7 @@ impl<'a, L: Leg> Exec<'a, L> {
                 });
                 RoundOutcome::Failed {
                     error,
+                    source: leg.and_then(|l| self.infos.get(l)).map(|i| i.source_idx),
                     refunded,
                     resume: resume.map(|b| *b),
                     resume_of,

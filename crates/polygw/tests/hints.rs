@@ -1,0 +1,250 @@
+//! Retry under real provider behaviour (SPEC §14.1, §14.2, §14.8, §14.9): hints
+//! honoured on 429 and 503, no tight loop whatever the upstream answers, admission waits
+//! bounded by the stall window in total, `RETRY__PREFER=same`, context-length routing.
+//! tokio's paused clock and event-driven fakes.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use polygw::core::ports::SplitMix64;
+use polygw::{
+    AttemptError, ChatRequest, ErrorClass, ErrorLabel, GatewayClient, RetryPrefer, ScopeSettings,
+    SourceConfig, TerminalReason,
+};
+use polygw_limiter_memory::{MemoryBreakerStore, MemoryLimiter};
+use polygw_testkit::clock::TokioClock;
+use polygw_testkit::fakes::{FakeTransport, RecordingTelemetry, Script};
+use tokio::time::Instant;
+
+fn ms(n: u64) -> Duration {
+    Duration::from_millis(n)
+}
+
+fn secs(n: u64) -> Duration {
+    Duration::from_secs(n)
+}
+
+fn scope(n: usize) -> ScopeSettings {
+    let sources = (0..n)
+        .map(|i| {
+            let mut s =
+                SourceConfig::new("s", i as u32, "http://127.0.0.1:9/v1", "", format!("m{i}"));
+            s.priority = i as u32;
+            s
+        })
+        .collect();
+    ScopeSettings::new("LLM", sources)
+}
+
+async fn client(s: ScopeSettings) -> (GatewayClient, Arc<FakeTransport>) {
+    let clock = Arc::new(TokioClock);
+    let fake = FakeTransport::new(clock.clone());
+    let client = GatewayClient::builder(s)
+        .transport(fake.clone())
+        .telemetry(RecordingTelemetry::new())
+        .limiter(Arc::new(MemoryLimiter::new(clock.clone())))
+        .breakers(Arc::new(MemoryBreakerStore::new(clock.clone())))
+        .clock(clock)
+        .rng(Arc::new(SplitMix64::new(3)))
+        .build()
+        .await
+        .expect("client");
+    (client, fake)
+}
+
+fn hinted(class: ErrorClass, label: ErrorLabel, status: u16, hint: Option<Duration>) -> Script {
+    Script::Fail {
+        after: ms(5),
+        error: AttemptError::new(class, label, format!("HTTP {status}"))
+            .with_status(status)
+            .with_retry_after(hint),
+    }
+}
+
+fn starts(fake: &FakeTransport, source: &str, t0: Instant) -> Vec<Duration> {
+    fake.calls()
+        .iter()
+        .filter(|c| c.source == source)
+        .map(|c| c.started.duration_since(t0.into_std()))
+        .collect()
+}
+
+/// A 429 whose hint is 0 (or in the past: the transport reads both as no hint) used to
+/// be retried at once, refunded, again and again: 170 requests in 6 s from one call. Now
+/// each source cools down for the backoff, growing with every round.
+#[tokio::test(start_paused = true)]
+async fn a_zero_hint_never_makes_a_tight_loop() {
+    let mut s = scope(2);
+    s.retry.max_attempts = 2;
+    let (c, fake) = client(s).await;
+    for src in ["s-0", "s-1"] {
+        // Even a zero hint reaching the engine (the transport reads it as none).
+        fake.set_default(
+            src,
+            hinted(
+                ErrorClass::RateLimited,
+                ErrorLabel::RateLimited,
+                429,
+                Some(Duration::ZERO),
+            ),
+        );
+    }
+    let t0 = Instant::now();
+    let e = c.chat(ChatRequest::user("x")).await.unwrap_err();
+    assert_eq!(e.terminal_reason(), Some(TerminalReason::Stalled));
+    let calls = fake.calls().len();
+    // Cooldowns 0.5, 1, 2, 4, 8, 8 … s per source: about ten requests each in 60 s.
+    assert!(calls <= 24, "{calls} requests in the 60 s stall window");
+    for src in ["s-0", "s-1"] {
+        let t = starts(&fake, src, t0);
+        for w in t.windows(2) {
+            assert!(w[1] - w[0] >= ms(500), "{src}: {t:?}");
+        }
+    }
+}
+
+/// A 503 with `Retry-After: 2` cools its source down: no request to it for 2 s, from
+/// this call or any other; other sources stay usable at once.
+#[tokio::test(start_paused = true)]
+async fn a_503_hint_is_a_cooldown_of_its_source() {
+    let (c, fake) = client(scope(1)).await;
+    fake.push(
+        "s-0",
+        hinted(
+            ErrorClass::Transient,
+            ErrorLabel::ServerError,
+            503,
+            Some(secs(2)),
+        ),
+    );
+    fake.push("s-0", Script::ok(ms(5), "ok"));
+    let t0 = Instant::now();
+    let r = c.chat(ChatRequest::user("x")).await.unwrap();
+    assert_eq!(r.content, "ok");
+    let t = starts(&fake, "s-0", t0);
+    assert_eq!(t.len(), 2);
+    assert!(t[1] >= secs(2), "{t:?}");
+
+    let (c, fake) = client(scope(2)).await;
+    fake.push(
+        "s-0",
+        hinted(
+            ErrorClass::Transient,
+            ErrorLabel::ServerError,
+            503,
+            Some(secs(2)),
+        ),
+    );
+    fake.set_default("s-1", Script::ok(ms(5), "from s-1"));
+    fake.set_default("s-0", Script::ok(ms(5), "from s-0"));
+    let t0 = Instant::now();
+    let r = c.chat(ChatRequest::user("a")).await.unwrap();
+    assert_eq!(r.source, "s-1");
+    assert!(
+        starts(&fake, "s-1", t0)[0] < secs(1),
+        "the other source at once"
+    );
+    // Another call within the cooldown goes to s-1 although s-0 is preferred.
+    let r = c.chat(ChatRequest::user("b")).await.unwrap();
+    assert_eq!(r.source, "s-1");
+    tokio::time::sleep(secs(2)).await;
+    let r = c.chat(ChatRequest::user("c")).await.unwrap();
+    assert_eq!(r.source, "s-0", "after the hint");
+}
+
+/// Admission waits add up over the call: budget-consuming rounds in between used to
+/// restart the window (calls held 118 s with a 60 s window).
+#[tokio::test(start_paused = true)]
+async fn admission_waits_never_exceed_the_stall_window_in_total() {
+    let mut s = scope(1);
+    s.retry.max_attempts = 20;
+    s.retry.stall_window = secs(10);
+    let (c, fake) = client(s).await;
+    fake.set_default(
+        "s-0",
+        hinted(
+            ErrorClass::Transient,
+            ErrorLabel::ServerError,
+            503,
+            Some(secs(6)),
+        ),
+    );
+    let t0 = Instant::now();
+    let e = c.chat(ChatRequest::user("x")).await.unwrap_err();
+    assert_eq!(e.terminal_reason(), Some(TerminalReason::Stalled), "{e}");
+    let elapsed = t0.elapsed();
+    assert!(elapsed <= secs(11), "{elapsed:?}");
+    assert!(fake.calls().len() <= 3, "{}", fake.calls().len());
+}
+
+/// `RETRY__PREFER=same` retries a source once after a transient failure; `other` (the
+/// default) goes to the next source.
+#[tokio::test(start_paused = true)]
+async fn prefer_same_retries_the_same_source_once() {
+    for (prefer, want) in [(RetryPrefer::Same, "s-0"), (RetryPrefer::Other, "s-1")] {
+        let mut s = scope(2);
+        s.retry.prefer = prefer;
+        s.retry.backoff_base = ms(100);
+        let (c, fake) = client(s).await;
+        fake.push(
+            "s-0",
+            hinted(ErrorClass::Transient, ErrorLabel::ServerError, 500, None),
+        );
+        fake.set_default("s-0", Script::ok(ms(5), "s-0"));
+        fake.set_default("s-1", Script::ok(ms(5), "s-1"));
+        let r = c.chat(ChatRequest::user("x")).await.unwrap();
+        assert_eq!(r.source, want, "{prefer:?}");
+    }
+    // Once only: a second failure goes elsewhere.
+    let mut s = scope(2);
+    s.retry.prefer = RetryPrefer::Same;
+    s.retry.backoff_base = ms(100);
+    let (c, fake) = client(s).await;
+    fake.set_default(
+        "s-0",
+        hinted(ErrorClass::Transient, ErrorLabel::ServerError, 500, None),
+    );
+    fake.set_default("s-1", Script::ok(ms(5), "s-1"));
+    let r = c.chat(ChatRequest::user("x")).await.unwrap();
+    assert_eq!(r.source, "s-1");
+    assert_eq!(fake.calls_to("s-0"), 2);
+}
+
+fn too_long() -> Script {
+    Script::Fail {
+        after: ms(5),
+        error: AttemptError::new(ErrorClass::Rejected, ErrorLabel::Rejected, "HTTP 400")
+            .with_status(400)
+            .with_provider(
+                Some("context_length_exceeded".into()),
+                Some("This model's maximum context length is 8192 tokens".into()),
+            ),
+    }
+}
+
+/// A context-length rejection goes once to an untried source with a larger window.
+#[tokio::test(start_paused = true)]
+async fn context_length_goes_to_a_larger_window_once() {
+    let mut s = scope(3);
+    s.sources[0].context_window = Some(8_000);
+    s.sources[1].context_window = Some(4_000);
+    s.sources[2].context_window = Some(32_000);
+    let (c, fake) = client(s.clone()).await;
+    fake.set_default("s-0", too_long());
+    fake.set_default("s-2", Script::ok(ms(5), "fits"));
+    let r = c.chat(ChatRequest::user("long")).await.unwrap();
+    assert_eq!((r.content.as_str(), r.source.as_str()), ("fits", "s-2"));
+    assert_eq!(fake.calls_to("s-1"), 0, "a smaller window is not tried");
+
+    // The larger one refuses too: final, with the provider's code.
+    let (c, fake) = client(s).await;
+    fake.set_default("s-0", too_long());
+    fake.set_default("s-2", too_long());
+    let e = c.chat(ChatRequest::user("longer")).await.unwrap_err();
+    assert_eq!(e.terminal_reason(), Some(TerminalReason::Rejected));
+    assert_eq!(e.context().unwrap().attempts, 2);
+    assert_eq!(
+        e.last_error().unwrap().provider_code.as_deref(),
+        Some("context_length_exceeded")
+    );
+}
