@@ -320,11 +320,12 @@ impl Transcript {
 /// a prompt): one token per four bytes, at least one for non-empty text. Used only
 /// where the usage is marked `estimated`.
 pub fn estimate_tokens(text: &str) -> u64 {
-    if text.is_empty() {
-        0
-    } else {
-        (text.len() as u64).div_ceil(4).max(1)
-    }
+    estimate_bytes(text.len())
+}
+
+/// [`estimate_tokens`] of a text of `bytes` bytes.
+pub fn estimate_bytes(bytes: usize) -> u64 {
+    (bytes as u64).div_ceil(4)
 }
 
 /// The estimated prompt tokens of a request: its messages' text (and tool definitions).

@@ -27,7 +27,7 @@ use futures_util::future::{AbortHandle, Abortable, BoxFuture, FutureExt};
 use futures_util::stream::{FuturesUnordered, StreamExt};
 use polygw_core::hedge::BudgetTicket;
 use polygw_core::ports::{ChunkObserver, StreamDelta};
-use polygw_core::resume::{estimate_tokens, ResumeMode, Transcript};
+use polygw_core::resume::{estimate_bytes, estimate_tokens, ResumeMode, Transcript};
 use polygw_core::round::{
     Action, Event, Fate, LegEnd, LegId, LegKind, PickRequest, Picked as MachinePicked, ResumePoint,
     Round, RoundResult, RoundSpec,
@@ -233,8 +233,8 @@ struct Exec<'a, L: Leg> {
     ended: BTreeMap<LegId, LegDone<L::Output>>,
     /// Outputs of legs that ended successfully, kept for the winner.
     outputs: BTreeMap<LegId, (L::Output, SuccessFacts, Duration)>,
-    /// Per leg: text forwarded to the caller (usage estimates of cut legs).
-    forwarded: Vec<String>,
+    /// Per leg: bytes of text forwarded to the caller (usage estimates of cut legs).
+    forwarded: Vec<usize>,
     committed_legs: BTreeSet<LegId>,
     fallback_cooldown: Duration,
     failed: Option<GovernanceError>,
@@ -323,15 +323,13 @@ impl<'a, L: Leg> Exec<'a, L> {
             }
             Action::Forward { leg, delta } => {
                 if let Some(f) = self.forwarded.get_mut(leg) {
-                    if let Some(c) = &delta.content {
-                        f.push_str(c);
-                    }
-                    if let Some(r) = &delta.reasoning {
-                        f.push_str(r);
-                    }
-                    for t in &delta.tool_calls {
-                        f.push_str(&t.arguments);
-                    }
+                    *f += delta.content.as_ref().map_or(0, String::len)
+                        + delta.reasoning.as_ref().map_or(0, String::len)
+                        + delta
+                            .tool_calls
+                            .iter()
+                            .map(|t| t.arguments.len())
+                            .sum::<usize>();
                 }
                 if let Some(sink) = &self.sink {
                     sink.send(delta);
@@ -446,7 +444,7 @@ impl<'a, L: Leg> Exec<'a, L> {
         self.legs.push(Abortable::new(fut, reg));
         self.controls.push((control, handle));
         self.infos.push(info_copy);
-        self.forwarded.push(String::new());
+        self.forwarded.push(0);
     }
 
     fn start_pick(&mut self, req: PickRequest) {
@@ -651,13 +649,13 @@ impl<'a, L: Leg> Exec<'a, L> {
             if Some(leg) == exclude {
                 continue;
             }
-            let text = &self.forwarded[leg];
+            let bytes = self.forwarded[leg];
             let (usage, source) = match self.outputs.get(&leg) {
                 // A committed leg that completed (a prefill whose continuation was
                 // taken over cannot complete; kept for completeness).
                 Some((_, f, _)) => (f.usage, f.usage_source),
                 None => (
-                    Usage::new(self.leg.estimate_prompt_tokens(), estimate_tokens(text)),
+                    Usage::new(self.leg.estimate_prompt_tokens(), estimate_bytes(bytes)),
                     UsageSource::Estimated,
                 ),
             };
@@ -750,6 +748,13 @@ impl<'a, L: Leg> Exec<'a, L> {
             self.drain_queue();
             if let Some(e) = self.failed.take() {
                 return Err(e);
+            }
+            if self.machine.result().is_some() && self.pick.take().is_some() {
+                // An extra leg's admission still in flight when the round is decided:
+                // dropped (the admission is cancel-safe), its budget given back.
+                if let Some(t) = self.ticket.take() {
+                    self.engine.budget().give_back(t);
+                }
             }
             if self.machine.result().is_some()
                 && self.finalizing.is_empty()
