@@ -52,6 +52,7 @@ pub struct ToolCallDelta {
 }
 
 /// Called by the transport; must not block (it runs on the read path).
+#[cfg_attr(any(test, feature = "mock"), mockall::automock)]
 pub trait ChunkObserver: Send + Sync {
     /// An incremental chunk arrived at `at` (monotonic). Nothing else runs per chunk
     /// unless [`ChunkObserver::wants_deltas`] is true.
