@@ -19,7 +19,8 @@
 //! ```
 //!
 //! Cargo features choose the adapters: `memory` (in-process limiter, breaker store and
-//! cache) and `sqlite` by default; `redis` and `postgres` optional.
+//! cache) and `sqlite` by default; `redis` and `postgres` optional; `schema` (JSON Schema
+//! validation in `chat_json_with_schema`) optional.
 
 mod builder;
 mod client;
@@ -29,6 +30,7 @@ mod engine;
 pub mod env;
 pub mod metrics;
 mod ocr;
+mod schema;
 mod scope_client;
 mod structured;
 mod wiring;
