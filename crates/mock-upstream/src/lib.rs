@@ -10,6 +10,7 @@
 //!   [`Profile`] (seeded; `fast`, `long-tail`, `flaky`, `stall`, or a JSON file).
 //! - Every request is recorded ([`RecordedRequest`]): what arrived, when, how its
 //!   response ended ([`EndKind`]) and the usage it reported.
+//! - [`TlsFront`] serves a running mock over HTTPS with a caller's certificate.
 //! - Tasks are owned: [`MockUpstream::shutdown`] (or dropping the handle) stops the
 //!   accept loop and every connection.
 //!
@@ -21,6 +22,7 @@ mod profile;
 mod record;
 mod server;
 mod text;
+mod tls;
 
 use std::collections::VecDeque;
 use std::io;
@@ -41,6 +43,7 @@ pub use profile::{
 };
 pub use record::{EndKind, ImageSeen, RecordedRequest};
 pub use text::embedding_of;
+pub use tls::TlsFront;
 
 use record::Log;
 use server::{DefaultPlay, Shared};
