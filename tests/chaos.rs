@@ -237,7 +237,10 @@ mod spy {
 
     #[async_trait]
     impl Transport for Spy {
-        async fn chat(&self, attempt: ChatAttempt<'_>) -> Result<TransportResult, AttemptError> {
+        async fn chat<'a>(
+            &self,
+            attempt: ChatAttempt<'a>,
+        ) -> Result<TransportResult, AttemptError> {
             let id = attempt.call_id.to_string();
             let previous = self.log.lock().unwrap().insert(
                 id.clone(),
@@ -1570,7 +1573,10 @@ mod governance {
 
     #[async_trait]
     impl RateLimiter for Counting {
-        async fn acquire(&self, req: &AcquireRequest<'_>) -> Result<Admission, GovernanceError> {
+        async fn acquire<'r>(
+            &self,
+            req: &AcquireRequest<'r>,
+        ) -> Result<Admission, GovernanceError> {
             let mut mark = Mark {
                 owner: self,
                 source: req.source,

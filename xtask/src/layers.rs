@@ -124,7 +124,6 @@ pub const CORE_ALLOW: &[&str] = &[
     "thiserror-impl",
     "tinystr",
     "tracing",
-    "tracing-attributes",
     "tracing-core",
     "typenum",
     "unicode-ident",

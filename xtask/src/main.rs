@@ -1,19 +1,25 @@
-//! Project chores: `cargo xtask check-layers`, `cargo xtask bench`.
+//! Project chores: `cargo xtask test`, `check-layers`, `check-deny`, `bench`.
 
 mod bench;
+mod deny;
 mod layers;
+mod test;
 
 use std::process::ExitCode;
 
 fn main() -> ExitCode {
     let args: Vec<String> = std::env::args().skip(1).collect();
     match args.first().map(String::as_str) {
+        Some("test") => test::run(&args[1..]),
         Some("check-layers") => check_layers(),
+        Some("check-deny") => deny::run(),
         Some("bench") => bench::run(&args[1..]),
         _ => {
             eprintln!(
                 "usage: cargo xtask <command>\n\n\
-                 commands:\n  check-layers   check the crate layering rules (SPEC §1)\n  \
+                 commands:\n  test [ARGS…]   every test: cargo nextest run --workspace ARGS… (installs\n                 cargo-nextest when missing; NEXTEST_PROFILE picks the profile), then\n                 the doc tests\n  \
+                 check-layers   check the crate layering rules (SPEC §1)\n  \
+                 check-deny     cargo deny passes, and fails on scratch copies with a\n                 forbidden edge\n  \
                  bench [PART…]  run the benchmarks (parts: {})",
                 bench::PARTS.join(", ")
             );

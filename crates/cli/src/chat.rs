@@ -64,7 +64,7 @@ pub async fn run(args: ChatArgs) -> Result<ExitCode> {
     } else {
         args.prompt.clone()
     };
-    let client = match GatewayClient::from_vars(env::vars(), &args.scope).await {
+    let client = match GatewayClient::from_env(&args.scope).await {
         Ok(c) => c,
         Err(e) => {
             eprintln!("error: {e}");

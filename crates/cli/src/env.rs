@@ -5,9 +5,9 @@ use polygw::core::config::{discover_scopes, load_scope};
 use polygw::core::LoadedScope;
 use polygw::ScopeKind;
 
-/// Every variable of the process.
+/// Every UTF-8 variable of the process (others are skipped: discovery only).
 pub fn vars() -> Vec<(String, String)> {
-    std::env::vars().collect()
+    polygw::process_vars(None).unwrap_or_default()
 }
 
 /// The scopes to use: those named (upper-cased), else every scope with a source key.
@@ -38,8 +38,9 @@ pub fn kind_of(scope: &str) -> ScopeKind {
 }
 
 /// Loads and guards one scope from the environment.
+/// A variable of the scope that is not UTF-8 is an error naming its key.
 pub fn load(scope: &str, kind: ScopeKind) -> Result<LoadedScope, polygw::ConfigError> {
-    load_scope(vars(), scope, kind)
+    load_scope(polygw::process_vars(Some(scope))?, scope, kind)
 }
 
 /// Prints configuration warnings to stderr.

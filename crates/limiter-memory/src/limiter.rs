@@ -90,7 +90,7 @@ impl MemoryLimiter {
 
 #[async_trait]
 impl RateLimiter for MemoryLimiter {
-    async fn acquire(&self, req: &AcquireRequest<'_>) -> Result<Admission, GovernanceError> {
+    async fn acquire<'r>(&self, req: &AcquireRequest<'r>) -> Result<Admission, GovernanceError> {
         let now = self.shared.now_ms();
         let admitted = {
             let mut st = lock(&self.shared.state);

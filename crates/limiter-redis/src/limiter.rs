@@ -118,7 +118,7 @@ fn refusal_reason(code: i64) -> Option<RefusalReason> {
 
 #[async_trait]
 impl RateLimiter for RedisLimiter {
-    async fn acquire(&self, req: &AcquireRequest<'_>) -> Result<Admission, GovernanceError> {
+    async fn acquire<'r>(&self, req: &AcquireRequest<'r>) -> Result<Admission, GovernanceError> {
         // 128 random bits: unique across processes without coordination.
         let id = uuid::Uuid::new_v4().simple().to_string();
         self.acquire_as(req, id).await

@@ -13,6 +13,7 @@
 //!   answer, a 400, or an answer from scratch, per the [`PrefillPolicy`].
 //! - Every request is recorded ([`RecordedRequest`]): what arrived, when, how its
 //!   response ended ([`EndKind`]) and the usage it reported.
+//! - [`TlsFront`] serves a running mock over HTTPS with a caller's certificate.
 //! - Tasks are owned: [`MockUpstream::shutdown`] (or dropping the handle) stops the
 //!   accept loop and every connection.
 //!
@@ -25,6 +26,7 @@ mod profile;
 mod record;
 mod server;
 mod text;
+mod tls;
 
 use std::collections::VecDeque;
 use std::io;
@@ -49,6 +51,7 @@ pub use profile::{
 };
 pub use record::{EndKind, ImageSeen, RecordedRequest};
 pub use text::embedding_of;
+pub use tls::TlsFront;
 
 use record::Log;
 use server::{DefaultPlay, Shared};

@@ -19,15 +19,18 @@
 //! ```
 //!
 //! Cargo features choose the adapters: `memory` (in-process limiter, breaker store and
-//! cache) and `sqlite` by default; `redis` and `postgres` optional.
+//! cache) and `sqlite` by default; `redis` and `postgres` optional; `schema` (JSON Schema
+//! validation in `chat_json_with_schema`) optional.
 
 mod builder;
 mod client;
 pub mod clock;
 mod embedding;
 mod engine;
+pub mod env;
 pub mod metrics;
 mod ocr;
+mod schema;
 mod scope_client;
 mod stream;
 mod structured;
@@ -38,6 +41,7 @@ pub use client::{CallOptions, GatewayClient};
 pub use embedding::{EmbeddingClient, Embeddings};
 pub use engine::round::{Commit, DeltaSink};
 pub use engine::Ports;
+pub use env::process_vars;
 pub use metrics::Metrics;
 pub use ocr::{OcrClient, OcrText, MAX_IMAGE_BYTES};
 pub use stream::{ChatEvent, ChatStream};

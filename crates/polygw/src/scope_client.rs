@@ -8,8 +8,10 @@ macro_rules! scope_client {
     ($ty:ident, $kind:expr, $build:ident) => {
         impl $ty {
             /// Loads scope `scope` from the process environment (SPEC §2) and builds it.
+            /// Variables that are not UTF-8 are skipped, or reported when they belong
+            /// to the scope ([`crate::process_vars`]).
             pub async fn from_env(scope: &str) -> Result<Self, polygw_core::GatewayError> {
-                Self::from_vars(std::env::vars(), scope).await
+                Self::from_vars(crate::process_vars(Some(scope))?, scope).await
             }
 
             /// Loads scope `scope` from any key/value source and builds it.

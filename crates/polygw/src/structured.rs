@@ -9,6 +9,7 @@ use tracing::Instrument;
 use polygw_core::{ChatRequest, GatewayError, LlmResponse, Message, TerminalReason};
 
 use crate::client::{with_deadline, GatewayClient};
+use crate::schema::Schema;
 
 /// A parsed structured answer.
 #[derive(Debug, Clone)]
@@ -50,7 +51,9 @@ impl GatewayClient {
         self.chat_json_with_schema(request, None).await
     }
 
-    /// Like [`GatewayClient::chat_json`], also validating against a JSON Schema.
+    /// Like [`GatewayClient::chat_json`], also validating against a JSON Schema
+    /// (cargo feature `schema`; without it, giving a schema is an `InvalidRequest`
+    /// naming the feature). The compiled schema is cached across calls.
     pub async fn chat_json_with_schema<T: DeserializeOwned>(
         &self,
         mut request: ChatRequest,
@@ -59,16 +62,8 @@ impl GatewayClient {
         request
             .validate()
             .map_err(|(field, message)| GatewayError::InvalidRequest { field, message })?;
-        let validator =
-            match schema {
-                Some(s) => Some(jsonschema::validator_for(s).map_err(|e| {
-                    GatewayError::InvalidRequest {
-                        field: "schema".into(),
-                        message: format!("not a valid JSON Schema: {e}"),
-                    }
-                })?),
-                None => None,
-            };
+        // Compiled once per schema (cached); without the `schema` feature, an error.
+        let validator = schema.map(Schema::compile).transpose()?;
         // JSON mode unless the caller chose a format; a source that does not support
         // it drops the key with EXTRA_BODY {"response_format": null}.
         if request.response_format.is_none() {
@@ -93,12 +88,7 @@ impl GatewayClient {
                         Ok(v) => {
                             let schema_errors: Vec<String> = validator
                                 .as_ref()
-                                .map(|val| {
-                                    val.iter_errors(&v)
-                                        .map(|e| format!("{} at {}", e, e.instance_path()))
-                                        .take(5)
-                                        .collect()
-                                })
+                                .map(|val| val.errors(&v, 5))
                                 .unwrap_or_default();
                             if !schema_errors.is_empty() {
                                 format!(

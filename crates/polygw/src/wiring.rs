@@ -24,14 +24,54 @@ fn needs(key: String, value: String, expected: &str) -> GatewayError {
 /// The HTTP transport shared by chat, embeddings and OCR (one pooled client).
 pub(crate) type Http = Arc<OpenAiTransport>;
 
-pub(crate) fn http_transport(clock: Arc<dyn Clock>) -> Result<Http, GatewayError> {
-    OpenAiTransport::new(clock).map(Arc::new).map_err(|e| {
+/// The process variable naming a PEM file of extra trusted CA certificates for
+/// upstream HTTPS (on top of the webpki roots and the system's trust store).
+pub const CA_FILE_VAR: &str = "POLYGW_CA_FILE";
+
+/// The extra CA bundle of `POLYGW_CA_FILE`, when set; an unreadable or empty file is
+/// a configuration error naming the variable (never a silent fallback).
+fn extra_roots() -> Result<Option<Vec<u8>>, GatewayError> {
+    let Some(path) = std::env::var_os(CA_FILE_VAR) else {
+        return Ok(None);
+    };
+    let shown = path.to_string_lossy().into_owned();
+    let expected = "a readable PEM file of CA certificates";
+    let pem = std::fs::read(&path).map_err(|e| {
         needs(
-            "transport".into(),
-            String::new(),
-            &format!("a working HTTP client ({e})"),
+            CA_FILE_VAR.into(),
+            shown.clone(),
+            &format!("{expected} ({e})"),
         )
-    })
+    })?;
+    Ok(Some(pem))
+}
+
+pub(crate) fn http_transport(clock: Arc<dyn Clock>) -> Result<Http, GatewayError> {
+    let cfg = polygw_transport_openai::TransportConfig {
+        extra_roots_pem: extra_roots()?,
+        ..Default::default()
+    };
+    let from_file = cfg.extra_roots_pem.is_some();
+    OpenAiTransport::with_config(cfg, clock)
+        .map(Arc::new)
+        .map_err(|e| {
+            if from_file {
+                let shown = std::env::var_os(CA_FILE_VAR)
+                    .map(|p| p.to_string_lossy().into_owned())
+                    .unwrap_or_default();
+                needs(
+                    CA_FILE_VAR.into(),
+                    shown,
+                    &format!("a PEM file of CA certificates ({e})"),
+                )
+            } else {
+                needs(
+                    "transport".into(),
+                    String::new(),
+                    &format!("a working HTTP client ({e})"),
+                )
+            }
+        })
 }
 
 fn http(h: Option<&Http>) -> Result<Http, GatewayError> {

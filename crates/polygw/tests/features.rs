@@ -374,6 +374,7 @@ mod structured {
         assert_eq!(term[0].error.as_deref(), Some("structured_invalid"));
     }
 
+    #[cfg(feature = "schema")]
     #[tokio::test(start_paused = true)]
     async fn schema_violations_are_reasked() {
         let (c, fake, _) = client(2).await;
@@ -402,5 +403,23 @@ mod structured {
             .await
             .unwrap_err();
         assert!(matches!(e, GatewayError::InvalidRequest { ref field, .. } if field == "schema"));
+    }
+
+    /// Without the `schema` feature a schema is refused, naming the feature: never
+    /// silently unchecked.
+    #[cfg(not(feature = "schema"))]
+    #[tokio::test(start_paused = true)]
+    async fn without_the_schema_feature_a_schema_is_refused() {
+        let (c, fake, _) = client(1).await;
+        let schema = serde_json::json!({"type": "object"});
+        let e = c
+            .chat_json_with_schema::<Answer>(ChatRequest::user("q"), Some(&schema))
+            .await
+            .unwrap_err();
+        assert!(
+            matches!(e, GatewayError::InvalidRequest { ref field, ref message } if field == "schema" && message.contains("`schema` cargo feature")),
+            "{e}"
+        );
+        assert!(fake.calls().is_empty(), "nothing was sent");
     }
 }

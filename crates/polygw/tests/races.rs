@@ -86,7 +86,7 @@ struct SlowAdmission {
 
 #[async_trait]
 impl RateLimiter for SlowAdmission {
-    async fn acquire(&self, req: &AcquireRequest<'_>) -> Result<Admission, GovernanceError> {
+    async fn acquire<'r>(&self, req: &AcquireRequest<'r>) -> Result<Admission, GovernanceError> {
         if req.source == self.slow_source {
             tokio::time::sleep(self.delay).await;
         }

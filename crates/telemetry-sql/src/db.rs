@@ -7,15 +7,26 @@ use std::time::Duration;
 use polygw_core::secret::redact_url;
 use polygw_core::telemetry::ACCOUNTING_GAP_SQL;
 use polygw_core::{RowKind, TelemetryError, TelemetryRow, UsageSource};
+#[cfg(feature = "postgres")]
 use sqlx::postgres::{PgConnectOptions, PgPool, PgPoolOptions, PgRow};
+#[cfg(feature = "sqlite")]
 use sqlx::sqlite::{
     SqliteConnectOptions, SqliteJournalMode, SqlitePool, SqlitePoolOptions, SqliteRow,
     SqliteSynchronous,
 };
-use sqlx::{ConnectOptions, Connection, Postgres, QueryBuilder, Row, Sqlite};
+#[cfg(feature = "postgres")]
+use sqlx::Postgres;
+#[cfg(feature = "sqlite")]
+use sqlx::Sqlite;
+use sqlx::{ConnectOptions, Connection, QueryBuilder, Row};
+
+#[cfg(not(any(feature = "sqlite", feature = "postgres")))]
+compile_error!("polygw-telemetry-sql needs a driver: its `sqlite` or `postgres` feature");
 
 use crate::migrations;
-use crate::time::{format_utc_ms, parse_utc_ms};
+use crate::time::format_utc_ms;
+#[cfg(feature = "sqlite")]
+use crate::time::parse_utc_ms;
 
 /// The columns of `llm_calls`, in table order (SPEC §8).
 pub const COLUMNS: [&str; 30] = [
@@ -106,6 +117,7 @@ impl Backend {
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct OpenOptions {
     /// Create the SQLite file when missing (the recorder does; the reader does not).
+    #[cfg_attr(not(feature = "sqlite"), allow(dead_code, reason = "SQLite only"))]
     pub create: bool,
     /// Bound on connecting and on one operation.
     pub timeout: Duration,
@@ -114,8 +126,25 @@ pub(crate) struct OpenOptions {
 /// An open pool.
 #[derive(Debug, Clone)]
 pub(crate) enum Db {
+    #[cfg(feature = "sqlite")]
     Sqlite(SqlitePool),
+    #[cfg(feature = "postgres")]
     Postgres(PgPool),
+}
+
+/// The error for a URL whose driver this build lacks.
+#[cfg_attr(
+    all(feature = "sqlite", feature = "postgres"),
+    allow(dead_code, reason = "used when a driver is off")
+)]
+pub(crate) fn missing_driver(url: &str, backend: Backend) -> TelemetryError {
+    TelemetryError(format!(
+        "{}: this build has no {} driver: enable the `{}` cargo feature \
+         (of polygw, or of polygw-telemetry-sql)",
+        redact_url(url),
+        backend.as_str(),
+        backend.as_str()
+    ))
 }
 
 /// A database error as text, without the URL's password should a driver ever echo it.
@@ -169,6 +198,7 @@ impl Db {
     /// Opens a pool of one connection (the writer is the only user).
     pub(crate) async fn open(url: &str, opts: OpenOptions) -> Result<Db, TelemetryError> {
         match Backend::of_url(url)? {
+            #[cfg(feature = "sqlite")]
             Backend::Sqlite => {
                 let o = SqliteConnectOptions::from_str(url)
                     .map_err(|e| err("invalid SQLite URL", &e, url))?
@@ -189,6 +219,9 @@ impl Db {
                     .map_err(|e| err("cannot open SQLite database", &e, url))?;
                 Ok(Db::Sqlite(pool))
             }
+            #[cfg(not(feature = "sqlite"))]
+            Backend::Sqlite => Err(missing_driver(url, Backend::Sqlite)),
+            #[cfg(feature = "postgres")]
             Backend::Postgres => {
                 let mut o = PgConnectOptions::from_str(url)
                     .map_err(|e| err("invalid PostgreSQL URL", &e, url))?;
@@ -205,13 +238,17 @@ impl Db {
                     .map_err(|e| err("cannot connect to PostgreSQL", &e, url))?;
                 Ok(Db::Postgres(pool))
             }
+            #[cfg(not(feature = "postgres"))]
+            Backend::Postgres => Err(missing_driver(url, Backend::Postgres)),
         }
     }
 
     /// The backend.
     pub(crate) fn backend(&self) -> Backend {
         match self {
+            #[cfg(feature = "sqlite")]
             Db::Sqlite(_) => Backend::Sqlite,
+            #[cfg(feature = "postgres")]
             Db::Postgres(_) => Backend::Postgres,
         }
     }
@@ -219,7 +256,9 @@ impl Db {
     /// Closes the pool.
     pub(crate) async fn close(&self) {
         match self {
+            #[cfg(feature = "sqlite")]
             Db::Sqlite(p) => p.close().await,
+            #[cfg(feature = "postgres")]
             Db::Postgres(p) => p.close().await,
         }
     }
@@ -228,6 +267,7 @@ impl Db {
     /// then runs the embedded migrations.
     pub(crate) async fn migrate(&self, url: &str) -> Result<(), TelemetryError> {
         let applied: Vec<(i64, String)> = match self {
+            #[cfg(feature = "sqlite")]
             Db::Sqlite(p) => {
                 let exists: Option<String> = sqlx::query_scalar(
                     "SELECT name FROM sqlite_master WHERE type = 'table' AND name = '_sqlx_migrations'",
@@ -244,6 +284,7 @@ impl Db {
                     Vec::new()
                 }
             }
+            #[cfg(feature = "postgres")]
             Db::Postgres(p) => {
                 let exists: bool =
                     sqlx::query_scalar("SELECT to_regclass('_sqlx_migrations') IS NOT NULL")
@@ -283,7 +324,9 @@ impl Db {
         let mut tries = 0;
         loop {
             let res = match self {
+                #[cfg(feature = "sqlite")]
                 Db::Sqlite(p) => migrator.run(p).await,
+                #[cfg(feature = "postgres")]
                 Db::Postgres(p) => migrator.run(p).await,
             };
             match res {
@@ -306,6 +349,7 @@ impl Db {
         }
         let per = self.backend().max_rows_per_statement();
         match self {
+            #[cfg(feature = "sqlite")]
             Db::Sqlite(p) => {
                 let mut tx = p.begin().await?;
                 for chunk in rows.chunks(per) {
@@ -320,6 +364,7 @@ impl Db {
                 }
                 tx.commit().await
             }
+            #[cfg(feature = "postgres")]
             Db::Postgres(p) => {
                 let mut tx = p.begin().await?;
                 for chunk in rows.chunks(per) {
@@ -342,11 +387,13 @@ impl Db {
     /// The columns of `llm_calls` that exist in this database.
     async fn existing_columns(&self) -> Result<Vec<String>, sqlx::Error> {
         match self {
+            #[cfg(feature = "sqlite")]
             Db::Sqlite(p) => {
                 sqlx::query_scalar("SELECT name FROM pragma_table_info('llm_calls')")
                     .fetch_all(p)
                     .await
             }
+            #[cfg(feature = "postgres")]
             Db::Postgres(p) => {
                 sqlx::query_scalar(
                     "SELECT column_name::TEXT FROM information_schema.columns \
@@ -393,6 +440,7 @@ impl Db {
         let mut sql = format!("SELECT {} FROM llm_calls", select.join(", "));
         let map = |e: sqlx::Error| err("cannot read llm_calls", &e, url);
         match self {
+            #[cfg(feature = "sqlite")]
             Db::Sqlite(p) => {
                 if since_unix_ms.is_some() {
                     sql.push_str(" WHERE created_at >= ?");
@@ -405,6 +453,7 @@ impl Db {
                 let rows = q.fetch_all(p).await.map_err(map)?;
                 rows.iter().map(|r| decode_sqlite(r, url)).collect()
             }
+            #[cfg(feature = "postgres")]
             Db::Postgres(p) => {
                 if since_unix_ms.is_some() {
                     sql.push_str(" WHERE created_at >= CAST($1 AS TIMESTAMPTZ)");
@@ -423,7 +472,9 @@ impl Db {
     /// Runs [`ACCOUNTING_GAP_SQL`] (SPEC §8).
     pub(crate) async fn accounting_gap(&self, url: &str) -> Result<u64, TelemetryError> {
         let n: i64 = match self {
+            #[cfg(feature = "sqlite")]
             Db::Sqlite(p) => sqlx::query_scalar(ACCOUNTING_GAP_SQL).fetch_one(p).await,
+            #[cfg(feature = "postgres")]
             Db::Postgres(p) => sqlx::query_scalar(ACCOUNTING_GAP_SQL).fetch_one(p).await,
         }
         .map_err(|e| err("accounting gap query failed", &e, url))?;
@@ -597,6 +648,7 @@ macro_rules! decode_row {
     }};
 }
 
+#[cfg(feature = "sqlite")]
 fn decode_sqlite(row: &SqliteRow, url: &str) -> Result<TelemetryRow, TelemetryError> {
     decode_row!(row, url, |row: &SqliteRow, id: &str| {
         let text: String = get(row, "created_at", id, url)?;
@@ -608,6 +660,7 @@ fn decode_sqlite(row: &SqliteRow, url: &str) -> Result<TelemetryRow, TelemetryEr
     })
 }
 
+#[cfg(feature = "postgres")]
 fn decode_pg(row: &PgRow, url: &str) -> Result<TelemetryRow, TelemetryError> {
     decode_row!(row, url, |row: &PgRow, id: &str| get::<_, i64>(
         row,
@@ -650,6 +703,13 @@ mod tests {
             assert!(rows * COLUMNS.len() <= limit);
             assert!((rows + 1) * COLUMNS.len() > limit);
         }
+    }
+
+    #[test]
+    fn a_missing_driver_names_its_feature() {
+        let e = missing_driver("postgres://u:hunter2@h/db", Backend::Postgres).0;
+        assert!(e.contains("`postgres` cargo feature"), "{e}");
+        assert!(!e.contains("hunter2"), "{e}");
     }
 
     #[test]

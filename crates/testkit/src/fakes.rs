@@ -387,7 +387,7 @@ impl FakeTransport {
 
 #[async_trait]
 impl Transport for FakeTransport {
-    async fn chat(&self, attempt: ChatAttempt<'_>) -> Result<TransportResult, AttemptError> {
+    async fn chat<'a>(&self, attempt: ChatAttempt<'a>) -> Result<TransportResult, AttemptError> {
         let start = self.clock.now();
         let index = {
             let mut s = self.state.lock().unwrap();

@@ -704,7 +704,7 @@ impl StreamState<'_> {
 
 #[async_trait]
 impl Transport for OpenAiTransport {
-    async fn chat(&self, attempt: ChatAttempt<'_>) -> Result<TransportResult, AttemptError> {
+    async fn chat<'a>(&self, attempt: ChatAttempt<'a>) -> Result<TransportResult, AttemptError> {
         let r = if attempt.request.stream {
             self.chat_stream(attempt).await
         } else {

@@ -53,6 +53,9 @@ pub struct TransportConfig {
     pub pool_max_idle_per_host: usize,
     /// The `User-Agent` header.
     pub user_agent: String,
+    /// Extra trusted CA certificates (a PEM bundle), on top of the webpki roots and
+    /// the system's trust store: upstreams behind a private CA (`POLYGW_CA_FILE`).
+    pub extra_roots_pem: Option<Vec<u8>>,
 }
 
 impl Default for TransportConfig {
@@ -67,6 +70,7 @@ impl Default for TransportConfig {
             pool_idle_timeout: Duration::from_secs(90),
             pool_max_idle_per_host: 32,
             user_agent: format!("polygw/{}", env!("CARGO_PKG_VERSION")),
+            extra_roots_pem: None,
         }
     }
 }
@@ -108,7 +112,20 @@ impl OpenAiTransport {
         cfg: TransportConfig,
         clock: Arc<dyn Clock>,
     ) -> Result<Self, TransportBuildError> {
-        let client = reqwest::Client::builder()
+        let mut builder = reqwest::Client::builder();
+        if let Some(pem) = &cfg.extra_roots_pem {
+            let certs = reqwest::Certificate::from_pem_bundle(pem)
+                .map_err(|e| TransportBuildError(format!("the extra CA bundle: {e}")))?;
+            if certs.is_empty() {
+                return Err(TransportBuildError(
+                    "the extra CA bundle holds no PEM certificate".into(),
+                ));
+            }
+            for c in certs {
+                builder = builder.add_root_certificate(c);
+            }
+        }
+        let client = builder
             .connect_timeout(cfg.connect_timeout)
             .pool_idle_timeout(cfg.pool_idle_timeout)
             .pool_max_idle_per_host(cfg.pool_max_idle_per_host)

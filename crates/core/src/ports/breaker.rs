@@ -10,6 +10,7 @@ use crate::error::GovernanceError;
 use crate::settings::BreakerSettings;
 
 /// Stores and applies [`BreakerState`] atomically per source.
+#[cfg_attr(any(test, feature = "mock"), mockall::automock)]
 #[async_trait]
 pub trait BreakerStore: Send + Sync + std::fmt::Debug {
     /// May the source be tried now? Grants the half-open probe (held for `probe_lease`

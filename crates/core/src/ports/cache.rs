@@ -8,6 +8,7 @@ use crate::error::CacheError;
 use crate::response::LlmResponse;
 
 /// Stores responses by canonical request key ([`crate::cache_key`]).
+#[cfg_attr(any(test, feature = "mock"), mockall::automock)]
 #[async_trait]
 pub trait ResponseCache: Send + Sync + std::fmt::Debug {
     /// The stored response, if present and fresh.

@@ -5,6 +5,7 @@ use std::time::{Duration, Instant};
 
 /// Time, injected. The facade's default reads the tokio clock (so tests with a paused
 /// runtime see consistent time); core never reads the system clock itself.
+#[cfg_attr(any(test, feature = "mock"), mockall::automock)]
 pub trait Clock: Send + Sync + std::fmt::Debug {
     /// Monotonic now.
     fn now(&self) -> Instant;

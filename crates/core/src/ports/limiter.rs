@@ -52,10 +52,13 @@ pub enum Admission {
 }
 
 /// Enforces RPM, TPM and concurrency per source and per scope.
+#[cfg_attr(any(test, feature = "mock"), mockall::automock)]
 #[async_trait]
 pub trait RateLimiter: Send + Sync + std::fmt::Debug {
-    /// Tries to admit one request; never waits for capacity.
-    async fn acquire(&self, req: &AcquireRequest<'_>) -> Result<Admission, GovernanceError>;
+    /// Tries to admit one request; never waits for capacity. (The request's lifetime
+    /// is named rather than elided so that mockall can mock the port: implementations
+    /// write the same signature.)
+    async fn acquire<'r>(&self, req: &AcquireRequest<'r>) -> Result<Admission, GovernanceError>;
 
     /// Current in-flight count of a source (tests, metrics).
     async fn in_flight(&self, scope: &str, source: &str) -> Result<u32, GovernanceError>;
@@ -67,6 +70,7 @@ pub trait RateLimiter: Send + Sync + std::fmt::Debug {
 }
 
 /// The backend side of a permit.
+#[cfg_attr(any(test, feature = "mock"), mockall::automock)]
 #[async_trait]
 pub trait PermitBackend: Send + Sync + std::fmt::Debug {
     /// Replaces the reservation by `tokens`.
@@ -195,7 +199,7 @@ impl PermitBackend for NoopPermit {
 
 #[async_trait]
 impl RateLimiter for UnlimitedLimiter {
-    async fn acquire(&self, req: &AcquireRequest<'_>) -> Result<Admission, GovernanceError> {
+    async fn acquire<'r>(&self, req: &AcquireRequest<'r>) -> Result<Admission, GovernanceError> {
         Ok(Admission::Admitted(Permit::new(
             req.est_tokens,
             Box::new(NoopPermit),

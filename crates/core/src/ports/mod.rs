@@ -23,3 +23,16 @@ pub use transport::{
     ChatAttempt, EmbeddingResult, EmbeddingTransport, OcrResult, OcrTransport, Transport,
     TransportResult,
 };
+
+/// mockall mocks of every port (feature `mock`; tests only): exact call expectations.
+#[cfg(any(test, feature = "mock"))]
+pub use self::{
+    breaker::MockBreakerStore,
+    cache::MockResponseCache,
+    clock::MockClock,
+    limiter::{MockPermitBackend, MockRateLimiter},
+    observer::MockChunkObserver,
+    rng::MockRng,
+    telemetry::MockTelemetryRecorder,
+    transport::{MockEmbeddingTransport, MockOcrTransport, MockTransport},
+};

@@ -196,6 +196,7 @@ impl ToolCallDelta {
 }
 
 /// Called by the transport; must not block (it runs on the read path).
+#[cfg_attr(any(test, feature = "mock"), mockall::automock)]
 pub trait ChunkObserver: Send + Sync {
     /// An incremental chunk arrived at `at` (monotonic). Called only when
     /// [`ChunkObserver::wants_deltas`] is false; otherwise [`ChunkObserver::on_delta`]

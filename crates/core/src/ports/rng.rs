@@ -3,6 +3,7 @@
 use std::sync::atomic::{AtomicU64, Ordering};
 
 /// A source of random numbers. Implementations must be cheap and thread-safe.
+#[cfg_attr(any(test, feature = "mock"), mockall::automock)]
 pub trait Rng: Send + Sync + std::fmt::Debug {
     /// 64 random bits.
     fn next_u64(&self) -> u64;

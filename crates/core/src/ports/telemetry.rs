@@ -19,6 +19,7 @@ pub struct FlushReport {
 }
 
 /// Records telemetry rows.
+#[cfg_attr(any(test, feature = "mock"), mockall::automock)]
 #[async_trait]
 pub trait TelemetryRecorder: Send + Sync + std::fmt::Debug {
     /// Queues a row; never blocks, never fails the caller.

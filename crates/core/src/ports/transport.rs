@@ -1,6 +1,12 @@
 //! The transport ports: chat ([`Transport`]), [`EmbeddingTransport`] and
 //! [`OcrTransport`], and what they return.
 
+// mockall's generated expectation closures return the ports' own `Result<_, AttemptError>`.
+#![cfg_attr(
+    any(test, feature = "mock"),
+    allow(clippy::result_large_err, reason = "mockall-generated code")
+)]
+
 use std::time::Duration;
 
 use async_trait::async_trait;
@@ -67,10 +73,13 @@ pub struct TransportResult {
 }
 
 /// Chat over an OpenAI-compatible `/chat/completions`.
+#[cfg_attr(any(test, feature = "mock"), mockall::automock)]
 #[async_trait]
 pub trait Transport: Send + Sync + std::fmt::Debug {
     /// Sends one attempt; the future is cancel-safe (dropping it closes the request).
-    async fn chat(&self, attempt: ChatAttempt<'_>) -> Result<TransportResult, AttemptError>;
+    /// (The attempt's lifetime is named rather than elided so that mockall can mock the
+    /// port: implementations write the same signature.)
+    async fn chat<'a>(&self, attempt: ChatAttempt<'a>) -> Result<TransportResult, AttemptError>;
 }
 
 /// What an embedding attempt produced.
@@ -89,6 +98,7 @@ pub struct EmbeddingResult {
 }
 
 /// Embeddings over `/embeddings`.
+#[cfg_attr(any(test, feature = "mock"), mockall::automock)]
 #[async_trait]
 pub trait EmbeddingTransport: Send + Sync + std::fmt::Debug {
     /// Embeds one batch.
@@ -112,6 +122,7 @@ pub struct OcrResult {
 }
 
 /// OCR through an OpenAI-compatible vision request.
+#[cfg_attr(any(test, feature = "mock"), mockall::automock)]
 #[async_trait]
 pub trait OcrTransport: Send + Sync + std::fmt::Debug {
     /// Recognizes the text of one image.
