@@ -207,7 +207,10 @@ mod tests {
         let mut seen = std::collections::BTreeSet::new();
         for _ in 0..2000 {
             let w = jittered(Duration::from_secs(20), &rng);
-            assert!(w >= Duration::from_secs(20) && w <= Duration::from_secs(21), "{w:?}");
+            assert!(
+                w >= Duration::from_secs(20) && w <= Duration::from_secs(21),
+                "{w:?}"
+            );
             seen.insert(w.as_millis());
         }
         assert!(seen.len() > 500, "spread: {}", seen.len());

@@ -313,7 +313,13 @@ mod tests {
     fn cooldown_and_dead() {
         let s = settings();
         let mut b = BreakerState::default();
-        b.record(0, BreakerOutcome::RateLimited { cooldown_ms: 5000 }, b.epoch, false, &s);
+        b.record(
+            0,
+            BreakerOutcome::RateLimited { cooldown_ms: 5000 },
+            b.epoch,
+            false,
+            &s,
+        );
         assert_eq!(
             b.admit(1000, 1),
             BreakerAdmit::Refused {
@@ -390,7 +396,10 @@ mod tests {
         }
         assert!(b.is_tripped());
         b.record(2, BreakerOutcome::Success, before, false, &s);
-        assert!(b.is_tripped(), "a success from before the trip does not close it");
+        assert!(
+            b.is_tripped(),
+            "a success from before the trip does not close it"
+        );
         assert!(allowed(b.admit(3, 1000)).is_none());
         // the probe closes it
         let probe = epoch(b.admit(30_001, 1000));
@@ -417,7 +426,10 @@ mod tests {
         let new = epoch(b.admit(31_000, 1000));
         assert!(new > old);
         b.record(31_001, BreakerOutcome::Neutral, old, true, &s);
-        assert!(allowed(b.admit(31_002, 1000)).is_none(), "the new probe is out");
+        assert!(
+            allowed(b.admit(31_002, 1000)).is_none(),
+            "the new probe is out"
+        );
         b.record(31_003, BreakerOutcome::Success, old, true, &s);
         assert!(b.is_tripped());
         b.record(31_004, BreakerOutcome::Failure, old, true, &s);

@@ -80,7 +80,11 @@ pub fn redact_url(raw: &str) -> String {
             u.to_string()
         }
         // A multi-host URL (Redis Cluster seeds): hide the password and the query.
-        Err(_) if raw.split_once("://").is_some_and(|(s, _)| s.ends_with("+cluster")) => {
+        Err(_)
+            if raw
+                .split_once("://")
+                .is_some_and(|(s, _)| s.ends_with("+cluster")) =>
+        {
             let (scheme, rest) = raw.split_once("://").unwrap_or_default();
             let (userinfo, rest) = match rest.rsplit_once('@') {
                 Some((u, r)) => (Some(u), r),

@@ -165,6 +165,12 @@ impl Window {
         self.requests.prune(now);
         self.tokens.prune(now);
     }
+
+    fn is_empty(&self) -> bool {
+        self.requests.at.is_empty()
+            && self.tokens.reserved.is_empty()
+            && self.tokens.settled.is_empty()
+    }
 }
 
 #[derive(Debug, Default, Clone)]
@@ -388,8 +394,8 @@ impl WindowLimiter {
             l.prune(now);
         }
         self.sources
-            .retain(|_, s| !s.window.requests.at.is_empty() || !s.in_flight.is_empty());
-        self.scopes.retain(|_, l| !l.requests.at.is_empty());
+            .retain(|_, s| !s.window.is_empty() || !s.in_flight.is_empty());
+        self.scopes.retain(|_, l| !l.is_empty());
         let live: HashSet<u64> = self
             .sources
             .values()
@@ -444,7 +450,10 @@ mod tests {
         // The reservations' leases (90 s) end before nothing else: the settled 100 leaves
         // first (at 2 + 60 s), but 800 + 400 > 1000 still; then a reservation's lease end
         // plus a window.
-        assert_eq!(e.retry_after, Some(Duration::from_millis(1 + 90_000 + 60_000 - 4)));
+        assert_eq!(
+            e.retry_after,
+            Some(Duration::from_millis(1 + 90_000 + 60_000 - 4))
+        );
         // a second settlement changes nothing
         l.settle(5, a, 5000);
         assert_eq!(l.source_window(5, "S", "a"), (3, 900));
@@ -560,6 +569,22 @@ mod tests {
         assert_eq!((e.reason, e.retry_after), (RefusalReason::Tpm, None));
     }
 
+    /// Compaction forgets only what left every window: settled tokens of a source whose
+    /// requests left the window still count.
+    #[test]
+    fn compaction_keeps_tokens_still_counted() {
+        let mut l = WindowLimiter::new();
+        let r = req(0, 1000, 0, 400);
+        let a = l.acquire(0, &r).unwrap();
+        l.release(a);
+        l.settle(59_000, a, 900);
+        l.compact(61_000);
+        assert_eq!(l.source_window(61_000, "S", "a"), (0, 900));
+        assert!(l.acquire(61_001, &r).is_err());
+        l.compact(119_000);
+        l.acquire(119_000, &r).unwrap();
+    }
+
     /// Timestamps that go back (a clock read outside a lock) never reorder entries: the
     /// model keeps its own clock, and hints never underflow.
     #[test]
@@ -580,6 +605,7 @@ mod tests {
         Settle { pick: usize, tokens: u64 },
         Release { pick: usize },
         Renew { pick: usize },
+        Compact,
     }
 
     fn op() -> impl Strategy<Value = Op> {
@@ -588,6 +614,7 @@ mod tests {
             2 => (0usize..64, 0u64..800).prop_map(|(pick, tokens)| Op::Settle { pick, tokens }),
             1 => (0usize..64).prop_map(|pick| Op::Release { pick }),
             1 => (0usize..64).prop_map(|pick| Op::Renew { pick }),
+            1 => Just(Op::Compact),
         ]
     }
 
@@ -669,6 +696,7 @@ mod tests {
                             e.lease_end = e.lease_end.max(now + 20_000);
                         }
                     }
+                    Op::Compact => l.compact(raw.max(0) as u64),
                     _ => {}
                 }
                 let now = l.now();

@@ -151,7 +151,10 @@ pub fn redis_nodes(raw: &str) -> Option<(Vec<String>, bool)> {
     };
     if !cluster {
         let u = url::Url::parse(raw).ok()?;
-        return u.host_str().filter(|h| !h.is_empty()).map(|_| (vec![raw.to_string()], false));
+        return u
+            .host_str()
+            .filter(|h| !h.is_empty())
+            .map(|_| (vec![raw.to_string()], false));
     }
     // [userinfo@]hosts[/path][?query]
     let (userinfo, rest) = match rest.rsplit_once('@') {

@@ -46,6 +46,11 @@ pub trait BreakerStore: Send + Sync + std::fmt::Debug {
 
     /// The current state (tests, metrics, `polygw serve` health).
     async fn state(&self, scope: &str, source: &str) -> Result<BreakerState, GovernanceError>;
+
+    /// Waits for background work (queued probe releases). Called on shutdown.
+    async fn flush(&self) -> Result<(), GovernanceError> {
+        Ok(())
+    }
 }
 
 /// A breaker store that always allows and remembers nothing (governance off; tests).
