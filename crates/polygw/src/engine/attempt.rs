@@ -3,8 +3,12 @@
 //!
 //! An [`AttemptGuard`] is armed for the whole attempt. Dropped before the attempt was
 //! finalized (caller drop, deadline, hedge loser), it settles the permit's reservation
-//! through the non-blocking path, frees a half-open probe, and queues the row with
-//! `cancelled`, `deadline` or `hedge_cancelled` — all without awaiting.
+//! through the non-blocking path, frees a half-open probe (the breaker store's
+//! non-blocking release), and queues the row with `cancelled`, `deadline` or
+//! `hedge_cancelled` — all without awaiting, and nothing is spawned.
+//!
+//! Every end of an attempt (finalized or dropped) wakes one call waiting for a runnable
+//! source (SPEC §14.6): a freed slot or settled reservation serves one waiter, not all.
 
 use std::sync::atomic::{AtomicU8, Ordering};
 use std::sync::Arc;
@@ -18,6 +22,7 @@ use polygw_core::stall::{ms, StreamFigures};
 use polygw_core::telemetry::{cost, CostBasis, RowKind, TelemetryRow};
 use polygw_core::{AttemptError, ErrorLabel, SourceConfig, Usage, UsageSource};
 
+use super::admission::BreakerTicket;
 use super::call::CallShared;
 use super::Engine;
 
@@ -69,7 +74,8 @@ pub(crate) struct LegInfo {
     pub source_idx: usize,
     pub call_id: String,
     pub launched_at: Instant,
-    pub probe: bool,
+    /// The breaker ticket the attempt was admitted with.
+    pub probe: BreakerTicket,
 }
 
 /// Armed for the whole attempt; see the module doc.
@@ -78,7 +84,7 @@ pub(crate) struct AttemptGuard {
     call: Arc<CallShared>,
     cancel: Arc<AtomicU8>,
     permit: Option<Permit>,
-    probe: bool,
+    probe: BreakerTicket,
     source_idx: usize,
     started: Instant,
     base: TelemetryRow,
@@ -244,18 +250,25 @@ impl AttemptGuard {
         if let Err(e) = engine
             .ports
             .breakers
-            .record(scope, &src_name, outcome, self.probe, &engine.scope.breaker)
+            .record(
+                scope,
+                &src_name,
+                outcome,
+                self.probe.epoch,
+                self.probe.probe,
+                &engine.scope.breaker,
+            )
             .await
         {
             tracing::warn!(source = %src_name, error = %e, "breaker update failed");
         }
-        self.probe = false;
+        self.probe.probe = false;
         if let Some((_, row)) = self.pending.take() {
             engine.ports.telemetry.record(row);
         }
         engine.metrics.attempt(scope, &src_name, &label, ttft);
         self.armed = false;
-        engine.freed.notify_waiters();
+        engine.freed.notify_one();
     }
 }
 
@@ -299,18 +312,13 @@ impl Drop for AttemptGuard {
                 None => drop(permit),
             }
         }
-        self.engine.freed.notify_waiters();
-        if self.probe {
+        if self.probe.probe {
             // Free the half-open probe; never a breaker failure (a slow leg is not dead).
-            if let Ok(handle) = tokio::runtime::Handle::try_current() {
-                let breakers = self.engine.ports.breakers.clone();
-                let settings = self.engine.scope.breaker;
-                handle.spawn(async move {
-                    let _ = breakers
-                        .record(&scope, &src_name, BreakerOutcome::Neutral, true, &settings)
-                        .await;
-                });
-            }
+            self.engine
+                .ports
+                .breakers
+                .release_probe(&scope, &src_name, self.probe.epoch);
         }
+        self.engine.freed.notify_one();
     }
 }

@@ -5,7 +5,7 @@
 use std::collections::BTreeSet;
 use std::sync::Arc;
 
-use polygw_core::admission::{on_no_runnable, NoRunnable};
+use polygw_core::admission::{jittered, on_no_runnable, NoRunnable};
 use polygw_core::backoff::backoff_cap;
 use polygw_core::hedge::HedgePolicy;
 use polygw_core::retry::{RetryState, RoundVerdict};
@@ -18,9 +18,10 @@ use super::round::{DeltaSink, RoundOutcome, Won};
 use super::Engine;
 
 impl Engine {
-    /// Waits for an admitted source: `ON_NO_RUNNABLE=wait` waits for the earliest hint,
-    /// bounded by the stall window; `fail` (or nothing that passes with time) ends the
-    /// call with `no_runnable_source`.
+    /// Waits for an admitted source: `ON_NO_RUNNABLE=wait` waits for the earliest hint
+    /// (with jitter), bounded by the stall window, or until an attempt of this client
+    /// frees a slot (one waiter per freed slot, SPEC §14.6); `fail` (or nothing that
+    /// passes with time) ends the call with `no_runnable_source`.
     async fn admit(
         &self,
         call: &Arc<CallShared>,
@@ -29,7 +30,8 @@ impl Engine {
     ) -> Result<Picked, GatewayError> {
         let none = BTreeSet::new();
         loop {
-            // Registered before the pick, so a slot freed meanwhile is not missed.
+            // A slot freed meanwhile is not missed: `notify_one` keeps a permit for the
+            // next waiter when none is waiting.
             let freed = self.freed.notified();
             let pick = self
                 .try_pick(&none, &call.failed_sources(), stream)
@@ -58,13 +60,14 @@ impl Engine {
                             ))
                         }
                         Some(left) => {
+                            let wait = jittered(hint, self.ports.rng.as_ref()).min(left);
                             tracing::debug!(
-                                wait_ms = hint.min(left).as_millis() as u64,
+                                wait_ms = wait.as_millis() as u64,
                                 "no runnable source; waiting"
                             );
                             // Until the hint, or until an attempt of ours frees a slot.
                             tokio::select! {
-                                _ = tokio::time::sleep(hint.min(left)) => {}
+                                _ = tokio::time::sleep(wait) => {}
                                 _ = freed => {}
                             }
                         }
