@@ -282,7 +282,8 @@ mod memory_specific {
     /// double its quota, and a breaker tripped through one is open for the other.
     #[tokio::test]
     async fn two_clients_of_one_scope_share_quota_and_breakers() {
-        let clock: Arc<dyn Clock> = Arc::new(ManualClock::new(Instant::now(), 0));
+        let clock: Arc<dyn Clock> =
+            Arc::new(ManualClock::new(tokio::time::Instant::now().into_std(), 0));
         let scope = polygw_testkit::services::unique_name("SHARED");
         let (l1, b1) = polygw_limiter_memory::shared(&scope, clock.clone());
         let (l2, b2) = polygw_limiter_memory::shared(&scope, clock.clone());
@@ -338,7 +339,7 @@ mod memory_specific {
             }
         }
         let clock = Arc::new(Jumping {
-            base: Instant::now(),
+            base: tokio::time::Instant::now().into_std(),
             ticks: Default::default(),
         });
         let l = MemoryLimiter::new(clock);

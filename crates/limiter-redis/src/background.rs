@@ -57,7 +57,7 @@ pub(crate) struct Settlement {
 /// Work the queue applies.
 #[derive(Debug, Clone)]
 pub(crate) enum Work {
-    Settle(Settlement),
+    Settle(Box<Settlement>),
     /// Frees the probe an admission got if its answer was lost (by the admission's token).
     ReleaseProbeByToken {
         key: String,

@@ -201,7 +201,7 @@ struct PendingAcquire<'a> {
 impl Drop for PendingAcquire<'_> {
     fn drop(&mut self) {
         if let Some(s) = self.settlement.take() {
-            self.bg.enqueue(Work::Settle(s));
+            self.bg.enqueue(Work::Settle(Box::new(s)));
         }
     }
 }
@@ -285,7 +285,8 @@ impl PermitBackend for RedisPermit {
         // lease (no longer renewed) frees the slot and the reservation counts until its
         // lease end + a window.
         self.stop_renewing();
-        self.bg.enqueue(Work::Settle(self.settlement(tokens, true)));
+        self.bg
+            .enqueue(Work::Settle(Box::new(self.settlement(tokens, true))));
     }
 }
 

@@ -15,34 +15,48 @@ use polygw_core::settings::BreakerSettings;
 use polygw_limiter_redis::{RedisGovernance, RedisLimiter, RedisOptions};
 use polygw_testkit::breaker_contract::{self as bc, BreakerHarness};
 use polygw_testkit::limiter_contract::{self as lc, LimiterHarness, Subject, WindowProbe};
-use polygw_testkit::services::{redis_url, unique_name};
+use polygw_testkit::services::{redis_cluster_url, redis_url, unique_name};
 
 /// The short window of the expiry cases.
 const TEST_WINDOW: Duration = Duration::from_secs(2);
 
 struct Real {
     url: String,
+    opts: RedisOptions,
     base: tokio::time::Instant,
     gov: RedisGovernance,
     short: RedisGovernance,
 }
 
 async fn harness(url: &str) -> Real {
+    harness_with(url, RedisOptions::default()).await
+}
+
+async fn harness_with(url: &str, opts: RedisOptions) -> Real {
     Real {
         url: url.to_string(),
         base: tokio::time::Instant::now(),
-        gov: RedisGovernance::connect(url, RedisOptions::default())
+        gov: RedisGovernance::connect(url, opts.clone())
             .await
             .expect("connect"),
         short: RedisGovernance::connect(
             url,
             RedisOptions {
                 window: TEST_WINDOW,
-                ..RedisOptions::default()
+                ..opts.clone()
             },
         )
         .await
         .expect("connect"),
+        opts,
+    }
+}
+
+impl Real {
+    async fn client(&self) -> RedisGovernance {
+        RedisGovernance::connect(&self.url, self.opts.clone())
+            .await
+            .expect("connect a client")
     }
 }
 
@@ -77,9 +91,7 @@ impl LimiterHarness for Real {
     async fn clients(&self, n: usize) -> Vec<Arc<dyn RateLimiter>> {
         let mut out: Vec<Arc<dyn RateLimiter>> = vec![];
         for _ in 0..n {
-            let g = RedisGovernance::connect(&self.url, RedisOptions::default())
-                .await
-                .expect("connect a client");
+            let g = self.client().await;
             out.push(Arc::new(g.limiter()));
         }
         out
@@ -88,16 +100,12 @@ impl LimiterHarness for Real {
         (subject(&self.short), TEST_WINDOW)
     }
     async fn crashable(&self) -> (Arc<dyn RateLimiter>, Box<dyn Fn() + Send + Sync>) {
-        let g = RedisGovernance::connect(&self.url, RedisOptions::default())
-            .await
-            .expect("connect a client");
+        let g = self.client().await;
         let l = g.limiter();
         (Arc::new(l), Box::new(move || g.stop_heartbeat()))
     }
     async fn quiet(&self) -> Subject {
-        let g = RedisGovernance::connect(&self.url, RedisOptions::default())
-            .await
-            .expect("connect a client");
+        let g = self.client().await;
         g.stop_heartbeat();
         subject(&g)
     }
@@ -123,24 +131,18 @@ impl BreakerHarness for Real {
     async fn clients(&self, n: usize) -> Vec<Arc<dyn BreakerStore>> {
         let mut out: Vec<Arc<dyn BreakerStore>> = vec![];
         for _ in 0..n {
-            let g = RedisGovernance::connect(&self.url, RedisOptions::default())
-                .await
-                .expect("connect a client");
+            let g = self.client().await;
             out.push(Arc::new(g.breakers()));
         }
         out
     }
     async fn crashable(&self) -> (Arc<dyn BreakerStore>, Box<dyn Fn() + Send + Sync>) {
-        let g = RedisGovernance::connect(&self.url, RedisOptions::default())
-            .await
-            .expect("connect a client");
+        let g = self.client().await;
         let b = g.breakers();
         (Arc::new(b), Box::new(move || g.stop_heartbeat()))
     }
     async fn quiet(&self) -> Arc<dyn BreakerStore> {
-        let g = RedisGovernance::connect(&self.url, RedisOptions::default())
-            .await
-            .expect("connect a client");
+        let g = self.client().await;
         g.stop_heartbeat();
         Arc::new(g.breakers())
     }
@@ -167,96 +169,113 @@ impl BreakerHarness for Real {
     }
 }
 
+/// One contract case per test, against the single server (`redis_url`) or the cluster
+/// (`redis_cluster_url`).
+macro_rules! contract_cases {
+    ($suite:ident, $url:path; $($name:ident),* $(,)?) => {$(
+        #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+        async fn $name() {
+            let Some(url) = $url() else { return };
+            $suite::$name(&harness(&url).await).await;
+        }
+    )*};
+}
+
+macro_rules! limiter_cases {
+    ($url:path) => {
+        contract_cases!(
+            lc, $url;
+            rpm_never_over_admitted,
+            rpm_window_rolls,
+            tpm_reserve_then_settle,
+            tpm_window_rolls,
+            concurrency_cap_and_release,
+            lease_expiry_frees_the_slot,
+            leases_renewed_while_held_and_end_after_a_crash,
+            long_calls_hold_their_tpm_reservation,
+            scope_limits_atomic_with_source,
+            settle_and_release_idempotent,
+            drop_settles_reservation_and_releases,
+            unlimited_admits_everything,
+            concurrent_acquirers_never_over_admit,
+            concurrent_rpm_saturation,
+            saturating_load_over_windows,
+        );
+
+        /// Random sequences (no time advance: the server's clock cannot be moved) match
+        /// the reference model: admissions, refusal reasons, hints within the case's
+        /// duration, in flight and windows.
+        #[test]
+        fn matches_reference_model() {
+            let Some(url) = $url() else { return };
+            let rt = tokio::runtime::Builder::new_multi_thread()
+                .worker_threads(2)
+                .enable_all()
+                .build()
+                .unwrap();
+            let h = rt.block_on(harness(&url));
+            lc::model_proptest(&rt, &h, 96);
+        }
+    };
+}
+
+macro_rules! breaker_cases {
+    ($url:path) => {
+        contract_cases!(
+            bc, $url;
+            opens_after_consecutive_failures,
+            only_consecutive_feeding_failures_count,
+            half_open_admits_one_probe_and_success_closes,
+            failed_probe_doubles_open_time,
+            open_time_capped_at_ten_times,
+            probe_lease_expires_and_neutral_frees,
+            cooldown_from_retry_after,
+            dead_source_out_for_dead_s,
+            concurrent_half_open_grants_one_probe,
+            sources_are_independent,
+            outcomes_count_only_in_their_epoch,
+            stale_probe_changes_nothing,
+            only_the_dead_period_revives_a_dead_source,
+            probe_renewed_while_held_and_freed_after_a_crash,
+            release_probe_frees_it,
+        );
+
+        /// Random admit/record sequences match `BreakerState` (no time advance).
+        #[test]
+        fn matches_reference_model() {
+            let Some(url) = $url() else { return };
+            let rt = tokio::runtime::Builder::new_multi_thread()
+                .worker_threads(2)
+                .enable_all()
+                .build()
+                .unwrap();
+            let h = rt.block_on(harness(&url));
+            bc::model_proptest(&rt, &h, 96);
+        }
+    };
+}
+
+/// The contract suites on the single server.
 mod limiter_contract {
     use super::*;
-
-    macro_rules! cases {
-        ($($name:ident),* $(,)?) => {$(
-            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-            async fn $name() {
-                let Some(url) = redis_url() else { return };
-                lc::$name(&harness(&url).await).await;
-            }
-        )*};
-    }
-
-    cases!(
-        rpm_never_over_admitted,
-        rpm_window_rolls,
-        tpm_reserve_then_settle,
-        tpm_window_rolls,
-        concurrency_cap_and_release,
-        lease_expiry_frees_the_slot,
-        leases_renewed_while_held_and_end_after_a_crash,
-        long_calls_hold_their_tpm_reservation,
-        scope_limits_atomic_with_source,
-        settle_and_release_idempotent,
-        drop_settles_reservation_and_releases,
-        unlimited_admits_everything,
-        concurrent_acquirers_never_over_admit,
-        concurrent_rpm_saturation,
-        saturating_load_over_windows,
-    );
-
-    /// Random sequences (no time advance: the server's clock cannot be moved) match the
-    /// reference model: admissions, refusal reasons, hints within the case's duration,
-    /// in flight and windows.
-    #[test]
-    fn matches_reference_model() {
-        let Some(url) = redis_url() else { return };
-        let rt = tokio::runtime::Builder::new_multi_thread()
-            .worker_threads(2)
-            .enable_all()
-            .build()
-            .unwrap();
-        let h = rt.block_on(harness(&url));
-        lc::model_proptest(&rt, &h, 96);
-    }
+    limiter_cases!(redis_url);
 }
 
 mod breaker_contract {
     use super::*;
+    breaker_cases!(redis_url);
+}
 
-    macro_rules! cases {
-        ($($name:ident),* $(,)?) => {$(
-            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-            async fn $name() {
-                let Some(url) = redis_url() else { return };
-                bc::$name(&harness(&url).await).await;
-            }
-        )*};
-    }
+/// The same suites on the local 3-node Redis Cluster (SPEC §14.10): every scope's keys
+/// share one slot, the scripts declare their keys and the cluster connection routes them.
+mod cluster_limiter_contract {
+    use super::*;
+    limiter_cases!(redis_cluster_url);
+}
 
-    cases!(
-        opens_after_consecutive_failures,
-        only_consecutive_feeding_failures_count,
-        half_open_admits_one_probe_and_success_closes,
-        failed_probe_doubles_open_time,
-        open_time_capped_at_ten_times,
-        probe_lease_expires_and_neutral_frees,
-        cooldown_from_retry_after,
-        dead_source_out_for_dead_s,
-        concurrent_half_open_grants_one_probe,
-        sources_are_independent,
-        outcomes_count_only_in_their_epoch,
-        stale_probe_changes_nothing,
-        only_the_dead_period_revives_a_dead_source,
-        probe_renewed_while_held_and_freed_after_a_crash,
-        release_probe_frees_it,
-    );
-
-    /// Random admit/record sequences match `BreakerState` (no time advance).
-    #[test]
-    fn matches_reference_model() {
-        let Some(url) = redis_url() else { return };
-        let rt = tokio::runtime::Builder::new_multi_thread()
-            .worker_threads(2)
-            .enable_all()
-            .build()
-            .unwrap();
-        let h = rt.block_on(harness(&url));
-        bc::model_proptest(&rt, &h, 96);
-    }
+mod cluster_breaker_contract {
+    use super::*;
+    breaker_cases!(redis_cluster_url);
 }
 
 /// A TCP proxy in front of the real server, to cut, kill or silence connections.
@@ -870,5 +889,317 @@ mod redis_specific {
             let hint = f.retry_after.unwrap();
             assert!(hint <= Duration::from_secs(60) && hint > Duration::from_secs(55));
         }
+    }
+}
+
+/// Redis Cluster specifics (SPEC §14.10): a scope's keys live on one node; a
+/// single-server URL pointed at a cluster node fails closed for scopes it does not own;
+/// errors name the URL with its password redacted.
+mod cluster {
+    use super::*;
+    use polygw_core::ports::Admission;
+    use polygw_testkit::limiter_contract::Req;
+
+    fn nodes(url: &str) -> Vec<String> {
+        polygw_core::config::guards::redis_nodes(url)
+            .expect("a cluster url")
+            .0
+    }
+
+    async fn raw(node: &str) -> redis::aio::MultiplexedConnection {
+        redis::Client::open(node)
+            .unwrap()
+            .get_multiplexed_async_connection()
+            .await
+            .unwrap()
+    }
+
+    /// Every key of a scope is on the one node that owns its hash tag's slot, whichever
+    /// node that is; scopes spread over the nodes.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_scope_lives_on_one_node_and_scopes_spread() {
+        let Some(url) = redis_cluster_url() else {
+            return;
+        };
+        let g = RedisGovernance::connect(&url, RedisOptions::default())
+            .await
+            .unwrap();
+        let nodes = nodes(&url);
+        let mut owners = std::collections::BTreeSet::new();
+        for _ in 0..12 {
+            let sc = unique_name("SLOT");
+            let r = Req::new(&sc, "a")
+                .source_limits(10, 1000, 2)
+                .scope_limits(10, 1000)
+                .est(10);
+            let mut p = lc::admit(&g.limiter(), &r).await;
+            p.finish(5).await.unwrap();
+            let _held = lc::admit(&g.limiter(), &r).await;
+            g.breakers()
+                .record(
+                    &sc,
+                    "a",
+                    polygw_core::breaker::BreakerOutcome::Failure,
+                    0,
+                    false,
+                    &BreakerSettings::default(),
+                )
+                .await
+                .unwrap();
+            let mut holders = vec![];
+            for n in &nodes {
+                let mut con = raw(n).await;
+                let keys: Vec<String> = redis::cmd("KEYS")
+                    .arg(format!("polygw:{{{sc}}}:*"))
+                    .query_async(&mut con)
+                    .await
+                    .unwrap();
+                if !keys.is_empty() {
+                    holders.push((n.clone(), keys.len()));
+                }
+            }
+            assert_eq!(holders.len(), 1, "{sc}: keys on {holders:?}");
+            assert!(holders[0].1 >= 9, "{holders:?}");
+            owners.insert(holders[0].0.clone());
+        }
+        assert!(owners.len() >= 2, "12 scopes all on {owners:?}");
+    }
+
+    /// A plain `redis://` URL to one cluster node cannot follow the slot map: for a
+    /// scope another node owns the server answers MOVED, and that is a governance error
+    /// (fail closed), never an admission. `redis+cluster://` reaches it.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_single_node_url_fails_closed_on_moved() {
+        let Some(url) = redis_cluster_url() else {
+            return;
+        };
+        let first = nodes(&url)[0].clone();
+        let single = RedisGovernance::connect(&first, RedisOptions::default())
+            .await
+            .unwrap();
+        let cluster = RedisGovernance::connect(&url, RedisOptions::default())
+            .await
+            .unwrap();
+        let mut moved = 0;
+        for _ in 0..12 {
+            let sc = unique_name("MOVED");
+            let r = Req::new(&sc, "a").source_limits(5, 0, 0);
+            match single.limiter().acquire(&r.get()).await {
+                Err(e) => {
+                    assert!(e.message.to_lowercase().contains("moved"), "{e}");
+                    assert!(e.message.contains(&first), "names the URL: {e}");
+                    moved += 1;
+                }
+                Ok(Admission::Admitted(mut p)) => p.finish(0).await.unwrap(),
+                Ok(Admission::Refused(f)) => panic!("{f:?}"),
+            }
+            lc::admit(&cluster.limiter(), &r)
+                .await
+                .finish(0)
+                .await
+                .unwrap();
+        }
+        assert!(moved > 0, "no scope of 12 hashed to another node");
+    }
+
+    /// Errors name the target with its password redacted, never the password.
+    #[tokio::test]
+    async fn errors_name_the_url_without_its_password() {
+        let Some(_url) = redis_cluster_url() else {
+            return;
+        };
+        for url in [
+            "redis+cluster://user:hunter2@127.0.0.1:1,127.0.0.1:2",
+            "redis://:hunter2@127.0.0.1:1",
+            "rediss://:hunter2@127.0.0.1:1/0",
+        ] {
+            let e = RedisGovernance::connect(url, RedisOptions::default())
+                .await
+                .expect_err("nothing listens there");
+            assert!(!e.message.contains("hunter2"), "{e}");
+            assert!(e.message.contains("127.0.0.1:1"), "{e}");
+            let lazy = RedisGovernance::connect_lazy(url, RedisOptions::default()).unwrap();
+            let r = Req::new("DOWN", "a");
+            let e = lazy.limiter().acquire(&r.get()).await.unwrap_err();
+            assert!(!e.message.contains("hunter2"), "{e}");
+        }
+        let e = RedisGovernance::connect("redis+cluster://:hunter2@h1,h2", RedisOptions::default())
+            .await
+            .unwrap_err();
+        assert!(
+            !e.message.contains("hunter2") && e.message.contains("invalid url"),
+            "{e}"
+        );
+    }
+}
+
+/// TLS (`rediss://`, SPEC §14.10): an own redis-server with a TLS port and a certificate
+/// this test generates (with the `openssl` program), trusted through
+/// `RedisOptions::ca_file` (`{S}__TLS__CA_FILE`). Skipped, saying why, when `openssl` or a
+/// TLS-capable redis-server is missing (a failure under `CI=true`).
+mod tls {
+    use super::*;
+    use polygw_testkit::services::{in_ci, RedisServer};
+    use std::path::{Path, PathBuf};
+    use std::process::Command;
+
+    fn skip(why: String) -> Option<(RedisServer, PathBuf)> {
+        if in_ci() {
+            panic!("the TLS test cannot run under CI=true: {why}");
+        }
+        eprintln!("skipping the TLS test: {why}");
+        None
+    }
+
+    fn openssl(dir: &Path, args: &[&str]) -> Result<(), String> {
+        let out = Command::new("openssl")
+            .args(args)
+            .current_dir(dir)
+            .output()
+            .map_err(|e| format!("cannot run openssl: {e}"))?;
+        if out.status.success() {
+            Ok(())
+        } else {
+            Err(format!(
+                "openssl {args:?}: {}",
+                String::from_utf8_lossy(&out.stderr)
+            ))
+        }
+    }
+
+    /// A CA and a server certificate for 127.0.0.1 / localhost signed by it.
+    fn certificates(dir: &Path) -> Result<(), String> {
+        openssl(
+            dir,
+            &[
+                "req",
+                "-x509",
+                "-newkey",
+                "ec",
+                "-pkeyopt",
+                "ec_paramgen_curve:prime256v1",
+                "-nodes",
+                "-keyout",
+                "ca.key",
+                "-out",
+                "ca.crt",
+                "-days",
+                "2",
+                "-subj",
+                "/CN=polygw test CA",
+                "-addext",
+                "basicConstraints=critical,CA:TRUE",
+                "-addext",
+                "keyUsage=critical,keyCertSign,cRLSign",
+            ],
+        )?;
+        openssl(
+            dir,
+            &[
+                "req",
+                "-newkey",
+                "ec",
+                "-pkeyopt",
+                "ec_paramgen_curve:prime256v1",
+                "-nodes",
+                "-keyout",
+                "server.key",
+                "-out",
+                "server.csr",
+                "-subj",
+                "/CN=127.0.0.1",
+            ],
+        )?;
+        std::fs::write(
+            dir.join("ext.cnf"),
+            "subjectAltName=IP:127.0.0.1,DNS:localhost\nbasicConstraints=CA:FALSE\n\
+             keyUsage=critical,digitalSignature\nextendedKeyUsage=serverAuth\n",
+        )
+        .map_err(|e| e.to_string())?;
+        openssl(
+            dir,
+            &[
+                "x509",
+                "-req",
+                "-in",
+                "server.csr",
+                "-CA",
+                "ca.crt",
+                "-CAkey",
+                "ca.key",
+                "-CAcreateserial",
+                "-out",
+                "server.crt",
+                "-days",
+                "2",
+                "-extfile",
+                "ext.cnf",
+            ],
+        )
+    }
+
+    fn tls_server() -> Option<(RedisServer, PathBuf)> {
+        let dir = std::env::temp_dir().join(unique_name("polygw-tls"));
+        if let Err(e) = std::fs::create_dir_all(&dir) {
+            return skip(format!("cannot create {}: {e}", dir.display()));
+        }
+        if let Err(e) = certificates(&dir) {
+            return skip(format!("cannot generate a certificate: {e}"));
+        }
+        let d = dir.clone();
+        let server = RedisServer::start_with(move |port| {
+            let f = |n: &str| d.join(n).display().to_string();
+            vec![
+                "--port".into(),
+                "0".into(),
+                "--tls-port".into(),
+                port.to_string(),
+                "--tls-cert-file".into(),
+                f("server.crt"),
+                "--tls-key-file".into(),
+                f("server.key"),
+                "--tls-ca-cert-file".into(),
+                f("ca.crt"),
+                "--tls-auth-clients".into(),
+                "no".into(),
+            ]
+        });
+        match server {
+            Ok(s) => Some((s, dir.join("ca.crt"))),
+            Err(e) => skip(format!("redis-server cannot serve TLS here: {e}")),
+        }
+    }
+
+    /// The limiter and breaker contracts pass over TLS with the generated CA trusted; the
+    /// same server without that CA is refused (certificate verification, fail closed).
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn contract_cases_over_tls_with_a_private_ca() {
+        let Some(_shared) = redis_url() else { return };
+        let Some((server, ca)) = tls_server() else {
+            return;
+        };
+        let url = format!("rediss://127.0.0.1:{}", server.port());
+        let opts = RedisOptions {
+            ca_file: Some(ca.clone()),
+            ..RedisOptions::default()
+        };
+        let h = harness_with(&url, opts).await;
+        lc::rpm_never_over_admitted(&h).await;
+        lc::concurrency_cap_and_release(&h).await;
+        lc::leases_renewed_while_held_and_end_after_a_crash(&h).await;
+        bc::opens_after_consecutive_failures(&h).await;
+        bc::release_probe_frees_it(&h).await;
+
+        let e = RedisGovernance::connect(&url, RedisOptions::default())
+            .await
+            .expect_err("the system roots do not trust the test CA");
+        assert!(e.message.contains(&url), "{e}");
+        let missing = RedisOptions {
+            ca_file: Some(ca.with_file_name("missing.crt")),
+            ..RedisOptions::default()
+        };
+        let e = RedisGovernance::connect(&url, missing).await.unwrap_err();
+        assert!(e.message.contains("missing.crt"), "{e}");
+        let _ = std::fs::remove_dir_all(ca.parent().unwrap());
     }
 }
