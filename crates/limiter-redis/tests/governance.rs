@@ -850,6 +850,60 @@ mod redis_specific {
         assert_eq!(l.source_window(&sc, "a").await.unwrap(), (41, 123));
     }
 
+    /// SPEC §14.7: a half-open probe is freed when the caller drops the admission while
+    /// its script is in flight (the script granted the probe, nobody read the answer).
+    /// The store queues a release by the admission's token; it used to stay out until its
+    /// lease ended (up to 630 s), the source refused as `circuit_open` meanwhile.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_probe_admission_dropped_in_flight_is_released() {
+        let Some(url) = redis_url() else { return };
+        let g = RedisGovernance::connect(&url, RedisOptions::default())
+            .await
+            .unwrap();
+        let b = g.breakers();
+        let sc = unique_name("PROBEDROP");
+        let s = BreakerSettings {
+            failures: 1,
+            open: Duration::from_millis(200),
+            dead: Duration::from_secs(1),
+        };
+        b.record(&sc, "a", BreakerOutcome::Failure, 0, false, &s)
+            .await
+            .unwrap();
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        let mut granted_and_dropped = false;
+        for _ in 0..50 {
+            let before = b.state(&sc, "a").await.unwrap().epoch;
+            // Polled once (the script is handed to the connection), then dropped.
+            let dropped =
+                tokio::time::timeout(Duration::ZERO, b.admit(&sc, "a", Duration::from_secs(600)))
+                    .await;
+            if let Ok(done) = dropped {
+                // Answered within one poll: give it back and try again.
+                if let Ok(polygw_core::breaker::BreakerAdmit::Allowed { epoch, .. }) = done {
+                    b.release_probe(&sc, "a", epoch);
+                }
+                b.flush().await.unwrap();
+                continue;
+            }
+            b.flush().await.unwrap();
+            let st = b.state(&sc, "a").await.unwrap();
+            if st.epoch > before {
+                granted_and_dropped = true;
+                assert_eq!(st.probe_until, 0, "the dropped admission's probe is free");
+                break;
+            }
+        }
+        assert!(
+            granted_and_dropped,
+            "no admission was dropped after its script ran in 50 tries"
+        );
+        assert!(matches!(
+            b.admit(&sc, "a", Duration::from_secs(1)).await.unwrap(),
+            polygw_core::breaker::BreakerAdmit::Allowed { probe: true, .. }
+        ));
+    }
+
     /// Scope names that would break the cluster hash tag are refused (an error, never an
     /// admission).
     #[tokio::test]
