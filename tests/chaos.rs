@@ -183,6 +183,8 @@ mod spy {
         pub stream: bool,
         /// When the transport was called (tokio's clock, as the mock's log).
         pub sent_at: Instant,
+        /// When it returned or its future was dropped (before the permit is released).
+        pub ended_at: Option<Instant>,
         /// How it ended.
         pub outcome: Outcome,
     }
@@ -217,6 +219,7 @@ mod spy {
         fn set(&self, id: &str, outcome: Outcome) {
             if let Some(r) = self.log.lock().unwrap().get_mut(id) {
                 r.outcome = outcome;
+                r.ended_at = Some(now());
             }
         }
     }
@@ -248,6 +251,7 @@ mod spy {
                     source: attempt.source.name.clone(),
                     stream: attempt.request.stream,
                     sent_at: now(),
+                    ended_at: None,
                     outcome: Outcome::Running,
                 },
             );
@@ -694,6 +698,11 @@ struct Scenario {
     fail_fast: bool,
     /// `MAX_CONCURRENCY` of the second source.
     concurrency: Option<u32>,
+    /// A `TPM` on the second source that binds during the run (`EST_TOKENS` above any
+    /// request's tokens, so the upstream's own usage bounds what the limiter counted).
+    tpm: bool,
+    /// Redis through a proxy this run cuts and slows mid-run (own redis-server).
+    outage: bool,
 }
 
 /// The three sources of every scenario: (provider, weight, priced).
@@ -739,6 +748,10 @@ struct SourceEvidence {
     name: String,
     model: String,
     rpm: u32,
+    /// `TPM` (0 = none).
+    tpm: u64,
+    /// `MAX_CONCURRENCY` (0 = none).
+    conc: u32,
     priced: bool,
     requests: Vec<RecordedRequest>,
 }
@@ -756,6 +769,13 @@ struct Evidence {
     in_flight: Vec<(String, Result<u32, String>)>,
     /// Redis acquires whose future was dropped before it returned, per source (GOV-1).
     dropped_acquires: HashMap<String, u32>,
+    /// The governance backend's own flush after the run and its dropped settlements.
+    governance_flush: Result<(), String>,
+    settlements_dropped: u64,
+    /// Outage scenario: the phases played, and the index of the first call started
+    /// after the last one ended.
+    outages: Vec<String>,
+    recovered_from: Option<usize>,
     flush: polygw::FlushReport,
     telemetry_dropped: u64,
     not_ended: Vec<String>,
@@ -1170,6 +1190,7 @@ mod checks {
         let (mut ok_calls, mut err_calls, mut dropped, mut panicked) = (0, 0, 0, 0);
         let mut reasons: BTreeMap<&'static str, usize> = BTreeMap::new();
         let (mut co_completers, mut ok_in_failed, mut hedged_calls, mut hedge_wins) = (0, 0, 0, 0);
+        let mut legs_cut_by_governance = 0;
         let (mut streamed, mut by_caller) = (0, BTreeMap::<&'static str, usize>::new());
         for c in &ev.calls {
             if c.stream {
@@ -1286,7 +1307,11 @@ mod checks {
                     *reasons.entry(reason.as_str()).or_default() += 1;
 
                     let lid = ctx.logical_call_id.as_str();
-                    if seen.insert(lid, "err").is_some() {
+                    let governance = reason == polygw::TerminalReason::GovernanceBackend;
+                    if seen
+                        .insert(lid, if governance { "governance" } else { "err" })
+                        .is_some()
+                    {
                         v.push(format!("logical call {lid} returned twice"));
                     }
                     let rows = by_call.get(lid).unwrap_or(&empty);
@@ -1327,6 +1352,12 @@ mod checks {
                     }
                     for a in &att {
                         let bad = match a.error.as_deref() {
+                            // A hedge leg's admission failed on the backend: the call
+                            // fails (SPEC §4.1) and drops the legs still running.
+                            Some("cancelled") if governance => {
+                                legs_cut_by_governance += 1;
+                                false
+                            }
                             Some("cancelled") => true,
                             Some("deadline") => !deadline,
                             Some("hedge_cancelled") => !has_ok,
@@ -1382,11 +1413,12 @@ mod checks {
             .iter()
             .filter(|r| r.error.as_deref() == Some("cancelled"))
         {
-            if seen.contains_key(r.logical_call_id.as_str()) {
-                v.push(format!(
+            match seen.get(r.logical_call_id.as_str()) {
+                None | Some(&"governance") => {}
+                Some(_) => v.push(format!(
                     "cancelled row {} in a call that returned",
                     r.call_id
-                ));
+                )),
             }
         }
 
@@ -1444,6 +1476,134 @@ mod checks {
             }
         ));
 
+        // ---- TPM and concurrency, from the upstreams' own logs ------------------------
+        // What the limiter held for an attempt, bounded from the upstream's side: its
+        // slot from admission (≤ arrival) to release (≥ the transport call's end, spy);
+        // its tokens from admission until one window after settlement (≥ the end of the
+        // response or of the transport call, whichever came first), at least what the
+        // upstream reported (`EST_TOKENS` is above any request; a success settles its
+        // measured usage, a cancellation or transient failure its estimate).
+        let mut limit_lines = Vec::new();
+        for s in &ev.sources {
+            if s.tpm == 0 && s.conc == 0 {
+                continue;
+            }
+            // (sent, arrived, held until, tokens)
+            let mut reqs: Vec<(Instant, Instant, Instant, u64)> = Vec::new();
+            for r in &s.requests {
+                let Some(rec) = r.call_id.as_deref().and_then(|id| ev.spy.get(id)) else {
+                    continue;
+                };
+                let end = match (r.ended_at, rec.ended_at) {
+                    (Some(a), Some(b)) => a.min(b),
+                    (a, b) => a.or(b).unwrap_or(r.arrived_at),
+                };
+                let counted = match &rec.outcome {
+                    Outcome::Ok { .. } | Outcome::Dropped => true,
+                    Outcome::Err(l) => !matches!(l.as_str(), "invalid" | "rejected" | "dead"),
+                    Outcome::Running => false,
+                };
+                let tokens = if counted {
+                    r.usage.as_ref().map(tokens).unwrap_or(0)
+                } else {
+                    0
+                };
+                reqs.push((rec.sent_at, r.arrived_at, end, tokens));
+            }
+            if s.conc > 0 {
+                // Slots held at once: overlaps of [arrival, end) (each ⊂ the slot's hold).
+                let mut ev_points: Vec<(Instant, i32)> = Vec::new();
+                for &(_, a, e, _) in &reqs {
+                    if e > a {
+                        ev_points.push((a, 1));
+                        ev_points.push((e, -1));
+                    }
+                }
+                ev_points.sort_by(|x, y| x.0.cmp(&y.0).then(x.1.cmp(&y.1)));
+                let (mut cur, mut peak) = (0i32, 0i32);
+                for (_, d) in ev_points {
+                    cur += d;
+                    peak = peak.max(cur);
+                }
+                if peak > s.conc as i32 {
+                    v.push(format!(
+                        "{}: {peak} requests open at the upstream at once, MAX_CONCURRENCY is {}",
+                        s.name, s.conc
+                    ));
+                }
+                limit_lines.push(format!("{} in flight ≤ {peak}/{}", s.name, s.conc));
+            }
+            if s.tpm > 0 {
+                // At each admission x: the tokens of the attempts admitted before it
+                // (sent ≥ ADMISSION_SLACK earlier) that were still counted (held past
+                // x's arrival minus a window), plus x's own, never exceed TPM.
+                reqs.sort_by_key(|r| r.0);
+                let mut worst = 0u64;
+                for (i, x) in reqs.iter().enumerate() {
+                    let before = x.0.checked_sub(ADMISSION_SLACK);
+                    let counted: u64 = reqs[..i]
+                        .iter()
+                        .filter(|y| before.is_some_and(|b| y.0 <= b))
+                        .filter(|y| y.2 + WINDOW > x.1)
+                        .map(|y| y.3)
+                        .sum();
+                    let total = counted + x.3;
+                    worst = worst.max(total);
+                    if total > s.tpm {
+                        v.push(format!(
+                            "{}: {total} tokens counted at an admission (upstream usage of attempts held within the window), TPM is {}",
+                            s.name, s.tpm
+                        ));
+                        break;
+                    }
+                }
+                let served: u64 = reqs.iter().map(|r| r.3).sum();
+                limit_lines.push(format!(
+                    "{} tokens at an admission ≤ {worst}/{} (upstream usage {served})",
+                    s.name, s.tpm
+                ));
+            }
+        }
+
+        // ---- outages (Redis cut and slowed mid-run) ----------------------------------
+        if !ev.outages.is_empty() {
+            let failed_closed = ev
+                .calls
+                .iter()
+                .filter(|c| matches!(&c.result, CallResult::Err(e) if e.terminal_reason() == Some(polygw::TerminalReason::GovernanceBackend)))
+                .count();
+            if failed_closed == 0 {
+                v.push(
+                    "outage: no call failed closed (governance_backend) while Redis was cut".into(),
+                );
+            }
+            let recovered = ev
+                .calls
+                .iter()
+                .filter(|c| ev.recovered_from.is_some_and(|i| c.idx >= i))
+                .filter(|c| matches!(c.result, CallResult::Ok(_)))
+                .count();
+            if recovered == 0 {
+                v.push(format!(
+                    "outage: no call started after the last outage (from #{:?}) succeeded",
+                    ev.recovered_from
+                ));
+            }
+            fig.lines.push(format!(
+                "outages {:?}: {failed_closed} calls failed closed, {recovered} ok after recovery (from call #{:?})",
+                ev.outages, ev.recovered_from
+            ));
+        }
+        if let Err(e) = &ev.governance_flush {
+            v.push(format!("governance backend flush after the run: {e}"));
+        }
+        if ev.settlements_dropped > 0 {
+            v.push(format!(
+                "{} settlements/releases dropped (queue full)",
+                ev.settlements_dropped
+            ));
+        }
+
         // ---- governance and telemetry after shutdown --------------------------------
         for (s, n) in &ev.in_flight {
             let dropped = ev.dropped_acquires.get(s).copied().unwrap_or(0);
@@ -1472,7 +1632,7 @@ mod checks {
             attempts.len()
         ));
         fig.lines.push(format!(
-            "hedged calls {hedged_calls}, hedge wins {hedge_wins}, co-completing legs {co_completers}, ok attempt in deadline-failed calls {ok_in_failed}"
+            "hedged calls {hedged_calls}, hedge wins {hedge_wins}, co-completing legs {co_completers}, ok attempt in deadline-failed calls {ok_in_failed}, legs cancelled when a hedge admission failed on the backend {legs_cut_by_governance}"
         ));
         fig.lines.push(format!(
             "tokens: {measured_rows} measured rows = {measured_rows_tokens} (upstream {measured_upstream_tokens}); {estimated_rows} estimated rows = {estimated_tokens}; {unavailable_ok} ok rows without usage; {} cancelled attempts whose upstream reported {} tokens (accounting gap)",
@@ -1483,6 +1643,12 @@ mod checks {
             window_lines.join(", "),
             ev.phases
         ));
+        if !limit_lines.is_empty() {
+            fig.lines.push(format!(
+                "limits from the upstream logs: {}",
+                limit_lines.join(", ")
+            ));
+        }
         fig.lines.push(format!(
             "client lateness vs plan, ms (p50/p99/max): first chunk {}, largest gap {} (margin {})",
             quantiles(&mut late_first),
@@ -1594,6 +1760,10 @@ mod governance {
         async fn flush(&self) -> Result<(), GovernanceError> {
             self.inner.flush().await
         }
+
+        fn settlements_dropped(&self) -> u64 {
+            self.inner.settlements_dropped()
+        }
     }
 
     /// The limiter (counting) and breaker store of `{S}__REDIS__URL`, as the wiring
@@ -1621,6 +1791,163 @@ mod governance {
     }
 }
 
+/// The Redis outage of `chaos_redis_outage`: a TCP proxy in front of an own
+/// redis-server that can add latency and cut connections, and the saboteur that plays the
+/// outage phases as the run progresses. The server keeps its data (the proxy cuts, the
+/// server lives), so the windows stay true across the outage.
+mod outage {
+    use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+    use std::sync::{Arc, Mutex};
+    use std::time::Duration;
+
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    use tokio::net::{TcpListener, TcpStream};
+    use tokio::task::JoinHandle;
+
+    #[derive(Default)]
+    struct Ctl {
+        delay_ms: AtomicU64,
+        down: AtomicBool,
+        conns: Mutex<Vec<JoinHandle<()>>>,
+    }
+
+    /// The proxy.
+    pub struct Proxy {
+        port: u16,
+        ctl: Arc<Ctl>,
+        accept: JoinHandle<()>,
+    }
+
+    async fn pipe(
+        mut from: tokio::net::tcp::OwnedReadHalf,
+        mut to: tokio::net::tcp::OwnedWriteHalf,
+        ctl: Arc<Ctl>,
+    ) {
+        let mut buf = vec![0u8; 16 * 1024];
+        loop {
+            match from.read(&mut buf).await {
+                Ok(0) | Err(_) => break,
+                Ok(n) => {
+                    let d = ctl.delay_ms.load(Ordering::Relaxed);
+                    if d > 0 {
+                        tokio::time::sleep(Duration::from_millis(d)).await;
+                    }
+                    if to.write_all(&buf[..n]).await.is_err() {
+                        break;
+                    }
+                }
+            }
+        }
+        let _ = to.shutdown().await;
+    }
+
+    impl Proxy {
+        /// A proxy on a free port of 127.0.0.1 in front of `upstream` (`host:port`).
+        pub async fn start(upstream: String) -> Proxy {
+            let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+            let port = listener.local_addr().expect("addr").port();
+            let ctl = Arc::new(Ctl::default());
+            let c = ctl.clone();
+            let accept = tokio::spawn(async move {
+                while let Ok((client, _)) = listener.accept().await {
+                    if c.down.load(Ordering::SeqCst) {
+                        drop(client); // refused: closed at once
+                        continue;
+                    }
+                    let Ok(server) = TcpStream::connect(&upstream).await else {
+                        continue;
+                    };
+                    let _ = client.set_nodelay(true);
+                    let _ = server.set_nodelay(true);
+                    let (cr, cw) = client.into_split();
+                    let (sr, sw) = server.into_split();
+                    let a = tokio::spawn(pipe(cr, sw, c.clone()));
+                    let b = tokio::spawn(pipe(sr, cw, c.clone()));
+                    let mut conns = c.conns.lock().unwrap();
+                    conns.retain(|h| !h.is_finished());
+                    conns.extend([a, b]);
+                }
+            });
+            Proxy { port, ctl, accept }
+        }
+
+        pub fn url(&self) -> String {
+            format!("redis://127.0.0.1:{}", self.port)
+        }
+
+        fn cut(&self, down: bool) {
+            self.ctl.down.store(down, Ordering::SeqCst);
+            if down {
+                for h in self.ctl.conns.lock().unwrap().drain(..) {
+                    h.abort();
+                }
+            }
+        }
+
+        fn slow(&self, ms: u64) {
+            self.ctl.delay_ms.store(ms, Ordering::SeqCst);
+        }
+
+        /// Stops everything (connections and listener).
+        pub fn shutdown(&self) {
+            self.cut(true);
+            self.accept.abort();
+        }
+    }
+
+    impl Drop for Proxy {
+        fn drop(&mut self) {
+            self.shutdown();
+        }
+    }
+
+    /// Plays the phases at 20 %, 40 %, 60 % and 75 % of the calls started: latency under
+    /// the operation timeout, a cut, latency over it, a short cut. Returns what it played
+    /// and the index of the first call started after the last phase ended.
+    pub async fn saboteur(
+        proxy: Arc<Proxy>,
+        next: Arc<AtomicUsize>,
+        calls: usize,
+    ) -> (Vec<String>, usize) {
+        let mut log = Vec::new();
+        let phases: [(f64, &str, u64, Duration); 4] = [
+            (0.20, "latency 300 ms", 300, Duration::from_millis(1000)),
+            (0.40, "cut", 0, Duration::from_millis(1500)),
+            (0.60, "latency 2.5 s", 2500, Duration::from_millis(1500)),
+            (0.75, "cut", 0, Duration::from_millis(500)),
+        ];
+        for (at, what, ms, dur) in phases {
+            let target = (calls as f64 * at) as usize;
+            while next.load(Ordering::Relaxed) < target {
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+            if ms > 0 {
+                proxy.slow(ms);
+            } else {
+                proxy.cut(true);
+            }
+            tokio::time::sleep(dur).await;
+            proxy.slow(0);
+            proxy.cut(false);
+            log.push(format!("{what} for {dur:?} at call #{target}"));
+        }
+        (log, next.load(Ordering::Relaxed))
+    }
+}
+
+/// `EST_TOKENS` of the source with a `TPM`: above the tokens of any request the
+/// scenarios make (prompts of ≤ 40 short words ≈ ≤ 80 tokens, ≤ 23 completion tokens), so
+/// every reservation or settlement counts at least what the upstream reports.
+const TPM_EST: u64 = 150;
+
+/// The limits a scenario's sources run under, per source.
+struct Limits {
+    rpm: Vec<u32>,
+    tpm: Vec<u64>,
+    conc: Vec<u32>,
+    scope_rpm: u32,
+}
+
 fn env_vars(
     sc: &Scenario,
     scope: &str,
@@ -1628,10 +1955,21 @@ fn env_vars(
     calls: usize,
     redis: Option<&str>,
     sqlite: Option<&str>,
-) -> (Vec<(String, String)>, Vec<u32>, u32) {
+) -> (Vec<(String, String)>, Limits) {
     // Low enough to bind during the run (the window check means something), high
     // enough that the run does not turn into a queue for quota.
     let rpm = [(calls / 4).max(20) as u32, (calls / 2).max(40) as u32, 0];
+    // ≈ 40 % of what the second source would otherwise receive per minute: it binds.
+    let tpm = [
+        0,
+        if sc.tpm {
+            (calls as u64 * 6).max(3_000)
+        } else {
+            0
+        },
+        0,
+    ];
+    let conc = [0, sc.concurrency.unwrap_or(0), 0];
     let mut v: Vec<(String, String)> = Vec::new();
     let mut put = |k: String, x: String| v.push((k, x));
     for (i, (p, weight, priced)) in SOURCES.iter().enumerate() {
@@ -1648,10 +1986,12 @@ fn env_vars(
             put(k("INPUT_PRICE"), PRICES.0.to_string());
             put(k("OUTPUT_PRICE"), PRICES.1.to_string());
         }
-        if i == 1 {
-            if let Some(c) = sc.concurrency {
-                put(k("MAX_CONCURRENCY"), c.to_string());
-            }
+        if conc[i] > 0 {
+            put(k("MAX_CONCURRENCY"), conc[i].to_string());
+        }
+        if tpm[i] > 0 {
+            put(k("TPM"), tpm[i].to_string());
+            put(k("EST_TOKENS"), TPM_EST.to_string());
         }
     }
     let s = |f: &str| format!("{scope}__{f}");
@@ -1689,7 +2029,15 @@ fn env_vars(
     if let Some(url) = sqlite {
         put(s("TELEMETRY__URL"), url.into());
     }
-    (v, rpm.to_vec(), scope_rpm)
+    (
+        v,
+        Limits {
+            rpm: rpm.to_vec(),
+            tpm: tpm.to_vec(),
+            conc: conc.to_vec(),
+            scope_rpm,
+        },
+    )
 }
 
 /// One caller's call `idx`, as the seed decides.
@@ -1767,6 +2115,16 @@ fn execute(sc: Scenario, size: size::Size) -> Option<Finished> {
     } else {
         None
     };
+    // The outage scenario's own redis-server (the shared one is never cut).
+    let own = if sc.outage {
+        Some(polygw_testkit::services::own_redis_server()?)
+    } else {
+        None
+    };
+    let redis = match &own {
+        Some(server) => Some(server.url()),
+        None => redis,
+    };
     let seed = size.seed
         ^ sc.name
             .bytes()
@@ -1780,7 +2138,7 @@ fn execute(sc: Scenario, size: size::Size) -> Option<Finished> {
         .expect("runtime");
     let bound = Duration::from_secs(120) + Duration::from_millis(60 * size.calls as u64);
     let replay = format!(
-        "replay: POLYGW_CHAOS_SEED={:#x} POLYGW_CHAOS_CALLS={} POLYGW_CHAOS_WORKERS={} cargo test -p polygw{} --test chaos {}",
+        "replay: POLYGW_CHAOS_SEED={:#x} POLYGW_CHAOS_CALLS={} POLYGW_CHAOS_WORKERS={} cargo test -p polygw{} --test chaos chaos_{}",
         size.seed,
         size.calls,
         size.workers,
@@ -1791,6 +2149,7 @@ fn execute(sc: Scenario, size: size::Size) -> Option<Finished> {
         tokio::time::timeout(bound, scenario(sc, size, seed, redis.as_deref())).await
     });
     rt.shutdown_timeout(Duration::from_secs(5));
+    drop(own);
     let (evidence, leftover) = match outcome {
         Ok(x) => x,
         Err(_) => panic!(
@@ -1865,8 +2224,8 @@ async fn scenario(
     let sqlite = sc
         .redis
         .then(|| format!("sqlite://{}", dir.path().join("chaos.db").display()));
-    let (vars, rpm, scope_rpm) =
-        env_vars(&sc, &scope, &mocks, size.calls, redis, sqlite.as_deref());
+    let (vars, limits) = env_vars(&sc, &scope, &mocks, size.calls, redis, sqlite.as_deref());
+    let scope_rpm = limits.scope_rpm;
     let loaded = polygw::core::config::load_scope(vars, &scope, polygw::ScopeKind::Chat)
         .unwrap_or_else(|e| panic!("chaos config: {e}"));
     assert!(loaded.warnings.is_empty(), "{:?}", loaded.warnings);
@@ -1878,6 +2237,16 @@ async fn scenario(
         .collect();
     let spy = spy::Spy::new();
     let recording = polygw_testkit::fakes::RecordingTelemetry::new();
+    // The outage scenario governs through a proxy this run slows and cuts.
+    let proxy = match (sc.outage, redis) {
+        (true, Some(url)) => {
+            let host_port = url.trim_start_matches("redis://").to_string();
+            Some(Arc::new(outage::Proxy::start(host_port).await))
+        }
+        _ => None,
+    };
+    let proxied = proxy.as_ref().map(|p| p.url());
+    let redis = proxied.as_deref().or(redis);
     let mut builder = GatewayClient::builder(loaded.settings)
         .transport(spy.clone())
         .rng(Arc::new(polygw::core::ports::SplitMix64::new(seed)));
@@ -1924,9 +2293,15 @@ async fn scenario(
                 // Like a real client, a caller told that nothing can be admitted waits a
                 // little (with ON_NO_RUNNABLE=fail the refusals would else come back in
                 // microseconds and spin through the run while breakers are open).
+                // The same after a governance backend failure (Redis unreachable): a
+                // client backs off instead of hammering a backend that is down.
                 let pause = matches!(
                     &r.result,
-                    CallResult::Err(e) if e.terminal_reason() == Some(polygw::TerminalReason::NoRunnableSource)
+                    CallResult::Err(e) if matches!(
+                        e.terminal_reason(),
+                        Some(polygw::TerminalReason::NoRunnableSource)
+                            | Some(polygw::TerminalReason::GovernanceBackend)
+                    )
                 );
                 records.lock().unwrap().push(r);
                 if pause {
@@ -1935,6 +2310,9 @@ async fn scenario(
             }
         });
     }
+    let sabotage = proxy
+        .clone()
+        .map(|p| tokio::spawn(outage::saboteur(p, next.clone(), size.calls)));
     let mut worker_panics = Vec::new();
     while let Some(r) = workers.join_next().await {
         if let Err(e) = r {
@@ -1942,6 +2320,13 @@ async fn scenario(
         }
     }
     let elapsed = started.elapsed();
+    let (outages, recovered_from) = match sabotage {
+        Some(h) => {
+            let (log, from) = h.await.expect("saboteur");
+            (log, Some(from))
+        }
+        None => (Vec::new(), None),
+    };
     let _ = stop_tx.send(true);
     let mut phases: BTreeMap<&'static str, usize> = BTreeMap::new();
     for c in conductors {
@@ -1952,6 +2337,15 @@ async fn scenario(
 
     // Evidence.
     let flush = client.shutdown().await;
+    let (governance_flush, settlements_dropped) = match &counting {
+        Some((l, _)) => (
+            polygw::core::ports::RateLimiter::flush(l.as_ref())
+                .await
+                .map_err(|e| e.to_string()),
+            polygw::core::ports::RateLimiter::settlements_dropped(l.as_ref()),
+        ),
+        None => (Ok(()), 0),
+    };
     let mut in_flight = Vec::new();
     for s in &source_names {
         in_flight.push((
@@ -1970,7 +2364,9 @@ async fn scenario(
         sources.push(SourceEvidence {
             name: source_names[i].clone(),
             model: format!("model-{}", SOURCES[i].0.to_lowercase()),
-            rpm: rpm[i],
+            rpm: limits.rpm[i],
+            tpm: limits.tpm[i],
+            conc: limits.conc[i],
             priced: SOURCES[i].2,
             requests: log,
         });
@@ -2005,6 +2401,10 @@ async fn scenario(
             .map(|(l, _)| l.dropped())
             .unwrap_or_default(),
         flush,
+        governance_flush,
+        settlements_dropped,
+        outages,
+        recovered_from,
         not_ended,
         phases,
         elapsed,
@@ -2013,6 +2413,10 @@ async fn scenario(
     // Teardown: nothing of the run may stay alive.
     drop(client);
     drop(counting);
+    if let Some(p) = proxy {
+        p.shutdown();
+        drop(p);
+    }
     drop(spy);
     drop(recording);
     for m in mocks {
@@ -2042,8 +2446,8 @@ async fn scenario(
 
 /// The checks are not vacuous: a small real run passes them, and each way of
 /// tampering with its evidence (a lost or doubled row, a wrong label, token or cost, a
-/// changed answer, a missing or extra terminal row, an over-admitted window, a slot
-/// left in flight) is caught.
+/// changed answer, a missing or extra terminal row, an over-admitted window, TPM or
+/// concurrency, a slot left in flight) is caught.
 #[test]
 fn checks_catch_tampered_evidence() {
     let sc = Scenario {
@@ -2053,7 +2457,9 @@ fn checks_catch_tampered_evidence() {
         deadline: true,
         scope_rpm: false,
         fail_fast: false,
-        concurrency: None,
+        concurrency: Some(4),
+        tpm: true,
+        outage: false,
     };
     let size = size::Size {
         calls: 250,
@@ -2165,6 +2571,14 @@ fn checks_catch_tampered_evidence() {
     e.in_flight[0].1 = Ok(1);
     cases.push(("a slot left in flight", e, "in-flight after the run"));
 
+    let mut e = ev.clone();
+    e.sources[1].tpm = 100;
+    cases.push(("an over-admitted TPM", e, "TPM is"));
+
+    let mut e = ev.clone();
+    e.sources[1].conc = 1;
+    cases.push(("an over-admitted MAX_CONCURRENCY", e, "MAX_CONCURRENCY is"));
+
     for (what, e, needle) in cases {
         let (v, _) = checks::run(&e);
         assert!(
@@ -2185,6 +2599,8 @@ fn chaos_memory_unhedged() {
         scope_rpm: false,
         fail_fast: false,
         concurrency: None,
+        tpm: true,
+        outage: false,
     });
 }
 
@@ -2197,7 +2613,9 @@ fn chaos_memory_hedged() {
         deadline: false,
         scope_rpm: true,
         fail_fast: true,
-        concurrency: None,
+        concurrency: Some(6),
+        tpm: false,
+        outage: false,
     });
 }
 
@@ -2211,6 +2629,8 @@ fn chaos_redis_unhedged() {
         scope_rpm: false,
         fail_fast: false,
         concurrency: Some(6),
+        tpm: false,
+        outage: false,
     });
 }
 
@@ -2224,6 +2644,27 @@ fn chaos_redis_hedged() {
         scope_rpm: true,
         fail_fast: false,
         concurrency: None,
+        tpm: true,
+        outage: false,
+    });
+}
+
+/// Redis outages and latency spikes in the middle of a run (SPEC §14.5, §4.1 fail
+/// closed): an own redis-server behind a proxy that this run slows (below and above the
+/// operation timeout) and cuts, then restores. Calls fail closed (`governance_backend`)
+/// meanwhile, succeed again afterwards, and nothing stays held once it is back.
+#[test]
+fn chaos_redis_outage() {
+    run(Scenario {
+        name: "redis_outage",
+        redis: true,
+        hedge: Some((1, 50)),
+        deadline: true,
+        scope_rpm: false,
+        fail_fast: false,
+        concurrency: Some(6),
+        tpm: true,
+        outage: true,
     });
 }
 

@@ -5,7 +5,6 @@
 use std::collections::BTreeSet;
 use std::time::Duration;
 
-use crate::error::RefusalReason;
 use crate::ports::limiter::Refusal;
 use crate::ports::Rng;
 use crate::settings::OnNoRunnable;
@@ -101,16 +100,22 @@ pub enum NoRunnable {
     Fail,
 }
 
-/// Poll interval for refusals without a time hint (concurrency without a lease end).
-pub const DEFAULT_POLL: Duration = Duration::from_millis(50);
+/// Wait for a refusal that passes with time but carries no hint (no backend refuses so:
+/// every such refusal has one; this only bounds the case).
+pub const NO_HINT_WAIT: Duration = Duration::from_secs(1);
 
-/// SPEC §4.1: with `wait` and at least one refusal that passes with time, wait until
-/// the earliest hint; otherwise fail.
+/// The most jitter added to a hint.
+pub const MAX_JITTER: Duration = Duration::from_secs(1);
+
+/// SPEC §4.1, §14.6: with `wait` and at least one refusal that passes with time, wait
+/// until the earliest hint — the earliest time a refusal can clear: the window expiry of
+/// the oldest entries (RPM, TPM), the earliest lease end (concurrency), the end of a
+/// cooldown or open period (breakers); otherwise fail.
 ///
-/// Concurrency and token refusals pass as soon as another call releases its slot or
-/// settles below its reservation, which no hint can predict (their hints are upper
-/// bounds: a lease end, the window's age): they are looked at again after at most
-/// [`DEFAULT_POLL`] (the engine also wakes early when a permit of its own frees).
+/// A hint is when the refusal clears if nothing else happens. Slots and tokens may clear
+/// sooner (a release, a settlement below the reservation): within the process the engine
+/// wakes one waiter for each slot an attempt frees, so the hint only bounds how long a
+/// waiter misses what other processes free.
 pub fn on_no_runnable(refusals: &[(String, Refusal)], policy: OnNoRunnable) -> NoRunnable {
     if policy == OnNoRunnable::Fail {
         return NoRunnable::Fail;
@@ -118,20 +123,26 @@ pub fn on_no_runnable(refusals: &[(String, Refusal)], policy: OnNoRunnable) -> N
     refusals
         .iter()
         .filter(|(_, r)| r.reason.passes_with_time())
-        .map(|(_, r)| match r.reason {
-            RefusalReason::Concurrency | RefusalReason::Tpm | RefusalReason::ScopeTpm => {
-                r.retry_after.map_or(DEFAULT_POLL, |h| h.min(DEFAULT_POLL))
-            }
-            _ => r.retry_after.unwrap_or(DEFAULT_POLL),
-        })
+        .map(|(_, r)| r.retry_after.unwrap_or(NO_HINT_WAIT))
         .min()
         .map(|d| NoRunnable::Wait(d.max(Duration::from_millis(1))))
         .unwrap_or(NoRunnable::Fail)
 }
 
+/// The wait before looking again after a hint: the hint plus a jitter of up to a tenth of
+/// it (at least 1 ms, at most [`MAX_JITTER`]), so the calls waiting on one hint do not all
+/// come back in the same instant. Never shorter than the hint: a refusal does not clear
+/// before it.
+pub fn jittered(hint: Duration, rng: &dyn Rng) -> Duration {
+    let spread = (hint / 10).clamp(Duration::from_millis(1), MAX_JITTER);
+    let us = u64::try_from(spread.as_micros()).unwrap_or(u64::MAX);
+    hint + Duration::from_micros(rng.below(us + 1))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::error::RefusalReason;
     use crate::ports::SplitMix64;
 
     fn src(name: &str, prio: u32, weight: u32) -> SourceConfig {
@@ -245,27 +256,45 @@ mod tests {
         let conc = vec![("a".to_string(), r(RefusalReason::Concurrency, None))];
         assert_eq!(
             on_no_runnable(&conc, OnNoRunnable::Wait),
-            NoRunnable::Wait(DEFAULT_POLL)
+            NoRunnable::Wait(NO_HINT_WAIT)
         );
-        // A lease end or a window age is only an upper bound for slots and tokens.
+        // SPEC §14.6: every reason waits for its hint — no fixed polling (slots and
+        // tokens freed in the process wake a waiter sooner).
         for reason in [
             RefusalReason::Concurrency,
             RefusalReason::Tpm,
             RefusalReason::ScopeTpm,
+            RefusalReason::Rpm,
+            RefusalReason::ScopeRpm,
+            RefusalReason::Cooldown,
+            RefusalReason::CircuitOpen,
         ] {
             let long = vec![("a".to_string(), r(reason, Some(60_000)))];
             assert_eq!(
                 on_no_runnable(&long, OnNoRunnable::Wait),
-                NoRunnable::Wait(DEFAULT_POLL),
+                NoRunnable::Wait(Duration::from_secs(60)),
                 "{reason}"
             );
         }
-        // RPM, cooldown and open breakers pass exactly at their hint.
-        let rpm = vec![("a".to_string(), r(RefusalReason::Rpm, Some(30_000)))];
-        assert_eq!(
-            on_no_runnable(&rpm, OnNoRunnable::Wait),
-            NoRunnable::Wait(Duration::from_secs(30))
-        );
         assert_eq!(on_no_runnable(&[], OnNoRunnable::Wait), NoRunnable::Fail);
+    }
+
+    #[test]
+    fn jitter_stays_within_a_tenth_of_the_hint() {
+        let rng = SplitMix64::new(7);
+        let mut seen = std::collections::BTreeSet::new();
+        for _ in 0..2000 {
+            let w = jittered(Duration::from_secs(20), &rng);
+            assert!(
+                w >= Duration::from_secs(20) && w <= Duration::from_secs(21),
+                "{w:?}"
+            );
+            seen.insert(w.as_millis());
+        }
+        assert!(seen.len() > 500, "spread: {}", seen.len());
+        let w = jittered(Duration::from_millis(3), &rng);
+        assert!(w >= Duration::from_millis(3) && w <= Duration::from_millis(4));
+        let w = jittered(Duration::from_secs(3600), &rng);
+        assert!(w <= Duration::from_secs(3601));
     }
 }

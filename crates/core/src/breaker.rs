@@ -5,7 +5,16 @@
 //! - `BREAKER__FAILURES` consecutive breaker-feeding failures open the breaker for
 //!   `OPEN_S`; each re-open (a failed half-open probe) doubles it, up to 10×.
 //! - After the open time, half-open admits one probe; its success closes the breaker.
-//! - 429 sets a cooldown; 401/403/404 make the source dead for `DEAD_S`.
+//! - 429 sets a cooldown; 401/403/404 make the source dead for `DEAD_S`; nothing but the
+//!   end of that period revives a dead source.
+//!
+//! **Epochs** (SPEC §14.7): every change of breaker state (a trip, a re-open, a probe
+//! granted, a close) starts a new epoch. An admission carries the epoch it was admitted
+//! under and its outcome counts for the breaker only in that epoch: a success of an
+//! attempt admitted before a trip does not close the breaker, a failure of one admitted
+//! before a close does not count against the closed breaker, a stale probe's outcome
+//! neither closes, re-opens nor frees the current probe. Cooldowns (429) and dead periods
+//! (401/403/404) are facts about the source and apply whatever the epoch.
 
 use std::time::Duration;
 
@@ -56,6 +65,8 @@ pub enum BreakerAdmit {
     Allowed {
         /// This attempt is the one half-open probe.
         probe: bool,
+        /// The breaker epoch the attempt is admitted under: pass it to `record`.
+        epoch: u64,
     },
     /// No.
     Refused {
@@ -81,6 +92,8 @@ pub struct BreakerState {
     pub dead_until: u64,
     /// Cooling down after a 429 until this time (ms).
     pub cooldown_until: u64,
+    /// The breaker epoch: bumped on every trip, re-open, probe grant and close.
+    pub epoch: u64,
 }
 
 impl BreakerState {
@@ -105,7 +118,10 @@ impl BreakerState {
             };
         }
         if self.open_until == 0 {
-            return BreakerAdmit::Allowed { probe: false };
+            return BreakerAdmit::Allowed {
+                probe: false,
+                epoch: self.epoch,
+            };
         }
         if self.open_until > now {
             return BreakerAdmit::Refused {
@@ -121,40 +137,74 @@ impl BreakerState {
             };
         }
         self.probe_until = now.saturating_add(probe_lease_ms.max(1));
-        BreakerAdmit::Allowed { probe: true }
+        self.epoch += 1;
+        BreakerAdmit::Allowed {
+            probe: true,
+            epoch: self.epoch,
+        }
     }
 
-    /// Records an attempt's end.
-    pub fn record(&mut self, now: u64, outcome: BreakerOutcome, probe: bool, s: &BreakerSettings) {
-        if probe {
+    /// Records the end of an attempt admitted under `epoch` (`probe`: it was the
+    /// half-open probe). Success and failure count only when `epoch` is the current one.
+    pub fn record(
+        &mut self,
+        now: u64,
+        outcome: BreakerOutcome,
+        epoch: u64,
+        probe: bool,
+        s: &BreakerSettings,
+    ) {
+        let current = epoch == self.epoch;
+        if probe && current {
             self.probe_until = 0;
         }
         match outcome {
-            BreakerOutcome::Success => {
-                *self = BreakerState {
-                    dead_until: 0,
-                    cooldown_until: self.cooldown_until,
-                    ..BreakerState::default()
-                };
+            BreakerOutcome::Success if current => {
+                if self.open_until > 0 {
+                    self.epoch += 1;
+                }
+                self.consecutive_failures = 0;
+                self.open_until = 0;
+                self.reopens = 0;
+                self.probe_until = 0;
             }
-            BreakerOutcome::Failure => {
+            BreakerOutcome::Failure if current => {
                 self.consecutive_failures = self.consecutive_failures.saturating_add(1);
                 let half_open = self.open_until > 0 && self.open_until <= now;
                 if probe && half_open {
                     self.reopens = self.reopens.saturating_add(1);
                     self.open_until = now + open_ms(s, self.reopens);
+                    self.epoch += 1;
                 } else if self.open_until == 0 && self.consecutive_failures >= s.failures {
                     self.open_until = now + open_ms(s, self.reopens);
+                    self.epoch += 1;
                 }
             }
-            BreakerOutcome::Neutral => {}
+            BreakerOutcome::Success | BreakerOutcome::Failure | BreakerOutcome::Neutral => {}
             BreakerOutcome::Dead => {
-                self.dead_until = now + s.dead.as_millis() as u64;
+                self.dead_until = self
+                    .dead_until
+                    .max(now.saturating_add(s.dead.as_millis() as u64));
             }
             BreakerOutcome::RateLimited { cooldown_ms } => {
                 self.cooldown_until = self.cooldown_until.max(now + cooldown_ms);
             }
         }
+    }
+}
+
+impl BreakerState {
+    /// The heartbeat of a half-open probe admitted under `epoch`: extends its lease to
+    /// `now + lease_ms` if it is still the current probe and its lease has not ended.
+    pub fn renew_probe(&mut self, now: u64, epoch: u64, lease_ms: u64) {
+        if epoch == self.epoch && self.probe_until > now {
+            self.probe_until = self.probe_until.max(now.saturating_add(lease_ms.max(1)));
+        }
+    }
+
+    /// Whether the state is the initial one (nothing to remember).
+    pub fn is_initial(&self) -> bool {
+        *self == BreakerState::default()
     }
 }
 
@@ -181,7 +231,7 @@ mod tests {
 
     fn allowed(a: BreakerAdmit) -> Option<bool> {
         match a {
-            BreakerAdmit::Allowed { probe } => Some(probe),
+            BreakerAdmit::Allowed { probe, .. } => Some(probe),
             BreakerAdmit::Refused { .. } => None,
         }
     }
@@ -191,10 +241,10 @@ mod tests {
         let s = settings();
         let mut b = BreakerState::default();
         for t in 0..2 {
-            b.record(t, BreakerOutcome::Failure, false, &s);
+            b.record(t, BreakerOutcome::Failure, b.epoch, false, &s);
             assert_eq!(allowed(b.admit(t, 1000)), Some(false));
         }
-        b.record(2, BreakerOutcome::Failure, false, &s);
+        b.record(2, BreakerOutcome::Failure, b.epoch, false, &s);
         assert_eq!(
             b.admit(3, 1000),
             BreakerAdmit::Refused {
@@ -205,9 +255,16 @@ mod tests {
         // half-open: exactly one probe
         assert_eq!(allowed(b.admit(30_002, 1000)), Some(true));
         assert!(allowed(b.admit(30_003, 1000)).is_none());
-        b.record(30_010, BreakerOutcome::Success, true, &s);
+        b.record(30_010, BreakerOutcome::Success, b.epoch, true, &s);
         assert_eq!(allowed(b.admit(30_011, 1000)), Some(false));
-        assert_eq!(b, BreakerState::default());
+        // closed, nothing remembered but the epoch (trip, probe, close)
+        assert_eq!(
+            b,
+            BreakerState {
+                epoch: 3,
+                ..BreakerState::default()
+            }
+        );
     }
 
     #[test]
@@ -215,13 +272,13 @@ mod tests {
         let s = settings();
         let mut b = BreakerState::default();
         for _ in 0..3 {
-            b.record(0, BreakerOutcome::Failure, false, &s);
+            b.record(0, BreakerOutcome::Failure, b.epoch, false, &s);
         }
         let mut now = 30_000;
         let mut opens = vec![];
         for _ in 0..6 {
             assert_eq!(allowed(b.admit(now, 1000)), Some(true));
-            b.record(now, BreakerOutcome::Failure, true, &s);
+            b.record(now, BreakerOutcome::Failure, b.epoch, true, &s);
             opens.push((b.open_until - now) / 1000);
             now = b.open_until;
         }
@@ -233,10 +290,10 @@ mod tests {
         let s = settings();
         let mut b = BreakerState::default();
         for _ in 0..3 {
-            b.record(0, BreakerOutcome::Failure, false, &s);
+            b.record(0, BreakerOutcome::Failure, b.epoch, false, &s);
         }
         assert_eq!(allowed(b.admit(30_000, 1000)), Some(true));
-        b.record(30_001, BreakerOutcome::Neutral, true, &s);
+        b.record(30_001, BreakerOutcome::Neutral, b.epoch, true, &s);
         assert_eq!(allowed(b.admit(30_002, 1000)), Some(true));
     }
 
@@ -245,7 +302,7 @@ mod tests {
         let s = settings();
         let mut b = BreakerState::default();
         for _ in 0..3 {
-            b.record(0, BreakerOutcome::Failure, false, &s);
+            b.record(0, BreakerOutcome::Failure, b.epoch, false, &s);
         }
         assert_eq!(allowed(b.admit(30_000, 1000)), Some(true));
         assert!(allowed(b.admit(30_999, 1000)).is_none());
@@ -259,6 +316,7 @@ mod tests {
         b.record(
             0,
             BreakerOutcome::RateLimited { cooldown_ms: 5000 },
+            b.epoch,
             false,
             &s,
         );
@@ -271,7 +329,7 @@ mod tests {
         );
         assert_eq!(allowed(b.admit(5000, 1)), Some(false));
         assert_eq!(b.consecutive_failures, 0, "429 does not feed the breaker");
-        b.record(6000, BreakerOutcome::Dead, false, &s);
+        b.record(6000, BreakerOutcome::Dead, b.epoch, false, &s);
         assert_eq!(
             b.admit(6000, 1),
             BreakerAdmit::Refused {
@@ -311,11 +369,108 @@ mod tests {
     fn success_resets_consecutive_count() {
         let s = settings();
         let mut b = BreakerState::default();
-        b.record(0, BreakerOutcome::Failure, false, &s);
-        b.record(0, BreakerOutcome::Failure, false, &s);
-        b.record(0, BreakerOutcome::Success, false, &s);
-        b.record(0, BreakerOutcome::Failure, false, &s);
+        b.record(0, BreakerOutcome::Failure, b.epoch, false, &s);
+        b.record(0, BreakerOutcome::Failure, b.epoch, false, &s);
+        b.record(0, BreakerOutcome::Success, b.epoch, false, &s);
+        b.record(0, BreakerOutcome::Failure, b.epoch, false, &s);
         assert_eq!(allowed(b.admit(1, 1)), Some(false));
         assert_eq!(b.consecutive_failures, 1);
+    }
+
+    fn epoch(a: BreakerAdmit) -> u64 {
+        match a {
+            BreakerAdmit::Allowed { epoch, .. } => epoch,
+            BreakerAdmit::Refused { .. } => panic!("refused: {a:?}"),
+        }
+    }
+
+    /// SPEC §14.7: a success of an attempt admitted before a trip does not close the
+    /// breaker; a stale failure does not count against a breaker closed since.
+    #[test]
+    fn outcomes_count_only_in_their_epoch() {
+        let s = settings();
+        let mut b = BreakerState::default();
+        let before = epoch(b.admit(0, 1000));
+        for _ in 0..3 {
+            b.record(1, BreakerOutcome::Failure, b.epoch, false, &s);
+        }
+        assert!(b.is_tripped());
+        b.record(2, BreakerOutcome::Success, before, false, &s);
+        assert!(
+            b.is_tripped(),
+            "a success from before the trip does not close it"
+        );
+        assert!(allowed(b.admit(3, 1000)).is_none());
+        // the probe closes it
+        let probe = epoch(b.admit(30_001, 1000));
+        b.record(30_002, BreakerOutcome::Success, probe, true, &s);
+        assert!(!b.is_tripped());
+        // failures of attempts admitted before the close do not count
+        for _ in 0..5 {
+            b.record(30_003, BreakerOutcome::Failure, before, false, &s);
+        }
+        assert_eq!(b.consecutive_failures, 0);
+        assert_eq!(allowed(b.admit(30_004, 1000)), Some(false));
+    }
+
+    /// A stale probe (its lease ended, another was granted) neither closes the breaker
+    /// nor frees the current probe.
+    #[test]
+    fn a_stale_probe_changes_nothing() {
+        let s = settings();
+        let mut b = BreakerState::default();
+        for _ in 0..3 {
+            b.record(0, BreakerOutcome::Failure, b.epoch, false, &s);
+        }
+        let old = epoch(b.admit(30_000, 1000));
+        let new = epoch(b.admit(31_000, 1000));
+        assert!(new > old);
+        b.record(31_001, BreakerOutcome::Neutral, old, true, &s);
+        assert!(
+            allowed(b.admit(31_002, 1000)).is_none(),
+            "the new probe is out"
+        );
+        b.record(31_003, BreakerOutcome::Success, old, true, &s);
+        assert!(b.is_tripped());
+        b.record(31_004, BreakerOutcome::Failure, old, true, &s);
+        assert_eq!(b.reopens, 0);
+        b.record(31_005, BreakerOutcome::Neutral, new, true, &s);
+        assert_eq!(allowed(b.admit(31_006, 1000)), Some(true));
+    }
+
+    /// Nothing but the dead period ending revives a dead source (a success in flight
+    /// when the key was revoked used to bring it back at once).
+    #[test]
+    fn only_time_revives_a_dead_source() {
+        let s = settings();
+        let mut b = BreakerState::default();
+        let e = epoch(b.admit(0, 1000));
+        b.record(10, BreakerOutcome::Dead, e, false, &s);
+        b.record(20, BreakerOutcome::Success, e, false, &s);
+        assert_eq!(
+            b.admit(30, 1000),
+            BreakerAdmit::Refused {
+                reason: RefusalReason::Dead,
+                retry_after_ms: 300_000 - 20
+            }
+        );
+        assert_eq!(allowed(b.admit(300_010, 1000)), Some(false));
+    }
+
+    #[test]
+    fn probe_heartbeat_keeps_the_probe() {
+        let s = settings();
+        let mut b = BreakerState::default();
+        for _ in 0..3 {
+            b.record(0, BreakerOutcome::Failure, b.epoch, false, &s);
+        }
+        let p = epoch(b.admit(30_000, 1000));
+        for t in (30_500..35_000).step_by(500) {
+            b.renew_probe(t, p, 1000);
+            assert!(allowed(b.admit(t + 1, 1000)).is_none());
+        }
+        // its heartbeat stopped: the lease ends, and a late renewal does not revive it
+        b.renew_probe(36_000, p, 1000);
+        assert_eq!(allowed(b.admit(36_001, 1000)), Some(true));
     }
 }

@@ -79,6 +79,30 @@ pub fn redact_url(raw: &str) -> String {
             }
             u.to_string()
         }
+        // A multi-host URL (Redis Cluster seeds): hide the password and the query.
+        Err(_)
+            if raw
+                .split_once("://")
+                .is_some_and(|(s, _)| s.ends_with("+cluster")) =>
+        {
+            let (scheme, rest) = raw.split_once("://").unwrap_or_default();
+            let (userinfo, rest) = match rest.rsplit_once('@') {
+                Some((u, r)) => (Some(u), r),
+                None => (None, rest),
+            };
+            let (rest, query) = match rest.split_once('?') {
+                Some((r, _)) => (r, format!("?{REDACTED}")),
+                None => (rest, String::new()),
+            };
+            let user = match userinfo {
+                Some(u) => match u.split_once(':') {
+                    Some((name, _)) => format!("{name}:{REDACTED}@"),
+                    None => format!("{u}@"),
+                },
+                None => String::new(),
+            };
+            format!("{scheme}://{user}{rest}{query}")
+        }
         // Not a URL: print nothing of it that could be a credential.
         Err(_) => match raw.split_once("://") {
             Some((scheme, _)) => format!("{scheme}://{REDACTED}"),
@@ -102,6 +126,22 @@ mod tests {
         );
         assert_eq!(s.expose(), "sk-very-secret");
         assert_eq!(format!("{:?}", Secret::default()), "\"\"");
+    }
+
+    #[test]
+    fn cluster_urls_lose_passwords() {
+        assert_eq!(
+            redact_url("redis+cluster://u:hunter2@h1:7001,h2:7002/0?x=secret"),
+            format!("redis+cluster://u:{REDACTED}@h1:7001,h2:7002/0?{REDACTED}")
+        );
+        assert_eq!(
+            redact_url("rediss+cluster://:pw@h1:7001,h2:7002"),
+            format!("rediss+cluster://:{REDACTED}@h1:7001,h2:7002")
+        );
+        assert_eq!(
+            redact_url("redis+cluster://h1:7001,h2:7002"),
+            "redis+cluster://h1:7001,h2:7002"
+        );
     }
 
     #[test]

@@ -89,13 +89,31 @@ impl Default for RetrySettings {
     }
 }
 
+/// The default lease of an in-flight slot, a reservation and a half-open probe.
+pub const DEFAULT_LEASE: Duration = Duration::from_secs(30);
+
 /// `{S}__LIMITS__*`: scope-wide limits on top of each source's.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
 pub struct ScopeLimits {
     /// Scope requests per rolling 60 s; 0 = unlimited.
     pub rpm: u32,
     /// Scope tokens per rolling 60 s; 0 = unlimited.
     pub tpm: u64,
+    /// Lease of in-flight slots, reservations and half-open probes (SPEC §14.4): renewed
+    /// every third of it while the attempt is alive; a crashed process's slots free
+    /// within one lease.
+    #[serde(with = "crate::durations::secs")]
+    pub lease: Duration,
+}
+
+impl Default for ScopeLimits {
+    fn default() -> Self {
+        ScopeLimits {
+            rpm: 0,
+            tpm: 0,
+            lease: DEFAULT_LEASE,
+        }
+    }
 }
 
 /// `{S}__BREAKER__*`.
@@ -243,9 +261,13 @@ pub struct ScopeSettings {
     /// `sqlite://path.db` or `postgres://…`; `None` = telemetry off.
     #[serde(serialize_with = "ser_opt_url")]
     pub telemetry_url: Option<Secret>,
-    /// Redis URL for limiter + breaker; `None` = in-memory governance.
+    /// Redis URL for limiter + breaker (`redis://`, `rediss://`, `redis+cluster://`,
+    /// `rediss+cluster://`); `None` = in-memory governance.
     #[serde(serialize_with = "ser_opt_url")]
     pub redis_url: Option<Secret>,
+    /// `{S}__TLS__CA_FILE`: a PEM file of the CA certificates the scope's TLS connections
+    /// to Redis trust instead of the system's roots (a private CA).
+    pub tls_ca_file: Option<String>,
     /// Extra model names that select this scope in `polygw serve`.
     pub model_aliases: Vec<String>,
     /// Structured-output re-asks.
@@ -269,6 +291,7 @@ impl ScopeSettings {
             cache: CacheSettings::default(),
             telemetry_url: None,
             redis_url: None,
+            tls_ca_file: None,
             model_aliases: Vec::new(),
             max_reasks: DEFAULT_MAX_REASKS,
             ocr_prompt: DEFAULT_OCR_PROMPT.to_string(),

@@ -1,12 +1,26 @@
-//! The limiter's semantics as a pure model on millisecond timestamps (SPEC §4.2):
-//! rolling 60 s windows of requests and tokens per source and per scope, and leased
-//! in-flight slots. The memory backend runs it as is; the Redis Lua scripts mirror it;
-//! the contract suite and the proptests use it as the reference.
+//! The limiter's semantics as a pure model on millisecond timestamps (SPEC §4.2, §14.3,
+//! §14.4): rolling 60 s windows of requests and tokens per source and per scope, and
+//! leased in-flight slots. The memory backend runs it as is; the Redis Lua scripts mirror
+//! it; the contract suite and the proptests use it as the reference.
 //!
-//! An entry admitted at `t` counts in every window `(now − 60 s, now]` with `now < t + 60 s`.
-//! Settlement replaces a reservation's tokens in place (its timestamp is kept).
+//! - **Requests** (RPM): a request admitted at `t` counts in every window with
+//!   `now < t + 60 s`.
+//! - **Tokens** (TPM): an admission reserves its estimate. The reservation counts from
+//!   admission until it is settled, however long the call takes; settled, it becomes the
+//!   settled amount, counted from the settlement time for the next 60 s. A reservation is a
+//!   lease: renewed while its holder is alive ([`WindowLimiter::renew`], the heartbeat),
+//!   and if it is never settled it is taken as settled at its estimate when the lease ends
+//!   (a crashed holder's tokens were probably billed), so it counts until lease end + 60 s.
+//! - **Slots** (concurrency): an admission takes an in-flight slot until it is released
+//!   or its lease ends; the heartbeat renews live leases. A lease that ended is never
+//!   revived by a late renewal (its slot may have been given to someone else).
+//!
+//! Time never goes backwards inside the model: every operation first raises its clock to
+//! the latest `now` it has seen, so callers reading a clock outside a lock cannot create
+//! out-of-order entries.
 
-use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet, VecDeque};
+use std::time::Duration;
 
 use crate::error::RefusalReason;
 use crate::ports::limiter::{AcquireRequest, Refusal};
@@ -14,68 +28,154 @@ use crate::ports::limiter::{AcquireRequest, Refusal};
 /// Length of the rolling window.
 pub const WINDOW_MS: u64 = 60_000;
 
+/// The requests of one window (RPM), in admission order.
 #[derive(Debug, Default, Clone)]
-struct Ledger {
-    /// (permit id, admitted at, tokens), in admission order.
-    entries: VecDeque<(u64, u64, u64)>,
-    tokens: u64,
+struct Requests {
+    /// Admission times, non-decreasing (the model's clock never goes back).
+    at: VecDeque<u64>,
 }
 
-impl Ledger {
+impl Requests {
     fn prune(&mut self, now: u64) {
-        while let Some(&(_, at, tokens)) = self.entries.front() {
-            if at + WINDOW_MS <= now {
-                self.entries.pop_front();
-                self.tokens -= tokens;
-            } else {
-                break;
-            }
+        while self.at.front().is_some_and(|&t| t + WINDOW_MS <= now) {
+            self.at.pop_front();
         }
     }
 
-    fn requests(&self) -> u64 {
-        self.entries.len() as u64
+    fn count(&self) -> u64 {
+        self.at.len() as u64
     }
 
     /// ms until `count - limit + 1` requests have left the window.
-    fn rpm_hint(&self, now: u64, limit: u64) -> Option<u64> {
-        let need = (self.requests() + 1).checked_sub(limit)?;
-        let idx = need.checked_sub(1)? as usize;
-        self.entries
+    fn hint(&self, now: u64, limit: u64) -> Option<u64> {
+        let idx = (self.count() + 1).checked_sub(limit)?.checked_sub(1)? as usize;
+        self.at
             .get(idx)
-            .map(|&(_, at, _)| at + WINDOW_MS - now)
+            .map(|&t| (t + WINDOW_MS).saturating_sub(now).max(1))
+    }
+}
+
+/// The tokens of one window (TPM): reservations (until settled or their lease ends, then
+/// one more window) and settlements (one window from settlement).
+#[derive(Debug, Default, Clone)]
+struct Tokens {
+    /// Unsettled reservations: id → (lease end, tokens).
+    reserved: HashMap<u64, (u64, u64)>,
+    /// (lease end, id) of the reservations: they count until lease end + window.
+    reserved_by_end: BTreeSet<(u64, u64)>,
+    /// (settled at, id) → tokens: they count until settled at + window.
+    settled: BTreeMap<(u64, u64), u64>,
+    total: u64,
+}
+
+impl Tokens {
+    fn prune(&mut self, now: u64) {
+        while let Some(&(end, id)) = self.reserved_by_end.first() {
+            if end + WINDOW_MS > now {
+                break;
+            }
+            self.reserved_by_end.pop_first();
+            if let Some((_, t)) = self.reserved.remove(&id) {
+                self.total -= t;
+            }
+        }
+        while let Some(entry) = self.settled.first_entry() {
+            if entry.key().0 + WINDOW_MS > now {
+                break;
+            }
+            self.total -= entry.remove();
+        }
     }
 
-    /// ms until `tokens + est ≤ limit`, if that can ever happen.
-    fn tpm_hint(&self, now: u64, limit: u64, est: u64) -> Option<u64> {
+    fn reserve(&mut self, id: u64, end: u64, tokens: u64) {
+        self.reserved.insert(id, (end, tokens));
+        self.reserved_by_end.insert((end, id));
+        self.total += tokens;
+    }
+
+    /// Settles a reservation still in the window: it counts `tokens` from `now`.
+    fn settle(&mut self, now: u64, id: u64, tokens: u64) {
+        if let Some((end, old)) = self.reserved.remove(&id) {
+            self.reserved_by_end.remove(&(end, id));
+            self.total = self.total - old + tokens;
+            self.settled.insert((now, id), tokens);
+        }
+    }
+
+    /// Extends a reservation whose lease has not ended.
+    fn renew(&mut self, now: u64, id: u64, until: u64) {
+        if let Some((end, _)) = self.reserved.get_mut(&id) {
+            if *end > now && until > *end {
+                self.reserved_by_end.remove(&(*end, id));
+                *end = until;
+                self.reserved_by_end.insert((until, id));
+            }
+        }
+    }
+
+    /// ms until `total + est ≤ limit`, assuming nothing is settled meanwhile and no lease
+    /// is renewed (so an upper bound while reservations are alive), if that can happen.
+    fn hint(&self, now: u64, limit: u64, est: u64) -> Option<u64> {
         if est > limit {
             return None;
         }
-        let mut remaining = self.tokens;
-        for &(_, at, tokens) in &self.entries {
+        let mut res = self
+            .reserved_by_end
+            .iter()
+            .map(|&(end, id)| (end + WINDOW_MS, self.reserved[&id].1))
+            .peekable();
+        let mut set = self
+            .settled
+            .iter()
+            .map(|(&(at, _), &t)| (at + WINDOW_MS, t))
+            .peekable();
+        let mut remaining = self.total;
+        loop {
+            let next = match (res.peek(), set.peek()) {
+                (Some(a), Some(b)) if a.0 <= b.0 => res.next(),
+                (Some(_), Some(_)) => set.next(),
+                (Some(_), None) => res.next(),
+                (None, Some(_)) => set.next(),
+                (None, None) => return None,
+            };
+            let (expiry, tokens) = next?;
             remaining -= tokens;
             if remaining + est <= limit {
-                return Some(at + WINDOW_MS - now);
+                return Some(expiry.saturating_sub(now).max(1));
             }
         }
-        None
     }
 
-    fn settle(&mut self, id: u64, tokens: u64) -> bool {
-        if let Ok(i) = self.entries.binary_search_by_key(&id, |e| e.0) {
-            let e = &mut self.entries[i];
-            self.tokens = self.tokens - e.2 + tokens;
-            e.2 = tokens;
-            true
-        } else {
-            false
-        }
+    fn ids(&self) -> impl Iterator<Item = u64> + '_ {
+        self.reserved
+            .keys()
+            .copied()
+            .chain(self.settled.keys().map(|k| k.1))
+    }
+}
+
+#[derive(Debug, Default, Clone)]
+struct Window {
+    requests: Requests,
+    tokens: Tokens,
+}
+
+impl Window {
+    fn prune(&mut self, now: u64) {
+        self.requests.prune(now);
+        self.tokens.prune(now);
+    }
+
+    fn is_empty(&self) -> bool {
+        self.requests.at.is_empty()
+            && self.tokens.reserved.is_empty()
+            && self.tokens.settled.is_empty()
     }
 }
 
 #[derive(Debug, Default, Clone)]
 struct SourceState {
-    ledger: Ledger,
+    window: Window,
     /// permit id → lease end.
     in_flight: BTreeMap<u64, u64>,
 }
@@ -90,10 +190,16 @@ impl SourceState {
 #[derive(Debug, Default, Clone)]
 pub struct WindowLimiter {
     sources: HashMap<(String, String), SourceState>,
-    scopes: HashMap<String, Ledger>,
-    /// permit id → (scope, source), for settlements.
+    scopes: HashMap<String, Window>,
+    /// permit id → (scope, source), for settlements, releases and renewals.
     permits: HashMap<u64, (String, String)>,
     next_id: u64,
+    /// The latest time seen: the model's clock never goes back.
+    clock: u64,
+}
+
+fn lease_ms(lease: Duration) -> u64 {
+    u64::try_from(lease.as_millis()).unwrap_or(u64::MAX).max(1)
 }
 
 impl WindowLimiter {
@@ -102,74 +208,90 @@ impl WindowLimiter {
         Self::default()
     }
 
+    /// `now`, never earlier than a time already seen.
+    fn tick(&mut self, now: u64) -> u64 {
+        self.clock = self.clock.max(now);
+        self.clock
+    }
+
+    /// The model's current time (the latest `now` it has seen).
+    pub fn now(&self) -> u64 {
+        self.clock
+    }
+
     /// Admits or refuses one request at `now`. On admission returns the permit id.
     pub fn acquire(&mut self, now: u64, req: &AcquireRequest<'_>) -> Result<u64, Refusal> {
+        let now = self.tick(now);
         let key = (req.scope.to_string(), req.source.to_string());
         let src = self.sources.entry(key.clone()).or_default();
-        src.ledger.prune(now);
+        src.window.prune(now);
         let refuse = |reason, hint: Option<u64>| Refusal {
             reason,
-            retry_after: hint.map(std::time::Duration::from_millis),
+            retry_after: hint.map(Duration::from_millis),
         };
         if req.max_concurrency > 0 && src.in_flight.len() as u64 >= req.max_concurrency as u64 {
             src.prune_leases(now);
             if src.in_flight.len() as u64 >= req.max_concurrency as u64 {
-                // The earliest lease end is an upper bound; releases come sooner.
-                let hint = src.in_flight.values().min().map(|u| u - now);
+                // The earliest lease end: a release (or a renewal) may come sooner or later.
+                let hint = src.in_flight.values().min().map(|u| u.saturating_sub(now));
                 return Err(refuse(RefusalReason::Concurrency, hint));
             }
         }
-        if req.rpm > 0 && src.ledger.requests() >= req.rpm as u64 {
+        let w = &src.window;
+        if req.rpm > 0 && w.requests.count() >= req.rpm as u64 {
             return Err(refuse(
                 RefusalReason::Rpm,
-                src.ledger.rpm_hint(now, req.rpm as u64),
+                w.requests.hint(now, req.rpm as u64),
             ));
         }
-        if req.tpm > 0 && src.ledger.tokens + req.est_tokens > req.tpm {
+        if req.tpm > 0 && w.tokens.total + req.est_tokens > req.tpm {
             return Err(refuse(
                 RefusalReason::Tpm,
-                src.ledger.tpm_hint(now, req.tpm, req.est_tokens),
+                w.tokens.hint(now, req.tpm, req.est_tokens),
             ));
         }
         let scope = self.scopes.entry(req.scope.to_string()).or_default();
         scope.prune(now);
-        if req.scope_rpm > 0 && scope.requests() >= req.scope_rpm as u64 {
+        if req.scope_rpm > 0 && scope.requests.count() >= req.scope_rpm as u64 {
             return Err(refuse(
                 RefusalReason::ScopeRpm,
-                scope.rpm_hint(now, req.scope_rpm as u64),
+                scope.requests.hint(now, req.scope_rpm as u64),
             ));
         }
-        if req.scope_tpm > 0 && scope.tokens + req.est_tokens > req.scope_tpm {
+        if req.scope_tpm > 0 && scope.tokens.total + req.est_tokens > req.scope_tpm {
             return Err(refuse(
                 RefusalReason::ScopeTpm,
-                scope.tpm_hint(now, req.scope_tpm, req.est_tokens),
+                scope.tokens.hint(now, req.scope_tpm, req.est_tokens),
             ));
         }
         self.next_id += 1;
         let id = self.next_id;
-        scope.entries.push_back((id, now, req.est_tokens));
-        scope.tokens += req.est_tokens;
+        let end = now.saturating_add(lease_ms(req.lease));
+        scope.requests.at.push_back(now);
+        scope.tokens.reserve(id, end, req.est_tokens);
         let src = self.sources.get_mut(&key).expect("inserted above");
-        src.ledger.entries.push_back((id, now, req.est_tokens));
-        src.ledger.tokens += req.est_tokens;
-        src.in_flight
-            .insert(id, now.saturating_add(req.lease.as_millis().max(1) as u64));
+        src.window.requests.at.push_back(now);
+        src.window.tokens.reserve(id, end, req.est_tokens);
+        src.in_flight.insert(id, end);
         self.permits.insert(id, key);
         Ok(id)
     }
 
-    /// Replaces permit `id`'s reservation by `tokens` (no-op once it left the window).
-    /// Idempotent for a given value; a second settle with another value overrides it,
-    /// so callers (the `Permit` type) settle once.
-    pub fn settle(&mut self, id: u64, tokens: u64) {
+    /// Settles permit `id` at `now`: its reservation becomes `tokens`, counted from now for
+    /// one window. Only the first settlement counts; a reservation that already left the
+    /// window (its lease ended a window ago) is not revived.
+    pub fn settle(&mut self, now: u64, id: u64, tokens: u64) {
+        let now = self.tick(now);
         let Some((scope, source)) = self.permits.get(&id).cloned() else {
             return;
         };
         if let Some(s) = self.sources.get_mut(&(scope.clone(), source)) {
-            s.ledger.settle(id, tokens);
+            s.window.tokens.prune(now);
+            s.window.tokens.settle(now, id, tokens);
         }
         if let Some(l) = self.scopes.get_mut(&scope) {
-            l.settle(id, tokens);
+            l.tokens.prune(now);
+            l.tokens.settle(now, id, tokens);
         }
     }
 
@@ -182,8 +304,30 @@ impl WindowLimiter {
         }
     }
 
-    /// In-flight count of a source at `now` (expired leases excluded).
+    /// The heartbeat: extends permit `id`'s slot and unsettled reservation to
+    /// `now + lease`, each only if its lease has not ended (never shortens one).
+    pub fn renew(&mut self, now: u64, id: u64, lease: Duration) {
+        let now = self.tick(now);
+        let until = now.saturating_add(lease_ms(lease));
+        let Some((scope, source)) = self.permits.get(&id).cloned() else {
+            return;
+        };
+        if let Some(s) = self.sources.get_mut(&(scope.clone(), source)) {
+            if let Some(end) = s.in_flight.get_mut(&id) {
+                if *end > now && until > *end {
+                    *end = until;
+                }
+            }
+            s.window.tokens.renew(now, id, until);
+        }
+        if let Some(l) = self.scopes.get_mut(&scope) {
+            l.tokens.renew(now, id, until);
+        }
+    }
+
+    /// In-flight count of a source at `now` (ended leases excluded).
     pub fn in_flight(&mut self, now: u64, scope: &str, source: &str) -> u32 {
+        let now = self.tick(now);
         match self
             .sources
             .get_mut(&(scope.to_string(), source.to_string()))
@@ -198,13 +342,14 @@ impl WindowLimiter {
 
     /// (requests, tokens) in a source's window at `now`.
     pub fn source_window(&mut self, now: u64, scope: &str, source: &str) -> (u64, u64) {
+        let now = self.tick(now);
         match self
             .sources
             .get_mut(&(scope.to_string(), source.to_string()))
         {
             Some(s) => {
-                s.ledger.prune(now);
-                (s.ledger.requests(), s.ledger.tokens)
+                s.window.prune(now);
+                (s.window.requests.count(), s.window.tokens.total)
             }
             None => (0, 0),
         }
@@ -212,34 +357,49 @@ impl WindowLimiter {
 
     /// (requests, tokens) in a scope's window at `now`.
     pub fn scope_window(&mut self, now: u64, scope: &str) -> (u64, u64) {
+        let now = self.tick(now);
         match self.scopes.get_mut(scope) {
             Some(l) => {
                 l.prune(now);
-                (l.requests(), l.tokens)
+                (l.requests.count(), l.tokens.total)
             }
             None => (0, 0),
         }
     }
 
+    /// Whether permit `id` still holds anything (a slot or tokens in a window) at `now`.
+    pub fn holds(&mut self, now: u64, id: u64) -> bool {
+        let now = self.tick(now);
+        let Some(key) = self.permits.get(&id).cloned() else {
+            return false;
+        };
+        let Some(s) = self.sources.get_mut(&key) else {
+            return false;
+        };
+        s.window.tokens.prune(now);
+        s.prune_leases(now);
+        s.in_flight.contains_key(&id)
+            || s.window.tokens.reserved.contains_key(&id)
+            || s.window.tokens.ids().any(|x| x == id)
+    }
+
     /// Forgets settled, released permits whose entries left every window (bounded memory).
     pub fn compact(&mut self, now: u64) {
+        let now = self.tick(now);
         for s in self.sources.values_mut() {
-            s.ledger.prune(now);
+            s.window.prune(now);
             s.prune_leases(now);
         }
         for l in self.scopes.values_mut() {
             l.prune(now);
         }
-        let live: std::collections::HashSet<u64> = self
+        self.sources
+            .retain(|_, s| !s.window.is_empty() || !s.in_flight.is_empty());
+        self.scopes.retain(|_, l| !l.is_empty());
+        let live: HashSet<u64> = self
             .sources
             .values()
-            .flat_map(|s| {
-                s.ledger
-                    .entries
-                    .iter()
-                    .map(|e| e.0)
-                    .chain(s.in_flight.keys().copied())
-            })
+            .flat_map(|s| s.window.tokens.ids().chain(s.in_flight.keys().copied()))
             .collect();
         self.permits.retain(|id, _| live.contains(id));
     }
@@ -249,7 +409,6 @@ impl WindowLimiter {
 mod tests {
     use super::*;
     use proptest::prelude::*;
-    use std::time::Duration;
 
     fn req<'a>(rpm: u32, tpm: u64, conc: u32, est: u64) -> AcquireRequest<'a> {
         AcquireRequest {
@@ -279,23 +438,82 @@ mod tests {
     }
 
     #[test]
-    fn tpm_reserve_then_settle() {
+    fn tpm_reserve_then_settle_from_settlement_time() {
         let mut l = WindowLimiter::new();
         let r = req(0, 1000, 0, 400);
         let a = l.acquire(0, &r).unwrap();
         l.acquire(1, &r).unwrap();
         assert_eq!(l.acquire(2, &r).unwrap_err().reason, RefusalReason::Tpm);
-        l.settle(a, 100); // 100 + 400 = 500 used
+        l.settle(2, a, 100); // 100 + 400 = 500 used
         l.acquire(3, &r).unwrap(); // 900
         let e = l.acquire(4, &r).unwrap_err();
-        assert_eq!(e.retry_after, Some(Duration::from_millis(59_997)));
-        // a settlement above the estimate may exceed TPM afterwards; later admissions wait
-        l.settle(a, 5000);
-        assert_eq!(l.source_window(5, "S", "a"), (3, 5800));
-        assert!(l.acquire(59_999, &r).is_err());
-        // at 60 000 the 5000-token entry left, but 800 + 400 > 1000 until 60 001
-        assert!(l.acquire(60_000, &r).is_err());
-        l.acquire(60_001, &r).unwrap();
+        // The reservations' leases (90 s) end before nothing else: the settled 100 leaves
+        // first (at 2 + 60 s), but 800 + 400 > 1000 still; then a reservation's lease end
+        // plus a window.
+        assert_eq!(
+            e.retry_after,
+            Some(Duration::from_millis(1 + 90_000 + 60_000 - 4))
+        );
+        // a second settlement changes nothing
+        l.settle(5, a, 5000);
+        assert_eq!(l.source_window(5, "S", "a"), (3, 900));
+    }
+
+    #[test]
+    fn settlement_above_estimate_counts_a_window_from_settlement() {
+        let mut l = WindowLimiter::new();
+        let r = req(0, 1000, 0, 400);
+        let a = l.acquire(0, &r).unwrap();
+        l.settle(10_000, a, 5000);
+        assert_eq!(l.source_window(10_000, "S", "a"), (1, 5000));
+        let e = l.acquire(10_001, &r).unwrap_err();
+        assert_eq!(e.retry_after, Some(Duration::from_millis(59_999)));
+        assert!(l.acquire(69_999, &r).is_err());
+        l.acquire(70_000, &r).unwrap();
+    }
+
+    /// SPEC §14.3: a call longer than the window keeps its reservation until it is
+    /// settled (the old model let it leave the window after 60 s).
+    #[test]
+    fn long_calls_keep_their_reservation_until_settled() {
+        let mut l = WindowLimiter::new();
+        let r = AcquireRequest {
+            lease: Duration::from_secs(30),
+            ..req(0, 60_000, 0, 20_000)
+        };
+        let ids: Vec<u64> = (0..3).map(|i| l.acquire(i, &r).unwrap()).collect();
+        let mut now = 0;
+        // The calls last 65 s; the heartbeat renews their leases every 10 s.
+        while now < 65_000 {
+            now += 10_000;
+            for &id in &ids {
+                l.renew(now, id, r.lease);
+            }
+            assert_eq!(l.acquire(now, &r).unwrap_err().reason, RefusalReason::Tpm);
+        }
+        for &id in &ids {
+            l.settle(now, id, 20_000);
+        }
+        assert!(l.acquire(now + WINDOW_MS - 1, &r).is_err());
+        l.acquire(now + WINDOW_MS, &r).unwrap();
+    }
+
+    #[test]
+    fn unsettled_reservation_of_a_dead_holder_counts_until_lease_end_plus_window() {
+        let mut l = WindowLimiter::new();
+        let r = AcquireRequest {
+            lease: Duration::from_secs(30),
+            ..req(0, 1000, 1, 600)
+        };
+        let _crashed = l.acquire(0, &r).unwrap();
+        let e = l.acquire(1, &r).unwrap_err();
+        assert_eq!(e.reason, RefusalReason::Concurrency);
+        assert_eq!(e.retry_after, Some(Duration::from_millis(29_999)));
+        // The slot frees at the lease end; the tokens stay one more window.
+        let e = l.acquire(30_000, &r).unwrap_err();
+        assert_eq!(e.reason, RefusalReason::Tpm);
+        assert_eq!(e.retry_after, Some(Duration::from_millis(60_000)));
+        l.acquire(90_000, &r).unwrap();
     }
 
     #[test]
@@ -312,10 +530,16 @@ mod tests {
         );
         l.release(a);
         l.release(a);
-        let _b = l.acquire(2, &r).unwrap();
-        // a crashed holder's lease expires
-        assert_eq!(l.in_flight(100, "S", "a"), 1);
-        l.acquire(502, &r).unwrap();
+        let b = l.acquire(2, &r).unwrap();
+        // renewed by its heartbeat, the lease outlives its first term
+        l.renew(400, b, r.lease);
+        assert_eq!(l.in_flight(800, "S", "a"), 1);
+        assert!(l.acquire(850, &r).is_err());
+        // a crashed holder's lease ends; a late renewal does not revive it
+        assert_eq!(l.in_flight(900, "S", "a"), 0);
+        l.renew(901, b, r.lease);
+        assert_eq!(l.in_flight(902, "S", "a"), 0);
+        l.acquire(903, &r).unwrap();
     }
 
     #[test]
@@ -345,64 +569,141 @@ mod tests {
         assert_eq!((e.reason, e.retry_after), (RefusalReason::Tpm, None));
     }
 
+    /// Compaction forgets only what left every window: settled tokens of a source whose
+    /// requests left the window still count.
+    #[test]
+    fn compaction_keeps_tokens_still_counted() {
+        let mut l = WindowLimiter::new();
+        let r = req(0, 1000, 0, 400);
+        let a = l.acquire(0, &r).unwrap();
+        l.release(a);
+        l.settle(59_000, a, 900);
+        l.compact(61_000);
+        assert_eq!(l.source_window(61_000, "S", "a"), (0, 900));
+        assert!(l.acquire(61_001, &r).is_err());
+        l.compact(119_000);
+        l.acquire(119_000, &r).unwrap();
+    }
+
+    /// Timestamps that go back (a clock read outside a lock) never reorder entries: the
+    /// model keeps its own clock, and hints never underflow.
+    #[test]
+    fn time_never_goes_back() {
+        let mut l = WindowLimiter::new();
+        let r = req(2, 500, 0, 200);
+        l.acquire(50_000, &r).unwrap();
+        l.acquire(10_000, &r).unwrap(); // recorded at 50 000
+        let e = l.acquire(70_000, &r).unwrap_err();
+        assert_eq!(e.reason, RefusalReason::Rpm);
+        assert_eq!(e.retry_after, Some(Duration::from_millis(40_000)));
+        assert_eq!(l.now(), 70_000);
+    }
+
     #[derive(Debug, Clone)]
     enum Op {
-        Acquire { dt: u64, est: u64 },
+        Acquire { dt: i64, est: u64 },
         Settle { pick: usize, tokens: u64 },
         Release { pick: usize },
+        Renew { pick: usize },
+        Compact,
     }
 
     fn op() -> impl Strategy<Value = Op> {
         prop_oneof![
-            (0u64..5_000, 0u64..400).prop_map(|(dt, est)| Op::Acquire { dt, est }),
-            (0usize..64, 0u64..800).prop_map(|(pick, tokens)| Op::Settle { pick, tokens }),
-            (0usize..64).prop_map(|pick| Op::Release { pick }),
+            4 => (-3_000i64..5_000, 0u64..400).prop_map(|(dt, est)| Op::Acquire { dt, est }),
+            2 => (0usize..64, 0u64..800).prop_map(|(pick, tokens)| Op::Settle { pick, tokens }),
+            1 => (0usize..64).prop_map(|pick| Op::Release { pick }),
+            1 => (0usize..64).prop_map(|pick| Op::Renew { pick }),
+            1 => Just(Op::Compact),
         ]
+    }
+
+    #[derive(Debug, Clone, Copy)]
+    struct Entry {
+        at: u64,
+        est: u64,
+        /// (settled at, tokens)
+        settled: Option<(u64, u64)>,
+        lease_end: u64,
+        released: bool,
+    }
+
+    impl Entry {
+        /// Tokens counted at `now` by the specification (§14.3).
+        fn tokens_at(&self, now: u64) -> u64 {
+            match self.settled {
+                Some((at, t)) if at + WINDOW_MS > now => t,
+                Some(_) => 0,
+                None if self.lease_end + WINDOW_MS > now => self.est,
+                None => 0,
+            }
+        }
     }
 
     proptest! {
         #![proptest_config(ProptestConfig::with_cases(256))]
 
-        /// Never over-admit: in any rolling window, admissions ≤ RPM and, at each
-        /// admission, reserved-or-settled tokens ≤ TPM; in flight ≤ MAX_CONCURRENCY.
+        /// Never over-admit, whatever order the timestamps arrive in: in any rolling
+        /// window admissions ≤ RPM; at each admission the tokens counted by §14.3 (in
+        /// flight or unsettled with a live lease, or settled within the window) plus the
+        /// estimate ≤ TPM; in flight ≤ MAX_CONCURRENCY. No operation panics (hints never
+        /// underflow).
         #[test]
         fn never_over_admits(ops in proptest::collection::vec(op(), 1..200), rpm in 1u32..20, tpm in 400u64..3000, conc in 1u32..6) {
             let mut l = WindowLimiter::new();
-            let mut now = 0u64;
-            let mut admitted: Vec<(u64, u64)> = vec![]; // (id, at)
-            let mut tokens: HashMap<u64, u64> = HashMap::new();
-            let mut open: Vec<u64> = vec![];
+            let mut raw = 20_000i64;
+            let lease = Duration::from_secs(20);
+            let mut entries: HashMap<u64, Entry> = HashMap::new();
+            let mut order: Vec<u64> = vec![];
             for o in ops {
                 match o {
                     Op::Acquire { dt, est } => {
-                        now += dt;
-                        let r = AcquireRequest { lease: Duration::from_secs(600), ..req(rpm, tpm, conc, est) };
-                        if let Ok(id) = l.acquire(now, &r) {
-                            let in_window: Vec<u64> = admitted.iter().filter(|(_, at)| at + WINDOW_MS > now).map(|(id, _)| *id).collect();
-                            prop_assert!(in_window.len() < rpm as usize, "rpm over-admitted");
-                            let used: u64 = in_window.iter().map(|id| tokens[id]).sum();
+                        raw = (raw + dt).max(0);
+                        let r = AcquireRequest { lease, ..req(rpm, tpm, conc, est) };
+                        let res = l.acquire(raw as u64, &r);
+                        let now = l.now();
+                        if let Ok(id) = res {
+                            let requests = entries.values().filter(|e| e.at + WINDOW_MS > now).count();
+                            prop_assert!(requests < rpm as usize, "rpm over-admitted");
+                            let used: u64 = entries.values().map(|e| e.tokens_at(now)).sum();
                             prop_assert!(used + est <= tpm, "tpm over-admitted: {} + {} > {}", used, est, tpm);
-                            prop_assert!(open.len() < conc as usize, "concurrency over-admitted");
-                            admitted.push((id, now));
-                            tokens.insert(id, est);
-                            open.push(id);
+                            let open = entries.values().filter(|e| !e.released && e.lease_end > now).count();
+                            prop_assert!(open < conc as usize, "concurrency over-admitted");
+                            entries.insert(id, Entry { at: now, est, settled: None, lease_end: now + 20_000, released: false });
+                            order.push(id);
                         }
                     }
-                    Op::Settle { pick, tokens: t } => {
-                        if !admitted.is_empty() {
-                            let id = admitted[pick % admitted.len()].0;
-                            l.settle(id, t);
-                            tokens.insert(id, t);
+                    Op::Settle { pick, tokens } if !order.is_empty() => {
+                        let id = order[pick % order.len()];
+                        l.settle(raw.max(0) as u64, id, tokens);
+                        let now = l.now();
+                        let e = entries.get_mut(&id).unwrap();
+                        if e.settled.is_none() && e.lease_end + WINDOW_MS > now {
+                            e.settled = Some((now, tokens));
                         }
                     }
-                    Op::Release { pick } => {
-                        if !open.is_empty() {
-                            let id = open.remove(pick % open.len());
-                            l.release(id);
+                    Op::Release { pick } if !order.is_empty() => {
+                        let id = order[pick % order.len()];
+                        l.release(id);
+                        entries.get_mut(&id).unwrap().released = true;
+                    }
+                    Op::Renew { pick } if !order.is_empty() => {
+                        let id = order[pick % order.len()];
+                        l.renew(raw.max(0) as u64, id, lease);
+                        let now = l.now();
+                        let e = entries.get_mut(&id).unwrap();
+                        if e.lease_end > now {
+                            e.lease_end = e.lease_end.max(now + 20_000);
                         }
                     }
+                    Op::Compact => l.compact(raw.max(0) as u64),
+                    _ => {}
                 }
-                prop_assert_eq!(l.in_flight(now, "S", "a") as usize, open.len());
+                let now = l.now();
+                let open = entries.values().filter(|e| !e.released && e.lease_end > now).count();
+                prop_assert_eq!(l.in_flight(now, "S", "a") as usize, open);
+                let want: u64 = entries.values().map(|e| e.tokens_at(now)).sum();
+                prop_assert_eq!(l.source_window(now, "S", "a").1, want);
             }
         }
 

@@ -101,7 +101,7 @@ fn main() {
             let start = Instant::now();
             for i in 0..N {
                 let id = m.acquire(0, &req).expect("admitted");
-                m.settle(id, 500 + i % 7);
+                m.settle(0, id, 500 + i % 7);
                 m.release(id);
             }
             ns_per_op(start.elapsed(), N)

@@ -1,9 +1,10 @@
-//! [`MemoryBreakerStore`]: core's breaker state machine per (scope, source), in-process.
+//! [`MemoryBreakerStore`]: core's breaker state machine per (scope, source), in-process,
+//! with half-open probes renewed by the granting handle's heartbeat.
 
 use std::collections::HashMap;
 use std::fmt;
-use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
+use std::sync::Arc;
+use std::time::Duration;
 
 use async_trait::async_trait;
 use polygw_core::breaker::{BreakerAdmit, BreakerOutcome, BreakerState};
@@ -11,19 +12,49 @@ use polygw_core::error::GovernanceError;
 use polygw_core::ports::{BreakerStore, Clock};
 use polygw_core::settings::BreakerSettings;
 
-use crate::{elapsed_ms, lock};
+use crate::{lock, Heart, Store};
 
-/// In-process [`BreakerStore`] running [`BreakerState`] as is (SPEC §4.4). Timestamps in
-/// [`BreakerStore::state`] are milliseconds since the store was created. Cheap to clone.
-#[derive(Clone)]
-pub struct MemoryBreakerStore {
-    inner: Arc<Inner>,
+type Key = (String, String);
+
+/// The breaker states of a store and the live probes.
+#[derive(Default)]
+pub(crate) struct States {
+    states: HashMap<Key, BreakerState>,
+    /// Live probes: (source, epoch) → (the granting handle's heartbeat, lease ms).
+    probes: HashMap<(Key, u64), (Arc<Heart>, u64)>,
+    last_renew_ms: u64,
+    renew_every_ms: Option<u64>,
 }
 
-struct Inner {
-    clock: Arc<dyn Clock>,
-    base: Instant,
-    states: Mutex<HashMap<(String, String), BreakerState>>,
+impl States {
+    fn at(&mut self, now: u64) -> u64 {
+        if let Some(every) = self.renew_every_ms {
+            if now >= self.last_renew_ms.saturating_add(every) {
+                let states = &mut self.states;
+                self.probes.retain(|(key, epoch), (heart, lease)| {
+                    let Some(st) = states.get_mut(key) else {
+                        return false;
+                    };
+                    if heart.beats() {
+                        st.renew_probe(now, *epoch, *lease);
+                    }
+                    // Forget probes that are over (recorded elsewhere, or their lease ended).
+                    st.epoch == *epoch && st.probe_until > now
+                });
+                self.last_renew_ms = now;
+            }
+        }
+        now
+    }
+}
+
+/// In-process [`BreakerStore`] running [`BreakerState`] as is (SPEC §4.4, §14.7).
+/// Timestamps in [`BreakerStore::state`] are milliseconds since the store was created.
+/// Cheap to clone; clones share the state and the heartbeat.
+#[derive(Clone)]
+pub struct MemoryBreakerStore {
+    store: Arc<Store>,
+    heart: Arc<Heart>,
 }
 
 impl fmt::Debug for MemoryBreakerStore {
@@ -33,24 +64,36 @@ impl fmt::Debug for MemoryBreakerStore {
 }
 
 impl MemoryBreakerStore {
-    /// A store on `clock`.
+    /// A store with a state of its own on `clock`. (The facade shares one state per
+    /// scope: [`crate::shared`].)
     pub fn new(clock: Arc<dyn Clock>) -> Self {
-        let base = clock.now();
-        MemoryBreakerStore {
-            inner: Arc::new(Inner {
-                clock,
-                base,
-                states: Mutex::new(HashMap::new()),
-            }),
-        }
+        Self::over(Store::new(clock), Arc::new(Heart::default()))
     }
 
-    fn now_ms(&self) -> u64 {
-        elapsed_ms(self.inner.clock.as_ref(), self.inner.base)
+    pub(crate) fn over(store: Arc<Store>, heart: Arc<Heart>) -> Self {
+        MemoryBreakerStore { store, heart }
+    }
+
+    /// Another handle on the same state, with a heartbeat of its own.
+    pub fn client(&self) -> Self {
+        Self::over(self.store.clone(), Arc::new(Heart::default()))
+    }
+
+    /// Stops renewing the probes this handle granted (a crashed process): they end with
+    /// their leases unless recorded or released first.
+    pub fn stop_heartbeat(&self) {
+        self.heart.stop();
+    }
+
+    fn with<T>(&self, f: impl FnOnce(&mut States, u64) -> T) -> T {
+        let mut st = lock(&self.store.breakers);
+        let now = self.store.now_ms();
+        let now = st.at(now);
+        f(&mut st, now)
     }
 }
 
-fn key(scope: &str, source: &str) -> (String, String) {
+fn key(scope: &str, source: &str) -> Key {
     (scope.to_string(), source.to_string())
 }
 
@@ -62,14 +105,23 @@ impl BreakerStore for MemoryBreakerStore {
         source: &str,
         probe_lease: Duration,
     ) -> Result<BreakerAdmit, GovernanceError> {
-        let now = self.now_ms();
-        let lease_ms = u64::try_from(probe_lease.as_millis()).unwrap_or(u64::MAX);
-        let mut states = lock(&self.inner.states);
-        // A source that never failed needs no entry: its default state always admits.
-        match states.get_mut(&key(scope, source)) {
-            Some(st) => Ok(st.admit(now, lease_ms)),
-            None => Ok(BreakerState::default().admit(now, lease_ms)),
-        }
+        let lease_ms = u64::try_from(probe_lease.as_millis())
+            .unwrap_or(u64::MAX)
+            .max(1);
+        Ok(self.with(|st, now| {
+            let k = key(scope, source);
+            // A source that never failed needs no entry: its default state always admits.
+            let Some(state) = st.states.get_mut(&k) else {
+                return BreakerState::default().admit(now, lease_ms);
+            };
+            let a = state.admit(now, lease_ms);
+            if let BreakerAdmit::Allowed { probe: true, epoch } = a {
+                st.probes.insert((k, epoch), (self.heart.clone(), lease_ms));
+                let third = (lease_ms / 3).max(1);
+                st.renew_every_ms = Some(st.renew_every_ms.map_or(third, |e| e.min(third)));
+            }
+            a
+        }))
     }
 
     async fn record(
@@ -77,20 +129,45 @@ impl BreakerStore for MemoryBreakerStore {
         scope: &str,
         source: &str,
         outcome: BreakerOutcome,
+        epoch: u64,
         probe: bool,
         settings: &BreakerSettings,
     ) -> Result<(), GovernanceError> {
-        let now = self.now_ms();
-        let mut states = lock(&self.inner.states);
-        let st = states.entry(key(scope, source)).or_default();
-        st.record(now, outcome, probe, settings);
+        self.with(|st, now| {
+            let k = key(scope, source);
+            if probe {
+                st.probes.remove(&(k.clone(), epoch));
+            }
+            st.states
+                .entry(k)
+                .or_default()
+                .record(now, outcome, epoch, probe, settings);
+        });
         Ok(())
     }
 
+    fn release_probe(&self, scope: &str, source: &str, epoch: u64) {
+        self.with(|st, now| {
+            let k = key(scope, source);
+            st.probes.remove(&(k.clone(), epoch));
+            if let Some(state) = st.states.get_mut(&k) {
+                state.record(
+                    now,
+                    BreakerOutcome::Neutral,
+                    epoch,
+                    true,
+                    &BreakerSettings::default(),
+                );
+            }
+        })
+    }
+
     async fn state(&self, scope: &str, source: &str) -> Result<BreakerState, GovernanceError> {
-        Ok(lock(&self.inner.states)
-            .get(&key(scope, source))
-            .copied()
-            .unwrap_or_default())
+        Ok(self.with(|st, _| {
+            st.states
+                .get(&key(scope, source))
+                .copied()
+                .unwrap_or_default()
+        }))
     }
 }

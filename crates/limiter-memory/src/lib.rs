@@ -1,4 +1,4 @@
-//! polygw's in-process governance (SPEC §4.2, §4.4, §10): a [`MemoryLimiter`]
+//! polygw's in-process governance (SPEC §4.2, §4.4, §10, §14): a [`MemoryLimiter`]
 //! (`RateLimiter`), a [`MemoryBreakerStore`] (`BreakerStore`) and a [`MemoryCache`]
 //! (`ResponseCache`), for one process.
 //!
@@ -7,7 +7,20 @@
 //! semantics are the specification's by construction; the Redis backend mirrors the same
 //! models in Lua and both run one contract suite (`polygw-testkit`). Time comes from the
 //! injected [`polygw_core::ports::Clock`] as milliseconds since the component was created,
-//! so a `ManualClock` (or a paused tokio clock) drives every window without real waiting.
+//! read inside the lock so the model never sees time go back; a `ManualClock` (or a
+//! paused tokio clock) drives every window without real waiting.
+//!
+//! **One store per process and scope** (SPEC §14.11): [`shared`] hands out a limiter and
+//! a breaker store on the state of a scope name, shared by every client of that scope in
+//! the process (the facade's wiring uses it), so two clients of one scope cannot double
+//! its quota. [`MemoryLimiter::new`] / [`MemoryBreakerStore::new`] make a private state.
+//!
+//! **Leases and their heartbeat** (SPEC §14.4): every live permit and half-open probe is
+//! registered with the handle that granted it and renewed while that handle's heartbeat
+//! runs — lazily: before any operation looks at a lease, every registered lease is
+//! renewed if a third of the shortest lease has passed since the last renewal, which is
+//! what a background heartbeat would have done. [`MemoryLimiter::stop_heartbeat`] (what
+//! a crashed process looks like) lets the handle's leases end.
 
 mod breaker;
 mod cache;
@@ -17,7 +30,9 @@ pub use breaker::MemoryBreakerStore;
 pub use cache::MemoryCache;
 pub use limiter::MemoryLimiter;
 
-use std::sync::{Mutex, MutexGuard};
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, LazyLock, Mutex, MutexGuard, Weak};
 use std::time::Instant;
 
 use polygw_core::ports::Clock;
@@ -31,4 +46,106 @@ fn elapsed_ms(clock: &dyn Clock, base: Instant) -> u64 {
 /// state consistent before it can panic, so a poisoned lock still guards valid data.
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// The heartbeat of one handle (one client of a store): while it beats, the leases that
+/// handle granted are renewed.
+#[derive(Debug, Default)]
+pub(crate) struct Heart {
+    stopped: AtomicBool,
+}
+
+impl Heart {
+    pub(crate) fn beats(&self) -> bool {
+        !self.stopped.load(Ordering::Acquire)
+    }
+
+    pub(crate) fn stop(&self) {
+        self.stopped.store(true, Ordering::Release);
+    }
+}
+
+/// The state a limiter and a breaker store of one process and scope share.
+pub(crate) struct Store {
+    clock: Arc<dyn Clock>,
+    base: Instant,
+    pub(crate) limiter: Mutex<limiter::State>,
+    pub(crate) breakers: Mutex<breaker::States>,
+}
+
+impl Store {
+    pub(crate) fn new(clock: Arc<dyn Clock>) -> Arc<Store> {
+        let base = clock.now();
+        Arc::new(Store {
+            clock,
+            base,
+            limiter: Mutex::new(limiter::State::default()),
+            breakers: Mutex::new(breaker::States::default()),
+        })
+    }
+
+    /// Now, in ms since the store was created. Read it while holding the lock of the state
+    /// it is applied to, so concurrent operations apply their times in order.
+    pub(crate) fn now_ms(&self) -> u64 {
+        elapsed_ms(self.clock.as_ref(), self.base)
+    }
+}
+
+type Registry = Mutex<HashMap<(String, usize), Weak<Store>>>;
+
+static REGISTRY: LazyLock<Registry> = LazyLock::new(|| Mutex::new(HashMap::new()));
+
+/// A limiter and a breaker store on the process-wide state of scope `scope` (SPEC §14.11):
+/// every client of that scope in this process shares its windows, slots and breakers.
+/// The state lives while some handle or permit of it does. Clients are told apart by
+/// their clock as well (`Arc` identity: clients built with the same clock share): a
+/// state is only ever driven by one clock. Each call returns handles with their own
+/// heartbeat ([`MemoryLimiter::stop_heartbeat`]).
+pub fn shared(scope: &str, clock: Arc<dyn Clock>) -> (MemoryLimiter, MemoryBreakerStore) {
+    let key = (scope.to_string(), Arc::as_ptr(&clock) as *const () as usize);
+    let store = {
+        let mut reg = lock(&REGISTRY);
+        reg.retain(|_, w| w.strong_count() > 0);
+        match reg.get(&key).and_then(Weak::upgrade) {
+            Some(s) => s,
+            None => {
+                let s = Store::new(clock);
+                reg.insert(key, Arc::downgrade(&s));
+                s
+            }
+        }
+    };
+    let heart = Arc::new(Heart::default());
+    (
+        MemoryLimiter::over(store.clone(), heart.clone()),
+        MemoryBreakerStore::over(store, heart),
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use polygw_core::ports::ManualClock;
+
+    /// Any instant will do for a manual clock's base (clippy forbids `Instant::now`).
+    fn tokio_free_now() -> Instant {
+        tokio::time::Instant::now().into_std()
+    }
+
+    #[test]
+    fn one_store_per_scope_and_clock() {
+        let clock: Arc<dyn Clock> = Arc::new(ManualClock::new(tokio_free_now(), 0));
+        let (a, _) = shared("REG_A", clock.clone());
+        let (b, _) = shared("REG_A", clock.clone());
+        let (c, _) = shared("REG_B", clock.clone());
+        assert!(a.same_store(&b));
+        assert!(!a.same_store(&c));
+        let other: Arc<dyn Clock> = Arc::new(ManualClock::new(tokio_free_now(), 0));
+        let (d, _) = shared("REG_A", other);
+        assert!(!a.same_store(&d));
+        drop((a, b));
+        let (e, _) = shared("REG_A", clock.clone());
+        let (f, _) = shared("REG_A", clock);
+        assert!(e.same_store(&f));
+    }
 }

@@ -1,39 +1,71 @@
 //! [`MemoryLimiter`]: core's reference limiter model under a mutex, with permits whose
-//! drop-time settlement applies directly (it is in-process, so it never blocks for long).
+//! drop-time settlement applies directly (it is in-process, so it never blocks for long)
+//! and whose leases the handle's heartbeat renews.
 
+use std::collections::HashMap;
 use std::fmt;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex};
-use std::time::Instant;
+use std::sync::Arc;
+use std::time::Duration;
 
 use async_trait::async_trait;
 use polygw_core::error::GovernanceError;
 use polygw_core::ports::{AcquireRequest, Admission, Clock, Permit, PermitBackend, RateLimiter};
 use polygw_core::window::{WindowLimiter, WINDOW_MS};
 
-use crate::{elapsed_ms, lock};
+use crate::{lock, Heart, Store};
 
 /// Clock time between two compactions of the model's permit table. Nothing can be
 /// forgotten before its entry leaves the window, so compacting by time alone bounds the
-/// table to the acquires of the last 75 s while costing O(entries) only every 15 s.
+/// table to the acquires of the last 75 s (plus live leases) while costing O(entries)
+/// only every 15 s.
 const COMPACT_EVERY_MS: u64 = WINDOW_MS / 4;
 
-/// In-process [`RateLimiter`]: RPM, TPM (reserve then settle) and concurrency per source,
-/// scope-wide RPM/TPM atomically with them (SPEC §4.2). Cheap to clone (shared state).
-#[derive(Clone)]
-pub struct MemoryLimiter {
-    shared: Arc<Shared>,
-}
-
-struct Shared {
-    clock: Arc<dyn Clock>,
-    base: Instant,
-    state: Mutex<State>,
-}
-
-struct State {
+/// The limiter state of a store: the model and the live leases.
+#[derive(Default)]
+pub(crate) struct State {
     model: WindowLimiter,
     last_compact_ms: u64,
+    /// Live permits: id → (the heartbeat of the handle that granted it, lease).
+    leases: HashMap<u64, (Arc<Heart>, Duration)>,
+    last_renew_ms: u64,
+    /// A third of the shortest lease registered so far.
+    renew_every_ms: Option<u64>,
+}
+
+impl State {
+    /// Brings the model to `now`: renews the leases whose handle's heartbeat beats (if a
+    /// third of the shortest lease has passed since the last renewal), compacts now and
+    /// then. Every operation calls it first, under the lock, with a time read under it.
+    fn at(&mut self, now: u64) -> u64 {
+        if let Some(every) = self.renew_every_ms {
+            if now >= self.last_renew_ms.saturating_add(every) {
+                for (id, (heart, lease)) in &self.leases {
+                    if heart.beats() {
+                        self.model.renew(now, *id, *lease);
+                    }
+                }
+                self.last_renew_ms = now;
+            }
+        }
+        if now.saturating_sub(self.last_compact_ms) >= COMPACT_EVERY_MS {
+            self.model.compact(now);
+            let model = &mut self.model;
+            self.leases.retain(|id, _| model.holds(now, *id));
+            self.last_compact_ms = now;
+        }
+        now
+    }
+}
+
+/// In-process [`RateLimiter`]: RPM, TPM (reserve then settle) and concurrency per source,
+/// scope-wide RPM/TPM atomically with them (SPEC §4.2, §14.3). Cheap to clone; clones
+/// share the state and the heartbeat ([`MemoryLimiter::client`] makes another handle on
+/// the same state with a heartbeat of its own).
+#[derive(Clone)]
+pub struct MemoryLimiter {
+    store: Arc<Store>,
+    heart: Arc<Heart>,
 }
 
 impl fmt::Debug for MemoryLimiter {
@@ -42,71 +74,86 @@ impl fmt::Debug for MemoryLimiter {
     }
 }
 
-impl Shared {
-    fn now_ms(&self) -> u64 {
-        elapsed_ms(self.clock.as_ref(), self.base)
-    }
-}
-
 impl MemoryLimiter {
-    /// A limiter on `clock`; its windows start at the clock's current reading.
+    /// A limiter with a state of its own on `clock`; its windows start at the clock's
+    /// current reading. (The facade shares one state per scope: [`crate::shared`].)
     pub fn new(clock: Arc<dyn Clock>) -> Self {
-        let base = clock.now();
-        MemoryLimiter {
-            shared: Arc::new(Shared {
-                clock,
-                base,
-                state: Mutex::new(State {
-                    model: WindowLimiter::new(),
-                    last_compact_ms: 0,
-                }),
-            }),
-        }
+        Self::over(Store::new(clock), Arc::new(Heart::default()))
+    }
+
+    pub(crate) fn over(store: Arc<Store>, heart: Arc<Heart>) -> Self {
+        MemoryLimiter { store, heart }
+    }
+
+    /// Another handle on the same state, with a heartbeat of its own (another client of
+    /// the scope, as another process would be on a shared backend).
+    pub fn client(&self) -> Self {
+        Self::over(self.store.clone(), Arc::new(Heart::default()))
+    }
+
+    /// Stops renewing the leases of the permits this handle (and its clones) granted:
+    /// what a crashed process looks like. Their slots and reservations end with their
+    /// leases unless released or settled first.
+    pub fn stop_heartbeat(&self) {
+        self.heart.stop();
+    }
+
+    #[cfg(test)]
+    pub(crate) fn same_store(&self, other: &MemoryLimiter) -> bool {
+        Arc::ptr_eq(&self.store, &other.store)
+    }
+
+    fn with<T>(&self, f: impl FnOnce(&mut State, u64) -> T) -> T {
+        let mut st = lock(&self.store.limiter);
+        let now = self.store.now_ms();
+        let now = st.at(now);
+        f(&mut st, now)
     }
 
     /// `(requests, tokens)` in a source's rolling window now (tests, metrics).
     pub fn source_window(&self, scope: &str, source: &str) -> (u64, u64) {
-        let now = self.shared.now_ms();
-        lock(&self.shared.state)
-            .model
-            .source_window(now, scope, source)
+        self.with(|st, now| st.model.source_window(now, scope, source))
     }
 
     /// `(requests, tokens)` in a scope's rolling window now (tests, metrics).
     pub fn scope_window(&self, scope: &str) -> (u64, u64) {
-        let now = self.shared.now_ms();
-        lock(&self.shared.state).model.scope_window(now, scope)
+        self.with(|st, now| st.model.scope_window(now, scope))
     }
 
     /// Drops every entry that left its window and every finished permit now (it also
-    /// happens on its own on the first acquire after every 15 s of clock time).
+    /// happens on its own on the first operation after every 15 s of clock time).
     pub fn compact(&self) {
-        let now = self.shared.now_ms();
-        let mut st = lock(&self.shared.state);
-        st.model.compact(now);
-        st.last_compact_ms = now;
+        self.with(|st, now| {
+            st.model.compact(now);
+            let model = &mut st.model;
+            st.leases.retain(|id, _| model.holds(now, *id));
+            st.last_compact_ms = now;
+        })
     }
 }
 
 #[async_trait]
 impl RateLimiter for MemoryLimiter {
     async fn acquire<'r>(&self, req: &AcquireRequest<'r>) -> Result<Admission, GovernanceError> {
-        let now = self.shared.now_ms();
-        let admitted = {
-            let mut st = lock(&self.shared.state);
-            if now.saturating_sub(st.last_compact_ms) >= COMPACT_EVERY_MS {
-                st.model.compact(now);
-                st.last_compact_ms = now;
+        let admitted = self.with(|st, now| {
+            let r = st.model.acquire(now, req);
+            if let Ok(id) = r {
+                st.leases.insert(id, (self.heart.clone(), req.lease));
+                let third = u64::try_from(req.lease.as_millis() / 3)
+                    .unwrap_or(u64::MAX)
+                    .max(1);
+                st.renew_every_ms = Some(st.renew_every_ms.map_or(third, |e| e.min(third)));
             }
-            st.model.acquire(now, req)
-        };
+            r
+        });
         Ok(match admitted {
             Ok(id) => Admission::Admitted(Permit::new(
                 req.est_tokens,
                 Box::new(MemoryPermit {
-                    shared: self.shared.clone(),
+                    store: self.store.clone(),
                     id,
                     settled: AtomicBool::new(false),
+                    released: AtomicBool::new(false),
                 }),
             )),
             Err(refusal) => Admission::Refused(refusal),
@@ -114,17 +161,18 @@ impl RateLimiter for MemoryLimiter {
     }
 
     async fn in_flight(&self, scope: &str, source: &str) -> Result<u32, GovernanceError> {
-        let now = self.shared.now_ms();
-        Ok(lock(&self.shared.state).model.in_flight(now, scope, source))
+        Ok(self.with(|st, now| st.model.in_flight(now, scope, source)))
     }
 }
 
 /// The backend of a memory permit. The first settlement wins (as in the Redis backend),
-/// whichever path it takes; release is idempotent in the model.
+/// whichever path it takes; release is idempotent in the model. Settled and released,
+/// the permit's lease is no longer renewed.
 struct MemoryPermit {
-    shared: Arc<Shared>,
+    store: Arc<Store>,
     id: u64,
     settled: AtomicBool,
+    released: AtomicBool,
 }
 
 impl fmt::Debug for MemoryPermit {
@@ -132,6 +180,7 @@ impl fmt::Debug for MemoryPermit {
         f.debug_struct("MemoryPermit")
             .field("id", &self.id)
             .field("settled", &self.settled.load(Ordering::Relaxed))
+            .field("released", &self.released.load(Ordering::Relaxed))
             .finish()
     }
 }
@@ -139,15 +188,21 @@ impl fmt::Debug for MemoryPermit {
 impl MemoryPermit {
     fn apply(&self, tokens: Option<u64>, release: bool) {
         let settle = tokens.filter(|_| !self.settled.swap(true, Ordering::AcqRel));
+        let release = release && !self.released.swap(true, Ordering::AcqRel);
         if settle.is_none() && !release {
             return;
         }
-        let mut st = lock(&self.shared.state);
+        let mut st = lock(&self.store.limiter);
+        let now = self.store.now_ms();
+        let now = st.at(now);
         if let Some(t) = settle {
-            st.model.settle(self.id, t);
+            st.model.settle(now, self.id, t);
         }
         if release {
             st.model.release(self.id);
+        }
+        if self.settled.load(Ordering::Acquire) && self.released.load(Ordering::Acquire) {
+            st.leases.remove(&self.id);
         }
     }
 }
@@ -171,5 +226,14 @@ impl PermitBackend for MemoryPermit {
 
     fn settle_on_drop(&self, tokens: Option<u64>) {
         self.apply(tokens, true);
+    }
+}
+
+impl Drop for MemoryPermit {
+    fn drop(&mut self) {
+        // A permit settled on drop or finished is gone from the leases already; one that
+        // was released but never settled (its `Permit` settles on drop) too. Whatever is
+        // left stops being renewed with its holder.
+        lock(&self.store.limiter).leases.remove(&self.id);
     }
 }

@@ -64,11 +64,24 @@ impl LimiterHarness for Mem {
     }
     async fn clients(&self, n: usize) -> Vec<Arc<dyn RateLimiter>> {
         (0..n)
-            .map(|_| Arc::new(self.limiter.clone()) as Arc<dyn RateLimiter>)
+            .map(|_| Arc::new(self.limiter.client()) as Arc<dyn RateLimiter>)
             .collect()
     }
     async fn windowed(&self) -> (Subject, Duration) {
         (self.subject_now(), Duration::from_secs(60))
+    }
+    async fn crashable(&self) -> (Arc<dyn RateLimiter>, Box<dyn Fn() + Send + Sync>) {
+        let c = self.limiter.client();
+        let stop = c.clone();
+        (Arc::new(c), Box::new(move || stop.stop_heartbeat()))
+    }
+    async fn quiet(&self) -> Subject {
+        let c = self.limiter.client();
+        c.stop_heartbeat();
+        Subject {
+            limiter: Arc::new(c.clone()),
+            probe: Arc::new(Probe(c)),
+        }
     }
     fn manual_time(&self) -> bool {
         true
@@ -91,8 +104,18 @@ impl BreakerHarness for Mem {
     }
     async fn clients(&self, n: usize) -> Vec<Arc<dyn BreakerStore>> {
         (0..n)
-            .map(|_| Arc::new(self.breakers.clone()) as Arc<dyn BreakerStore>)
+            .map(|_| Arc::new(self.breakers.client()) as Arc<dyn BreakerStore>)
             .collect()
+    }
+    async fn crashable(&self) -> (Arc<dyn BreakerStore>, Box<dyn Fn() + Send + Sync>) {
+        let c = self.breakers.client();
+        let stop = c.clone();
+        (Arc::new(c), Box::new(move || stop.stop_heartbeat()))
+    }
+    async fn quiet(&self) -> Arc<dyn BreakerStore> {
+        let c = self.breakers.client();
+        c.stop_heartbeat();
+        Arc::new(c)
     }
     fn settings(&self) -> BreakerSettings {
         BreakerSettings {
@@ -134,6 +157,8 @@ mod limiter_contract {
         tpm_window_rolls,
         concurrency_cap_and_release,
         lease_expiry_frees_the_slot,
+        leases_renewed_while_held_and_end_after_a_crash,
+        long_calls_hold_their_tpm_reservation,
         scope_limits_atomic_with_source,
         settle_and_release_idempotent,
         drop_settles_reservation_and_releases,
@@ -179,6 +204,11 @@ mod breaker_contract {
         dead_source_out_for_dead_s,
         concurrent_half_open_grants_one_probe,
         sources_are_independent,
+        outcomes_count_only_in_their_epoch,
+        stale_probe_changes_nothing,
+        only_the_dead_period_revives_a_dead_source,
+        probe_renewed_while_held_and_freed_after_a_crash,
+        release_probe_frees_it,
     );
 
     /// Random admit/record/advance sequences match `BreakerState` exactly.
@@ -245,6 +275,111 @@ mod memory_specific {
         let r = Req::new("M", "a").source_limits(1, 0, 0);
         let _p = lc::admit(&h.limiter, &r).await;
         assert_eq!(lc::refuse(&other, &r).await.reason.as_str(), "rpm");
+    }
+
+    /// SPEC §14.11: the limiters and breaker stores `shared` hands out for one scope (as
+    /// the facade builds one per client) share one state: two clients of a scope cannot
+    /// double its quota, and a breaker tripped through one is open for the other.
+    #[tokio::test]
+    async fn two_clients_of_one_scope_share_quota_and_breakers() {
+        let clock: Arc<dyn Clock> =
+            Arc::new(ManualClock::new(tokio::time::Instant::now().into_std(), 0));
+        let scope = polygw_testkit::services::unique_name("SHARED");
+        let (l1, b1) = polygw_limiter_memory::shared(&scope, clock.clone());
+        let (l2, b2) = polygw_limiter_memory::shared(&scope, clock.clone());
+        let r = Req::new(&scope, "a")
+            .source_limits(3, 0, 2)
+            .scope_limits(0, 0);
+        let _p1 = lc::admit(&l1, &r).await;
+        let _p2 = lc::admit(&l2, &r).await;
+        assert_eq!(lc::refuse(&l1, &r).await.reason.as_str(), "concurrency");
+        assert_eq!(lc::refuse(&l2, &r).await.reason.as_str(), "concurrency");
+        assert_eq!(l1.in_flight(&scope, "a").await.unwrap(), 2);
+        let s = BreakerSettings {
+            failures: 1,
+            ..BreakerSettings::default()
+        };
+        b1.record(
+            &scope,
+            "a",
+            polygw_core::breaker::BreakerOutcome::Failure,
+            0,
+            false,
+            &s,
+        )
+        .await
+        .unwrap();
+        assert!(b2.state(&scope, "a").await.unwrap().is_tripped());
+        // another scope name has its own state
+        let (l3, _) = polygw_limiter_memory::shared(&format!("{scope}_X"), clock);
+        let r3 = Req::new(&format!("{scope}_X"), "a").source_limits(3, 0, 2);
+        let _p3 = lc::admit(&l3, &r3).await;
+        let _p4 = lc::admit(&l3, &r3).await;
+    }
+
+    /// SPEC §14.11 bullet / issue 14: the clock is read inside the lock. Threads acquire,
+    /// settle and release through a clock that jumps on every read; time as the model
+    /// sees it never goes back, so no hint underflows (a panic in debug builds) and no
+    /// window is over-admitted.
+    #[test]
+    fn concurrent_acquirers_with_a_jumping_clock() {
+        #[derive(Debug)]
+        struct Jumping {
+            base: Instant,
+            ticks: std::sync::atomic::AtomicU64,
+        }
+        impl Clock for Jumping {
+            fn now(&self) -> Instant {
+                // 700 ms per read: the window turns over every ~86 reads.
+                let n = self.ticks.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                self.base + Duration::from_millis(700 * n)
+            }
+            fn unix_ms(&self) -> i64 {
+                0
+            }
+        }
+        let clock = Arc::new(Jumping {
+            base: tokio::time::Instant::now().into_std(),
+            ticks: Default::default(),
+        });
+        let l = MemoryLimiter::new(clock);
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .build()
+            .unwrap();
+        let threads: Vec<_> = (0..4)
+            .map(|t| {
+                let l = l.clone();
+                std::thread::spawn(move || {
+                    let rt = tokio::runtime::Builder::new_current_thread()
+                        .build()
+                        .unwrap();
+                    let r = Req::new("JUMP", "a")
+                        .source_limits(7, 900, 3)
+                        .scope_limits(9, 1200)
+                        .est(100 + t * 10);
+                    let mut held = vec![];
+                    for i in 0..3000u64 {
+                        match rt.block_on(l.acquire(&r.get())).unwrap() {
+                            Admission::Admitted(p) => held.push(p),
+                            Admission::Refused(f) => {
+                                assert!(f.retry_after.is_some(), "{f:?}");
+                            }
+                        }
+                        if held.len() > 2 || i % 3 == 0 {
+                            if let Some(mut p) = held.pop() {
+                                rt.block_on(p.finish(i % 400)).unwrap();
+                            }
+                        }
+                    }
+                })
+            })
+            .collect();
+        for t in threads {
+            t.join().expect("no panic in any thread");
+        }
+        let (reqs, _) = l.source_window("JUMP", "a");
+        assert!(reqs <= 7);
+        assert!(rt.block_on(l.in_flight("JUMP", "a")).unwrap() <= 3);
     }
 }
 

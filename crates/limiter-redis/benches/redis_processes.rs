@@ -2,9 +2,12 @@
 //! (re-invoked through `current_exe()` as a worker), all governing one scope. Measures
 //! total acquire + settle throughput and per-process latency against the same load from
 //! 1 process in the same run, and checks that the shared limits hold across processes
-//! (admitted ≤ RPM, in flight ≤ MAX_CONCURRENCY). `cargo bench -p polygw-limiter-redis
-//! --bench redis_processes` (`cargo xtask bench governance`); skipped with a message when
-//! Redis is down. Method and results: docs/BENCHMARKS.md, "Governance across processes".
+//! (admitted ≤ RPM, in flight ≤ MAX_CONCURRENCY) — on the single server
+//! (`POLYGW_TEST_REDIS_URL`) and, as a second column, on the local Redis Cluster
+//! (`POLYGW_TEST_REDIS_CLUSTER_URL`, started by `.ci/redis-cluster.sh`; skipped when it
+//! is down). `cargo bench -p polygw-limiter-redis --bench redis_processes`
+//! (`cargo xtask bench governance`); skipped with a message when Redis is down. Method
+//! and results: docs/BENCHMARKS.md, "Governance across processes".
 
 #![allow(
     clippy::disallowed_methods,
@@ -92,7 +95,40 @@ struct TaskOut {
     max_in_flight: i64,
 }
 
-async fn task(job: Job, lim: RedisLimiter, mut con: redis::aio::ConnectionManager) -> TaskOut {
+/// A plain connection for the in-flight counter: single server or cluster.
+#[derive(Clone)]
+enum Raw {
+    Single(redis::aio::ConnectionManager),
+    Cluster(redis::cluster_async::ClusterConnection),
+}
+
+impl Raw {
+    async fn connect(url: &str) -> Raw {
+        let (nodes, cluster) = polygw_core::config::guards::redis_nodes(url).expect("a redis url");
+        if cluster {
+            let c = redis::cluster::ClusterClient::new(nodes).expect("cluster client");
+            Raw::Cluster(c.get_async_connection().await.expect("cluster connection"))
+        } else {
+            Raw::Single(
+                redis::aio::ConnectionManager::new(redis::Client::open(url).expect("url"))
+                    .await
+                    .expect("raw connection"),
+            )
+        }
+    }
+
+    async fn add(&mut self, key: &str, by: i64) -> i64 {
+        let mut cmd = redis::cmd("INCRBY");
+        cmd.arg(key).arg(by);
+        match self {
+            Raw::Single(c) => cmd.query_async(c).await,
+            Raw::Cluster(c) => cmd.query_async(c).await,
+        }
+        .expect("INCRBY")
+    }
+}
+
+async fn task(job: Job, lim: RedisLimiter, mut con: Raw) -> TaskOut {
     let mut out = TaskOut::default();
     let req = job.request();
     let counter = format!("polygw:{{{}}}:bench-in-flight", job.scope);
@@ -106,18 +142,10 @@ async fn task(job: Job, lim: RedisLimiter, mut con: redis::aio::ConnectionManage
                 if job.mode == "concurrency" {
                     // Count ourselves in flight while holding the permit (the counter
                     // can only under-count the limiter's in-flight set).
-                    let n: i64 = redis::cmd("INCR")
-                        .arg(&counter)
-                        .query_async(&mut con)
-                        .await
-                        .expect("INCR");
+                    let n = con.add(&counter, 1).await;
                     out.max_in_flight = out.max_in_flight.max(n);
                     tokio::time::sleep(Duration::from_millis(1)).await;
-                    let _: i64 = redis::cmd("DECR")
-                        .arg(&counter)
-                        .query_async(&mut con)
-                        .await
-                        .expect("DECR");
+                    con.add(&counter, -1).await;
                 }
                 p.finish(700).await.expect("settle");
                 if job.mode != "concurrency" {
@@ -159,10 +187,7 @@ fn worker(mode: String) {
         let gov = RedisGovernance::connect(&job.url, RedisOptions::default())
             .await
             .expect("connect");
-        let raw =
-            redis::aio::ConnectionManager::new(redis::Client::open(job.url.as_str()).expect("url"))
-                .await
-                .expect("raw connection");
+        let raw = Raw::connect(&job.url).await;
         // Warm-up on a scope of its own (loads the scripts, fills buffers).
         let warm = Job {
             mode: "throughput".into(),
@@ -273,38 +298,36 @@ fn sum(f: &[Figures], k: &str) -> f64 {
     f.iter().map(|x| x[k]).sum()
 }
 
-fn main() {
-    if let Ok(mode) = std::env::var(WORKER) {
-        worker(mode);
-        return;
-    }
-    let Some(url) = polygw_testkit::services::redis_url() else {
-        println!("redis multi-process benchmark skipped: Redis is not reachable");
-        return;
-    };
-    let full = std::env::args().any(|a| a == "--bench");
+/// The figures of one target (single server or cluster).
+#[derive(Debug, Default)]
+struct Target {
+    /// ops/s of the throughput phases, in order.
+    rates: Vec<f64>,
+    /// per-process p50 / p99 (µs) ranges of the throughput phases.
+    latency: Vec<String>,
+    rpm: Vec<String>,
+    concurrency: Vec<String>,
+    ok: bool,
+}
+
+fn measure(url: &str, name: &str, full: bool) -> Target {
     let ops = if full { 300 } else { 10 };
-    let load = || {
-        std::fs::read_to_string("/proc/loadavg")
-            .map(|s| s.split_whitespace().take(3).collect::<Vec<_>>().join(" "))
-            .unwrap_or_default()
-    };
-    println!(
-        "redis governance across processes: one scope, acquire + settle (reservation 1000, settlement 700); load average {}",
-        load()
-    );
     let job = |mode: &str, tasks: usize, ops: usize, limit: u64| Job {
         mode: mode.into(),
-        url: url.clone(),
+        url: url.to_string(),
         scope: polygw_testkit::services::unique_name("BENCHP"),
         tasks,
         ops,
         limit,
     };
+    let mut t = Target {
+        ok: true,
+        ..Target::default()
+    };
 
     // Throughput: the same total concurrency from 1 process and from 4; then 4 processes
     // each as loaded as the single one.
-    println!("\nthroughput (every limit on, never reached; {ops} cycles per task):");
+    println!("\n[{name}] throughput (every limit on, never reached; {ops} cycles per task):");
     println!(
         "  {:<36} {:>7} {:>9} {:>9}   per-process p50 / p99 (µs)",
         "phase", "ops", "ops/s", "vs 1 proc"
@@ -329,12 +352,25 @@ fn main() {
             rate / base,
             per.join("  ")
         );
+        let (lo50, hi50) = f.iter().fold((f64::MAX, 0.0f64), |(lo, hi), x| {
+            (lo.min(x["p50"]), hi.max(x["p50"]))
+        });
+        let (lo99, hi99) = f.iter().fold((f64::MAX, 0.0f64), |(lo, hi), x| {
+            (lo.min(x["p99"]), hi.max(x["p99"]))
+        });
+        t.rates.push(rate);
+        t.latency.push(format!(
+            "{:.1}–{:.1} ms / {:.1}–{:.1} ms",
+            lo50 / 1000.0,
+            hi50 / 1000.0,
+            lo99 / 1000.0,
+            hi99 / 1000.0
+        ));
         assert_eq!(total as usize, procs * tasks * ops, "every cycle admitted");
     }
 
     // Limits shared across processes.
-    let mut ok = true;
-    println!("\nshared limits:");
+    println!("\n[{name}] shared limits:");
     let rpm = if full { 1000 } else { 50 };
     for (procs, tasks) in [(1usize, 32usize), (4, 8)] {
         let attempts = if full { 60 } else { 4 };
@@ -342,7 +378,7 @@ fn main() {
         let admitted = sum(&f, "admitted");
         let refused = sum(&f, "refused");
         let good = admitted as u64 == rpm;
-        ok &= admitted as u64 <= rpm;
+        t.ok &= admitted as u64 <= rpm;
         println!(
             "  RPM {rpm}, {procs} process(es) × {tasks} tasks × {attempts} attempts: admitted {admitted:.0}, refused {refused:.0} \
              in {:.2} s — {}",
@@ -355,6 +391,7 @@ fn main() {
                 "OVER THE LIMIT"
             }
         );
+        t.rpm.push(format!("admitted {admitted:.0} of {rpm}"));
     }
     let cap = 8;
     for (procs, tasks) in [(1usize, 32usize), (4, 8)] {
@@ -363,16 +400,100 @@ fn main() {
         let admitted = sum(&f, "admitted");
         let refused = sum(&f, "refused");
         let max = f.iter().map(|x| x["max_in_flight"]).fold(0.0, f64::max);
-        ok &= max as u64 <= cap;
+        t.ok &= max as u64 <= cap;
         println!(
             "  MAX_CONCURRENCY {cap}, {procs} process(es) × {tasks} tasks, each holding a permit 1 ms × {cycles}: \
              admitted {admitted:.0} ({:.0}/s), refused {refused:.0}, most seen in flight {max:.0} — {}",
             admitted / wall.as_secs_f64(),
             if max as u64 <= cap { "within the cap" } else { "OVER THE CAP" }
         );
+        t.concurrency.push(format!(
+            "most in flight {max:.0}/{cap}; {:.0} admitted/s",
+            admitted / wall.as_secs_f64()
+        ));
+    }
+    t
+}
+
+fn main() {
+    if let Ok(mode) = std::env::var(WORKER) {
+        worker(mode);
+        return;
+    }
+    let Some(url) = polygw_testkit::services::redis_url() else {
+        println!("redis multi-process benchmark skipped: Redis is not reachable");
+        return;
+    };
+    let full = std::env::args().any(|a| a == "--bench");
+    let load = || {
+        std::fs::read_to_string("/proc/loadavg")
+            .map(|s| s.split_whitespace().take(3).collect::<Vec<_>>().join(" "))
+            .unwrap_or_default()
+    };
+    println!(
+        "redis governance across processes: one scope, acquire + settle (reservation 1000, settlement 700); load average {}",
+        load()
+    );
+    let single = measure(&url, "single server", full);
+    let cluster =
+        polygw_testkit::services::redis_cluster_url().map(|u| measure(&u, "3-node cluster", full));
+
+    // Both targets side by side; ratios against the single server's 1-process phase of
+    // this run (the baseline), and the cluster's against its own 1-process phase.
+    println!("\nsummary (ops/s; ratio to the single server's 1 process × 32 tasks of this run):");
+    let phases = [
+        "1 process × 32 tasks",
+        "4 processes × 8 tasks",
+        "4 processes × 32 tasks",
+    ];
+    let base = single.rates[0];
+    for (i, p) in phases.iter().enumerate() {
+        let c = match &cluster {
+            Some(c) => format!(
+                "{:>9.0} ({:.2}×; {:.2}× its own 1-process)",
+                c.rates[i],
+                c.rates[i] / base,
+                c.rates[i] / c.rates[0]
+            ),
+            None => "skipped (no cluster)".into(),
+        };
+        println!(
+            "  {p:<24} single {:>9.0} ({:.2}×)   cluster {c}",
+            single.rates[i],
+            single.rates[i] / base
+        );
+        println!(
+            "  {:<24} p50/p99 single {}   cluster {}",
+            "",
+            single.latency[i],
+            cluster
+                .as_ref()
+                .map(|c| c.latency[i].as_str())
+                .unwrap_or("-")
+        );
+    }
+    for (i, what) in ["RPM, 1 process", "RPM, 4 processes"].iter().enumerate() {
+        println!(
+            "  {what:<24} single {}   cluster {}",
+            single.rpm[i],
+            cluster.as_ref().map(|c| c.rpm[i].as_str()).unwrap_or("-")
+        );
+    }
+    for (i, what) in ["concurrency, 1 process", "concurrency, 4 processes"]
+        .iter()
+        .enumerate()
+    {
+        println!(
+            "  {what:<24} single {}   cluster {}",
+            single.concurrency[i],
+            cluster
+                .as_ref()
+                .map(|c| c.concurrency[i].as_str())
+                .unwrap_or("-")
+        );
     }
     println!("\nload average {}", load());
-    if !ok {
+    if !single.ok || cluster.as_ref().is_some_and(|c| !c.ok) {
         eprintln!("redis multi-process benchmark: a shared limit was exceeded");
         std::process::exit(1);
     }

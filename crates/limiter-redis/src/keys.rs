@@ -2,12 +2,17 @@
 //!
 //! | key | type | holds |
 //! |---|---|---|
-//! | `polygw:{S}:source:<name>:win` | zset | permit id → admitted at (ms) |
-//! | `polygw:{S}:source:<name>:tok` | hash | permit id → tokens; `sum`; `s:<id>` settled mark |
-//! | `polygw:{S}:source:<name>:inflight` | zset | permit id → lease end (ms) |
+//! | `polygw:{S}:source:<name>:win` | zset | permit id → admitted at (ms): requests (RPM) |
+//! | `polygw:{S}:source:<name>:inflight` | zset | permit id → lease end (ms): slots |
+//! | `polygw:{S}:source:<name>:tokens` | hash | permit id → tokens; `sum` (TPM) |
+//! | `polygw:{S}:source:<name>:reserved` | zset | permit id → lease end: unsettled reservations |
+//! | `polygw:{S}:source:<name>:settled` | zset | permit id → settled at: settlements |
 //! | `polygw:{S}:source:<name>:breaker` | hash | breaker state (see `lua/breaker_admit.lua`) |
 //! | `polygw:{S}:scope:win` | zset | permit id → admitted at (ms) |
-//! | `polygw:{S}:scope:tok` | hash | permit id → tokens; `sum` |
+//! | `polygw:{S}:scope:{tokens,reserved,settled}` | hash, zsets | as the source's |
+//!
+//! The token keys are new with §14.3 (reservations held until settled); the keys of the
+//! earlier layout (`…:tok`) are never read and expire by their TTL.
 
 use polygw_core::error::GovernanceError;
 
@@ -17,10 +22,14 @@ use crate::BACKEND;
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) struct SourceKeys {
     pub win: String,
-    pub tok: String,
     pub inflight: String,
+    pub tokens: String,
+    pub reserved: String,
+    pub settled: String,
     pub scope_win: String,
-    pub scope_tok: String,
+    pub scope_tokens: String,
+    pub scope_reserved: String,
+    pub scope_settled: String,
 }
 
 fn prefix(scope: &str) -> Result<String, GovernanceError> {
@@ -39,10 +48,14 @@ impl SourceKeys {
         let p = prefix(scope)?;
         Ok(SourceKeys {
             win: format!("{p}:source:{source}:win"),
-            tok: format!("{p}:source:{source}:tok"),
             inflight: format!("{p}:source:{source}:inflight"),
+            tokens: format!("{p}:source:{source}:tokens"),
+            reserved: format!("{p}:source:{source}:reserved"),
+            settled: format!("{p}:source:{source}:settled"),
             scope_win: format!("{p}:scope:win"),
-            scope_tok: format!("{p}:scope:tok"),
+            scope_tokens: format!("{p}:scope:tokens"),
+            scope_reserved: format!("{p}:scope:reserved"),
+            scope_settled: format!("{p}:scope:settled"),
         })
     }
 }
@@ -52,8 +65,13 @@ pub(crate) fn breaker(scope: &str, source: &str) -> Result<String, GovernanceErr
     Ok(format!("{}:source:{source}:breaker", prefix(scope)?))
 }
 
-/// A scope's window keys.
-pub(crate) fn scope_window(scope: &str) -> Result<(String, String), GovernanceError> {
+/// A scope's window keys: requests, tokens, reservations, settlements.
+pub(crate) fn scope_window(scope: &str) -> Result<[String; 4], GovernanceError> {
     let p = prefix(scope)?;
-    Ok((format!("{p}:scope:win"), format!("{p}:scope:tok")))
+    Ok([
+        format!("{p}:scope:win"),
+        format!("{p}:scope:tokens"),
+        format!("{p}:scope:reserved"),
+        format!("{p}:scope:settled"),
+    ])
 }

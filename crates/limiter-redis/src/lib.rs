@@ -1,43 +1,67 @@
-//! polygw's shared governance on Redis (SPEC §4.2, §4.4): a [`RedisLimiter`]
-//! (`RateLimiter`) and a [`RedisBreakerStore`] (`BreakerStore`) over one connection
-//! manager, for several processes sharing quotas and breaker state.
+//! polygw's shared governance on Redis (SPEC §4.2, §4.4, §14): a [`RedisLimiter`]
+//! (`RateLimiter`) and a [`RedisBreakerStore`] (`BreakerStore`) over one connection, for
+//! several processes sharing quotas and breaker state.
 //!
 //! - Every acquire, every settle/release, every breaker admit and record is one atomic Lua
 //!   script (EVALSHA; on NOSCRIPT the script is loaded and run again), and time inside
 //!   a script is the server's `TIME`, so process clocks never matter.
 //! - The scripts mirror core's reference models ([`polygw_core::window`],
 //!   [`polygw_core::breaker`]); the contract suite in `polygw-testkit` checks they agree.
-//! - Keys: `polygw:{SCOPE}:source:<name>:{win,tok,inflight,breaker}` and
-//!   `polygw:{SCOPE}:scope:{win,tok}`. The braces are a Redis Cluster hash tag, so every
-//!   key a script touches is in one slot. Every key has a TTL: window keys live one window
-//!   past their newest entry, in-flight keys one lease past their longest lease, breaker
-//!   hashes [`RedisOptions::breaker_idle_ttl`] past their last deadline.
-//! - In-flight slots are leases (`AcquireRequest::lease`): a crashed holder's slot frees
-//!   itself. Permit ids are random 128-bit values, unique across processes.
-//! - A permit dropped without settlement queues its settlement for a background task
-//!   (drop cannot await); [`RateLimiter::flush`] / [`RedisGovernance::shutdown`] wait for
-//!   the queue to drain.
+//! - Keys: `polygw:{SCOPE}:source:<name>:{win,inflight,tokens,reserved,settled,breaker}`
+//!   and `polygw:{SCOPE}:scope:{win,tokens,reserved,settled}` (see `keys.rs`). The braces
+//!   are a Redis Cluster hash tag: every key a script touches is in one slot, and every
+//!   script declares its keys, so a cluster routes it to that slot's node. Every key has
+//!   a TTL: nothing outlives the window, lease or breaker deadline it remembers.
+//! - Connections (`REDIS__URL`): `redis://` and `rediss://` (TLS through rustls with the
+//!   ring provider; a private CA with [`RedisOptions::ca_file`]) on one multiplexed
+//!   connection that reconnects by itself, and a Redis Cluster
+//!   (`redis+cluster://h1:p1,h2:p2,…`, `rediss+cluster://…`) through the redis crate's
+//!   cluster connection, which follows the slot map (MOVED/ASK).
+//! - Leases (SPEC §14.4): in-flight slots, reservations and half-open probes are leases
+//!   (`AcquireRequest::lease`). A background heartbeat, started on the first lease and
+//!   stopped when the governance is dropped or shut down, renews every live lease of the
+//!   process each third of the shortest lease — one script per scope per beat — so a
+//!   long stream keeps its slot and a crashed process's slots free within one lease.
+//!   Permit ids are random 128-bit values, unique across processes.
+//! - Background queue (SPEC §14.5): settlements and releases that cannot be awaited (a
+//!   dropped permit, a hedge loser, an acquire or probe admission whose answer was lost)
+//!   are queued and applied in order, each retried with backoff while Redis is failing —
+//!   never discarded while the governance lives. The queue is bounded
+//!   ([`RedisOptions::queue_capacity`]); what does not fit is counted
+//!   ([`RedisLimiter::settlements_dropped`](polygw_core::ports::RateLimiter::settlements_dropped))
+//!   and logged, and its slot ends with its lease. [`RateLimiter::flush`](polygw_core::ports::RateLimiter::flush)
+//!   and [`RedisGovernance::shutdown`] wait for the queue (bounded by
+//!   [`RedisOptions::flush_timeout`]).
 //! - Redis unreachable, slow or failing → [`GovernanceError`] (fail closed), within
-//!   [`RedisOptions::operation_timeout`]; never an admission.
+//!   [`RedisOptions::operation_timeout`]; never an admission. Errors name the target with
+//!   its password redacted.
 
+mod background;
 mod breaker;
 mod keys;
 mod limiter;
 
 use std::fmt;
+use std::path::PathBuf;
+use std::sync::Arc;
 use std::time::Duration;
 
 use polygw_core::error::GovernanceError;
+use polygw_core::secret::redact_url;
 use redis::aio::{ConnectionManager, ConnectionManagerConfig};
-use redis::{FromRedisValue, ScriptInvocation};
+use redis::cluster::ClusterClientBuilder;
+use redis::cluster_async::ClusterConnection;
+use redis::{Cmd, FromRedisValue, Pipeline, RedisFuture, ScriptInvocation, Value};
 
 pub use breaker::RedisBreakerStore;
 pub use limiter::RedisLimiter;
 
+use background::Background;
+
 /// The `backend` name in every [`GovernanceError`] of this crate.
 pub const BACKEND: &str = "redis";
 
-/// Connection and key settings.
+/// Connection, key and background settings.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct RedisOptions {
     /// Bound on establishing a connection (default 1 s).
@@ -55,9 +79,21 @@ pub struct RedisOptions {
     /// How long a breaker hash is kept after its last deadline has passed (default 24 h):
     /// a source idle that long starts again closed, with no failures counted.
     pub breaker_idle_ttl: Duration,
-    /// Attempts for a queued drop-time settlement before it is given up and counted as
-    /// failed (its slot then frees itself when the lease ends). Default 3.
+    /// Attempts for a queued settlement once the governance is gone (dropped while Redis
+    /// fails): after them it is given up, counted and logged. While the governance lives,
+    /// queued work is retried until it lands. Default 3.
     pub settle_attempts: u32,
+    /// Most queued settlements, releases and probe releases (default 10 000); beyond it
+    /// new ones are counted as dropped and their slots end with their leases.
+    pub queue_capacity: usize,
+    /// Longest backoff between two tries of a queued settlement (default 2 s; the first
+    /// retry comes after 50 ms, doubling, with jitter).
+    pub max_backoff: Duration,
+    /// How long `flush` / `shutdown` wait for the queue (default 5 s).
+    pub flush_timeout: Duration,
+    /// A PEM file of the CA certificates that TLS connections (`rediss://`) trust instead
+    /// of the system's roots (`{S}__TLS__CA_FILE`).
+    pub ca_file: Option<PathBuf>,
 }
 
 impl Default for RedisOptions {
@@ -70,11 +106,16 @@ impl Default for RedisOptions {
             key_margin: Duration::from_secs(10),
             breaker_idle_ttl: Duration::from_secs(24 * 3600),
             settle_attempts: 3,
+            queue_capacity: 10_000,
+            max_backoff: Duration::from_secs(2),
+            flush_timeout: Duration::from_secs(5),
+            ca_file: None,
         }
     }
 }
 
-/// The limiter and the breaker store over one connection manager.
+/// The limiter and the breaker store over one connection, one background queue and one
+/// heartbeat.
 #[derive(Debug, Clone)]
 pub struct RedisGovernance {
     limiter: RedisLimiter,
@@ -82,17 +123,22 @@ pub struct RedisGovernance {
 }
 
 impl RedisGovernance {
-    /// Connects to `url` (`redis://[user:password@]host:port[/db]`) and fails if the
-    /// server cannot be reached within the timeouts. Must run inside a tokio runtime.
+    /// Connects to `url` (see the crate doc for the forms) and fails if the server cannot
+    /// be reached within the timeouts. Must run inside a tokio runtime.
     pub async fn connect(url: &str, opts: RedisOptions) -> Result<Self, GovernanceError> {
-        let (client, config) = client(url, &opts)?;
-        let connect = ConnectionManager::new_with_config(client, config);
+        let target = Target::parse(url, &opts)?;
+        let connect = target.connect();
         let manager = match tokio::time::timeout(opts.operation_timeout, connect).await {
             Ok(Ok(m)) => m,
-            Ok(Err(e)) => return Err(redis_error("connect", &e)),
-            Err(_) => return Err(timeout_error("connect", opts.operation_timeout)),
+            Ok(Err(e)) => return Err(target.error("connect", &e)),
+            Err(_) => {
+                return Err(timeout_error(
+                    &format!("connect to {}", target.shown),
+                    opts.operation_timeout,
+                ))
+            }
         };
-        Ok(Self::over(Conn { manager, opts }))
+        Ok(Self::over(Conn::new(manager, opts, target.shown)))
     }
 
     /// Like [`RedisGovernance::connect`] but connects on first use: building never fails
@@ -105,16 +151,19 @@ impl RedisGovernance {
                 "connect_lazy needs a tokio runtime",
             ));
         }
-        let (client, config) = client(url, &opts)?;
-        let manager = ConnectionManager::new_lazy_with_config(client, config)
-            .map_err(|e| redis_error("connect", &e))?;
-        Ok(Self::over(Conn { manager, opts }))
+        let target = Target::parse(url, &opts)?;
+        let manager = target
+            .connect_lazy()
+            .map_err(|e| target.error("connect", &e))?;
+        Ok(Self::over(Conn::new(manager, opts, target.shown)))
     }
 
     fn over(conn: Conn) -> Self {
+        let bg = Background::start(conn);
+        let owner = Arc::new(Owner(bg.clone()));
         RedisGovernance {
-            limiter: RedisLimiter::new(conn.clone()),
-            breakers: RedisBreakerStore::new(conn),
+            limiter: RedisLimiter::new(bg.clone(), owner.clone()),
+            breakers: RedisBreakerStore::new(bg, owner),
         }
     }
 
@@ -128,55 +177,248 @@ impl RedisGovernance {
         self.breakers.clone()
     }
 
-    /// Waits until every queued drop-time settlement has been applied (or given up);
-    /// call on shutdown. Errors if some could not be applied since the last flush.
+    /// Stops renewing this governance's leases (what a crashed process looks like; the
+    /// heartbeat also stops when every handle is dropped). Their slots, reservations and
+    /// probes end with their leases unless released first.
+    pub fn stop_heartbeat(&self) {
+        self.limiter.background().stop_heartbeat();
+    }
+
+    /// Waits until every queued settlement has been applied (bounded by
+    /// [`RedisOptions::flush_timeout`]), then stops the heartbeat; call on shutdown.
+    /// Errors if some could not be applied in time or were dropped since the last flush.
     pub async fn shutdown(&self) -> Result<(), GovernanceError> {
-        self.limiter.flush_queue().await
+        let r = self.limiter.background().flush().await;
+        self.stop_heartbeat();
+        r
     }
 }
 
-fn client(
-    url: &str,
-    opts: &RedisOptions,
-) -> Result<(redis::Client, ConnectionManagerConfig), GovernanceError> {
-    // The error's category only: its detail may echo the URL and its password.
-    let client = redis::Client::open(url)
-        .map_err(|e| GovernanceError::new(BACKEND, format!("invalid url ({:?})", e.kind())))?;
-    let config = ConnectionManagerConfig::new()
-        .set_connection_timeout(Some(opts.connect_timeout))
-        .set_response_timeout(Some(opts.response_timeout))
-        .set_number_of_retries(1)
-        .set_min_delay(Duration::from_millis(20))
-        .set_max_delay(Duration::from_millis(200));
-    Ok((client, config))
+/// Held by every limiter and breaker store handle (not by permits or the background
+/// tasks): when the last handle goes, the heartbeat stops.
+struct Owner(Arc<Background>);
+
+impl Drop for Owner {
+    fn drop(&mut self) {
+        self.0.stop_heartbeat();
+    }
 }
 
-fn redis_error(what: &str, e: &redis::RedisError) -> GovernanceError {
-    GovernanceError::new(BACKEND, format!("{what}: {e}"))
+impl fmt::Debug for Owner {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("Owner")
+    }
+}
+
+/// A parsed `REDIS__URL`: single server or cluster seeds, and how to show it.
+struct Target {
+    nodes: Vec<String>,
+    cluster: bool,
+    /// The URL with its password redacted: what errors name.
+    shown: String,
+    tls: Option<redis::TlsCertificates>,
+    opts: RedisOptions,
+}
+
+impl Target {
+    fn parse(url: &str, opts: &RedisOptions) -> Result<Target, GovernanceError> {
+        let shown = redact_url(url);
+        let (nodes, cluster) = polygw_core::config::guards::redis_nodes(url).ok_or_else(|| {
+            GovernanceError::new(
+                BACKEND,
+                format!(
+                    "invalid url {shown}: expected {}",
+                    polygw_core::config::guards::REDIS_URL_FORMS
+                ),
+            )
+        })?;
+        let tls_url = nodes.iter().any(|n| n.starts_with("rediss://"));
+        let tls = match &opts.ca_file {
+            Some(path) if tls_url => {
+                let pem = std::fs::read(path).map_err(|e| {
+                    GovernanceError::new(
+                        BACKEND,
+                        format!(
+                            "cannot read the CA file {} for {shown}: {e}",
+                            path.display()
+                        ),
+                    )
+                })?;
+                Some(redis::TlsCertificates {
+                    client_tls: None,
+                    root_cert: Some(pem),
+                })
+            }
+            _ => None,
+        };
+        if tls_url {
+            install_crypto_provider();
+        }
+        Ok(Target {
+            nodes,
+            cluster,
+            shown,
+            tls,
+            opts: opts.clone(),
+        })
+    }
+
+    fn error(&self, what: &str, e: &redis::RedisError) -> GovernanceError {
+        // The error's text may echo the URL it was built from: show the redacted one, and
+        // of the error only what cannot carry the password.
+        let detail = if matches!(e.kind(), redis::ErrorKind::InvalidClientConfig) {
+            format!("invalid configuration ({:?})", e.kind())
+        } else {
+            e.to_string()
+        };
+        GovernanceError::new(BACKEND, format!("{what} to {}: {detail}", self.shown))
+    }
+
+    fn single_client(&self) -> redis::RedisResult<redis::Client> {
+        let node = self.nodes[0].as_str();
+        match &self.tls {
+            Some(certs) => redis::Client::build_with_tls(node, certs.clone()),
+            None => redis::Client::open(node),
+        }
+    }
+
+    fn cluster_client(&self) -> redis::RedisResult<redis::cluster::ClusterClient> {
+        let mut b = ClusterClientBuilder::new(self.nodes.clone())
+            .connection_timeout(self.opts.connect_timeout)
+            .response_timeout(self.opts.response_timeout)
+            .retries(1)
+            .min_retry_wait(20)
+            .max_retry_wait(200);
+        if let Some(certs) = &self.tls {
+            b = b.certs(certs.clone());
+        }
+        b.build()
+    }
+
+    fn manager_config(&self) -> ConnectionManagerConfig {
+        ConnectionManagerConfig::new()
+            .set_connection_timeout(Some(self.opts.connect_timeout))
+            .set_response_timeout(Some(self.opts.response_timeout))
+            .set_number_of_retries(1)
+            .set_min_delay(Duration::from_millis(20))
+            .set_max_delay(Duration::from_millis(200))
+    }
+
+    fn cluster_config(&self) -> redis::cluster::ClusterConfig {
+        redis::cluster::ClusterConfig::new()
+            .set_connection_timeout(self.opts.connect_timeout)
+            .set_response_timeout(self.opts.response_timeout)
+    }
+
+    async fn connect(&self) -> redis::RedisResult<Manager> {
+        if self.cluster {
+            let c = self.cluster_client()?;
+            Ok(Manager::Cluster(
+                c.get_async_connection_with_config(self.cluster_config())
+                    .await?,
+            ))
+        } else {
+            let c = self.single_client()?;
+            Ok(Manager::Single(
+                ConnectionManager::new_with_config(c, self.manager_config()).await?,
+            ))
+        }
+    }
+
+    fn connect_lazy(&self) -> redis::RedisResult<Manager> {
+        if self.cluster {
+            let c = self.cluster_client()?;
+            Ok(Manager::Cluster(
+                c.get_pending_async_connection_with_config(self.cluster_config()),
+            ))
+        } else {
+            let c = self.single_client()?;
+            Ok(Manager::Single(ConnectionManager::new_lazy_with_config(
+                c,
+                self.manager_config(),
+            )?))
+        }
+    }
+}
+
+/// Makes ring the process's rustls provider if none is installed yet (the redis crate's
+/// TLS config asks rustls for the process default; this build has ring only).
+fn install_crypto_provider() {
+    let _ = rustls::crypto::ring::default_provider().install_default();
 }
 
 fn timeout_error(what: &str, after: Duration) -> GovernanceError {
     GovernanceError::new(BACKEND, format!("{what}: no answer within {after:?}"))
 }
 
-/// One connection manager and the options, shared by the limiter, its permits, the
-/// settlement queue and the breaker store.
+/// A single-server connection manager or a cluster connection.
+#[derive(Clone)]
+enum Manager {
+    Single(ConnectionManager),
+    Cluster(ClusterConnection),
+}
+
+impl redis::aio::ConnectionLike for Manager {
+    fn req_packed_command<'a>(&'a mut self, cmd: &'a Cmd) -> RedisFuture<'a, Value> {
+        match self {
+            Manager::Single(m) => m.req_packed_command(cmd),
+            Manager::Cluster(c) => c.req_packed_command(cmd),
+        }
+    }
+
+    fn req_packed_commands<'a>(
+        &'a mut self,
+        cmd: &'a Pipeline,
+        offset: usize,
+        count: usize,
+    ) -> RedisFuture<'a, Vec<Value>> {
+        match self {
+            Manager::Single(m) => m.req_packed_commands(cmd, offset, count),
+            Manager::Cluster(c) => c.req_packed_commands(cmd, offset, count),
+        }
+    }
+
+    fn get_db(&self) -> i64 {
+        match self {
+            Manager::Single(m) => m.get_db(),
+            Manager::Cluster(c) => c.get_db(),
+        }
+    }
+}
+
+/// One connection and the options, shared by the limiter, its permits, the background
+/// tasks and the breaker store.
 #[derive(Clone)]
 struct Conn {
-    manager: ConnectionManager,
+    manager: Manager,
     opts: RedisOptions,
+    /// The URL, password redacted (errors).
+    shown: Arc<str>,
 }
 
 impl fmt::Debug for Conn {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         // The manager's own Debug shows the connection info: keep it out of logs.
         f.debug_struct("Conn")
+            .field("target", &self.shown)
             .field("opts", &self.opts)
             .finish_non_exhaustive()
     }
 }
 
 impl Conn {
+    fn new(manager: Manager, opts: RedisOptions, shown: String) -> Self {
+        Conn {
+            manager,
+            opts,
+            shown: shown.into(),
+        }
+    }
+
+    fn error(&self, what: &str, e: &redis::RedisError) -> GovernanceError {
+        GovernanceError::new(BACKEND, format!("{what} on {}: {e}", self.shown))
+    }
+
     /// Runs a script invocation within the operation timeout.
     async fn run<T: FromRedisValue>(
         &self,
@@ -187,28 +429,28 @@ impl Conn {
         let limit = self.opts.operation_timeout;
         match tokio::time::timeout(limit, inv.invoke_async(&mut con)).await {
             Ok(Ok(v)) => Ok(v),
-            Ok(Err(e)) => Err(redis_error(what, &e)),
-            Err(_) => Err(timeout_error(what, limit)),
+            Ok(Err(e)) => Err(self.error(what, &e)),
+            Err(_) => Err(timeout_error(&format!("{what} on {}", self.shown), limit)),
         }
     }
 
     /// Runs a command within the operation timeout.
-    async fn query<T: FromRedisValue>(
-        &self,
-        what: &str,
-        cmd: &redis::Cmd,
-    ) -> Result<T, GovernanceError> {
+    async fn query<T: FromRedisValue>(&self, what: &str, cmd: &Cmd) -> Result<T, GovernanceError> {
         let mut con = self.manager.clone();
         let limit = self.opts.operation_timeout;
         match tokio::time::timeout(limit, cmd.query_async(&mut con)).await {
             Ok(Ok(v)) => Ok(v),
-            Ok(Err(e)) => Err(redis_error(what, &e)),
-            Err(_) => Err(timeout_error(what, limit)),
+            Ok(Err(e)) => Err(self.error(what, &e)),
+            Err(_) => Err(timeout_error(&format!("{what} on {}", self.shown), limit)),
         }
     }
 
     fn window_ms(&self) -> u64 {
         ms(self.opts.window)
+    }
+
+    fn margin_ms(&self) -> u64 {
+        exact(ms(self.opts.key_margin))
     }
 }
 

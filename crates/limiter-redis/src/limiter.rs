@@ -1,84 +1,49 @@
-//! [`RedisLimiter`]: acquire and settle as atomic Lua scripts, and the background queue
-//! that applies drop-time settlements.
+//! [`RedisLimiter`]: acquire and settle as atomic Lua scripts; permits whose leases the
+//! heartbeat renews and whose drop-time settlement goes through the background queue.
 
 use std::fmt;
-use std::sync::{Arc, LazyLock};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, LazyLock, Mutex};
 use std::time::Duration;
 
 use async_trait::async_trait;
 use polygw_core::error::{GovernanceError, RefusalReason};
 use polygw_core::ports::{AcquireRequest, Admission, Permit, PermitBackend, RateLimiter, Refusal};
 use redis::Script;
-use tokio::sync::{mpsc, oneshot};
 
+use crate::background::{settle, Background, Lease, LeaseKind, Settlement, Work};
 use crate::keys::{self, SourceKeys};
-use crate::{exact, ms, Conn, BACKEND};
+use crate::{exact, ms, Owner, BACKEND};
 
 static ACQUIRE: LazyLock<Script> = LazyLock::new(|| Script::new(include_str!("lua/acquire.lua")));
-static SETTLE: LazyLock<Script> = LazyLock::new(|| Script::new(include_str!("lua/settle.lua")));
 static WINDOW: LazyLock<Script> = LazyLock::new(|| Script::new(include_str!("lua/window.lua")));
 static IN_FLIGHT: LazyLock<Script> =
     LazyLock::new(|| Script::new(include_str!("lua/in_flight.lua")));
 
-/// Redis [`RateLimiter`]: RPM, TPM (reserve then settle) and concurrency per source,
-/// scope-wide RPM/TPM in the same script (SPEC §4.2). Cheap to clone; clones share the
-/// connection and the settlement queue.
+/// Redis [`RateLimiter`]: RPM, TPM (reserve until settled, then one window from the
+/// settlement) and concurrency per source, scope-wide RPM/TPM in the same script (SPEC
+/// §4.2, §14.3). Cheap to clone; clones share the connection, the queue and the heartbeat.
 #[derive(Clone)]
 pub struct RedisLimiter {
-    inner: Arc<Inner>,
-}
-
-struct Inner {
-    conn: Conn,
-    queue: mpsc::UnboundedSender<Job>,
+    bg: Arc<Background>,
+    _owner: Arc<Owner>,
 }
 
 impl fmt::Debug for RedisLimiter {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("RedisLimiter")
-            .field("conn", &self.inner.conn)
+            .field("conn", self.bg.conn())
             .finish()
     }
 }
 
-/// A settlement (and/or release) of one permit.
-#[derive(Debug, Clone)]
-struct Settlement {
-    keys: SourceKeys,
-    id: String,
-    tokens: Option<u64>,
-    release: bool,
-}
-
-/// Work for the background task.
-enum Job {
-    Settle(Settlement),
-    /// Answered once every job queued before it is done: the settlements that failed
-    /// since the previous flush, if any.
-    Flush(oneshot::Sender<Result<(), GovernanceError>>),
-}
-
 impl RedisLimiter {
-    /// A limiter over `conn`; spawns its settlement task on the current tokio runtime
-    /// (the task ends once the limiter and all its permits are gone and the queue is
-    /// drained).
-    pub(crate) fn new(conn: Conn) -> Self {
-        let (tx, rx) = mpsc::unbounded_channel();
-        tokio::spawn(drain(conn.clone(), rx));
-        RedisLimiter {
-            inner: Arc::new(Inner { conn, queue: tx }),
-        }
+    pub(crate) fn new(bg: Arc<Background>, owner: Arc<Owner>) -> Self {
+        RedisLimiter { bg, _owner: owner }
     }
 
-    /// Waits for the settlement queue (see [`RateLimiter::flush`]).
-    pub(crate) async fn flush_queue(&self) -> Result<(), GovernanceError> {
-        let (tx, rx) = oneshot::channel();
-        self.inner
-            .queue
-            .send(Job::Flush(tx))
-            .map_err(|_| GovernanceError::new(BACKEND, "settlement queue task is gone"))?;
-        rx.await
-            .map_err(|_| GovernanceError::new(BACKEND, "settlement queue task is gone"))?
+    pub(crate) fn background(&self) -> &Arc<Background> {
+        &self.bg
     }
 
     /// `(requests, tokens)` in a source's rolling window now (tests, metrics).
@@ -88,19 +53,24 @@ impl RedisLimiter {
         source: &str,
     ) -> Result<(u64, u64), GovernanceError> {
         let k = SourceKeys::new(scope, source)?;
-        self.window(&k.win, &k.tok).await
+        self.window([&k.win, &k.tokens, &k.reserved, &k.settled])
+            .await
     }
 
     /// `(requests, tokens)` in a scope's rolling window now (tests, metrics).
     pub async fn scope_window(&self, scope: &str) -> Result<(u64, u64), GovernanceError> {
-        let (win, tok) = keys::scope_window(scope)?;
-        self.window(&win, &tok).await
+        let [win, tokens, reserved, settled] = keys::scope_window(scope)?;
+        self.window([&win, &tokens, &reserved, &settled]).await
     }
 
-    async fn window(&self, win: &str, tok: &str) -> Result<(u64, u64), GovernanceError> {
+    async fn window(&self, keys: [&String; 4]) -> Result<(u64, u64), GovernanceError> {
+        let conn = self.bg.conn();
         let mut inv = WINDOW.prepare_invoke();
-        inv.key(win).key(tok).arg(self.inner.conn.window_ms());
-        let (requests, tokens): (u64, u64) = self.inner.conn.run("window", &inv).await?;
+        for k in keys {
+            inv.key(k);
+        }
+        inv.arg(conn.window_ms());
+        let (requests, tokens): (u64, u64) = conn.run("window", &inv).await?;
         Ok((requests, tokens))
     }
 }
@@ -128,33 +98,42 @@ impl RateLimiter for RedisLimiter {
         let k = SourceKeys::new(scope, source)?;
         let mut inv = IN_FLIGHT.prepare_invoke();
         inv.key(&k.inflight);
-        self.inner.conn.run("in_flight", &inv).await
+        self.bg.conn().run("in_flight", &inv).await
     }
 
-    /// Waits until every drop-time settlement queued so far has been applied (or given up
-    /// after [`crate::RedisOptions::settle_attempts`]); errors if any was given up since
-    /// the last flush.
+    /// Waits until every settlement queued so far has been applied (bounded by
+    /// [`crate::RedisOptions::flush_timeout`]); errors if some is still waiting, or some
+    /// was dropped (queue full) since the last flush.
     async fn flush(&self) -> Result<(), GovernanceError> {
-        self.flush_queue().await
+        self.bg.flush().await
+    }
+
+    fn settlements_dropped(&self) -> u64 {
+        self.bg.dropped()
     }
 }
 
 impl RedisLimiter {
     /// Acquire under a given permit id.
-    async fn acquire_as(
+    pub(crate) async fn acquire_as(
         &self,
         req: &AcquireRequest<'_>,
         id: String,
     ) -> Result<Admission, GovernanceError> {
-        let conn = &self.inner.conn;
+        let conn = self.bg.conn();
         let keys = SourceKeys::new(req.scope, req.source)?;
         let est = exact(req.est_tokens);
+        let lease_ms = exact(ms(req.lease)).max(1);
         let mut inv = ACQUIRE.prepare_invoke();
         inv.key(&keys.win)
-            .key(&keys.tok)
+            .key(&keys.tokens)
+            .key(&keys.reserved)
+            .key(&keys.settled)
             .key(&keys.inflight)
             .key(&keys.scope_win)
-            .key(&keys.scope_tok)
+            .key(&keys.scope_tokens)
+            .key(&keys.scope_reserved)
+            .key(&keys.scope_settled)
             .arg(&id)
             .arg(req.rpm)
             .arg(exact(req.tpm))
@@ -162,15 +141,15 @@ impl RedisLimiter {
             .arg(req.scope_rpm)
             .arg(exact(req.scope_tpm))
             .arg(est)
-            .arg(exact(ms(req.lease)))
+            .arg(lease_ms)
             .arg(conn.window_ms())
-            .arg(exact(ms(conn.opts.key_margin)));
+            .arg(conn.margin_ms());
         // If this future is dropped (caller drop, deadline) once the script may have
         // been sent, the admission would hold its slot until the lease ends: queue an
-        // idempotent release of this id behind it on the same connection (a no-op if the
-        // script refused or never ran). Disarmed once the reply says what happened.
+        // idempotent release of this id (a no-op if the script refused or never ran).
+        // Disarmed once the reply says what happened.
         let mut pending = PendingAcquire {
-            queue: &self.inner.queue,
+            bg: &self.bg,
             settlement: Some(Settlement {
                 keys: keys.clone(),
                 id: id.clone(),
@@ -181,15 +160,25 @@ impl RedisLimiter {
         let reply: Vec<i64> = conn.run("acquire", &inv).await?;
         pending.settlement = None;
         match reply[..] {
-            [1, _] => Ok(Admission::Admitted(Permit::new(
-                est,
-                Box::new(RedisPermit {
-                    conn: conn.clone(),
-                    queue: self.inner.queue.clone(),
-                    keys,
-                    id,
-                }),
-            ))),
+            [1, _] => {
+                let lease = self.bg.register(Lease {
+                    scope: req.scope.to_string(),
+                    source: req.source.to_string(),
+                    kind: LeaseKind::Permit { id: id.clone() },
+                    lease_ms,
+                });
+                Ok(Admission::Admitted(Permit::new(
+                    est,
+                    Box::new(RedisPermit {
+                        bg: self.bg.clone(),
+                        keys,
+                        id,
+                        lease: Mutex::new(lease),
+                        settled: AtomicBool::new(false),
+                        released: AtomicBool::new(false),
+                    }),
+                )))
+            }
             [0, code, hint] => {
                 let reason = refusal_reason(code).ok_or_else(|| unexpected(&reply))?;
                 Ok(Admission::Refused(Refusal {
@@ -205,14 +194,14 @@ impl RedisLimiter {
 /// Releases an admission whose reply never arrived (see `acquire_as`). An error reply
 /// (a timeout, say) leaves it armed too: the script may have run on the server.
 struct PendingAcquire<'a> {
-    queue: &'a mpsc::UnboundedSender<Job>,
+    bg: &'a Background,
     settlement: Option<Settlement>,
 }
 
 impl Drop for PendingAcquire<'_> {
     fn drop(&mut self) {
         if let Some(s) = self.settlement.take() {
-            let _ = self.queue.send(Job::Settle(s));
+            self.bg.enqueue(Work::Settle(Box::new(s)));
         }
     }
 }
@@ -221,88 +210,16 @@ fn unexpected(reply: &[i64]) -> GovernanceError {
     GovernanceError::new(BACKEND, format!("unexpected script reply {reply:?}"))
 }
 
-async fn settle(conn: &Conn, s: &Settlement) -> Result<(), GovernanceError> {
-    let mut inv = SETTLE.prepare_invoke();
-    inv.key(&s.keys.win)
-        .key(&s.keys.tok)
-        .key(&s.keys.inflight)
-        .key(&s.keys.scope_tok)
-        .arg(&s.id)
-        .arg(s.tokens.map(|t| exact(t).to_string()).unwrap_or_default())
-        .arg(if s.release { "1" } else { "0" })
-        .arg(conn.window_ms());
-    let _: i64 = conn.run("settle", &inv).await?;
-    Ok(())
-}
-
-/// The background task: applies queued settlements in order, retrying each a few times.
-/// While the server is failing (a settlement was given up less than one operation timeout
-/// ago) queued settlements are given up at once, so an outage cannot pile up work: a
-/// settlement that never lands only means the slot frees itself at its lease end and the
-/// reservation stays as reserved.
-async fn drain(conn: Conn, mut rx: mpsc::UnboundedReceiver<Job>) {
-    let mut failed = 0u64;
-    let mut last: Option<GovernanceError> = None;
-    let mut failing_since: Option<tokio::time::Instant> = None;
-    while let Some(job) = rx.recv().await {
-        match job {
-            Job::Settle(s) => {
-                if failing_since.is_some_and(|t| t.elapsed() < conn.opts.operation_timeout) {
-                    failed += 1;
-                    continue;
-                }
-                let attempts = conn.opts.settle_attempts.max(1);
-                for attempt in 1..=attempts {
-                    match settle(&conn, &s).await {
-                        Ok(()) => {
-                            failing_since = None;
-                            break;
-                        }
-                        Err(e) if attempt == attempts => {
-                            tracing::warn!(
-                                error = %e,
-                                "drop-time settlement given up; the slot frees itself when its lease ends"
-                            );
-                            failed += 1;
-                            last = Some(e);
-                            failing_since = Some(tokio::time::Instant::now());
-                        }
-                        Err(_) => {
-                            tokio::time::sleep(Duration::from_millis(50 << attempt.min(5))).await
-                        }
-                    }
-                }
-            }
-            Job::Flush(reply) => {
-                let result = match last.take() {
-                    None if failed == 0 => Ok(()),
-                    None => Err(GovernanceError::new(
-                        BACKEND,
-                        format!("{failed} drop-time settlement(s) could not be applied"),
-                    )),
-                    Some(e) => Err(GovernanceError::new(
-                        BACKEND,
-                        format!(
-                            "{failed} drop-time settlement(s) could not be applied; last: {}",
-                            e.message
-                        ),
-                    )),
-                };
-                failed = 0;
-                // The flusher may have given up waiting; nothing to do then.
-                let _ = reply.send(result);
-            }
-        }
-    }
-}
-
 /// The backend of a Redis permit. Idempotency is server-side (first settlement wins,
-/// release is a set removal), so a retried or duplicated script changes nothing.
+/// release is a set removal), so a retried or duplicated script changes nothing. Its
+/// lease is renewed by the heartbeat until it is settled and released (or dropped).
 struct RedisPermit {
-    conn: Conn,
-    queue: mpsc::UnboundedSender<Job>,
+    bg: Arc<Background>,
     keys: SourceKeys,
     id: String,
+    lease: Mutex<Option<u64>>,
+    settled: AtomicBool,
+    released: AtomicBool,
 }
 
 impl fmt::Debug for RedisPermit {
@@ -323,26 +240,59 @@ impl RedisPermit {
             release,
         }
     }
+
+    fn stop_renewing(&self) {
+        let lease = self.lease.lock().unwrap_or_else(|e| e.into_inner()).take();
+        self.bg.deregister(lease);
+    }
+
+    /// Marks what landed; a permit settled and released needs no more renewal.
+    fn landed(&self, settled: bool, released: bool) {
+        if settled {
+            self.settled.store(true, Ordering::Release);
+        }
+        if released {
+            self.released.store(true, Ordering::Release);
+        }
+        if self.settled.load(Ordering::Acquire) && self.released.load(Ordering::Acquire) {
+            self.stop_renewing();
+        }
+    }
+
+    async fn run(&self, tokens: Option<u64>, release: bool) -> Result<(), GovernanceError> {
+        settle(self.bg.conn(), &self.settlement(tokens, release)).await?;
+        self.landed(tokens.is_some(), release);
+        Ok(())
+    }
 }
 
 #[async_trait]
 impl PermitBackend for RedisPermit {
     async fn settle(&self, tokens: u64) -> Result<(), GovernanceError> {
-        settle(&self.conn, &self.settlement(Some(tokens), false)).await
+        self.run(Some(tokens), false).await
     }
 
     async fn release(&self) -> Result<(), GovernanceError> {
-        settle(&self.conn, &self.settlement(None, true)).await
+        self.run(None, true).await
     }
 
     async fn settle_and_release(&self, tokens: u64) -> Result<(), GovernanceError> {
-        settle(&self.conn, &self.settlement(Some(tokens), true)).await
+        self.run(Some(tokens), true).await
     }
 
     fn settle_on_drop(&self, tokens: Option<u64>) {
-        // Never blocks. If the queue task is gone (runtime shut down), the lease frees the
-        // slot and the reservation stays as reserved.
-        let _ = self.queue.send(Job::Settle(self.settlement(tokens, true)));
+        // Never blocks. The queue retries until Redis takes it; if the queue is full the
+        // lease (no longer renewed) frees the slot and the reservation counts until its
+        // lease end + a window.
+        self.stop_renewing();
+        self.bg
+            .enqueue(Work::Settle(Box::new(self.settlement(tokens, true))));
+    }
+}
+
+impl Drop for RedisPermit {
+    fn drop(&mut self) {
+        self.stop_renewing();
     }
 }
 
@@ -396,7 +346,7 @@ mod tests {
         let r = req(&sc);
         admitted(&l, &r, "p1").await;
         admitted(&l, &r, "p2").await;
-        let conn = &l.inner.conn;
+        let conn = l.bg.conn();
         settle(conn, &settlement(&sc, "p1", Some(100), false))
             .await
             .unwrap();
@@ -422,8 +372,13 @@ mod tests {
             .unwrap();
         assert_eq!(l.source_window(&sc, "a").await.unwrap(), (2, 500));
         assert_eq!(l.in_flight(&sc, "a").await.unwrap(), 1);
+        assert_eq!(l.bg.leases(), 2, "forgotten permits are still renewed");
+        g.stop_heartbeat();
+        assert_eq!(l.bg.leases(), 0);
     }
 
+    /// A reservation whose lease ended a window ago is gone: a late settlement does not
+    /// revive it (but the release still applies).
     #[tokio::test]
     async fn settlement_after_the_window_changes_nothing() {
         let Some(url) = redis_url() else { return };
@@ -432,32 +387,30 @@ mod tests {
             ..RedisOptions::default()
         };
         let g = RedisGovernance::connect(&url, opts).await.unwrap();
+        g.stop_heartbeat();
         let l = g.limiter();
         let sc = unique_name("LATE");
-        admitted(&l, &req(&sc), "late").await;
-        tokio::time::sleep(Duration::from_millis(500)).await;
-        let conn = &l.inner.conn;
+        let r = AcquireRequest {
+            lease: Duration::from_millis(200),
+            ..req(&sc)
+        };
+        admitted(&l, &r, "late").await;
+        tokio::time::sleep(Duration::from_millis(700)).await;
+        let conn = l.bg.conn();
         settle(conn, &settlement(&sc, "late", Some(999), true))
             .await
             .unwrap();
         let k = SourceKeys::new(&sc, "a").unwrap();
-        let mut cmd = redis::cmd("HGETALL");
-        cmd.arg(&k.tok);
-        let fields: std::collections::HashMap<String, String> =
-            conn.query("hgetall", &cmd).await.unwrap();
-        assert_eq!(fields.get("late").map(String::as_str), Some("400"));
-        assert!(
-            !fields.contains_key("s:late"),
-            "no settled mark: {fields:?}"
-        );
+        let mut cmd = redis::cmd("ZSCORE");
+        cmd.arg(&k.settled).arg("late");
+        let score: Option<f64> = conn.query("zscore", &cmd).await.unwrap();
+        assert_eq!(score, None, "not settled");
         assert_eq!(l.source_window(&sc, "a").await.unwrap(), (0, 0));
-        assert_eq!(
-            l.in_flight(&sc, "a").await.unwrap(),
-            0,
-            "the release still applies"
-        );
+        assert_eq!(l.in_flight(&sc, "a").await.unwrap(), 0);
         // the next acquire prunes the stale entry and its tokens
         admitted(&l, &req(&sc), "next").await;
+        let mut cmd = redis::cmd("HGETALL");
+        cmd.arg(&k.tokens);
         let fields: std::collections::HashMap<String, String> =
             conn.query("hgetall", &cmd).await.unwrap();
         assert_eq!(fields.get("sum").map(String::as_str), Some("400"));

@@ -12,7 +12,7 @@ use polygw_core::ports::{
 use polygw_core::{ConfigWarning, GatewayError, ScopeKind, ScopeSettings};
 
 use crate::client::GatewayClient;
-use crate::clock::{EntropyRng, TokioClock};
+use crate::clock::{default_clock, EntropyRng};
 use crate::embedding::EmbeddingClient;
 use crate::engine::{Engine, Ports};
 use crate::metrics::Metrics;
@@ -163,7 +163,7 @@ impl GatewayBuilder {
     async fn build_engine(self) -> Result<(Arc<Engine>, Arc<Vec<ConfigWarning>>), GatewayError> {
         let warnings = guards::check(&self.settings, self.kind)?;
         let s = &self.settings;
-        let clock: Arc<dyn Clock> = self.clock.unwrap_or_else(|| Arc::new(TokioClock));
+        let clock: Arc<dyn Clock> = self.clock.unwrap_or_else(default_clock);
         let rng: Arc<dyn Rng> = self.rng.unwrap_or_else(|| Arc::new(EntropyRng::new()));
         let needs_http = self.transport.is_none()
             || (self.kind == ScopeKind::Embedding && self.embedder.is_none())
@@ -218,7 +218,8 @@ impl GatewayBuilder {
             clock,
             rng,
         };
-        let metrics = self.metrics.unwrap_or_default();
+        let metrics: Arc<Metrics> = self.metrics.unwrap_or_default();
+        metrics.watch_limiter(&s.name, &ports.limiter);
         Ok((
             Arc::new(Engine::new(self.settings, self.kind, ports, metrics)),
             Arc::new(warnings),

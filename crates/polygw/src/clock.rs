@@ -1,5 +1,6 @@
 //! Production implementations of the `Clock` and `Rng` ports.
 
+use std::sync::{Arc, LazyLock};
 use std::time::Instant;
 
 use polygw_core::ports::{Clock, Rng};
@@ -22,6 +23,14 @@ impl Clock for TokioClock {
             .map(|d| d.as_millis() as i64)
             .unwrap_or(0)
     }
+}
+
+/// The clock of every client built without one: one shared instance, so that the
+/// clients of a scope in this process share one memory governance state (SPEC §14.11;
+/// the registry tells clocks apart by identity).
+pub(crate) fn default_clock() -> Arc<dyn Clock> {
+    static CLOCK: LazyLock<Arc<dyn Clock>> = LazyLock::new(|| Arc::new(TokioClock));
+    CLOCK.clone()
 }
 
 /// A thread-safe generator seeded from the OS (fastrand's entropy seed).

@@ -3,7 +3,9 @@
 
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex, Weak};
+
+use polygw_core::ports::RateLimiter;
 
 /// Histogram bucket bounds in milliseconds.
 pub const BUCKETS_MS: [u64; 14] = [
@@ -47,6 +49,8 @@ struct Inner {
     cache_hits: BTreeMap<String, u64>,
     /// (scope, mode, outcome) → resume legs; outcome is `ok` or the leg's label.
     resumes: BTreeMap<(String, String, String), u64>,
+    /// The limiters of the clients sharing these metrics (their drop counters).
+    limiters: Vec<(String, Weak<dyn RateLimiter>)>,
 }
 
 /// Counters and histograms of one or more clients.
@@ -111,6 +115,20 @@ impl Metrics {
             .filter(|((_, _, o), _)| o == outcome)
             .map(|(_, n)| n)
             .sum()
+    }
+
+    /// Reports `limiter`'s dropped settlements under `scope` (once per limiter).
+    pub(crate) fn watch_limiter(&self, scope: &str, limiter: &Arc<dyn RateLimiter>) {
+        let mut g = self.lock();
+        g.limiters.retain(|(_, w)| w.strong_count() > 0);
+        let known = g
+            .limiters
+            .iter()
+            .any(|(_, w)| w.upgrade().is_some_and(|l| Arc::ptr_eq(&l, limiter)));
+        if !known {
+            g.limiters
+                .push((scope.to_string(), Arc::downgrade(limiter)));
+        }
     }
 
     pub(crate) fn cache_hit(&self, scope: &str) {
@@ -253,6 +271,24 @@ impl Metrics {
                 h,
             );
         }
+        let mut dropped: BTreeMap<&str, u64> = BTreeMap::new();
+        for (scope, w) in &g.limiters {
+            if let Some(l) = w.upgrade() {
+                *dropped.entry(scope).or_default() += l.settlements_dropped();
+            }
+        }
+        let _ = writeln!(s, "# HELP polygw_governance_settlements_dropped_total Settlements and releases the governance backend could not queue (queue full); their slots end with their leases.");
+        let _ = writeln!(
+            s,
+            "# TYPE polygw_governance_settlements_dropped_total counter"
+        );
+        for (scope, n) in dropped {
+            let _ = writeln!(
+                s,
+                "polygw_governance_settlements_dropped_total{{scope=\"{}\"}} {n}",
+                esc(scope)
+            );
+        }
         let _ = writeln!(s, "# HELP polygw_telemetry_rows_dropped_total Telemetry rows dropped because the queue overflowed.");
         let _ = writeln!(s, "# TYPE polygw_telemetry_rows_dropped_total counter");
         let _ = writeln!(s, "polygw_telemetry_rows_dropped_total {telemetry_dropped}");
@@ -283,5 +319,46 @@ mod tests {
         assert!(text.contains("polygw_ttft_seconds_count{scope=\"LLM\",source=\"a-0\"} 1"));
         assert!(text.contains("polygw_telemetry_rows_dropped_total 3"));
         assert_eq!(m.attempts_with("server_error"), 1);
+    }
+
+    #[derive(Debug)]
+    struct Dropping(u64);
+
+    #[async_trait::async_trait]
+    impl RateLimiter for Dropping {
+        async fn acquire<'r>(
+            &self,
+            _req: &polygw_core::ports::AcquireRequest<'r>,
+        ) -> Result<polygw_core::ports::Admission, polygw_core::GovernanceError> {
+            unreachable!("not called")
+        }
+        async fn in_flight(
+            &self,
+            _scope: &str,
+            _source: &str,
+        ) -> Result<u32, polygw_core::GovernanceError> {
+            Ok(0)
+        }
+        fn settlements_dropped(&self) -> u64 {
+            self.0
+        }
+    }
+
+    #[test]
+    fn renders_dropped_settlements_per_scope() {
+        let m = Metrics::new();
+        let a: Arc<dyn RateLimiter> = Arc::new(Dropping(4));
+        let b: Arc<dyn RateLimiter> = Arc::new(Dropping(0));
+        m.watch_limiter("LLM", &a);
+        m.watch_limiter("LLM", &a);
+        m.watch_limiter("EMBED", &b);
+        let text = m.render_prometheus(0);
+        assert!(
+            text.contains("polygw_governance_settlements_dropped_total{scope=\"LLM\"} 4"),
+            "{text}"
+        );
+        assert!(text.contains("polygw_governance_settlements_dropped_total{scope=\"EMBED\"} 0"));
+        drop(a);
+        assert!(!m.render_prometheus(0).contains("scope=\"LLM\"} 4"));
     }
 }

@@ -91,7 +91,9 @@ pub(crate) fn as_ocr(h: Option<&Http>) -> Result<Arc<dyn OcrTransport>, GatewayE
     Ok(http(h)?)
 }
 
-/// Limiter and breaker store: Redis when `{S}__REDIS__URL` is set, else in-memory.
+/// Limiter and breaker store: Redis when `{S}__REDIS__URL` is set (TLS trusting
+/// `{S}__TLS__CA_FILE` when given), else the process's in-memory state of the scope —
+/// shared by every client of that scope built with the same clock (SPEC §14.11).
 pub(crate) async fn governance(
     s: &ScopeSettings,
     clock: Arc<dyn Clock>,
@@ -102,17 +104,18 @@ pub(crate) async fn governance(
         {
             // Lazy: the client builds while Redis is down; calls then fail closed
             // (`governance_backend`) until it is back.
-            let g = polygw_limiter_redis::RedisGovernance::connect_lazy(
-                url.expose(),
-                polygw_limiter_redis::RedisOptions::default(),
-            )
-            .map_err(|e| {
-                needs(
-                    format!("{}__REDIS__URL", s.name),
-                    redact_url(url.expose()),
-                    &format!("a reachable Redis ({e})"),
-                )
-            })?;
+            let opts = polygw_limiter_redis::RedisOptions {
+                ca_file: s.tls_ca_file.as_ref().map(std::path::PathBuf::from),
+                ..polygw_limiter_redis::RedisOptions::default()
+            };
+            let g = polygw_limiter_redis::RedisGovernance::connect_lazy(url.expose(), opts)
+                .map_err(|e| {
+                    needs(
+                        format!("{}__REDIS__URL", s.name),
+                        redact_url(url.expose()),
+                        &format!("a reachable Redis ({e})"),
+                    )
+                })?;
             return Ok((Arc::new(g.limiter()), Arc::new(g.breakers())));
         }
         #[cfg(not(feature = "redis"))]
@@ -124,10 +127,8 @@ pub(crate) async fn governance(
     }
     #[cfg(feature = "memory")]
     {
-        Ok((
-            Arc::new(polygw_limiter_memory::MemoryLimiter::new(clock.clone())),
-            Arc::new(polygw_limiter_memory::MemoryBreakerStore::new(clock)),
-        ))
+        let (limiter, breakers) = polygw_limiter_memory::shared(&s.name, clock);
+        Ok((Arc::new(limiter), Arc::new(breakers)))
     }
     #[cfg(not(feature = "memory"))]
     Err(needs(

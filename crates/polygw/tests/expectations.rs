@@ -225,10 +225,10 @@ fn breakers(
     let mut b = MockBreakerStore::new();
     b.expect_admit()
         .returning(move |_scope, source, _lease| Ok(admit(source)));
-    let log = log.clone();
+    let rec = log.clone();
     b.expect_record().returning(
-        move |_scope, source, outcome, probe, _s: &BreakerSettings| {
-            log.0.lock().unwrap().push(Recorded {
+        move |_scope, source, outcome, _epoch, probe, _s: &BreakerSettings| {
+            rec.0.lock().unwrap().push(Recorded {
                 source: source.to_string(),
                 outcome,
                 probe,
@@ -236,17 +236,34 @@ fn breakers(
             Ok(())
         },
     );
+    // The non-blocking release of a probe that no outcome covers: a neutral record.
+    let rel = log.clone();
+    b.expect_release_probe()
+        .returning(move |_scope, source, _epoch| {
+            rel.0.lock().unwrap().push(Recorded {
+                source: source.to_string(),
+                outcome: BreakerOutcome::Neutral,
+                probe: true,
+            });
+        });
+    b.expect_flush().returning(|| Ok(()));
     b.expect_state()
         .returning(|_, _| Ok(BreakerState::default()));
     b
 }
 
 fn allowed(_: &str) -> BreakerAdmit {
-    BreakerAdmit::Allowed { probe: false }
+    BreakerAdmit::Allowed {
+        probe: false,
+        epoch: 0,
+    }
 }
 
 fn probe(_: &str) -> BreakerAdmit {
-    BreakerAdmit::Allowed { probe: true }
+    BreakerAdmit::Allowed {
+        probe: true,
+        epoch: 0,
+    }
 }
 
 // ------------------------------------------------------------------ telemetry
@@ -385,15 +402,19 @@ impl BreakerStore for SlowRecord {
         scope: &str,
         source: &str,
         outcome: BreakerOutcome,
+        epoch: u64,
         probe: bool,
         settings: &BreakerSettings,
     ) -> Result<(), GovernanceError> {
         let out = self
             .mock
-            .record(scope, source, outcome, probe, settings)
+            .record(scope, source, outcome, epoch, probe, settings)
             .await;
         tokio::time::sleep(self.delay).await;
         out
+    }
+    fn release_probe(&self, scope: &str, source: &str, epoch: u64) {
+        self.mock.release_probe(scope, source, epoch)
     }
     async fn state(&self, scope: &str, source: &str) -> Result<BreakerState, GovernanceError> {
         self.mock.state(scope, source).await

@@ -63,13 +63,17 @@ impl BreakerStore for SlowBreakers {
         scope: &str,
         source: &str,
         outcome: BreakerOutcome,
+        epoch: u64,
         probe: bool,
         settings: &BreakerSettings,
     ) -> Result<(), GovernanceError> {
         tokio::time::sleep(self.delay).await;
         self.inner
-            .record(scope, source, outcome, probe, settings)
+            .record(scope, source, outcome, epoch, probe, settings)
             .await
+    }
+    fn release_probe(&self, scope: &str, source: &str, epoch: u64) {
+        self.inner.release_probe(scope, source, epoch)
     }
     async fn state(&self, scope: &str, source: &str) -> Result<BreakerState, GovernanceError> {
         self.inner.state(scope, source).await

@@ -3,9 +3,10 @@
 //! sequences with core's pure state machine [`BreakerState`].
 //!
 //! Consecutive breaker-feeding failures open the breaker for `OPEN_S`; each failed
-//! half-open probe doubles it up to 10×; half-open admits exactly one probe (held for its
-//! lease) and its success closes the breaker; 429s set a cooldown (the longer one wins);
-//! dead sources are out for `DEAD_S`. Manual-time harnesses are compared exactly; real-time
+//! half-open probe doubles it up to 10×; half-open admits exactly one probe (a lease the
+//! store renews while it is held) and its success closes the breaker; 429s set a cooldown
+//! (the longer one wins); dead sources are out for `DEAD_S` and nothing else revives them;
+//! outcomes count only in the epoch they were admitted under (SPEC §14.7). Manual-time harnesses are compared exactly; real-time
 //! ones (Redis: the server's `TIME`) wait for real with short settings and compare hints
 //! within the time the case took.
 
@@ -31,6 +32,12 @@ pub trait BreakerHarness: Send + Sync {
     async fn store(&self) -> Arc<dyn BreakerStore>;
     /// `n` independent clients of the same state (separate connections where there are).
     async fn clients(&self, n: usize) -> Vec<Arc<dyn BreakerStore>>;
+    /// Another client of the same state whose heartbeat the returned closure stops (what
+    /// a crashed process looks like).
+    async fn crashable(&self) -> (Arc<dyn BreakerStore>, Box<dyn Fn() + Send + Sync>);
+    /// A client whose heartbeat never renews anything (the model proptest compares it
+    /// with [`BreakerState`], which renews nothing by itself).
+    async fn quiet(&self) -> Arc<dyn BreakerStore>;
     /// Settings for the timed cases: short enough to wait for on real time.
     fn settings(&self) -> BreakerSettings;
     /// Whether `advance` moves a manual clock (exact) or waits.
@@ -53,6 +60,7 @@ async fn admit(b: &dyn BreakerStore, sc: &str, lease: Duration) -> BreakerAdmit 
     b.admit(sc, SRC, lease).await.expect("breaker admit")
 }
 
+/// Records an outcome admitted under the current epoch.
 async fn record(
     b: &dyn BreakerStore,
     sc: &str,
@@ -60,9 +68,37 @@ async fn record(
     probe: bool,
     s: &BreakerSettings,
 ) {
-    b.record(sc, SRC, o, probe, s)
+    let epoch = state(b, sc).await.epoch;
+    record_in(b, sc, o, epoch, probe, s).await
+}
+
+async fn record_in(
+    b: &dyn BreakerStore,
+    sc: &str,
+    o: BreakerOutcome,
+    epoch: u64,
+    probe: bool,
+    s: &BreakerSettings,
+) {
+    b.record(sc, SRC, o, epoch, probe, s)
         .await
         .expect("breaker record")
+}
+
+/// `Some(probe)` when allowed.
+fn probe_of(a: BreakerAdmit) -> Option<bool> {
+    match a {
+        BreakerAdmit::Allowed { probe, .. } => Some(probe),
+        BreakerAdmit::Refused { .. } => None,
+    }
+}
+
+/// The epoch of an admission (panics on a refusal).
+fn epoch_of(a: BreakerAdmit) -> u64 {
+    match a {
+        BreakerAdmit::Allowed { epoch, .. } => epoch,
+        BreakerAdmit::Refused { .. } => panic!("expected an admission, got {a:?}"),
+    }
 }
 
 async fn state(b: &dyn BreakerStore, sc: &str) -> BreakerState {
@@ -98,8 +134,8 @@ fn assert_refused(
 }
 
 const LEASE: Duration = Duration::from_secs(60);
-const ALLOWED: BreakerAdmit = BreakerAdmit::Allowed { probe: false };
-const PROBE: BreakerAdmit = BreakerAdmit::Allowed { probe: true };
+const ALLOWED: Option<bool> = Some(false);
+const PROBE: Option<bool> = Some(true);
 
 async fn trip(h: &dyn BreakerHarness, b: &dyn BreakerStore, sc: &str) -> Duration {
     let s = h.settings();
@@ -115,10 +151,10 @@ pub async fn opens_after_consecutive_failures(h: &dyn BreakerHarness) {
     let b = b.as_ref();
     let s = h.settings();
     let sc = scope();
-    assert_eq!(admit(b, &sc, LEASE).await, ALLOWED);
+    assert_eq!(probe_of(admit(b, &sc, LEASE).await), ALLOWED);
     for _ in 1..s.failures {
         record(b, &sc, BreakerOutcome::Failure, false, &s).await;
-        assert_eq!(admit(b, &sc, LEASE).await, ALLOWED);
+        assert_eq!(probe_of(admit(b, &sc, LEASE).await), ALLOWED);
     }
     record(b, &sc, BreakerOutcome::Failure, false, &s).await;
     let t = h.now();
@@ -168,13 +204,19 @@ pub async fn half_open_admits_one_probe_and_success_closes(h: &dyn BreakerHarnes
     trip(h, b, &sc).await;
     h.advance(s.open + h.margin()).await;
     let lease = Duration::from_secs(30);
-    assert_eq!(admit(b, &sc, lease).await, PROBE);
+    assert_eq!(probe_of(admit(b, &sc, lease).await), PROBE);
     let t = h.now();
     let got = admit(b, &sc, lease).await;
     assert_refused(h, got, RefusalReason::CircuitOpen, lease, h.now() - t);
     record(b, &sc, BreakerOutcome::Success, true, &s).await;
-    assert_eq!(admit(b, &sc, lease).await, ALLOWED);
-    assert_eq!(state(b, &sc).await, BreakerState::default());
+    assert_eq!(probe_of(admit(b, &sc, lease).await), ALLOWED);
+    let st = state(b, &sc).await;
+    assert!(!st.is_tripped());
+    assert_eq!(
+        (st.consecutive_failures, st.reopens, st.probe_until),
+        (0, 0, 0),
+        "closed, nothing remembered but the epoch"
+    );
 }
 
 /// A failed probe re-opens the breaker for twice as long, then four times.
@@ -187,7 +229,7 @@ pub async fn failed_probe_doubles_open_time(h: &dyn BreakerHarness) {
     let mut wait = s.open;
     for factor in [2u32, 4] {
         h.advance(wait + h.margin()).await;
-        assert_eq!(admit(b, &sc, LEASE).await, PROBE);
+        assert_eq!(probe_of(admit(b, &sc, LEASE).await), PROBE);
         record(b, &sc, BreakerOutcome::Failure, true, &s).await;
         let t = h.now();
         let got = admit(b, &sc, LEASE).await;
@@ -216,7 +258,7 @@ pub async fn open_time_capped_at_ten_times(h: &dyn BreakerHarness) {
     let mut wait = s.open;
     for reopens in 1..=5u32 {
         h.advance(wait + h.margin()).await;
-        assert_eq!(admit(b, &sc, LEASE).await, PROBE);
+        assert_eq!(probe_of(admit(b, &sc, LEASE).await), PROBE);
         record(b, &sc, BreakerOutcome::Failure, true, &s).await;
         let t = h.now();
         wait = Duration::from_millis(open_ms(&s, reopens));
@@ -227,8 +269,8 @@ pub async fn open_time_capped_at_ten_times(h: &dyn BreakerHarness) {
     assert_eq!(state(b, &sc).await.reopens, 5);
 }
 
-/// A probe whose outcome never comes back frees the half-open slot when its lease ends;
-/// a neutral outcome frees it at once.
+/// A probe whose outcome never comes back and whose heartbeat is silent frees the
+/// half-open slot when its lease ends; a neutral outcome frees it at once.
 pub async fn probe_lease_expires_and_neutral_frees(h: &dyn BreakerHarness) {
     let b = h.store().await;
     let b = b.as_ref();
@@ -241,7 +283,8 @@ pub async fn probe_lease_expires_and_neutral_frees(h: &dyn BreakerHarness) {
     } else {
         Duration::from_secs(1)
     };
-    assert_eq!(admit(b, &sc, lease).await, PROBE);
+    let silent = h.quiet().await;
+    assert_eq!(probe_of(admit(silent.as_ref(), &sc, lease).await), PROBE);
     assert!(matches!(
         admit(b, &sc, lease).await,
         BreakerAdmit::Refused {
@@ -251,13 +294,13 @@ pub async fn probe_lease_expires_and_neutral_frees(h: &dyn BreakerHarness) {
     ));
     h.advance(lease + h.margin()).await;
     assert_eq!(
-        admit(b, &sc, lease).await,
+        probe_of(admit(b, &sc, lease).await),
         PROBE,
         "the lost probe's lease ended"
     );
     record(b, &sc, BreakerOutcome::Neutral, true, &s).await;
     assert_eq!(
-        admit(b, &sc, lease).await,
+        probe_of(admit(b, &sc, lease).await),
         PROBE,
         "a neutral probe frees the slot"
     );
@@ -300,7 +343,7 @@ pub async fn cooldown_from_retry_after(h: &dyn BreakerHarness) {
     assert_eq!(st.consecutive_failures, 0);
     assert!(!st.is_tripped());
     h.advance(cool + h.margin()).await;
-    assert_eq!(admit(b, &sc, LEASE).await, ALLOWED);
+    assert_eq!(probe_of(admit(b, &sc, LEASE).await), ALLOWED);
 }
 
 /// A dead source (401/403/404) is out for `DEAD_S`, then back.
@@ -315,7 +358,7 @@ pub async fn dead_source_out_for_dead_s(h: &dyn BreakerHarness) {
     assert_refused(h, got, RefusalReason::Dead, s.dead, h.now() - t);
     assert_eq!(state(b, &sc).await.consecutive_failures, 0);
     h.advance(s.dead + h.margin()).await;
-    assert_eq!(admit(b, &sc, LEASE).await, ALLOWED);
+    assert_eq!(probe_of(admit(b, &sc, LEASE).await), ALLOWED);
     assert_eq!(state(b, &sc).await.consecutive_failures, 0);
 }
 
@@ -333,10 +376,12 @@ pub async fn concurrent_half_open_grants_one_probe(h: &dyn BreakerHarness) {
         let (sc, probes) = (sc.clone(), probes.clone());
         tasks.push(tokio::spawn(async move {
             match c.admit(&sc, SRC, LEASE).await.expect("admit") {
-                BreakerAdmit::Allowed { probe: true } => {
+                BreakerAdmit::Allowed { probe: true, .. } => {
                     probes.fetch_add(1, Ordering::SeqCst);
                 }
-                BreakerAdmit::Allowed { probe: false } => panic!("half-open admitted a non-probe"),
+                BreakerAdmit::Allowed { probe: false, .. } => {
+                    panic!("half-open admitted a non-probe")
+                }
                 BreakerAdmit::Refused { reason, .. } => {
                     assert_eq!(reason, RefusalReason::CircuitOpen)
                 }
@@ -356,12 +401,12 @@ pub async fn sources_are_independent(h: &dyn BreakerHarness) {
     let sc = scope();
     trip(h, b, &sc).await;
     assert_eq!(
-        b.admit(&sc, "other", LEASE).await.unwrap(),
+        probe_of(b.admit(&sc, "other", LEASE).await.unwrap()),
         ALLOWED,
         "another source"
     );
     assert_eq!(
-        b.admit(&scope(), SRC, LEASE).await.unwrap(),
+        probe_of(b.admit(&scope(), SRC, LEASE).await.unwrap()),
         ALLOWED,
         "another scope"
     );
@@ -369,6 +414,150 @@ pub async fn sources_are_independent(h: &dyn BreakerHarness) {
         b.state(&sc, "other").await.unwrap(),
         BreakerState::default()
     );
+}
+
+/// SPEC §14.7: a success of an attempt admitted before a trip does not close the
+/// breaker; failures of attempts admitted before a close do not count against it.
+pub async fn outcomes_count_only_in_their_epoch(h: &dyn BreakerHarness) {
+    let b = h.store().await;
+    let b = b.as_ref();
+    let s = h.settings();
+    let sc = scope();
+    let before = epoch_of(admit(b, &sc, LEASE).await);
+    trip(h, b, &sc).await;
+    record_in(b, &sc, BreakerOutcome::Success, before, false, &s).await;
+    assert!(
+        state(b, &sc).await.is_tripped(),
+        "a stale success closed the breaker"
+    );
+    assert!(matches!(
+        admit(b, &sc, LEASE).await,
+        BreakerAdmit::Refused {
+            reason: RefusalReason::CircuitOpen,
+            ..
+        }
+    ));
+    h.advance(s.open + h.margin()).await;
+    let a = admit(b, &sc, LEASE).await;
+    assert_eq!(probe_of(a), PROBE);
+    record_in(b, &sc, BreakerOutcome::Success, epoch_of(a), true, &s).await;
+    assert!(!state(b, &sc).await.is_tripped(), "the probe closes it");
+    for _ in 0..s.failures {
+        record_in(b, &sc, BreakerOutcome::Failure, before, false, &s).await;
+    }
+    assert_eq!(state(b, &sc).await.consecutive_failures, 0);
+    assert_eq!(probe_of(admit(b, &sc, LEASE).await), ALLOWED);
+}
+
+/// A stale probe's outcome (its epoch is over) neither closes the breaker nor frees the
+/// current probe.
+pub async fn stale_probe_changes_nothing(h: &dyn BreakerHarness) {
+    let b = h.store().await;
+    let b = b.as_ref();
+    let s = h.settings();
+    let sc = scope();
+    trip(h, b, &sc).await;
+    h.advance(s.open + h.margin()).await;
+    let short = if h.manual_time() {
+        Duration::from_secs(5)
+    } else {
+        Duration::from_millis(500)
+    };
+    let q = h.quiet().await;
+    let old = epoch_of(admit(q.as_ref(), &sc, short).await);
+    h.advance(short + h.margin()).await;
+    let new = epoch_of(admit(b, &sc, LEASE).await);
+    assert!(new > old);
+    record_in(b, &sc, BreakerOutcome::Success, old, true, &s).await;
+    record_in(b, &sc, BreakerOutcome::Neutral, old, true, &s).await;
+    assert!(state(b, &sc).await.is_tripped());
+    assert_eq!(
+        probe_of(admit(b, &sc, LEASE).await),
+        None,
+        "the new probe is out"
+    );
+    record_in(b, &sc, BreakerOutcome::Neutral, new, true, &s).await;
+    assert_eq!(probe_of(admit(b, &sc, LEASE).await), PROBE);
+}
+
+/// Nothing but the end of the dead period revives a dead source: a success in flight
+/// when the key was revoked does not.
+pub async fn only_the_dead_period_revives_a_dead_source(h: &dyn BreakerHarness) {
+    let b = h.store().await;
+    let b = b.as_ref();
+    let s = h.settings();
+    let sc = scope();
+    let e = epoch_of(admit(b, &sc, LEASE).await);
+    record_in(b, &sc, BreakerOutcome::Dead, e, false, &s).await;
+    let t = h.now();
+    record_in(b, &sc, BreakerOutcome::Success, e, false, &s).await;
+    let got = admit(b, &sc, LEASE).await;
+    assert_refused(h, got, RefusalReason::Dead, s.dead, h.now() - t);
+    h.advance(s.dead + h.margin()).await;
+    assert_eq!(probe_of(admit(b, &sc, LEASE).await), ALLOWED);
+}
+
+/// SPEC §14.4: a half-open probe held past several lease lengths stays the only probe
+/// (its heartbeat renews it); a crashed holder's probe frees within one lease.
+pub async fn probe_renewed_while_held_and_freed_after_a_crash(h: &dyn BreakerHarness) {
+    let b = h.store().await;
+    let b = b.as_ref();
+    let s = h.settings();
+    let sc = scope();
+    let lease = if h.manual_time() {
+        Duration::from_secs(30)
+    } else {
+        Duration::from_secs(1)
+    };
+    trip(h, b, &sc).await;
+    h.advance(s.open + h.margin()).await;
+    let p = admit(b, &sc, lease).await;
+    assert_eq!(probe_of(p), PROBE);
+    for _ in 0..7 {
+        h.advance(lease / 2).await;
+        assert_eq!(
+            probe_of(admit(b, &sc, lease).await),
+            None,
+            "the probe is held"
+        );
+    }
+    record_in(b, &sc, BreakerOutcome::Neutral, epoch_of(p), true, &s).await;
+    let (crashed, crash) = h.crashable().await;
+    assert_eq!(probe_of(admit(crashed.as_ref(), &sc, lease).await), PROBE);
+    crash();
+    assert_eq!(probe_of(admit(b, &sc, lease).await), None);
+    h.advance(lease + h.margin()).await;
+    assert_eq!(
+        probe_of(admit(b, &sc, lease).await),
+        PROBE,
+        "the crashed holder's probe ended with its lease"
+    );
+}
+
+/// `release_probe` (the non-blocking path of drop-time code) frees the probe of its
+/// epoch, and only that one.
+pub async fn release_probe_frees_it(h: &dyn BreakerHarness) {
+    let b = h.store().await;
+    let b = b.as_ref();
+    let s = h.settings();
+    let sc = scope();
+    trip(h, b, &sc).await;
+    h.advance(s.open + h.margin()).await;
+    let first = epoch_of(admit(b, &sc, LEASE).await);
+    b.release_probe(&sc, SRC, first);
+    b.flush().await.expect("flush");
+    let second = epoch_of(admit(b, &sc, LEASE).await);
+    assert!(second > first);
+    b.release_probe(&sc, SRC, first);
+    b.flush().await.expect("flush");
+    assert_eq!(
+        probe_of(admit(b, &sc, LEASE).await),
+        None,
+        "a stale release frees nothing"
+    );
+    b.release_probe(&sc, SRC, second);
+    b.flush().await.expect("flush");
+    assert_eq!(probe_of(admit(b, &sc, LEASE).await), PROBE);
 }
 
 // ------------------------------------------------------------------------------------
@@ -380,8 +569,9 @@ pub async fn sources_are_independent(h: &dyn BreakerHarness) {
 pub enum BreakerOp {
     /// `admit` with this probe lease (ms).
     Admit(u64),
-    /// `record` (`probe`: pass the probe flag).
-    Record(BreakerOutcome, bool),
+    /// `record` (`probe`: pass the probe flag) under the current epoch minus `stale`
+    /// (0: current).
+    Record(BreakerOutcome, bool, u64),
     /// Let time pass (manual-time harnesses only).
     Advance(u64),
 }
@@ -423,7 +613,8 @@ pub fn breaker_ops_strategy(manual: bool, len: usize) -> impl Strategy<Value = V
     let max_adv = if manual { 40_000u64 } else { 0 };
     let op = prop_oneof![
         3 => lease.prop_map(BreakerOp::Admit),
-        4 => (outcome, any::<bool>()).prop_map(|(o, p)| BreakerOp::Record(o, p)),
+        4 => (outcome, any::<bool>(), prop_oneof![3 => Just(0u64), 1 => 1u64..3])
+            .prop_map(|(o, p, stale)| BreakerOp::Record(o, p, stale)),
         2 => (0..=max_adv).prop_map(BreakerOp::Advance),
     ];
     proptest::collection::vec(op, 1..len)
@@ -442,7 +633,7 @@ pub async fn matches_model(
     settings: BreakerSettings,
     ops: &[BreakerOp],
 ) -> Result<(), TestCaseError> {
-    let b = h.store().await;
+    let b = h.quiet().await;
     let b = b.as_ref();
     let sc = scope();
     let manual = h.manual_time();
@@ -463,8 +654,18 @@ pub async fn matches_model(
                     .map_err(fail)?;
                 match (got, want) {
                     (g, w) if manual => prop_assert_eq!(g, w),
-                    (BreakerAdmit::Allowed { probe: g }, BreakerAdmit::Allowed { probe: w }) => {
-                        prop_assert_eq!(g, w)
+                    (
+                        BreakerAdmit::Allowed {
+                            probe: g,
+                            epoch: ge,
+                        },
+                        BreakerAdmit::Allowed {
+                            probe: w,
+                            epoch: we,
+                        },
+                    ) => {
+                        prop_assert_eq!(g, w);
+                        prop_assert_eq!(ge, we);
                     }
                     (
                         BreakerAdmit::Refused {
@@ -483,9 +684,10 @@ pub async fn matches_model(
                     (g, w) => prop_assert!(false, "store {:?} vs model {:?}", g, w),
                 }
             }
-            BreakerOp::Record(outcome, probe) => {
-                model.record(now, outcome, probe, &settings);
-                b.record(&sc, SRC, outcome, probe, &settings)
+            BreakerOp::Record(outcome, probe, stale) => {
+                let epoch = model.epoch.saturating_sub(stale);
+                model.record(now, outcome, epoch, probe, &settings);
+                b.record(&sc, SRC, outcome, epoch, probe, &settings)
                     .await
                     .map_err(fail)?;
             }
@@ -501,6 +703,7 @@ pub async fn matches_model(
         } else {
             prop_assert_eq!(got.consecutive_failures, model.consecutive_failures);
             prop_assert_eq!(got.reopens, model.reopens);
+            prop_assert_eq!(got.epoch, model.epoch);
             prop_assert_eq!(got.open_until > 0, model.open_until > 0, "open");
             prop_assert_eq!(got.probe_until > 0, model.probe_until > 0, "probe");
             prop_assert_eq!(got.dead_until > 0, model.dead_until > 0, "dead");

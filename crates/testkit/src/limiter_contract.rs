@@ -4,9 +4,12 @@
 //! core's reference model [`WindowLimiter`] and compares every answer.
 //!
 //! The contract: never over-admit — over any rolling window admitted requests ≤ RPM,
-//! reserved-or-settled tokens at admission ≤ TPM, in flight ≤ MAX_CONCURRENCY, scope
-//! limits atomically with the source's — and under-admission is bounded: a saturating
-//! load gets at least 95 % of RPM admitted.
+//! reserved-or-settled tokens at admission ≤ TPM (a reservation counts until it is
+//! settled, however long the call, then the settled amount for one window from the
+//! settlement: SPEC §14.3), in flight ≤ MAX_CONCURRENCY, scope limits atomically with
+//! the source's — and under-admission is bounded: a saturating load gets at least 95 % of
+//! RPM admitted. Slots and reservations are leases renewed while their permit is alive
+//! and ended within one lease once its holder is gone (SPEC §14.4).
 //!
 //! Time: a harness either drives a manual clock (`manual_time() == true`: every figure,
 //! hints included, must equal the model's exactly) or runs on real time (Redis, whose
@@ -68,6 +71,12 @@ pub trait LimiterHarness: Send + Sync {
     /// A limiter whose window is short enough to wait for, and that window. A manual-time
     /// harness returns its usual limiter and 60 s.
     async fn windowed(&self) -> (Subject, Duration);
+    /// Another client of the same state whose heartbeat the returned closure stops (what
+    /// a crashed process looks like: its permits are never settled nor released).
+    async fn crashable(&self) -> (Arc<dyn RateLimiter>, Box<dyn Fn() + Send + Sync>);
+    /// A subject whose heartbeat never renews anything (the model proptest compares it
+    /// with [`WindowLimiter`], which renews nothing by itself).
+    async fn quiet(&self) -> Subject;
     /// Whether [`LimiterHarness::advance`] moves a manual clock (exact) or waits.
     fn manual_time(&self) -> bool;
     /// Lets `by` pass.
@@ -294,10 +303,11 @@ pub async fn tpm_reserve_then_settle(h: &dyn LimiterHarness) {
     assert_eq!(win(&s, &sc, "a").await, (2, 800));
     let f = refuse(l, &r).await;
     assert_eq!(f.reason, RefusalReason::Tpm);
+    // Unsettled, a reservation counts until its lease ends and one window more.
     assert_hint(
         h,
         f.retry_after,
-        Duration::from_millis(WINDOW_MS),
+        r.lease + Duration::from_millis(WINDOW_MS),
         h.now() - t0,
     );
     a.finish(100).await.unwrap(); // 100 + 400
@@ -366,8 +376,8 @@ pub async fn concurrency_cap_and_release(h: &dyn LimiterHarness) {
     assert_eq!(in_flight(l, &sc, "other").await, 0);
 }
 
-/// A permit whose holder vanished (no settle, no release, no drop) stops counting once
-/// its lease has ended; its reservation stays in the window.
+/// A permit whose holder crashed (no settle, no release, no drop, no heartbeat) stops
+/// counting once its lease has ended; its reservation counts one window more.
 pub async fn lease_expiry_frees_the_slot(h: &dyn LimiterHarness) {
     let s = h.subject().await;
     let l = s.limiter.as_ref();
@@ -381,15 +391,126 @@ pub async fn lease_expiry_frees_the_slot(h: &dyn LimiterHarness) {
         .source_limits(0, 0, 1)
         .est(7)
         .lease(lease);
-    let crashed = admit(l, &r).await;
-    // A crashed process never runs its permit's drop.
-    std::mem::forget(crashed);
+    let (crashed, crash) = h.crashable().await;
+    // A crashed process never runs its permit's drop, nor its heartbeat.
+    std::mem::forget(admit(crashed.as_ref(), &r).await);
+    crash();
     assert_eq!(refuse(l, &r).await.reason, RefusalReason::Concurrency);
     h.advance(lease + h.margin()).await;
     assert_eq!(in_flight(l, &sc, "a").await, 0);
     let mut p = admit(l, &r).await;
     assert_eq!(win(&s, &sc, "a").await, (2, 14), "the reservation stays");
     p.finish(7).await.unwrap();
+}
+
+/// SPEC §14.4: a permit held past several lease lengths keeps its slot (its heartbeat
+/// renews the lease); once its holder crashes (heartbeat stopped) the slot frees within
+/// one lease.
+pub async fn leases_renewed_while_held_and_end_after_a_crash(h: &dyn LimiterHarness) {
+    let s = h.subject().await;
+    let l = s.limiter.as_ref();
+    let sc = scope();
+    let lease = if h.manual_time() {
+        Duration::from_secs(30)
+    } else {
+        Duration::from_secs(1)
+    };
+    let r = Req::new(&sc, "a")
+        .source_limits(0, 0, 1)
+        .est(5)
+        .lease(lease);
+    let mut p = admit(l, &r).await;
+    for _ in 0..7 {
+        h.advance(lease / 2).await;
+        assert_eq!(
+            refuse(l, &r).await.reason,
+            RefusalReason::Concurrency,
+            "the slot is held"
+        );
+        assert_eq!(in_flight(l, &sc, "a").await, 1);
+    }
+    p.finish(5).await.unwrap();
+    assert_eq!(in_flight(l, &sc, "a").await, 0);
+
+    let (crashed, crash) = h.crashable().await;
+    let held = admit(crashed.as_ref(), &r).await;
+    h.advance(lease / 2).await;
+    std::mem::forget(held);
+    crash();
+    assert_eq!(refuse(l, &r).await.reason, RefusalReason::Concurrency);
+    h.advance(lease + h.margin()).await;
+    assert_eq!(
+        in_flight(l, &sc, "a").await,
+        0,
+        "a crashed holder's slot ends with its lease"
+    );
+    admit(l, &r).await.finish(0).await.unwrap();
+}
+
+/// SPEC §14.3: TPM 60 000 and calls of 20 000 tokens lasting 65 s (longer than the
+/// window, time scaled to the harness's window): callers take every admission they can,
+/// each call settles its 20 000 tokens when it ends. At every admission the tokens of the
+/// calls in flight plus those settled within the last window plus the new reservation
+/// never exceed the limit (counting by admission time, as before, admitted a fourth call
+/// 60 s in), and the limit is reached (the check is not vacuous).
+pub async fn long_calls_hold_their_tpm_reservation(h: &dyn LimiterHarness) {
+    const TPM: u64 = 60_000;
+    const CALL: u64 = 20_000;
+    let (s, w) = h.windowed().await;
+    let l = s.limiter.as_ref();
+    let sc = scope();
+    let scale = |secs: u64| w * secs as u32 / 60;
+    let duration = scale(65);
+    let r = Req::new(&sc, "a")
+        .source_limits(0, TPM, 0)
+        .est(CALL)
+        .lease(w / 2);
+    let tick = w / 30;
+    let start = h.now();
+    let mut running: Vec<(Duration, Permit)> = vec![];
+    let mut settled: Vec<Duration> = vec![];
+    let mut admitted = 0usize;
+    while h.now() - start < scale(250) {
+        let now = h.now();
+        let (done, still): (Vec<_>, Vec<_>) = running
+            .into_iter()
+            .partition(|(at, _)| now - *at >= duration);
+        running = still;
+        for (_, mut p) in done {
+            p.finish(CALL).await.unwrap();
+            settled.push(h.now());
+        }
+        loop {
+            match acquire(l, &r).await {
+                Admission::Admitted(p) => {
+                    let at = h.now();
+                    // Settled within the last window, as the client saw it (real time: the
+                    // server recorded the settlement up to a margin earlier).
+                    let recent =
+                        settled.iter().filter(|t| **t + w > at + h.margin()).count() as u64;
+                    let used = (running.len() as u64 + recent) * CALL;
+                    assert!(
+                        used + CALL <= TPM,
+                        "over-admitted at {:?}: {} in flight, {recent} settled within the window",
+                        at - start,
+                        running.len()
+                    );
+                    running.push((at, p));
+                    admitted += 1;
+                }
+                Admission::Refused(f) => {
+                    assert_eq!(f.reason, RefusalReason::Tpm);
+                    break;
+                }
+            }
+        }
+        h.advance(tick).await;
+    }
+    for (_, mut p) in running {
+        p.finish(CALL).await.unwrap();
+    }
+    // Three slots, each cycling every 65 s + 60 s: admissions at ~0 and ~125 s in 250 s.
+    assert!(admitted >= 6, "only {admitted} calls admitted");
 }
 
 /// Scope-wide limits apply atomically with the source's: a refusal by either records
@@ -844,7 +965,7 @@ pub async fn matches_model(
     limits: ModelLimits,
     ops: &[ModelOp],
 ) -> Result<(), TestCaseError> {
-    let s = h.subject().await;
+    let s = h.quiet().await;
     let l = s.limiter.as_ref();
     let sc = scope();
     let start = h.now();
@@ -883,7 +1004,7 @@ pub async fn matches_model(
                 let e = &mut held[x];
                 e.permit.settle(tokens).await.map_err(fail)?;
                 if !e.settled {
-                    model.settle(e.id, tokens);
+                    model.settle(now, e.id, tokens);
                     e.settled = true;
                 }
             }
@@ -899,7 +1020,7 @@ pub async fn matches_model(
                 let e = &mut held[x];
                 e.permit.finish(tokens).await.map_err(fail)?;
                 if !e.settled {
-                    model.settle(e.id, tokens);
+                    model.settle(now, e.id, tokens);
                 }
                 model.release(e.id);
                 (e.settled, e.released) = (true, true);
@@ -907,7 +1028,7 @@ pub async fn matches_model(
             ModelOp::Drop { pick } if !held.is_empty() => {
                 let e = held.remove(pick % held.len());
                 if !e.settled {
-                    model.settle(e.id, e.permit.est_tokens());
+                    model.settle(now, e.id, e.permit.est_tokens());
                 }
                 model.release(e.id);
                 drop(e.permit);
@@ -916,7 +1037,7 @@ pub async fn matches_model(
             ModelOp::Background { pick, tokens } if !held.is_empty() => {
                 let e = held.remove(pick % held.len());
                 if !e.settled {
-                    model.settle(e.id, tokens);
+                    model.settle(now, e.id, tokens);
                 }
                 model.release(e.id);
                 e.permit.finish_in_background(tokens);

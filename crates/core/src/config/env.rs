@@ -16,7 +16,7 @@ use crate::settings::{OnNoRunnable, RetryPrefer, ScopeKind, ScopeSettings};
 use crate::source::SourceConfig;
 
 /// Segment names that belong to scope keys and can never be a provider name.
-pub const RESERVED_SEGMENTS: [&str; 11] = [
+pub const RESERVED_SEGMENTS: [&str; 12] = [
     "HEDGE",
     "STREAM",
     "RETRY",
@@ -25,6 +25,7 @@ pub const RESERVED_SEGMENTS: [&str; 11] = [
     "CACHE",
     "TELEMETRY",
     "REDIS",
+    "TLS",
     "STRUCTURED",
     "OCR",
     "MODEL_ALIASES",
@@ -54,7 +55,7 @@ pub const SOURCE_FIELDS: [&str; 19] = [
 ];
 
 /// Scope keys: (group or "" for two-segment keys, field).
-pub const SCOPE_KEYS: [(&str, &str); 25] = [
+pub const SCOPE_KEYS: [(&str, &str); 27] = [
     ("", "CALL_DEADLINE_S"),
     ("", "MODEL_ALIASES"),
     ("RETRY", "MAX_ATTEMPTS"),
@@ -65,6 +66,7 @@ pub const SCOPE_KEYS: [(&str, &str); 25] = [
     ("RETRY", "PREFER"),
     ("LIMITS", "RPM"),
     ("LIMITS", "TPM"),
+    ("LIMITS", "LEASE_S"),
     ("BREAKER", "FAILURES"),
     ("BREAKER", "OPEN_S"),
     ("BREAKER", "DEAD_S"),
@@ -79,6 +81,7 @@ pub const SCOPE_KEYS: [(&str, &str); 25] = [
     ("CACHE", "CAPACITY"),
     ("TELEMETRY", "URL"),
     ("REDIS", "URL"),
+    ("TLS", "CA_FILE"),
     ("STRUCTURED", "MAX_REASKS"),
 ];
 
@@ -406,6 +409,9 @@ fn apply_scope_keys(
             }
             ("LIMITS", "RPM") => run(parse_int::<u32>(k, v).map(|x| s.limits.rpm = x)),
             ("LIMITS", "TPM") => run(parse_int::<u64>(k, v).map(|x| s.limits.tpm = x)),
+            ("LIMITS", "LEASE_S") => run(parse_secs(k, v)
+                .and_then(|x| guards::lease(k, x))
+                .map(|x| s.limits.lease = x)),
             ("BREAKER", "FAILURES") => run(parse_int::<u32>(k, v)
                 .and_then(|x| guards::int_in(k, x, &guards::BREAKER_FAILURES_RANGE))
                 .map(|x| s.breaker.failures = x)),
@@ -441,6 +447,12 @@ fn apply_scope_keys(
             ("REDIS", "URL") => {
                 run(guards::redis_url(k, v).map(|_| s.redis_url = Some(Secret::new(v))))
             }
+            ("TLS", "CA_FILE") => run(if v.is_empty() {
+                Err(invalid(k, v, "the path of a PEM file of CA certificates"))
+            } else {
+                s.tls_ca_file = Some(v.to_string());
+                Ok(())
+            }),
             ("STRUCTURED", "MAX_REASKS") => run(parse_int::<u32>(k, v)
                 .and_then(|x| guards::int_in(k, x, &guards::MAX_REASKS_RANGE))
                 .map(|x| s.max_reasks = x)),

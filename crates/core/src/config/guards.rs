@@ -123,16 +123,79 @@ pub fn telemetry_url(key: &str, raw: &str) -> Result<(), ConfigError> {
     }
 }
 
-/// A Redis URL: `redis://…` or `rediss://…`.
+/// What a Redis URL must look like (in errors).
+pub const REDIS_URL_FORMS: &str = "redis://[user:password@]host:port[/db], rediss://… (TLS), \
+     or a Redis Cluster redis+cluster://[user:password@]host:port,host:port,… \
+     (rediss+cluster:// for TLS)";
+
+/// A Redis URL: `redis://…`, `rediss://…` (TLS), or a cluster
+/// `redis+cluster://[user:password@]h1:p1,h2:p2,…` (`rediss+cluster://` for TLS).
 pub fn redis_url(key: &str, raw: &str) -> Result<(), ConfigError> {
-    if (raw.starts_with("redis://") || raw.starts_with("rediss://")) && url::Url::parse(raw).is_ok()
-    {
+    if redis_nodes(raw).is_some() {
         Ok(())
     } else {
         Err(invalid(
             key,
             crate::secret::redact_url(raw),
-            "redis://host:port[/db] or rediss://…",
+            REDIS_URL_FORMS,
+        ))
+    }
+}
+
+/// The node URLs of a Redis URL (one for `redis://`/`rediss://`, each seed node of a
+/// cluster URL with the cluster URL's credentials and query), and whether it names a
+/// cluster; `None` if it is none of the accepted forms.
+pub fn redis_nodes(raw: &str) -> Option<(Vec<String>, bool)> {
+    let (scheme, rest) = raw.split_once("://")?;
+    let (node_scheme, cluster) = match scheme {
+        "redis" | "rediss" => (scheme, false),
+        "redis+cluster" => ("redis", true),
+        "rediss+cluster" => ("rediss", true),
+        _ => return None,
+    };
+    if !cluster {
+        let u = url::Url::parse(raw).ok()?;
+        return u
+            .host_str()
+            .filter(|h| !h.is_empty())
+            .map(|_| (vec![raw.to_string()], false));
+    }
+    // [userinfo@]hosts[/path][?query]
+    let (userinfo, rest) = match rest.rsplit_once('@') {
+        Some((u, r)) => (Some(u), r),
+        None => (None, rest),
+    };
+    let end = rest.find(['/', '?', '#']).unwrap_or(rest.len());
+    let (hosts, tail) = rest.split_at(end);
+    let mut nodes = Vec::new();
+    for host in hosts.split(',') {
+        if host.is_empty() {
+            return None;
+        }
+        let node = match userinfo {
+            Some(u) => format!("{node_scheme}://{u}@{host}{tail}"),
+            None => format!("{node_scheme}://{host}{tail}"),
+        };
+        let u = url::Url::parse(&node).ok()?;
+        u.host_str().filter(|h| !h.is_empty())?;
+        u.port()?;
+        nodes.push(node);
+    }
+    (!nodes.is_empty()).then_some((nodes, true))
+}
+
+/// Smallest lease (`LIMITS__LEASE_S`): the heartbeat renews every third of it.
+pub const MIN_LEASE: Duration = Duration::from_secs(1);
+
+/// A lease length: at least [`MIN_LEASE`].
+pub fn lease(key: &str, d: Duration) -> Result<Duration, ConfigError> {
+    if d >= MIN_LEASE {
+        Ok(d)
+    } else {
+        Err(invalid(
+            key,
+            format!("{}", d.as_secs_f64()),
+            "a lease of at least 1 second",
         ))
     }
 }
@@ -308,6 +371,16 @@ pub fn check(s: &ScopeSettings, kind: ScopeKind) -> Result<Vec<ConfigWarning>, C
     }
     if let Some(u) = &s.redis_url {
         push(redis_url(&scope_key(scope, "REDIS__URL"), u.expose()));
+    }
+    push(lease(&scope_key(scope, "LIMITS__LEASE_S"), s.limits.lease).map(|_| ()));
+    if let Some(f) = &s.tls_ca_file {
+        if f.is_empty() {
+            push(Err(invalid(
+                &scope_key(scope, "TLS__CA_FILE"),
+                f.clone(),
+                "the path of a PEM file of CA certificates",
+            )));
+        }
     }
 
     // Hedging.
@@ -653,6 +726,36 @@ mod tests {
                 Some("REDIS__URL"),
                 None,
             ),
+            (
+                "cluster url without ports",
+                |s| s.redis_url = Some("redis+cluster://h1,h2".into()),
+                Some("REDIS__URL"),
+                None,
+            ),
+            (
+                "cluster url",
+                |s| s.redis_url = Some("redis+cluster://:pw@h1:7001,h2:7002".into()),
+                None,
+                None,
+            ),
+            (
+                "tls url",
+                |s| s.redis_url = Some("rediss://:pw@h1:6380/2".into()),
+                None,
+                None,
+            ),
+            (
+                "lease under a second",
+                |s| s.limits.lease = Duration::from_millis(500),
+                Some("LIMITS__LEASE_S"),
+                None,
+            ),
+            (
+                "empty ca file",
+                |s| s.tls_ca_file = Some(String::new()),
+                Some("TLS__CA_FILE"),
+                None,
+            ),
         ];
         for (name, mutate, err, warn) in rows {
             let mut s = scope(2);
@@ -683,6 +786,37 @@ mod tests {
             let ws = warnings_of(&s, kind);
             assert!(ws.iter().any(|w| w.contains("chat-only")), "{ws:?}");
         }
+    }
+
+    #[test]
+    fn redis_url_forms() {
+        assert_eq!(
+            redis_nodes("redis://:pw@h:6379/1"),
+            Some((vec!["redis://:pw@h:6379/1".to_string()], false))
+        );
+        assert_eq!(
+            redis_nodes("rediss+cluster://u:pw@h1:7001,h2:7002/?protocol=resp3"),
+            Some((
+                vec![
+                    "rediss://u:pw@h1:7001/?protocol=resp3".to_string(),
+                    "rediss://u:pw@h2:7002/?protocol=resp3".to_string()
+                ],
+                true
+            ))
+        );
+        for bad in [
+            "redis+cluster://",
+            "redis+cluster://h1:1,,h2:2",
+            "redis+cluster://h1",
+            "http://h:1",
+            "redis://",
+            "valkey+cluster://h:1",
+        ] {
+            assert_eq!(redis_nodes(bad), None, "{bad}");
+        }
+        let e = redis_url("K", "redis+cluster://:hunter2@h1,h2").unwrap_err();
+        assert!(!e.to_string().contains("hunter2"), "{e}");
+        assert!(e.to_string().contains("redis+cluster://"), "{e}");
     }
 
     #[test]

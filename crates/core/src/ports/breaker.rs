@@ -1,5 +1,11 @@
 //! The `BreakerStore` port: breaker, cooldown and dead-source state per source, shared
-//! through the same backend as the limiter (SPEC §4.4). Semantics: [`crate::breaker`].
+//! through the same backend as the limiter (SPEC §4.4, §14.7). Semantics:
+//! [`crate::breaker`].
+//!
+//! An admission returns the breaker epoch it was made under; the outcome is recorded with
+//! it. A half-open probe is a lease the store renews while it is held (its heartbeat,
+//! SPEC §14.4) and that ends when its outcome is recorded or [`BreakerStore::release_probe`]
+//! frees it — the non-blocking path for drop-time code.
 
 use std::time::Duration;
 
@@ -13,8 +19,9 @@ use crate::settings::BreakerSettings;
 #[cfg_attr(any(test, feature = "mock"), mockall::automock)]
 #[async_trait]
 pub trait BreakerStore: Send + Sync + std::fmt::Debug {
-    /// May the source be tried now? Grants the half-open probe (held for `probe_lease`
-    /// unless its outcome is recorded first).
+    /// May the source be tried now? Grants the half-open probe: a lease of `probe_lease`,
+    /// renewed by the store until its outcome is recorded or it is released. If this
+    /// future is dropped before it answers, a probe it may have been granted is freed.
     async fn admit(
         &self,
         scope: &str,
@@ -22,18 +29,29 @@ pub trait BreakerStore: Send + Sync + std::fmt::Debug {
         probe_lease: Duration,
     ) -> Result<BreakerAdmit, GovernanceError>;
 
-    /// Records how an attempt ended (`probe`: it was the half-open probe).
+    /// Records how an attempt admitted under `epoch` ended (`probe`: it was the
+    /// half-open probe; its lease ends here, whether or not the record lands).
     async fn record(
         &self,
         scope: &str,
         source: &str,
         outcome: BreakerOutcome,
+        epoch: u64,
         probe: bool,
         settings: &BreakerSettings,
     ) -> Result<(), GovernanceError>;
 
+    /// Frees the half-open probe admitted under `epoch` without an outcome (a neutral
+    /// record), without blocking: for `Drop` and other paths that cannot await.
+    fn release_probe(&self, scope: &str, source: &str, epoch: u64);
+
     /// The current state (tests, metrics, `polygw serve` health).
     async fn state(&self, scope: &str, source: &str) -> Result<BreakerState, GovernanceError>;
+
+    /// Waits for background work (queued probe releases). Called on shutdown.
+    async fn flush(&self) -> Result<(), GovernanceError> {
+        Ok(())
+    }
 }
 
 /// A breaker store that always allows and remembers nothing (governance off; tests).
@@ -48,18 +66,23 @@ impl BreakerStore for NullBreakerStore {
         _source: &str,
         _probe_lease: Duration,
     ) -> Result<BreakerAdmit, GovernanceError> {
-        Ok(BreakerAdmit::Allowed { probe: false })
+        Ok(BreakerAdmit::Allowed {
+            probe: false,
+            epoch: 0,
+        })
     }
     async fn record(
         &self,
         _scope: &str,
         _source: &str,
         _outcome: BreakerOutcome,
+        _epoch: u64,
         _probe: bool,
         _settings: &BreakerSettings,
     ) -> Result<(), GovernanceError> {
         Ok(())
     }
+    fn release_probe(&self, _scope: &str, _source: &str, _epoch: u64) {}
     async fn state(&self, _scope: &str, _source: &str) -> Result<BreakerState, GovernanceError> {
         Ok(BreakerState::default())
     }

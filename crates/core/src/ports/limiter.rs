@@ -3,6 +3,10 @@
 //! A permit is settled (`settle(tokens)`) and released (`release()`), both idempotent.
 //! Dropped without settlement (cancellation) it settles its reservation and releases
 //! through [`PermitBackend::settle_on_drop`], which must not block.
+//!
+//! A permit's slot and reservation are a lease (`AcquireRequest::lease`) that the backend
+//! renews while the permit is alive — its heartbeat (SPEC §14.4): a long call never loses
+//! its slot, and a crashed process's slots and reservations end within one lease.
 
 use std::time::Duration;
 
@@ -29,7 +33,8 @@ pub struct AcquireRequest<'a> {
     pub scope_tpm: u64,
     /// Tokens to reserve (`effective_est_tokens()`).
     pub est_tokens: u64,
-    /// How long the in-flight slot and reservation live if never settled (crash safety).
+    /// The lease of the in-flight slot and the reservation: renewed by the backend while
+    /// the permit is alive, it ends this long after its holder stopped (crash safety).
     pub lease: Duration,
 }
 
@@ -66,6 +71,13 @@ pub trait RateLimiter: Send + Sync + std::fmt::Debug {
     /// Flushes background work (drop-time settlements). Called on shutdown.
     async fn flush(&self) -> Result<(), GovernanceError> {
         Ok(())
+    }
+
+    /// Settlements and releases this limiter could not queue since it was created (its
+    /// bounded queue was full): their slots and reservations end with their leases.
+    /// Exposed in `/metrics`; 0 for backends that apply them directly.
+    fn settlements_dropped(&self) -> u64 {
+        0
     }
 }
 

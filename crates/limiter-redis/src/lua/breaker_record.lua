@@ -2,16 +2,20 @@
 -- KEYS: 1 breaker hash (fields as in breaker_admit.lua)
 -- ARGV: 1 outcome ('success' | 'failure' | 'neutral' | 'dead' | 'rate_limited')
 --       2 probe ('1' / '0')   3 cooldown ms   4 failure threshold   5 open ms
---       6 dead ms   7 idle ttl ms
+--       6 dead ms   7 idle ttl ms   8 the epoch the attempt was admitted under
+-- Success and failure count only in their epoch (SPEC 14.7); a cooldown and a dead period
+-- apply whatever the epoch; only the end of the dead period revives a dead source.
 -- Replicate effects, not the script (TIME is non-deterministic); the default since Redis 5.
 if redis.replicate_commands then redis.replicate_commands() end
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-local v = redis.call('HMGET', KEYS[1], 'cf', 'ou', 'ro', 'pu', 'du', 'cd')
+local v = redis.call('HMGET', KEYS[1], 'cf', 'ou', 'ro', 'pu', 'du', 'cd', 'ep')
 local cf, ou, ro = tonumber(v[1]) or 0, tonumber(v[2]) or 0, tonumber(v[3]) or 0
 local pu, du, cd = tonumber(v[4]) or 0, tonumber(v[5]) or 0, tonumber(v[6]) or 0
+local ep = tonumber(v[7]) or 0
 local outcome, probe = ARGV[1], ARGV[2] == '1'
 local open_ms = tonumber(ARGV[5])
+local current = tonumber(ARGV[8]) == ep
 
 -- OPEN_S * min(2^reopens, 10)
 local function open_for(reopens)
@@ -19,28 +23,32 @@ local function open_for(reopens)
   return open_ms * math.min(2 ^ reopens, 10)
 end
 
-if probe then pu = 0 end
-if outcome == 'success' then
-  cf, ou, ro, pu, du = 0, 0, 0, 0, 0
-elseif outcome == 'failure' then
+if probe and current then pu = 0 end
+if outcome == 'success' and current then
+  if ou > 0 then ep = ep + 1 end
+  cf, ou, ro, pu = 0, 0, 0, 0
+elseif outcome == 'failure' and current then
   cf = cf + 1
   local half_open = ou > 0 and ou <= now
   if probe and half_open then
     ro = ro + 1
     ou = now + open_for(ro)
+    ep = ep + 1
   elseif ou == 0 and cf >= tonumber(ARGV[4]) then
     ou = now + open_for(ro)
+    ep = ep + 1
   end
 elseif outcome == 'dead' then
-  du = now + tonumber(ARGV[6])
+  du = math.max(du, now + tonumber(ARGV[6]))
 elseif outcome == 'rate_limited' then
   cd = math.max(cd, now + tonumber(ARGV[3]))
 end
 
-if cf == 0 and ou == 0 and ro == 0 and pu == 0 and du == 0 and cd == 0 then
+if cf == 0 and ou == 0 and ro == 0 and pu == 0 and du == 0 and cd == 0 and ep == 0 then
   redis.call('DEL', KEYS[1])
   return 1
 end
-redis.call('HSET', KEYS[1], 'cf', cf, 'ou', ou, 'ro', ro, 'pu', pu, 'du', du, 'cd', cd)
+redis.call('HSET', KEYS[1], 'cf', cf, 'ou', ou, 'ro', ro, 'pu', pu, 'du', du, 'cd', cd, 'ep', ep)
+if pu == 0 then redis.call('HDEL', KEYS[1], 'pt') end
 redis.call('PEXPIRE', KEYS[1], math.max(ou, pu, du, cd, now) - now + tonumber(ARGV[7]))
 return 1

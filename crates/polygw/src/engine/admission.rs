@@ -1,28 +1,55 @@
 //! The async pick (SPEC §4.1): candidates in core's order, each asked of the breaker
 //! store then the limiter; the first admitted wins. Refused candidates record their
 //! reason; excluded ones record nothing.
+//!
+//! A half-open probe granted by the breaker store is freed on every path that does not
+//! lead to an attempt — the limiter refuses, fails, or the pick's future is dropped while
+//! the limiter is asked (SPEC §14.7) — through the store's non-blocking release.
 
 use std::collections::BTreeSet;
-use std::sync::Arc;
 use std::time::Duration;
 
 use polygw_core::admission::order_candidates_preferring;
-use polygw_core::breaker::{BreakerAdmit, BreakerOutcome};
+use polygw_core::breaker::BreakerAdmit;
 use polygw_core::ports::{AcquireRequest, Admission, Permit, Refusal};
 use polygw_core::{GovernanceError, ScopeKind, SourceConfig};
 
 use super::Engine;
 
-/// Margin added to leases so a slow but healthy attempt keeps its slot.
-const LEASE_MARGIN: Duration = Duration::from_secs(30);
+/// What the breaker said when it admitted an attempt: the epoch its outcome counts in
+/// (SPEC §14.7) and whether it is the source's half-open probe.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub(crate) struct BreakerTicket {
+    pub epoch: u64,
+    pub probe: bool,
+}
 
 /// An admitted source.
 #[derive(Debug)]
 pub(crate) struct Picked {
     pub source_idx: usize,
     pub permit: Permit,
-    /// This attempt is the source's half-open probe.
-    pub probe: bool,
+    /// The breaker ticket (epoch; whether this attempt is the half-open probe).
+    pub probe: BreakerTicket,
+}
+
+/// Frees a granted probe unless disarmed (the attempt then owns it).
+struct ProbeGuard<'a> {
+    engine: &'a Engine,
+    source: &'a str,
+    ticket: BreakerTicket,
+}
+
+impl Drop for ProbeGuard<'_> {
+    fn drop(&mut self) {
+        if self.ticket.probe {
+            self.engine.ports.breakers.release_probe(
+                &self.engine.scope.name,
+                self.source,
+                self.ticket.epoch,
+            );
+        }
+    }
 }
 
 /// What a pick may choose from, beyond the round's exclusions.
@@ -49,16 +76,11 @@ pub(crate) struct Pick {
 }
 
 impl Engine {
-    /// How long an in-flight slot and a half-open probe may be held if their holder
-    /// vanishes (crash safety): the call deadline when set, else the source's timeout
-    /// (ten times it for streams, which have no whole-request timeout), plus a margin.
-    pub(crate) fn lease(&self, src: &SourceConfig, stream: bool) -> Duration {
-        let base = match self.scope.call_deadline {
-            Some(d) => d,
-            None if stream => src.timeout.saturating_mul(10),
-            None => src.timeout,
-        };
-        base + LEASE_MARGIN
+    /// The lease of an in-flight slot, a reservation and a half-open probe
+    /// (`LIMITS__LEASE_S`, 30 s by default): the backend renews it while the attempt is
+    /// alive, so it only bounds how long a crashed process holds capacity (SPEC §14.4).
+    pub(crate) fn lease(&self, _src: &SourceConfig, _stream: bool) -> Duration {
+        self.scope.limits.lease
     }
 
     fn acquire_request<'a>(&'a self, src: &'a SourceConfig, stream: bool) -> AcquireRequest<'a> {
@@ -115,7 +137,7 @@ impl Engine {
         for idx in order {
             let src = &self.scope.sources[idx];
             let lease = self.lease(src, stream);
-            let probe = match self
+            let ticket = match self
                 .ports
                 .breakers
                 .admit(&self.scope.name, &src.name, lease)
@@ -134,7 +156,14 @@ impl Engine {
                     ));
                     continue;
                 }
-                BreakerAdmit::Allowed { probe } => probe,
+                BreakerAdmit::Allowed { probe, epoch } => BreakerTicket { epoch, probe },
+            };
+            // From here the probe is freed on every path but an admission, this future
+            // being dropped included.
+            let mut guard = ProbeGuard {
+                engine: self,
+                source: &src.name,
+                ticket,
             };
             let acquired = self
                 .ports
@@ -143,23 +172,18 @@ impl Engine {
                 .await;
             match acquired {
                 Ok(Admission::Admitted(permit)) => {
+                    guard.ticket.probe = false;
                     return Ok(Pick {
                         admitted: Some(Picked {
                             source_idx: idx,
                             permit,
-                            probe,
+                            probe: ticket,
                         }),
                         refusals,
                     });
                 }
-                Ok(Admission::Refused(r)) => {
-                    self.release_probe(idx, probe).await;
-                    refusals.push((src.name.clone(), r));
-                }
-                Err(e) => {
-                    self.release_probe(idx, probe).await;
-                    return Err(e);
-                }
+                Ok(Admission::Refused(r)) => refusals.push((src.name.clone(), r)),
+                Err(e) => return Err(e),
             }
         }
         Ok(Pick {
@@ -168,29 +192,14 @@ impl Engine {
         })
     }
 
-    /// Frees a half-open probe that no attempt used (a neutral outcome).
-    pub(crate) async fn release_probe(&self, source: usize, probe: bool) {
-        if probe {
-            let src = &self.scope.sources[source];
-            let _ = self
-                .ports
-                .breakers
-                .record(
-                    &self.scope.name,
-                    &src.name,
-                    BreakerOutcome::Neutral,
-                    true,
-                    &self.scope.breaker,
-                )
-                .await;
-        }
-    }
-
-    /// [`Engine::release_probe`] from a `Drop` (a short task; nothing if no runtime).
-    pub(crate) fn release_probe_in_background(self: &Arc<Self>, source: usize) {
-        if let Ok(handle) = tokio::runtime::Handle::try_current() {
-            let engine = self.clone();
-            handle.spawn(async move { engine.release_probe(source, true).await });
+    /// Frees a half-open probe that no attempt used (non-blocking).
+    pub(crate) fn release_unused_probe(&self, source: usize, ticket: BreakerTicket) {
+        if ticket.probe {
+            self.ports.breakers.release_probe(
+                &self.scope.name,
+                &self.scope.sources[source].name,
+                ticket.epoch,
+            );
         }
     }
 }

@@ -8,7 +8,11 @@
 //! without awaiting: a decided outcome keeps its row and settlement; an undecided one
 //! is a cancellation whose label the round set on the leg's [`LegControl`]
 //! (`hedge_cancelled`, `deadline`, `cancelled`, `resume_diverged`) — the reservation is
-//! settled through the permit's non-blocking path and the half-open probe freed.
+//! settled through the permit's non-blocking path and the half-open probe freed
+//! through the breaker store's non-blocking release.
+//!
+//! Every end of an attempt (finalized or dropped) wakes one call waiting for a runnable
+//! source (SPEC §14.6): a freed slot or settled reservation serves one waiter, not all.
 
 use std::sync::atomic::{AtomicBool, AtomicU8, Ordering};
 use std::sync::Arc;
@@ -23,6 +27,7 @@ use polygw_core::stall::{ms, StreamFigures};
 use polygw_core::telemetry::{cost, CostBasis, RowKind, TelemetryRow};
 use polygw_core::{AttemptError, ErrorLabel, SourceConfig, Usage, UsageSource};
 
+use super::admission::BreakerTicket;
 use super::call::CallShared;
 use super::Engine;
 
@@ -103,7 +108,8 @@ pub(crate) struct LegInfo {
     pub source_idx: usize,
     pub call_id: String,
     pub launched_at: Instant,
-    pub probe: bool,
+    /// The breaker ticket the attempt was admitted with.
+    pub probe: BreakerTicket,
     /// What it sends.
     pub kind: LegKind,
     /// A resume leg: the call_id of the attempt it continues.
@@ -126,7 +132,7 @@ pub(crate) struct AttemptGuard {
     call: Arc<CallShared>,
     control: Arc<LegControl>,
     permit: Option<Permit>,
-    probe: bool,
+    probe: BreakerTicket,
     source_idx: usize,
     started: Instant,
     base: TelemetryRow,
@@ -315,17 +321,31 @@ impl AttemptGuard {
         if let Err(e) = engine
             .ports
             .breakers
-            .record(scope, &src_name, outcome, self.probe, &engine.scope.breaker)
+            .record(
+                scope,
+                &src_name,
+                outcome,
+                self.probe.epoch,
+                self.probe.probe,
+                &engine.scope.breaker,
+            )
             .await
         {
             tracing::warn!(source = %src_name, error = %e, "breaker update failed");
         }
-        self.probe = false;
+        self.probe.probe = false;
         if let Some(c) = extra {
             if let Err(e) = engine
                 .ports
                 .breakers
-                .record(scope, &src_name, c, false, &engine.scope.breaker)
+                .record(
+                    scope,
+                    &src_name,
+                    c,
+                    self.probe.epoch,
+                    false,
+                    &engine.scope.breaker,
+                )
                 .await
             {
                 tracing::warn!(source = %src_name, error = %e, "cooldown update failed");
@@ -337,7 +357,7 @@ impl AttemptGuard {
             engine.ports.telemetry.record(d.row);
         }
         self.armed = false;
-        engine.freed.notify_waiters();
+        engine.freed.notify_one();
     }
 
     fn count(&self, label: &str, ttft: Option<u64>) {
@@ -392,25 +412,49 @@ impl Drop for AttemptGuard {
                 None => drop(permit),
             }
         }
-        self.engine.freed.notify_waiters();
-        if self.probe || outcome != BreakerOutcome::Neutral {
-            // The breaker outcome (or the freeing of a half-open probe, never a
-            // failure: a cancelled leg is not a dead source) needs an await.
-            if let Ok(handle) = tokio::runtime::Handle::try_current() {
-                let breakers = self.engine.ports.breakers.clone();
-                let settings = self.engine.scope.breaker;
-                let probe = self.probe;
-                handle.spawn(async move {
-                    let _ = breakers
-                        .record(&scope, &src_name, outcome, probe, &settings)
-                        .await;
-                    if let Some(c) = extra {
+        match (outcome, extra) {
+            (BreakerOutcome::Neutral, None) => {
+                if self.probe.probe {
+                    // Free the half-open probe; never a breaker failure (a cancelled
+                    // leg is not a dead source). Non-blocking, nothing spawned.
+                    self.engine
+                        .ports
+                        .breakers
+                        .release_probe(&scope, &src_name, self.probe.epoch);
+                }
+            }
+            // Dropped while its decided outcome was being recorded (rare): the record
+            // needs an await, so a short task carries it.
+            (outcome, extra) => {
+                if let Ok(handle) = tokio::runtime::Handle::try_current() {
+                    let breakers = self.engine.ports.breakers.clone();
+                    let settings = self.engine.scope.breaker;
+                    let ticket = self.probe;
+                    handle.spawn(async move {
                         let _ = breakers
-                            .record(&scope, &src_name, c, false, &settings)
+                            .record(
+                                &scope,
+                                &src_name,
+                                outcome,
+                                ticket.epoch,
+                                ticket.probe,
+                                &settings,
+                            )
                             .await;
-                    }
-                });
+                        if let Some(c) = extra {
+                            let _ = breakers
+                                .record(&scope, &src_name, c, ticket.epoch, false, &settings)
+                                .await;
+                        }
+                    });
+                } else if self.probe.probe {
+                    self.engine
+                        .ports
+                        .breakers
+                        .release_probe(&scope, &src_name, self.probe.epoch);
+                }
             }
         }
+        self.engine.freed.notify_one();
     }
 }

@@ -57,8 +57,9 @@ pub(crate) struct Engine {
     pub ports: Ports,
     pub hedge_budget: Mutex<HedgeBudget>,
     pub metrics: Arc<Metrics>,
-    /// Signalled whenever an attempt of this client frees its slot or settles: calls
-    /// waiting for a runnable source look again at once.
+    /// Signalled (`notify_one`) whenever an attempt of this client ends, freeing its slot
+    /// and settling its reservation: one call waiting for a runnable source looks again
+    /// at once (SPEC §14.6).
     pub freed: tokio::sync::Notify,
 }
 
@@ -83,6 +84,9 @@ impl Engine {
     pub(crate) async fn shutdown(&self) -> polygw_core::ports::FlushReport {
         if let Err(e) = self.ports.limiter.flush().await {
             tracing::warn!(error = %e, "flushing the limiter's background settlements failed");
+        }
+        if let Err(e) = self.ports.breakers.flush().await {
+            tracing::warn!(error = %e, "flushing the breaker store's background work failed");
         }
         match self.ports.telemetry.flush().await {
             Ok(r) => r,

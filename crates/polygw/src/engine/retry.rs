@@ -9,7 +9,7 @@
 use std::collections::BTreeSet;
 use std::sync::Arc;
 
-use polygw_core::admission::{larger_context_candidates, on_no_runnable, NoRunnable};
+use polygw_core::admission::{jittered, larger_context_candidates, on_no_runnable, NoRunnable};
 use polygw_core::classify::is_context_length;
 use polygw_core::hedge::HedgePolicy;
 use polygw_core::resume::{ResumeMode, ResumeSetting};
@@ -33,9 +33,10 @@ struct Continuation {
 }
 
 impl Engine {
-    /// Waits for an admitted source: `ON_NO_RUNNABLE=wait` waits for the earliest hint,
-    /// bounded by the stall window; `fail` (or nothing that passes with time) ends the
-    /// call with `no_runnable_source`.
+    /// Waits for an admitted source: `ON_NO_RUNNABLE=wait` waits for the earliest hint
+    /// (with jitter), bounded by the stall window, or until an attempt of this client
+    /// frees a slot (one waiter per freed slot, SPEC §14.6); `fail` (or nothing that
+    /// passes with time) ends the call with `no_runnable_source`.
     async fn admit(
         &self,
         call: &Arc<CallShared>,
@@ -45,7 +46,8 @@ impl Engine {
     ) -> Result<Picked, GatewayError> {
         let none = BTreeSet::new();
         loop {
-            // Registered before the pick, so a slot freed meanwhile is not missed.
+            // A slot freed meanwhile is not missed: `notify_one` keeps a permit for the
+            // next waiter when none is waiting.
             let freed = self.freed.notified();
             let pick = self
                 .try_pick_with(&none, &call.failed_sources(), stream, prefs.clone())
@@ -75,13 +77,14 @@ impl Engine {
                             ))
                         }
                         Some(left) => {
+                            let wait = jittered(hint, self.ports.rng.as_ref()).min(left);
                             tracing::debug!(
-                                wait_ms = hint.min(left).as_millis() as u64,
+                                wait_ms = wait.as_millis() as u64,
                                 "no runnable source; waiting"
                             );
                             // Until the hint, or until an attempt of ours frees a slot.
                             tokio::select! {
-                                _ = tokio::time::sleep(hint.min(left)) => {}
+                                _ = tokio::time::sleep(wait) => {}
                                 _ = freed => {}
                             }
                         }

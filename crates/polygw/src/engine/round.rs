@@ -526,8 +526,8 @@ impl<'a, L: Leg> Exec<'a, L> {
                     tracing::warn!(source = %src, error = %e, "releasing an unused admission failed; handed to the background path");
                     permit.finish_in_background(0);
                 }
-                engine.release_probe(p_source, probe).await;
-                engine.freed.notify_waiters();
+                engine.release_unused_probe(p_source, probe);
+                engine.freed.notify_one();
             }
             .boxed(),
         );
@@ -838,9 +838,7 @@ impl<L: Leg> Drop for Exec<'_, L> {
         if let Some(p) = self.picked.take() {
             // An admission in hand that no leg used: nothing was sent on it.
             p.permit.finish_in_background(0);
-            if p.probe {
-                self.engine.release_probe_in_background(p.source_idx);
-            }
+            self.engine.release_unused_probe(p.source_idx, p.probe);
         }
         if let Some(t) = self.ticket.take() {
             self.engine.budget().give_back(t);
