@@ -435,12 +435,17 @@ fn main() {
         load()
     );
     let single = measure(&url, "single server", full);
-    let cluster = polygw_testkit::services::redis_cluster_url().map(|u| measure(&u, "3-node cluster", full));
+    let cluster =
+        polygw_testkit::services::redis_cluster_url().map(|u| measure(&u, "3-node cluster", full));
 
     // Both targets side by side; ratios against the single server's 1-process phase of
     // this run (the baseline), and the cluster's against its own 1-process phase.
     println!("\nsummary (ops/s; ratio to the single server's 1 process × 32 tasks of this run):");
-    let phases = ["1 process × 32 tasks", "4 processes × 8 tasks", "4 processes × 32 tasks"];
+    let phases = [
+        "1 process × 32 tasks",
+        "4 processes × 8 tasks",
+        "4 processes × 32 tasks",
+    ];
     let base = single.rates[0];
     for (i, p) in phases.iter().enumerate() {
         let c = match &cluster {
@@ -461,7 +466,10 @@ fn main() {
             "  {:<24} p50/p99 single {}   cluster {}",
             "",
             single.latency[i],
-            cluster.as_ref().map(|c| c.latency[i].as_str()).unwrap_or("-")
+            cluster
+                .as_ref()
+                .map(|c| c.latency[i].as_str())
+                .unwrap_or("-")
         );
     }
     for (i, what) in ["RPM, 1 process", "RPM, 4 processes"].iter().enumerate() {
@@ -471,11 +479,17 @@ fn main() {
             cluster.as_ref().map(|c| c.rpm[i].as_str()).unwrap_or("-")
         );
     }
-    for (i, what) in ["concurrency, 1 process", "concurrency, 4 processes"].iter().enumerate() {
+    for (i, what) in ["concurrency, 1 process", "concurrency, 4 processes"]
+        .iter()
+        .enumerate()
+    {
         println!(
             "  {what:<24} single {}   cluster {}",
             single.concurrency[i],
-            cluster.as_ref().map(|c| c.concurrency[i].as_str()).unwrap_or("-")
+            cluster
+                .as_ref()
+                .map(|c| c.concurrency[i].as_str())
+                .unwrap_or("-")
         );
     }
     println!("\nload average {}", load());
