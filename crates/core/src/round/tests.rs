@@ -668,12 +668,10 @@ fn split(rng: &SplitMix64, s: &str) -> Vec<String> {
     out
 }
 
-fn world_of(prefix: &str) -> &'static str {
-    if ANSWER.starts_with(prefix) {
-        ANSWER
-    } else {
-        ALT
-    }
+/// The answer a prefix belongs to (a diverged replay that covered the delivered text
+/// before it diverged makes a delivered text of neither: its continuation is free text).
+fn world_of(prefix: &str) -> Option<&'static str> {
+    [ANSWER, ALT].into_iter().find(|w| w.starts_with(prefix))
 }
 
 impl Sim {
@@ -691,20 +689,23 @@ impl Sim {
                 mode: ResumeMode::Prefill,
                 prefix,
                 ..
-            } => world_of(prefix)[prefix.len()..].to_string(),
+            } => match world_of(prefix) {
+                Some(w) => w[prefix.len()..].to_string(),
+                None => " and so on.".to_string(),
+            },
             LegKind::Resume {
                 mode: ResumeMode::Replay,
                 prefix,
                 ..
             } => {
+                let w = world_of(prefix).unwrap_or(ANSWER);
                 if rng.below(4) == 0 {
                     // A replay that diverges somewhere.
-                    let w = world_of(prefix);
                     let cut = rng.below(w.chars().count() as u64) as usize;
                     let head: String = w.chars().take(cut).collect();
                     format!("{head}#divergent#")
                 } else {
-                    world_of(prefix).to_string()
+                    w.to_string()
                 }
             }
         };
@@ -1060,8 +1061,17 @@ fn arb_spec() -> impl Strategy<Value = (RoundSpec, usize, String)> {
         )
 }
 
+/// Cases of the interleaving property: 2000 by default, `POLYGW_ROUND_CASES` for a
+/// longer search.
+fn round_cases() -> u32 {
+    std::env::var("POLYGW_ROUND_CASES")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(2000)
+}
+
 proptest! {
-    #![proptest_config(ProptestConfig::with_cases(2000))]
+    #![proptest_config(ProptestConfig::with_cases(round_cases()))]
 
     /// SPEC §13.6: random interleavings keep every invariant of the module doc.
     #[test]
