@@ -369,9 +369,14 @@ mod faults {
             }
             F::R429 => {
                 b = Behavior::status(429);
-                if rng.bool() {
-                    b.retry_after = Some(RetryAfter::Seconds([0.1, 0.2, 0.3][rng.usize(0..3)]));
-                }
+                // No hint, short hints, and the hints that are none (SPEC §14.1): zero
+                // and an HTTP date in the past — neither may make a tight loop.
+                b.retry_after = match rng.usize(0..5) {
+                    0 => None,
+                    1 | 2 => Some(RetryAfter::Seconds([0.1, 0.2, 0.3][rng.usize(0..3)])),
+                    3 => Some(RetryAfter::Seconds(0.0)),
+                    _ => Some(RetryAfter::Raw("Wed, 21 Oct 2015 07:28:00 GMT".into())),
+                };
             }
             F::S5xx => b = Behavior::status([500, 502, 503][rng.usize(0..3)]),
             F::ResetBefore => b.fault = Some(Fault::ResetBeforeHeaders),
@@ -881,6 +886,10 @@ mod checks {
         let mut attempts: HashMap<&str, &TelemetryRow> = HashMap::new();
         let mut by_call: HashMap<&str, Vec<&TelemetryRow>> = HashMap::new();
         let mut labels: BTreeMap<String, usize> = BTreeMap::new();
+        // 429 answers per logical call: a tight loop (a zero or past hint taken as "now")
+        // makes hundreds within the stall window; cooldowns of at least the backoff keep
+        // them to a handful per source.
+        let mut rate_limited: HashMap<&str, usize> = HashMap::new();
         let source_idx: HashMap<&str, usize> = ev
             .sources
             .iter()
@@ -892,6 +901,9 @@ mod checks {
                 .entry(r.logical_call_id.as_str())
                 .or_default()
                 .push(r);
+            if r.kind == RowKind::Attempt && r.error.as_deref() == Some("rate_limited") {
+                *rate_limited.entry(r.logical_call_id.as_str()).or_default() += 1;
+            }
             if r.scope != ev.scope || r.operation != "chat" {
                 v.push(format!(
                     "row {} has scope {} / operation {}",
@@ -1377,6 +1389,13 @@ mod checks {
                         }
                     }
                 }
+            }
+        }
+        for (lid, n) in &rate_limited {
+            if *n > MAX_429_PER_CALL {
+                v.push(format!(
+                    "call {lid}: {n} attempts answered 429 (a tight loop: more than {MAX_429_PER_CALL})"
+                ));
             }
         }
         // Logical calls with rows but no result: the dropped ones.
@@ -1939,6 +1958,10 @@ mod outage {
 /// scenarios make (prompts of ≤ 40 short words ≈ ≤ 80 tokens, ≤ 23 completion tokens), so
 /// every reservation or settlement counts at least what the upstream reports.
 const TPM_EST: u64 = 150;
+/// The most 429 answers one logical call may collect: with cooldowns of at least
+/// `BACKOFF_BASE_S` doubling to `BACKOFF_MAX_S` (0.02 → 0.2 s) and at most
+/// `STALL_WINDOW_S` (1.5 s) of admission waits, about a dozen per source.
+const MAX_429_PER_CALL: usize = 40;
 
 /// The limits a scenario's sources run under, per source.
 struct Limits {
@@ -2504,6 +2527,17 @@ fn checks_catch_tampered_evidence() {
     let i = find(&|r| r.ok && r.usage_source == UsageSource::Measured);
     *e.rows[i].completion_tokens.as_mut().unwrap() += 1;
     cases.push(("a wrong token count", e, "tokens"));
+
+    // A call that hammered a rate-limited source (the checks look only at the labels of
+    // the call's rows: the extra rows need not reconcile).
+    let mut e = ev.clone();
+    let i = find(&|r| r.kind == RowKind::Attempt);
+    for _ in 0..=MAX_429_PER_CALL {
+        let mut r = ev.rows[i].clone();
+        r.error = Some("rate_limited".into());
+        e.rows.push(r);
+    }
+    cases.push(("a tight loop of 429s", e, "a tight loop"));
 
     let mut e = ev.clone();
     let i = find(&|r| r.kind == RowKind::Attempt && r.usage_source == UsageSource::Unavailable);
