@@ -122,6 +122,16 @@ impl EmbeddingClient {
             .max(1)
     }
 
+    /// The client's metrics.
+    pub fn metrics(&self) -> Arc<crate::metrics::Metrics> {
+        self.engine.metrics.clone()
+    }
+
+    /// Telemetry rows dropped so far (queue overflow).
+    pub fn telemetry_dropped(&self) -> u64 {
+        self.engine.ports.telemetry.dropped()
+    }
+
     /// Embeds `texts` (order preserved).
     pub async fn embed(&self, texts: &[String]) -> Result<Embeddings, GatewayError> {
         self.embed_with(texts, CallOptions::default()).await
