@@ -462,34 +462,35 @@ pub struct ParsedEmbeddings {
 pub fn parse_embeddings(body: &[u8]) -> Result<ParsedEmbeddings, ApiError> {
     let mut o = parse_object(body)?;
     let model = model_of(&mut o)?;
-    let input =
-        match o.remove("input") {
-            Some(Value::String(s)) => vec![s],
-            Some(Value::Array(a)) if !a.is_empty() => {
-                let mut out = Vec::with_capacity(a.len());
-                for (i, x) in a.into_iter().enumerate() {
-                    match x {
-                        Value::String(s) => out.push(s),
-                        _ => return Err(ApiError::bad_request(
+    let input = match o.remove("input") {
+        Some(Value::String(s)) => vec![s],
+        Some(Value::Array(a)) if !a.is_empty() => {
+            let mut out = Vec::with_capacity(a.len());
+            for (i, x) in a.into_iter().enumerate() {
+                match x {
+                    Value::String(s) => out.push(s),
+                    _ => {
+                        return Err(ApiError::bad_request(
                             &format!("input[{i}]"),
                             format!(
                                 "input[{i}]: only string inputs are supported (no token arrays)"
                             ),
-                        )),
+                        ))
                     }
                 }
-                out
             }
-            Some(Value::Array(_)) => {
-                return Err(ApiError::bad_request("input", "input must not be empty"))
-            }
-            _ => {
-                return Err(ApiError::bad_request(
-                    "input",
-                    "input is required (a string or an array of strings)",
-                ))
-            }
-        };
+            out
+        }
+        Some(Value::Array(_)) => {
+            return Err(ApiError::bad_request("input", "input must not be empty"))
+        }
+        _ => {
+            return Err(ApiError::bad_request(
+                "input",
+                "input is required (a string or an array of strings)",
+            ))
+        }
+    };
     let encoding = match o.remove("encoding_format") {
         None | Some(Value::Null) => Encoding::Float,
         Some(Value::String(f)) if f == "float" => Encoding::Float,

@@ -91,7 +91,11 @@ async fn plain_answers_pass_every_field_through() {
     assert_eq!(ch.finish_reason, Some(FinishReason::ToolCalls));
     assert!(ch.logprobs.as_ref().unwrap().content.is_some());
     assert_eq!(ch.message.content, None, "content: null stays null");
-    assert!(ch.message.annotations.as_ref().is_some_and(|a| a.is_empty()));
+    assert!(ch
+        .message
+        .annotations
+        .as_ref()
+        .is_some_and(|a| a.is_empty()));
     assert_eq!(ch.message.tool_calls.as_ref().unwrap().len(), 1);
     let u = r.usage.unwrap();
     assert_eq!(u.prompt_tokens_details.unwrap().cached_tokens, Some(12));
@@ -158,8 +162,10 @@ async fn unknown_usage_is_null_never_zeros() {
 
     let r = http()
         .post(format!("{}/chat/completions", s.v1()))
-        .json(&json!({"model": "llm", "stream": true, "stream_options": {"include_usage": true},
-            "messages": [{"role": "user", "content": "hi"}]}))
+        .json(
+            &json!({"model": "llm", "stream": true, "stream_options": {"include_usage": true},
+            "messages": [{"role": "user", "content": "hi"}]}),
+        )
         .send()
         .await
         .unwrap();
@@ -174,7 +180,14 @@ async fn unknown_usage_is_null_never_zeros() {
 #[tokio::test]
 async fn embeddings_in_base64_the_sdk_default_and_in_float() {
     let m = mock(Behavior::default()).await;
-    let emb = scope_with("EMBED", ScopeKind::Embedding, vec![source("e", &m)], None, |_| {}).await;
+    let emb = scope_with(
+        "EMBED",
+        ScopeKind::Embedding,
+        vec![source("e", &m)],
+        None,
+        |_| {},
+    )
+    .await;
     let s = serve(vec![emb]).await;
     let c = openai(&s, "unused");
     let texts = vec!["one".to_string(), "two".to_string()];
@@ -249,9 +262,15 @@ async fn models_retrieve_finds_a_listed_model() {
 async fn every_answer_has_a_request_id_and_errors_their_polygw_headers() {
     let m = mock(Behavior::text(&["hello"])).await;
     let rows = RecordingTelemetry::new();
-    let llm = scope_with("LLM", ScopeKind::Chat, vec![source("a", &m)], Some(rows.clone()), |s| {
-        s.retry.max_attempts = 1;
-    })
+    let llm = scope_with(
+        "LLM",
+        ScopeKind::Chat,
+        vec![source("a", &m)],
+        Some(rows.clone()),
+        |s| {
+            s.retry.max_attempts = 1;
+        },
+    )
     .await;
     let s = serve_with(
         vec![llm],
@@ -270,18 +289,29 @@ async fn every_answer_has_a_request_id_and_errors_their_polygw_headers() {
             .send()
     };
     // A success: x-request-id is the logical call id, the one of the telemetry rows.
-    let r = chat(json!({"model": "llm", "messages": [{"role": "user", "content": "hi"}]}), "client-key")
-        .await
-        .unwrap();
+    let r = chat(
+        json!({"model": "llm", "messages": [{"role": "user", "content": "hi"}]}),
+        "client-key",
+    )
+    .await
+    .unwrap();
     let id = r.headers()["x-request-id"].to_str().unwrap().to_string();
     assert_eq!(r.headers()["x-polygw-logical-call-id"], id.as_str());
     assert_eq!(r.headers()["x-polygw-source"], "a-0");
     assert_eq!(rows.rows_of(&id).len(), 1);
     // Refused before any call: an id still (no call, so no logical call id).
     for (body, key, status) in [
-        (json!({"model": "nope", "messages": [{"role": "user", "content": "x"}]}), "client-key", 404),
+        (
+            json!({"model": "nope", "messages": [{"role": "user", "content": "x"}]}),
+            "client-key",
+            404,
+        ),
         (json!({"model": "llm", "messages": "x"}), "client-key", 400),
-        (json!({"model": "llm", "messages": [{"role": "user", "content": "x"}]}), "wrong", 401),
+        (
+            json!({"model": "llm", "messages": [{"role": "user", "content": "x"}]}),
+            "wrong",
+            401,
+        ),
     ] {
         let r = chat(body, key).await.unwrap();
         assert_eq!(r.status(), status);
@@ -291,9 +321,12 @@ async fn every_answer_has_a_request_id_and_errors_their_polygw_headers() {
     }
     // A failed call: the id of its terminal row, and what is known of it.
     m.set_default(Behavior::status(500));
-    let r = chat(json!({"model": "llm", "messages": [{"role": "user", "content": "hi"}]}), "client-key")
-        .await
-        .unwrap();
+    let r = chat(
+        json!({"model": "llm", "messages": [{"role": "user", "content": "hi"}]}),
+        "client-key",
+    )
+    .await
+    .unwrap();
     assert_eq!(r.status(), 503);
     let id = r.headers()["x-request-id"].to_str().unwrap().to_string();
     assert_eq!(r.headers()["x-polygw-logical-call-id"], id.as_str());
@@ -328,13 +361,21 @@ async fn rate_limits_reach_the_client_as_429_with_retry_after() {
         .unwrap();
     let took = started.elapsed();
     assert_eq!(r.status(), 429);
-    let ra: u64 = r.headers()["retry-after"].to_str().unwrap().parse().unwrap();
+    let ra: u64 = r.headers()["retry-after"]
+        .to_str()
+        .unwrap()
+        .parse()
+        .unwrap();
     assert!((25..=31).contains(&ra), "the earliest admission: {ra}");
     assert!(r.headers().contains_key("x-request-id"));
     let v: Value = r.json().await.unwrap();
     assert_eq!(v["error"]["code"], "rate_limit_exceeded");
     assert!(took < Duration::from_secs(3), "held {took:?}");
-    assert_eq!(m.requests().len(), 1, "one upstream request, not one per poll");
+    assert_eq!(
+        m.requests().len(),
+        1,
+        "one upstream request, not one per poll"
+    );
 
     // Streams too, before any chunk.
     let r = http()
@@ -372,7 +413,10 @@ async fn a_long_first_token_gets_headers_and_keepalives_then_errors_in_stream() 
         .unwrap();
     // The headers came after the first keepalive interval, long before the answer.
     let headers_after = started.elapsed();
-    assert!(headers_after < Duration::from_millis(1_500), "{headers_after:?}");
+    assert!(
+        headers_after < Duration::from_millis(1_500),
+        "{headers_after:?}"
+    );
     assert_eq!(r.status(), 200);
     assert_eq!(r.headers()["content-type"], "text/event-stream");
     assert!(r.headers().contains_key("x-request-id"));
@@ -381,8 +425,14 @@ async fn a_long_first_token_gets_headers_and_keepalives_then_errors_in_stream() 
     assert!((3..=4).contains(&keepalives), "{body}");
     assert!(body.starts_with(": keepalive\n\n"), "{body}");
     let first_data = body.find("data: ").unwrap();
-    assert!(body[first_data..].find(": keepalive").is_none(), "keepalives stop at the first chunk");
-    assert!(body.contains("\"late\"") && body.trim_end().ends_with("data: [DONE]"), "{body}");
+    assert!(
+        body[first_data..].find(": keepalive").is_none(),
+        "keepalives stop at the first chunk"
+    );
+    assert!(
+        body.contains("\"late\"") && body.trim_end().ends_with("data: [DONE]"),
+        "{body}"
+    );
 
     // A failure after the headers went out is an in-stream error event.
     m.set_default(Behavior {
@@ -436,7 +486,14 @@ async fn the_declared_kind_decides_the_endpoint_not_the_name() {
     let m = mock(Behavior::text(&["chat", " answer"])).await;
     // A chat scope named EMBED is a chat scope.
     let embed_named_chat = chat_scope("EMBED", &m).await;
-    let vectors = scope_with("VECTORS", ScopeKind::Embedding, vec![source("e", &m)], None, |_| {}).await;
+    let vectors = scope_with(
+        "VECTORS",
+        ScopeKind::Embedding,
+        vec![source("e", &m)],
+        None,
+        |_| {},
+    )
+    .await;
     let s = serve(vec![embed_named_chat, vectors]).await;
     let c = openai(&s, "unused");
     let r = c
@@ -459,7 +516,13 @@ async fn the_declared_kind_decides_the_endpoint_not_the_name() {
         .unwrap();
     assert_eq!(r.status(), 404);
     let v: Value = r.json().await.unwrap();
-    assert!(v["error"]["message"].as_str().unwrap().contains("/v1/embeddings"), "{v}");
+    assert!(
+        v["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("/v1/embeddings"),
+        "{v}"
+    );
     let r = http()
         .post(format!("{}/embeddings", s.v1()))
         .json(&json!({"model": "embed", "input": "x"}))

@@ -3,4 +3,5 @@
 //! OpenAI client, reqwest, raw sockets).
 
 mod api;
+mod hardening;
 mod support;

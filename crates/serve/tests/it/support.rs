@@ -28,13 +28,7 @@ pub async fn mock(default: Behavior) -> MockUpstream {
 
 /// A source `{name}-0` on the mock, model `model-{name}`.
 pub fn source(name: &str, m: &MockUpstream) -> SourceConfig {
-    SourceConfig::new(
-        name,
-        0,
-        m.base_url(),
-        UPSTREAM_KEY,
-        format!("model-{name}"),
-    )
+    SourceConfig::new(name, 0, m.base_url(), UPSTREAM_KEY, format!("model-{name}"))
 }
 
 /// A scope of `kind` over `sources`, with `tweak` applied to its settings; rows go to
@@ -115,9 +109,14 @@ pub async fn serve_on(addr: &str, proxy: Proxy, limits: ServerLimits) -> Served 
     let listener = tokio::net::TcpListener::bind(addr).await.unwrap();
     let addr = listener.local_addr().unwrap();
     let (tx, rx) = oneshot::channel::<()>();
-    let task = tokio::spawn(polygw_serve::serve(listener, proxy.clone(), limits, async {
-        let _ = rx.await;
-    }));
+    let task = tokio::spawn(polygw_serve::serve(
+        listener,
+        proxy.clone(),
+        limits,
+        async {
+            let _ = rx.await;
+        },
+    ));
     Served {
         addr,
         base: format!("http://{addr}"),
@@ -200,7 +199,10 @@ pub fn parse_raw(bytes: &[u8]) -> Raw {
         head: head.to_string(),
         body: String::new(),
     };
-    let body = match raw.header("content-length").and_then(|l| l.parse::<usize>().ok()) {
+    let body = match raw
+        .header("content-length")
+        .and_then(|l| l.parse::<usize>().ok())
+    {
         Some(n) => rest.get(..n).unwrap_or(rest).to_string(),
         None => rest.to_string(),
     };
@@ -243,7 +245,11 @@ pub async fn read_one(s: &mut TcpStream) -> Raw {
             }
         }
         let n = s.read(&mut buf).await.unwrap();
-        assert!(n > 0, "closed before a whole response: {:?}", String::from_utf8_lossy(&out));
+        assert!(
+            n > 0,
+            "closed before a whole response: {:?}",
+            String::from_utf8_lossy(&out)
+        );
         out.extend_from_slice(&buf[..n]);
     }
 }
