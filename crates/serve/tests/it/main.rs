@@ -3,5 +3,6 @@
 //! OpenAI client, reqwest, raw sockets).
 
 mod api;
+mod conformance;
 mod hardening;
 mod support;
