@@ -214,12 +214,13 @@ mod tests {
     fn busy_sources_are_a_rate_limit_and_broken_ones_an_outage() {
         use RefusalReason as R;
         use SourceReason::{Failed, Refused};
-        let cases: &[(
+        type Case<'a> = (
             TerminalReason,
-            &[(&str, SourceReason)],
+            &'a [(&'a str, SourceReason)],
             Option<AttemptError>,
             u16,
-        )] = &[
+        );
+        let cases: &[Case] = &[
             // Every source cooling down on an upstream hint, or over quota: 429.
             (
                 TerminalReason::Stalled,

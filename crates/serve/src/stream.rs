@@ -154,10 +154,11 @@ impl SseState {
         obj.insert("created".into(), self.created());
         obj.entry("object")
             .or_insert_with(|| json!("chat.completion.chunk"));
-        if !obj
+        let named = obj
             .get("model")
-            .is_some_and(|m| m.as_str().is_some_and(|s| !s.is_empty()))
-        {
+            .and_then(Value::as_str)
+            .is_some_and(|s| !s.is_empty());
+        if !named {
             obj.insert("model".into(), json!(self.model()));
         }
         Some(Value::Object(obj))

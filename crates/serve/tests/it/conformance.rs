@@ -21,7 +21,8 @@ use serde_json::{json, Value};
 use crate::support::*;
 
 fn fixtures_dir() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../transport-openai/tests/fixtures/real-streams")
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("../transport-openai/tests/fixtures/real-streams")
 }
 
 fn fixture_files() -> Vec<PathBuf> {
@@ -81,7 +82,9 @@ fn nonempty(v: &Value) -> bool {
 /// only frames the proxy may leave out.
 fn tells_nothing(frame: &Value, role_already_sent: bool) -> bool {
     let o = frame.as_object().unwrap();
-    if o.iter().any(|(k, v)| !ENVELOPE.contains(&k.as_str()) && !v.is_null()) {
+    if o.iter()
+        .any(|(k, v)| !ENVELOPE.contains(&k.as_str()) && !v.is_null())
+    {
         return false;
     }
     let Some(choices) = o.get("choices").and_then(Value::as_array) else {
@@ -89,24 +92,22 @@ fn tells_nothing(frame: &Value, role_already_sent: bool) -> bool {
     };
     choices.iter().all(|c| {
         let c = c.as_object().unwrap();
-        let delta_says = c
-            .get("delta")
-            .and_then(Value::as_object)
-            .is_some_and(|d| {
-                d.iter().any(|(k, v)| {
-                    if k == "role" {
-                        return !role_already_sent && !v.is_null();
-                    }
-                    if k == "tool_calls" {
-                        return v.as_array().is_some_and(|calls| {
-                            calls.iter().any(|t| {
-                                nonempty(&t["function"]["name"]) || nonempty(&t["function"]["arguments"])
-                            })
-                        });
-                    }
-                    nonempty(v)
-                })
-            });
+        let delta_says = c.get("delta").and_then(Value::as_object).is_some_and(|d| {
+            d.iter().any(|(k, v)| {
+                if k == "role" {
+                    return !role_already_sent && !v.is_null();
+                }
+                if k == "tool_calls" {
+                    return v.as_array().is_some_and(|calls| {
+                        calls.iter().any(|t| {
+                            nonempty(&t["function"]["name"])
+                                || nonempty(&t["function"]["arguments"])
+                        })
+                    });
+                }
+                nonempty(v)
+            })
+        });
         let choice_says = c
             .iter()
             .any(|(k, v)| !matches!(k.as_str(), "index" | "delta" | "usage") && !v.is_null());
@@ -151,8 +152,10 @@ async fn every_field_of_every_real_chunk_reaches_the_client() {
         m.push_script(Behavior::jsonl(&file));
         let r = http()
             .post(format!("{}/chat/completions", s.v1()))
-            .json(&json!({"model": "llm", "stream": true, "stream_options": {"include_usage": true},
-                "messages": [{"role": "user", "content": "replay"}]}))
+            .json(
+                &json!({"model": "llm", "stream": true, "stream_options": {"include_usage": true},
+                "messages": [{"role": "user", "content": "replay"}]}),
+            )
             .send()
             .await
             .unwrap();
@@ -161,7 +164,10 @@ async fn every_field_of_every_real_chunk_reaches_the_client() {
         let mut data = sse_data(&body);
         assert_eq!(data.pop().as_deref(), Some("[DONE]"), "{name}: {body}");
         let usage_chunk: Value = serde_json::from_str(&data.pop().unwrap()).unwrap();
-        let got: Vec<Value> = data.iter().map(|d| serde_json::from_str(d).unwrap()).collect();
+        let got: Vec<Value> = data
+            .iter()
+            .map(|d| serde_json::from_str(d).unwrap())
+            .collect();
 
         // One id and one created for the whole stream, usage chunk included.
         let id = &got[0]["id"];
@@ -169,7 +175,10 @@ async fn every_field_of_every_real_chunk_reaches_the_client() {
         for f in got.iter().chain(std::iter::once(&usage_chunk)) {
             assert_eq!(&f["id"], id, "{name}");
             assert_eq!(f["created"], got[0]["created"], "{name}");
-            assert!(f["model"].as_str().is_some_and(|m| !m.is_empty()), "{name}: {f}");
+            assert!(
+                f["model"].as_str().is_some_and(|m| !m.is_empty()),
+                "{name}: {f}"
+            );
         }
 
         // Every client frame is the next upstream frame that tells something, with
@@ -178,10 +187,14 @@ async fn every_field_of_every_real_chunk_reaches_the_client() {
         let mut role_sent = false;
         for (i, g) in got.iter().enumerate() {
             let expected = loop {
-                let u = up
-                    .next()
-                    .unwrap_or_else(|| panic!("{name}: client frame {i} has no upstream frame: {g}"));
-                let u = if role_sent { without_role(u) } else { u.clone() };
+                let u = up.next().unwrap_or_else(|| {
+                    panic!("{name}: client frame {i} has no upstream frame: {g}")
+                });
+                let u = if role_sent {
+                    without_role(u)
+                } else {
+                    u.clone()
+                };
                 let n = normalized(&u);
                 if normalized(g) == n {
                     break n;
@@ -195,28 +208,36 @@ async fn every_field_of_every_real_chunk_reaches_the_client() {
             compared += 1;
         }
         for u in up {
-            let n = normalized(&if role_sent { without_role(u) } else { u.clone() });
-            assert!(tells_nothing(&n, role_sent), "{name}: trailing frame left out: {u}");
+            let n = normalized(&if role_sent {
+                without_role(u)
+            } else {
+                u.clone()
+            });
+            assert!(
+                tells_nothing(&n, role_sent),
+                "{name}: trailing frame left out: {u}"
+            );
         }
 
         // Usage once, at the end, as the upstream reported it (its last usage object).
-        let last_usage = upstream
-            .iter()
-            .rev()
-            .find_map(|f| {
-                f.get("usage")
-                    .filter(|u| u.is_object())
-                    .or_else(|| {
-                        f["choices"]
-                            .as_array()
-                            .and_then(|cs| cs.iter().find_map(|c| c.get("usage").filter(|u| u.is_object())))
+        let last_usage = upstream.iter().rev().find_map(|f| {
+            f.get("usage")
+                .filter(|u| u.is_object())
+                .or_else(|| {
+                    f["choices"].as_array().and_then(|cs| {
+                        cs.iter()
+                            .find_map(|c| c.get("usage").filter(|u| u.is_object()))
                     })
-                    .cloned()
-            });
+                })
+                .cloned()
+        });
         assert_eq!(usage_chunk["choices"], json!([]), "{name}");
         match last_usage {
             Some(u) => assert_eq!(usage_chunk["usage"], u, "{name}"),
-            None => assert!(usage_chunk["polygw"]["usage_source"].is_string(), "{name}: {usage_chunk}"),
+            None => assert!(
+                usage_chunk["polygw"]["usage_source"].is_string(),
+                "{name}: {usage_chunk}"
+            ),
         }
     }
     assert!(compared > 500, "{compared} frames compared");

@@ -462,6 +462,9 @@ async fn http2_is_not_served_and_does_not_hang() {
             .status(),
         200
     );
+    let report = s.stop().await;
+    assert!(!report.cut, "nothing was running at shutdown");
+    assert!(report.connections >= 1);
 }
 
 #[tokio::test]
