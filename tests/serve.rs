@@ -218,9 +218,12 @@ async fn the_log_has_no_colour_codes_no_key_fragments_and_few_auth_lines() {
     })
     .await;
     let mut env = source("LLM", "a", &m);
+    // A gateway that takes a token in the query string: never printed.
+    env[0].1 = format!("{}?token=query-secret-token", m.base_url());
     env.push(("LLM__RETRY__MAX_ATTEMPTS".into(), "1".into()));
     env.push(("POLYGW_PROXY_KEYS".into(), "client-key".into()));
-    env.push(("POLYGW_LOG".into(), "info".into()));
+    // Debug: the attempt's span (with the source's address) is printed with its events.
+    env.push(("POLYGW_LOG".into(), "debug".into()));
     let s = serve(&[], &env);
     let http = reqwest::Client::new();
     for _ in 0..50 {
@@ -249,6 +252,9 @@ async fn the_log_has_no_colour_codes_no_key_fragments_and_few_auth_lines() {
         "no ANSI escape when stderr is not a terminal:\n{log}"
     );
     assert!(!log.contains(fragment), "{log}");
+    assert!(!log.contains("query-secret-token"), "{log}");
+    assert!(log.contains("server.address"), "the span was printed:\n{log}");
+    assert_eq!(m.requests()[0].path, "/v1/chat/completions");
     assert!(
         log.contains("<redacted>"),
         "the failure was logged, redacted:\n{log}"
