@@ -253,7 +253,10 @@ async fn the_log_has_no_colour_codes_no_key_fragments_and_few_auth_lines() {
     );
     assert!(!log.contains(fragment), "{log}");
     assert!(!log.contains("query-secret-token"), "{log}");
-    assert!(log.contains("server.address"), "the span was printed:\n{log}");
+    assert!(
+        log.contains("server.address"),
+        "the span was printed:\n{log}"
+    );
     assert_eq!(m.requests()[0].path, "/v1/chat/completions");
     assert!(
         log.contains("<redacted>"),
