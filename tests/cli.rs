@@ -269,6 +269,8 @@ async fn serve_answers_an_openai_client_plain_streamed_and_embeddings() {
     let mut env = source("LLM", "a", &a, &[]);
     env.push(("LLM__MODEL_ALIASES".into(), "gpt-4o-mini".into()));
     env.extend(source("EMBED", "a", &a, &[]));
+    // The kind is declared, never inferred from the name.
+    env.push(("EMBED__KIND".into(), "embedding".into()));
     env.push((
         "POLYGW_PROXY_KEYS".into(),
         "client-key-1,client-key-2".into(),
@@ -492,7 +494,8 @@ async fn serve_hedges_before_the_commit_and_never_passes_off_a_broken_stream() {
         "no retry after the commit"
     );
 
-    // A call that fails before any chunk gets a real HTTP status (503 + Retry-After).
+    // A call that fails before any chunk gets a real HTTP status: every source cooling
+    // down on an upstream's 429 hint is a rate limit (429 + Retry-After), SPEC §15.
     slow.set_default(Behavior {
         retry_after: Some(polygw_mock_upstream::RetryAfter::Seconds(30.0)),
         ..Behavior::status(429)
@@ -508,10 +511,10 @@ async fn serve_hedges_before_the_commit_and_never_passes_off_a_broken_stream() {
         .send()
         .await
         .unwrap();
-    assert_eq!(r.status(), 503);
+    assert_eq!(r.status(), 429);
     assert!(r.headers().contains_key("retry-after"));
     let body: serde_json::Value = r.json().await.unwrap();
-    assert!(body["error"]["code"].is_string());
+    assert_eq!(body["error"]["code"], "rate_limit_exceeded");
 }
 
 #[tokio::test]

@@ -2,7 +2,8 @@
 //! `cargo metadata`.
 //!
 //! 1. Every workspace crate has a layer; an unclassified crate is an error.
-//! 2. Workspace edges follow the direction core ← adapters ← facade ← binary; no
+//! 2. Workspace edges follow the direction core ← adapters ← facade ← server ← binary
+//!    (the server, `polygw-serve`, is the proxy as a library: it sees only the facade); no
 //!    adapter depends on another adapter; the simulator and test support are only
 //!    used where SPEC §1 allows; the top-level `tests/` package may use anything and
 //!    nothing uses it.
@@ -22,6 +23,9 @@ pub enum Layer {
     Core,
     Adapter,
     Facade,
+    /// The OpenAI-compatible proxy as a library (`polygw-serve`): on the facade only
+    /// (core types through its re-exports), used by the binary and the suites.
+    Server,
     Binary,
     Simulator,
     Tooling,
@@ -40,6 +44,7 @@ pub fn layer_of(name: &str) -> Option<Layer> {
         | "polygw-limiter-redis"
         | "polygw-telemetry-sql" => Layer::Adapter,
         "polygw" => Layer::Facade,
+        "polygw-serve" => Layer::Server,
         "polygw-cli" => Layer::Binary,
         "polygw-mock-upstream" => Layer::Simulator,
         "xtask" => Layer::Tooling,
@@ -77,8 +82,10 @@ pub fn edge_allowed(from: Layer, to: Layer, kind: Kind) -> bool {
         (TestSupport, _) => matches!(to, Core | Simulator),
         (Facade, Kind::Dev) => matches!(to, Core | Adapter | TestSupport | Simulator),
         (Facade, _) => matches!(to, Core | Adapter),
+        (Server, Kind::Dev) => matches!(to, Facade | TestSupport | Simulator),
+        (Server, _) => to == Facade,
         (Binary, Kind::Dev) => to != Tooling && to != Binary,
-        (Binary, _) => matches!(to, Facade | Core | Simulator),
+        (Binary, _) => matches!(to, Server | Facade | Core | Simulator),
     }
 }
 
@@ -163,8 +170,8 @@ pub const WRAPPERS: &[(&str, &[&str])] = &[
     ("reqwest", &["polygw-transport-openai"]),
     ("redis", &["polygw-limiter-redis"]),
     ("sqlx", &["polygw-telemetry-sql"]),
-    ("axum", &["polygw-cli", "polygw-mock-upstream"]),
-    ("hyper", &["polygw-mock-upstream", "polygw-cli"]),
+    ("axum", &["polygw-serve", "polygw-mock-upstream"]),
+    ("hyper", &["polygw-serve", "polygw-mock-upstream"]),
 ];
 
 /// One rule broken.
@@ -230,7 +237,7 @@ pub fn check(meta: &Value, core_alone: Option<&BTreeSet<String>>) -> Vec<Violati
     for p in pkgs.iter().filter(|p| p.workspace) {
         if layer_of(&p.name).is_none() {
             out.insert(Violation(format!(
-                "crate `{}` has no layer: classify it in xtask/src/layers.rs (core / adapter / facade / binary / simulator / tooling / test-support)",
+                "crate `{}` has no layer: classify it in xtask/src/layers.rs (core / adapter / facade / server / binary / simulator / tooling / test-support)",
                 p.name
             )));
         }
@@ -560,5 +567,11 @@ mod tests {
         assert!(!edge_allowed(Tests, TestSupport, Kind::Normal));
         assert!(!edge_allowed(Binary, Tests, Kind::Dev));
         assert!(!edge_allowed(Tests, Tooling, Kind::Dev));
+        assert!(edge_allowed(Server, Facade, Kind::Normal));
+        assert!(!edge_allowed(Server, Core, Kind::Normal));
+        assert!(!edge_allowed(Server, Adapter, Kind::Normal));
+        assert!(edge_allowed(Binary, Server, Kind::Normal));
+        assert!(!edge_allowed(Facade, Server, Kind::Normal));
+        assert!(!edge_allowed(Adapter, Server, Kind::Dev));
     }
 }

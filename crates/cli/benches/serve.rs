@@ -47,7 +47,17 @@ impl Drop for Serve {
 #[allow(clippy::zombie_processes)]
 fn serve(env: &[(String, String)]) -> Serve {
     let mut child = Command::new(env!("CARGO_BIN_EXE_polygw"))
-        .args(["serve", "--listen", "127.0.0.1:0", "--grace-s", "1"])
+        // 64 callers share one client address: lift the per-client connection cap
+        // (64 by default) above what the pool may open while connections turn over.
+        .args([
+            "serve",
+            "--listen",
+            "127.0.0.1:0",
+            "--grace-s",
+            "1",
+            "--max-connections-per-client",
+            "1024",
+        ])
         .env_clear()
         .env("PATH", std::env::var("PATH").unwrap_or_default())
         .envs(env.iter().cloned())

@@ -25,7 +25,15 @@ pub async fn run(args: CheckArgs) -> Result<ExitCode> {
     };
     let mut failed = 0;
     for scope in &scopes {
-        let kind = env::kind_of(scope);
+        let kind = match env::kind_of(scope) {
+            Ok(k) => k,
+            Err(e) => {
+                failed += 1;
+                println!("# scope {scope}: invalid");
+                println!("error: {e}");
+                continue;
+            }
+        };
         match env::load(scope, kind) {
             Ok(loaded) => {
                 println!("# scope {scope} ({}): ok", kind.operation());

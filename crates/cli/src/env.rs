@@ -25,16 +25,10 @@ pub fn scopes(named: &[String]) -> Result<Vec<String>> {
     Ok(found)
 }
 
-/// The kind a scope is checked as: embedding or OCR when its name says so, else chat.
-pub fn kind_of(scope: &str) -> ScopeKind {
-    let s = scope.to_uppercase();
-    if s.contains("EMBED") {
-        ScopeKind::Embedding
-    } else if s.contains("OCR") {
-        ScopeKind::Ocr
-    } else {
-        ScopeKind::Chat
-    }
+/// The kind a scope declares (`{S}__KIND`: chat by default; never inferred from its
+/// name).
+pub fn kind_of(scope: &str) -> Result<ScopeKind, polygw::ConfigError> {
+    polygw::core::config::scope_kind(vars(), scope)
 }
 
 /// Loads and guards one scope from the environment.

@@ -58,8 +58,10 @@ fn init_tracing() {
     let filter = EnvFilter::try_from_env("POLYGW_LOG")
         .or_else(|_| EnvFilter::try_from_default_env())
         .unwrap_or_else(|_| EnvFilter::new("warn"));
+    // Colour codes only on a terminal: a log file or a pipe gets plain text.
     let _ = tracing_subscriber::fmt()
         .with_env_filter(filter)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .with_writer(std::io::stderr)
         .with_target(false)
         .try_init();

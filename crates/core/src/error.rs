@@ -528,7 +528,10 @@ fn describe(ctx: &FailureContext) -> String {
     }
     match &ctx.last_error {
         Some(e) => s.push_str(&format!("last error: {e}")),
-        None => s.push_str("no attempt made"),
+        None if ctx.attempts == 0 => s.push_str("no attempt made"),
+        // Attempts were sent but none ended with an error of its own (the deadline or
+        // the stall window cut them while they ran).
+        None => s.push_str("no attempt finished"),
     }
     if !ctx.reasons.is_empty() {
         s.push_str("; sources: ");
@@ -711,6 +714,20 @@ mod tests {
             err.terminal_reason(),
             Some(TerminalReason::NoRunnableSource)
         );
+    }
+
+    #[test]
+    fn an_attempt_cut_in_flight_is_not_called_no_attempt() {
+        let ctx = |attempts| FailureContext {
+            logical_call_id: "lc".into(),
+            attempts,
+            ..Default::default()
+        };
+        let none = GatewayError::terminal(TerminalReason::DeadlineExceeded, ctx(0)).to_string();
+        assert!(none.contains("no attempt made; attempts 0"), "{none}");
+        let cut = GatewayError::terminal(TerminalReason::DeadlineExceeded, ctx(1)).to_string();
+        assert!(!cut.contains("no attempt made"), "{cut}");
+        assert!(cut.contains("no attempt finished; attempts 1"), "{cut}");
     }
 
     #[test]

@@ -64,6 +64,57 @@ impl From<String> for Secret {
     }
 }
 
+/// The shortest run of a secret's characters that [`redact_fragments`] hides.
+pub const MIN_SECRET_FRAGMENT: usize = 8;
+
+/// `text` with every run of at least [`MIN_SECRET_FRAGMENT`] bytes that also occurs in
+/// `secret` replaced by [`REDACTED`]: an upstream that echoes part of a key
+/// (`key upstream-sec*** is bad`) must not pass that part on. Secrets shorter than the
+/// minimum are only hidden whole. Greedy, left to right, longest match first.
+pub fn redact_fragments(text: &str, secret: &str) -> String {
+    let (t, k) = (text.as_bytes(), secret.as_bytes());
+    if k.is_empty() {
+        return text.to_string();
+    }
+    if k.len() < MIN_SECRET_FRAGMENT {
+        return if k.len() >= 4 && text.contains(secret) {
+            text.replace(secret, REDACTED)
+        } else {
+            text.to_string()
+        };
+    }
+    let mut out = String::with_capacity(text.len());
+    let (mut i, mut copied) = (0, 0);
+    while i + MIN_SECRET_FRAGMENT <= t.len() {
+        if !text.is_char_boundary(i) {
+            i += 1;
+            continue;
+        }
+        let mut best = 0;
+        for j in 0..=k.len() - MIN_SECRET_FRAGMENT {
+            let n = t[i..]
+                .iter()
+                .zip(&k[j..])
+                .take_while(|(a, b)| a == b)
+                .count();
+            best = best.max(n);
+        }
+        while best > 0 && !text.is_char_boundary(i + best) {
+            best -= 1;
+        }
+        if best >= MIN_SECRET_FRAGMENT {
+            out.push_str(&text[copied..i]);
+            out.push_str(REDACTED);
+            i += best;
+            copied = i;
+        } else {
+            i += 1;
+        }
+    }
+    out.push_str(&text[copied..]);
+    out
+}
+
 /// A URL with any password (and the query, which may carry tokens) replaced by
 /// [`REDACTED`], for printing connection URLs.
 pub fn redact_url(raw: &str) -> String {
@@ -142,6 +193,29 @@ mod tests {
             redact_url("redis+cluster://h1:7001,h2:7002"),
             "redis+cluster://h1:7001,h2:7002"
         );
+    }
+
+    #[test]
+    fn fragments_of_a_secret_are_redacted() {
+        let key = "sk-upstream-secret-0123456789";
+        // Whole, a prefix (the provider masked the rest), a middle part, twice.
+        let t = redact_fragments(
+            "key sk-upstream-secret-0123456789 bad; key upstream-sec*** is bad; cret-01 ok; t-012345678 end",
+            key,
+        );
+        assert_eq!(
+            t,
+            "key <redacted> bad; key <redacted>*** is bad; cret-01 ok; <redacted> end"
+        );
+        // Seven characters are not a fragment; unrelated text is untouched.
+        assert_eq!(
+            redact_fragments("upstrea and more", key),
+            "upstrea and more"
+        );
+        assert_eq!(redact_fragments("é upstream-s ü", key), "é <redacted> ü");
+        assert_eq!(redact_fragments("anything", ""), "anything");
+        assert_eq!(redact_fragments("a short-k b", "short-k"), "a <redacted> b");
+        assert_eq!(redact_fragments("a abc b", "abc"), "a abc b");
     }
 
     #[test]

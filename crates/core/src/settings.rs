@@ -22,6 +22,14 @@ pub enum ScopeKind {
 }
 
 impl ScopeKind {
+    /// Every kind, in `{S}__KIND` order.
+    pub const ALL: [ScopeKind; 3] = [ScopeKind::Chat, ScopeKind::Embedding, ScopeKind::Ocr];
+
+    /// The `{S}__KIND` value (also the telemetry `operation`).
+    pub fn as_str(self) -> &'static str {
+        self.operation()
+    }
+
     /// The telemetry `operation` value.
     pub fn operation(self) -> &'static str {
         match self {
@@ -29,6 +37,25 @@ impl ScopeKind {
             ScopeKind::Embedding => "embedding",
             ScopeKind::Ocr => "ocr",
         }
+    }
+}
+
+impl std::fmt::Display for ScopeKind {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+impl std::str::FromStr for ScopeKind {
+    type Err = ();
+
+    /// `chat`, `embedding` or `ocr` (case-insensitive, surrounding blanks ignored).
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        let t = s.trim();
+        ScopeKind::ALL
+            .into_iter()
+            .find(|k| k.as_str().eq_ignore_ascii_case(t))
+            .ok_or(())
     }
 }
 

@@ -27,7 +27,7 @@ use crate::metrics::Metrics;
 use crate::stream::ChatStream;
 
 /// Options of one call.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
 pub struct CallOptions {
     /// The longest this call may go without progress — waiting for admission, or in
     /// rate-limited rounds — before it ends `stalled` (with `retry_after`, the earliest
@@ -35,6 +35,10 @@ pub struct CallOptions {
     /// this call. `polygw serve --max-wait-s` uses it to answer 429 instead of holding
     /// a client.
     pub max_wait: Option<std::time::Duration>,
+    /// The call's `logical_call_id`, when the caller must know it before the call
+    /// starts (`polygw serve` answers with it in `x-request-id`, also when it sends its
+    /// headers before the first chunk). Default: a new UUIDv7. It must be unique.
+    pub logical_call_id: Option<String>,
 }
 
 impl CallOptions {
@@ -42,6 +46,17 @@ impl CallOptions {
     pub fn with_max_wait(mut self, d: std::time::Duration) -> Self {
         self.max_wait = Some(d);
         self
+    }
+
+    /// Sets [`CallOptions::logical_call_id`].
+    pub fn with_logical_call_id(mut self, id: impl Into<String>) -> Self {
+        self.logical_call_id = Some(id.into());
+        self
+    }
+
+    /// A new logical call id (what a call gets when none is given).
+    pub fn new_logical_call_id() -> String {
+        new_id()
     }
 }
 
@@ -217,8 +232,17 @@ impl GatewayClient {
     }
 
     pub(crate) fn new_call(&self, stream: bool) -> (Arc<CallShared>, tracing::Span) {
+        self.new_call_with_id(stream, None)
+    }
+
+    pub(crate) fn new_call_with_id(
+        &self,
+        stream: bool,
+        id: Option<String>,
+    ) -> (Arc<CallShared>, tracing::Span) {
         let engine = &self.engine;
-        let call = Arc::new(CallShared::new(new_id(), engine.ports.clock.now(), stream));
+        let id = id.unwrap_or_else(new_id);
+        let call = Arc::new(CallShared::new(id, engine.ports.clock.now(), stream));
         let span = tracing::info_span!(
             "polygw.chat",
             gen_ai.operation.name = "chat",
@@ -251,7 +275,7 @@ impl GatewayClient {
             .validate()
             .map_err(|(field, message)| GatewayError::InvalidRequest { field, message })?;
         let engine = &self.engine;
-        let (call, span) = self.new_call(request.stream);
+        let (call, span) = self.new_call_with_id(request.stream, options.logical_call_id);
         call.set_max_wait(options.max_wait);
         if let Some(m) = request.max_tokens {
             span.record("gen_ai.request.max_tokens", m);

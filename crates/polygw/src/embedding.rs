@@ -17,7 +17,7 @@ use polygw_core::{
 use serde::Serialize;
 use tracing::Instrument;
 
-use crate::client::with_deadline;
+use crate::client::{with_deadline, CallOptions};
 use crate::clock::new_id;
 use crate::engine::attempt::{Leg, SuccessFacts};
 use crate::engine::call::CallShared;
@@ -122,11 +122,33 @@ impl EmbeddingClient {
             .max(1)
     }
 
+    /// The client's metrics.
+    pub fn metrics(&self) -> Arc<crate::metrics::Metrics> {
+        self.engine.metrics.clone()
+    }
+
+    /// Telemetry rows dropped so far (queue overflow).
+    pub fn telemetry_dropped(&self) -> u64 {
+        self.engine.ports.telemetry.dropped()
+    }
+
     /// Embeds `texts` (order preserved).
     pub async fn embed(&self, texts: &[String]) -> Result<Embeddings, GatewayError> {
+        self.embed_with(texts, CallOptions::default()).await
+    }
+
+    /// [`EmbeddingClient::embed`] with per-call options (a bound on waiting without
+    /// progress, the logical call id).
+    pub async fn embed_with(
+        &self,
+        texts: &[String],
+        options: CallOptions,
+    ) -> Result<Embeddings, GatewayError> {
         let engine = &self.engine;
         let started = engine.ports.clock.now();
-        let call = Arc::new(CallShared::new(new_id(), started, false));
+        let id = options.logical_call_id.unwrap_or_else(new_id);
+        let call = Arc::new(CallShared::new(id, started, false));
+        call.set_max_wait(options.max_wait);
         let span = tracing::info_span!(
             "polygw.embed",
             gen_ai.operation.name = "embeddings",

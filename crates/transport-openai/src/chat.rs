@@ -351,6 +351,10 @@ impl OpenAiTransport {
         let start = self.inner.clock.now();
         let watchdog = tokio::time::sleep(ttft_budget);
         tokio::pin!(watchdog);
+        // The whole attempt's bound (TransportConfig::stream_time_factor).
+        let bound = stream_bound(source, cfg.stream_time_factor);
+        let bound_sleep = tokio::time::sleep(bound.unwrap_or(Duration::MAX / 4));
+        tokio::pin!(bound_sleep);
 
         let resp = tokio::select! {
             biased;
@@ -417,7 +421,8 @@ impl OpenAiTransport {
             return Ok(r);
         }
 
-        let mut parser = SseParser::with_limits(cfg.max_body_bytes, cfg.max_body_bytes);
+        let line_cap = cfg.max_sse_line_bytes.min(cfg.max_body_bytes);
+        let mut parser = SseParser::with_limits(line_cap, line_cap);
         let mut events: Vec<SseEvent> = Vec::new();
         let mut total: u64 = 0;
         let mut finish_seen = false;
@@ -427,6 +432,7 @@ impl OpenAiTransport {
                 biased;
                 c = resp.chunk() => c,
                 () = &mut watchdog => break End::Watchdog,
+                () = &mut bound_sleep, if bound.is_some() => break End::Bound,
             };
             match next {
                 Ok(Some(chunk)) => {
@@ -521,6 +527,19 @@ impl OpenAiTransport {
     }
 }
 
+/// The bound of a whole stream attempt: `factor` × the largest of the source's
+/// budgets (`TIMEOUT_S`, TTFT, inter-token), so it never cuts what a watchdog allows
+/// for one phase. `None` when `factor` is 0.
+fn stream_bound(source: &SourceConfig, factor: u32) -> Option<Duration> {
+    (factor > 0).then(|| {
+        source
+            .timeout
+            .max(source.ttft_budget())
+            .max(source.inter_token_budget())
+            .saturating_mul(factor)
+    })
+}
+
 /// How a stream stopped being read.
 enum End {
     /// `data: [DONE]`.
@@ -531,6 +550,8 @@ enum End {
     Broken(String),
     /// The watchdog fired.
     Watchdog,
+    /// The whole attempt's bound passed (`stream_time_factor`).
+    Bound,
 }
 
 struct StreamState<'a> {
@@ -670,6 +691,7 @@ impl StreamState<'_> {
                     budget: ttft_budget,
                 },
                 End::Watchdog => Failure::StallTimeout { budget: itb },
+                End::Bound => Failure::Timeout,
                 End::Done => Failure::Truncated {
                     detail: "[DONE] came before any finish_reason".into(),
                 },
@@ -682,7 +704,7 @@ impl StreamState<'_> {
             };
             return Err(fail(f, key));
         }
-        let salvaged = matches!(end, End::Broken(_) | End::Watchdog);
+        let salvaged = matches!(end, End::Broken(_) | End::Watchdog | End::Bound);
         let a = self.agg.finish();
         if !a.generated_anything() && a.finish_reason.as_deref() != Some("length") {
             let usage = a.usage;

@@ -49,14 +49,16 @@ pub fn retry_after(headers: &HeaderMap) -> Option<Duration> {
     parse_retry_after(raw, now)
 }
 
-/// Removes every occurrence of the API key from a text (keys shorter than 4 bytes are
-/// not secrets worth garbling messages for).
+/// Removes the API key from a text: the whole key and any run of 8 or more of its
+/// characters (an upstream that echoes `key sk-abc12*** is bad` gives part of it away);
+/// keys shorter than 4 bytes are not secrets worth garbling messages for.
 pub fn redact(text: String, key: &str) -> String {
-    if key.len() >= 4 && text.contains(key) {
-        text.replace(key, REDACTED)
-    } else {
-        text
+    if key.len() < 4 {
+        return text;
     }
+    let out = polygw_core::secret::redact_fragments(&text, key);
+    debug_assert!(!out.contains(key) || key.contains(REDACTED));
+    out
 }
 
 fn redact_opt(text: Option<String>, key: &str) -> Option<String> {

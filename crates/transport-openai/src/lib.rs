@@ -28,6 +28,23 @@ use reqwest::header::{HeaderValue, ACCEPT, AUTHORIZATION, CONTENT_TYPE};
 /// Default cap of a response body and of accumulated content (16 MiB).
 pub const DEFAULT_MAX_BYTES: usize = 16 * 1024 * 1024;
 
+/// Default cap of one SSE line / event in a stream (1 MiB).
+pub const DEFAULT_MAX_SSE_LINE_BYTES: usize = 1024 * 1024;
+
+/// Default bound of a whole stream attempt, in multiples of the source's `TIMEOUT_S`.
+pub const DEFAULT_STREAM_TIME_FACTOR: u32 = 10;
+
+/// `{base_url}/{path}`, keeping a query string of the base URL (some gateways take
+/// their key there: `https://host/v1?key=…`) after the path, where it belongs.
+pub fn endpoint_url(base_url: &str, path: &str) -> String {
+    // A fragment is never sent.
+    let base = base_url.split_once('#').map_or(base_url, |(b, _)| b);
+    match base.split_once('?') {
+        Some((b, q)) => format!("{}/{path}?{q}", b.trim_end_matches('/')),
+        None => format!("{}/{path}", base.trim_end_matches('/')),
+    }
+}
+
 /// Tuning of the transport. `Default` gives the documented values.
 #[derive(Debug, Clone, PartialEq)]
 pub struct TransportConfig {
@@ -39,6 +56,18 @@ pub struct TransportConfig {
     /// Cap of the bytes of a whole stream (framing included); defence against an
     /// upstream that streams without end.
     pub max_stream_bytes: u64,
+    /// Cap of one SSE line, and of one event's data, in a stream (bytes). Over it the
+    /// attempt fails as result-invalid (`TooLarge`). Real frames are a few KiB; the
+    /// bound keeps an upstream that sends bytes without a line end from holding more
+    /// than this much of the process's memory (a whole SSE body received for a plain
+    /// request is bounded by `max_body_bytes` instead).
+    pub max_sse_line_bytes: usize,
+    /// A stream attempt runs at most this many times its source's `TIMEOUT_S` in total
+    /// (connect to the last byte), whatever its pace: an upstream that trickles one
+    /// chunk just inside the inter-token budget cannot hold an attempt forever when no
+    /// `CALL_DEADLINE_S` is set. Reaching it is a `timeout` (salvaged when the answer
+    /// had already finished). `0` = no bound.
+    pub stream_time_factor: u32,
     /// How much of a non-2xx body is read to find the provider's error (bytes).
     pub max_error_body_bytes: usize,
     /// TCP/TLS connect timeout.
@@ -64,6 +93,8 @@ impl Default for TransportConfig {
             max_body_bytes: DEFAULT_MAX_BYTES,
             max_content_bytes: DEFAULT_MAX_BYTES,
             max_stream_bytes: 256 * 1024 * 1024,
+            max_sse_line_bytes: DEFAULT_MAX_SSE_LINE_BYTES,
+            stream_time_factor: DEFAULT_STREAM_TIME_FACTOR,
             max_error_body_bytes: 64 * 1024,
             connect_timeout: Duration::from_secs(10),
             finish_grace: Duration::from_secs(5),
@@ -156,7 +187,7 @@ impl OpenAiTransport {
         call_id: &str,
         stream: bool,
     ) -> reqwest::RequestBuilder {
-        let url = format!("{}/{}", source.base_url, path);
+        let url = endpoint_url(&source.base_url, path);
         let mut rb = self
             .inner
             .client
@@ -184,5 +215,26 @@ impl OpenAiTransport {
             }
         }
         rb
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::endpoint_url;
+
+    #[test]
+    fn endpoint_keeps_the_query_after_the_path() {
+        assert_eq!(
+            endpoint_url("https://h/v1", "chat/completions"),
+            "https://h/v1/chat/completions"
+        );
+        assert_eq!(
+            endpoint_url("https://h/v1?key=s3cr3t&x=1", "chat/completions"),
+            "https://h/v1/chat/completions?key=s3cr3t&x=1"
+        );
+        assert_eq!(
+            endpoint_url("https://h/v1/?key=k#frag", "embeddings"),
+            "https://h/v1/embeddings?key=k"
+        );
     }
 }

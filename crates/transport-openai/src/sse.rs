@@ -52,6 +52,9 @@ pub const DEFAULT_MAX_EVENT_BYTES: usize = 16 * 1024 * 1024;
 
 const BOM: &[u8] = b"\xEF\xBB\xBF";
 
+/// The line buffer's capacity kept between lines (larger buffers are freed).
+const KEEP_LINE_CAPACITY: usize = 64 * 1024;
+
 /// The incremental parser. Feed it bytes as they arrive; it appends complete events.
 pub struct SseParser {
     line: Vec<u8>,
@@ -163,6 +166,10 @@ impl SseParser {
                         buf.extend_from_slice(piece);
                         let r = self.process_line(&buf, out);
                         buf.clear();
+                        // A long line's buffer is not kept for the rest of the stream.
+                        if buf.capacity() > KEEP_LINE_CAPACITY {
+                            buf = Vec::new();
+                        }
                         self.line = buf;
                         r?;
                     }

@@ -1618,3 +1618,171 @@ mod secrets {
         assert!(shown.len() >= 10);
     }
 }
+
+/// Defences against hostile or broken upstreams (issue 15): key fragments, a key in the
+/// base URL's query, lines without end, trickling streams.
+mod hardening {
+    use std::time::Duration;
+
+    use polygw_core::SourceConfig;
+    use polygw_mock_upstream::Behavior;
+    use polygw_transport_openai::{TransportConfig, DEFAULT_MAX_SSE_LINE_BYTES};
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+    use super::common::*;
+
+    #[tokio::test]
+    async fn an_echoed_fragment_of_the_key_is_redacted() {
+        let m = mock().await;
+        // The provider masks the tail of the key, but shows 12 of its characters.
+        let fragment = &KEY[3..15];
+        m.push_script(Behavior {
+            status: 401,
+            error_message: Some(format!(
+                "Incorrect API key provided: {fragment}***. Check it."
+            )),
+            ..Behavior::default()
+        });
+        let e = chat(&transport(), &source(&m), &plain_req())
+            .await
+            .unwrap_err();
+        let shown = format!("{e} | {e:?} | {}", e.short_detail());
+        assert!(!shown.contains(fragment), "{shown}");
+        assert!(
+            shown.contains("Incorrect API key provided: <redacted>***"),
+            "{shown}"
+        );
+    }
+
+    #[tokio::test]
+    async fn a_query_string_in_the_base_url_stays_after_the_path() {
+        let m = mock().await;
+        let src = SourceConfig::new(
+            "q",
+            0,
+            format!("{}?key=s3cr3t-query-value", m.base_url()),
+            KEY,
+            "m",
+        );
+        let r = chat(&transport(), &src, &plain_req()).await.unwrap();
+        assert!(!r.content.is_empty());
+        let r = chat(&transport(), &src, &stream_req()).await.unwrap();
+        assert!(!r.content.is_empty());
+        let paths: Vec<String> = m.requests().iter().map(|r| r.path.clone()).collect();
+        assert_eq!(paths, ["/v1/chat/completions", "/v1/chat/completions"]);
+    }
+
+    /// VmHWM (peak resident set) of this process, in KiB (nextest runs each test in its
+    /// own process).
+    fn peak_rss_kib() -> u64 {
+        let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
+        status
+            .lines()
+            .find_map(|l| l.strip_prefix("VmHWM:"))
+            .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+            .unwrap_or(0)
+    }
+
+    /// An upstream that answers every request with SSE headers and then an endless
+    /// line (`data: xxxx…`, never a line end), written from one static buffer.
+    async fn endless_line_upstream() -> String {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        tokio::spawn(async move {
+            static PAD: [u8; 64 * 1024] = [b'x'; 64 * 1024];
+            while let Ok((mut sock, _)) = listener.accept().await {
+                tokio::spawn(async move {
+                    let mut buf = [0u8; 4096];
+                    let mut seen = Vec::new();
+                    // Read the request head and its body (Content-Length).
+                    loop {
+                        let n = sock.read(&mut buf).await.unwrap_or(0);
+                        if n == 0 {
+                            return;
+                        }
+                        seen.extend_from_slice(&buf[..n]);
+                        if let Some(end) = seen.windows(4).position(|w| w == b"\r\n\r\n") {
+                            let head = String::from_utf8_lossy(&seen[..end]).to_lowercase();
+                            let len: usize = head
+                                .lines()
+                                .find_map(|l| l.strip_prefix("content-length:"))
+                                .and_then(|v| v.trim().parse().ok())
+                                .unwrap_or(0);
+                            if seen.len() >= end + 4 + len {
+                                break;
+                            }
+                        }
+                    }
+                    let head = "HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n\r\ndata: ";
+                    if sock.write_all(head.as_bytes()).await.is_err() {
+                        return;
+                    }
+                    while sock.write_all(&PAD).await.is_ok() {}
+                });
+            }
+        });
+        format!("http://{addr}/v1")
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn fifty_upstreams_sending_lines_without_end_stay_bounded() {
+        let base = endless_line_upstream().await;
+        let t = transport();
+        let src =
+            SourceConfig::new("endless", 0, base, KEY, "m").with_timeout(Duration::from_secs(30));
+        let before = peak_rss_kib();
+        let calls: Vec<_> = (0..50)
+            .map(|_| {
+                let (t, src) = (t.clone(), src.clone());
+                tokio::spawn(async move { chat(&t, &src, &stream_req()).await })
+            })
+            .collect();
+        for c in calls {
+            let e = c.await.unwrap().unwrap_err();
+            assert_eq!(e.class, polygw_core::ErrorClass::Invalid, "{e}");
+            assert!(
+                e.detail.contains(&DEFAULT_MAX_SSE_LINE_BYTES.to_string()),
+                "{e}"
+            );
+        }
+        let grown_mib = peak_rss_kib().saturating_sub(before) / 1024;
+        eprintln!("peak RSS grew by {grown_mib} MiB for 50 endless lines");
+        // Each stream holds at most one line of 1 MiB (2 MiB of capacity while it
+        // grows) plus read buffers: 50 streams stay far below the 16 MiB per stream of
+        // the old bound (≈ 1 GB).
+        assert!(grown_mib < 200, "peak RSS grew by {grown_mib} MiB");
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_trickling_stream_ends_at_the_whole_stream_bound() {
+        let m = mock().await;
+        // One chunk every 100 ms, for 1000 chunks (100 s), well within a 1 s
+        // inter-token budget: only the whole-attempt bound (10 × TIMEOUT_S) ends it.
+        m.push_script(Behavior {
+            chunk_count: Some(1_000),
+            gap_ms: 100.0,
+            ..Behavior::default()
+        });
+        let src = source(&m).with_timeout(Duration::from_secs(1));
+        let start = now();
+        let e = chat(&transport(), &src, &stream_req()).await.unwrap_err();
+        let took = start.elapsed();
+        assert_eq!(e.label, polygw_core::ErrorLabel::Timeout, "{e}");
+        assert!(
+            took >= Duration::from_secs(10) && took < Duration::from_secs(11),
+            "{took:?}"
+        );
+        // The bound can be turned off; then the stream runs to its end.
+        m.push_script(Behavior {
+            chunk_count: Some(150),
+            gap_ms: 100.0,
+            ..Behavior::default()
+        });
+        let unbounded = transport_with(TransportConfig {
+            stream_time_factor: 0,
+            ..TransportConfig::default()
+        });
+        let r = chat(&unbounded, &src, &stream_req()).await.unwrap();
+        assert_eq!(r.stream.unwrap().incremental_chunks, 150);
+    }
+}

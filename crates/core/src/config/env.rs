@@ -16,7 +16,7 @@ use crate::settings::{OnNoRunnable, RetryPrefer, ScopeKind, ScopeSettings};
 use crate::source::SourceConfig;
 
 /// Segment names that belong to scope keys and can never be a provider name.
-pub const RESERVED_SEGMENTS: [&str; 12] = [
+pub const RESERVED_SEGMENTS: [&str; 13] = [
     "HEDGE",
     "STREAM",
     "RETRY",
@@ -29,6 +29,7 @@ pub const RESERVED_SEGMENTS: [&str; 12] = [
     "STRUCTURED",
     "OCR",
     "MODEL_ALIASES",
+    "KIND",
 ];
 
 /// The FIELDs a source accepts.
@@ -55,9 +56,10 @@ pub const SOURCE_FIELDS: [&str; 19] = [
 ];
 
 /// Scope keys: (group or "" for two-segment keys, field).
-pub const SCOPE_KEYS: [(&str, &str); 27] = [
+pub const SCOPE_KEYS: [(&str, &str); 28] = [
     ("", "CALL_DEADLINE_S"),
     ("", "MODEL_ALIASES"),
+    ("", "KIND"),
     ("RETRY", "MAX_ATTEMPTS"),
     ("RETRY", "STALL_WINDOW_S"),
     ("RETRY", "BACKOFF_BASE_S"),
@@ -234,6 +236,20 @@ where
     }
     let mut settings = ScopeSettings::new(scope.clone(), built);
     apply_scope_keys(&mut settings, &scope_vals, &mut errors);
+    if let Some((k, v)) = scope_vals.get(&(String::new(), "KIND".to_string())) {
+        match parse_kind(k, v) {
+            Ok(declared) if declared != kind => errors.push(ConfigError::Guard {
+                key: k.clone(),
+                value: v.trim().to_string(),
+                message: format!(
+                    "the scope is declared {declared} but is being loaded as a {kind} scope \
+                     (a {kind} client); use the {declared} client, or set {k}={kind}"
+                ),
+            }),
+            Ok(_) => {}
+            Err(e) => errors.push(e),
+        }
+    }
 
     if sources.is_empty() && errors.is_empty() {
         errors.push(ConfigError::NoSources {
@@ -243,6 +259,29 @@ where
     ConfigError::from_list(errors)?;
     let warnings = guards::check(&settings, kind)?;
     Ok(LoadedScope { settings, warnings })
+}
+
+/// The kind a scope declares with `{S}__KIND` (`chat`, `embedding` or `ocr`); `chat`
+/// when the key is absent. No kind is ever inferred from the scope's name.
+pub fn scope_kind<I, K, V>(vars: I, scope: &str) -> Result<ScopeKind, ConfigError>
+where
+    I: IntoIterator<Item = (K, V)>,
+    K: AsRef<str>,
+    V: AsRef<str>,
+{
+    let key = format!("{}__KIND", scope.to_uppercase());
+    let mut kind = ScopeKind::Chat;
+    for (k, v) in vars {
+        if k.as_ref() == key {
+            kind = parse_kind(&key, v.as_ref())?;
+        }
+    }
+    Ok(kind)
+}
+
+fn parse_kind(key: &str, v: &str) -> Result<ScopeKind, ConfigError> {
+    v.parse::<ScopeKind>()
+        .map_err(|()| invalid(key, v.trim(), "chat, embedding or ocr"))
 }
 
 fn unknown_scope_key(key: &str, scope: &str) -> ConfigError {
@@ -397,6 +436,8 @@ fn apply_scope_keys(
         match (group.as_str(), field.as_str()) {
             ("", "CALL_DEADLINE_S") => run(parse_secs(k, v).map(|x| s.call_deadline = Some(x))),
             ("", "MODEL_ALIASES") => run(parse_aliases(k, v).map(|x| s.model_aliases = x)),
+            // Checked against the kind the scope is loaded as, in `load_scope`.
+            ("", "KIND") => {}
             ("RETRY", "MAX_ATTEMPTS") => run(parse_int::<u32>(k, v)
                 .and_then(|x| guards::int_in(k, x, &guards::MAX_ATTEMPTS_RANGE))
                 .map(|x| s.retry.max_attempts = x)),

@@ -11,7 +11,9 @@ pub mod guards;
 
 use serde::Serialize;
 
-pub use env::{discover_scopes, load_scope, RESERVED_SEGMENTS, SCOPE_KEYS, SOURCE_FIELDS};
+pub use env::{
+    discover_scopes, load_scope, scope_kind, RESERVED_SEGMENTS, SCOPE_KEYS, SOURCE_FIELDS,
+};
 
 use crate::settings::ScopeSettings;
 
@@ -276,6 +278,41 @@ mod tests {
         )
         .unwrap();
         assert!(e.warnings.iter().any(|w| w.message.contains("chat-only")));
+    }
+
+    #[test]
+    fn the_kind_is_declared_never_inferred_from_the_name() {
+        use crate::config::scope_kind;
+        // A scope named EMBED is a chat scope unless it says otherwise.
+        let mut v = base();
+        v.iter_mut()
+            .for_each(|(k, _)| *k = k.replacen("LLM__", "EMBED__", 1));
+        assert_eq!(scope_kind(v.clone(), "embed").unwrap(), ScopeKind::Chat);
+        assert!(load_scope(v.clone(), "EMBED", ScopeKind::Chat).is_ok());
+        v.push(("EMBED__KIND".into(), " Embedding ".into()));
+        assert_eq!(
+            scope_kind(v.clone(), "EMBED").unwrap(),
+            ScopeKind::Embedding
+        );
+        assert!(load_scope(v.clone(), "EMBED", ScopeKind::Embedding).is_ok());
+        let text = load_scope(v.clone(), "EMBED", ScopeKind::Chat)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            text.contains("EMBED__KIND") && text.contains("declared embedding"),
+            "{text}"
+        );
+        let bad = with(&[("LLM__KIND", "vision")]);
+        let e = scope_kind(bad.clone(), "LLM").unwrap_err().to_string();
+        assert!(
+            e.contains("LLM__KIND") && e.contains("chat, embedding or ocr"),
+            "{e}"
+        );
+        assert!(load_scope(bad, "LLM", ScopeKind::Chat).is_err());
+        assert_eq!(
+            scope_kind(with(&[("LLM__KIND", "ocr")]), "LLM").unwrap(),
+            ScopeKind::Ocr
+        );
     }
 
     #[test]

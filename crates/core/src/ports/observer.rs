@@ -58,6 +58,24 @@ impl StreamDelta {
             return false;
         }
         let Some(raw) = &self.raw else { return true };
+        // A frame-level field beyond the envelope (Azure's `prompt_filter_results`,
+        // Perplexity's `citations`, …) is information for the client (SPEC §15).
+        let frame_other = raw.iter().any(|(k, v)| {
+            !matches!(
+                k.as_str(),
+                "id" | "object"
+                    | "created"
+                    | "model"
+                    | "system_fingerprint"
+                    | "service_tier"
+                    | "obfuscation"
+                    | "choices"
+                    | "usage"
+            ) && !v.is_null()
+        });
+        if frame_other {
+            return false;
+        }
         match choice0_ref(raw) {
             None => true,
             Some(c) => {
@@ -281,6 +299,20 @@ mod tests {
         d.content = None;
         d.strip_role();
         assert!(!d.is_empty_chunk());
+        // A frame-level extra (Azure's content filter results) is kept; the envelope
+        // alone (OpenAI's `obfuscation` padding included) is not.
+        let mut d =
+            delta(json!({"choices":[],"id":"","prompt_filter_results":[{"prompt_index":0}]}));
+        d.content = None;
+        d.role = None;
+        assert!(!d.is_empty_chunk());
+        let mut d = delta(
+            json!({"choices":[{"index":0,"delta":{}}],"id":"x","object":"chat.completion.chunk",
+            "created":1,"model":"m","system_fingerprint":"fp","service_tier":"default","obfuscation":"ab","usage":null}),
+        );
+        d.content = None;
+        d.role = None;
+        assert!(d.is_empty_chunk());
     }
 
     #[test]

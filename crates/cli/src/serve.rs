@@ -1,0 +1,329 @@
+//! `polygw serve`: the OpenAI-compatible proxy of `polygw-serve` over the scopes
+//! configured in the environment (SPEC §11, §15; docs/SERVE.md). This command only
+//! loads the scopes (each as its declared `{S}__KIND`), shares one metrics registry and
+//! one telemetry recorder per database, reads the client keys, checks where it may
+//! listen, and handles the signals: the first starts a graceful shutdown, a second
+//! stops at once.
+
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::process::ExitCode;
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::{bail, Context, Result};
+use polygw::core::ports::TelemetryRecorder;
+use polygw::core::Secret;
+use polygw::{GatewayClient, Metrics, ScopeKind};
+use polygw_serve::{Proxy, ProxyConfig, Scope, ServerLimits};
+use tokio::sync::watch;
+
+use crate::env;
+
+/// Arguments of `polygw serve`.
+#[derive(Debug, clap::Args)]
+pub struct ServeArgs {
+    /// Scopes to serve (repeatable; default: every chat and embedding scope configured).
+    #[arg(long)]
+    pub scope: Vec<String>,
+    /// Address to listen on. Without POLYGW_PROXY_KEYS only a loopback address is
+    /// accepted (see --allow-unauthenticated).
+    #[arg(long, default_value = "127.0.0.1:8080")]
+    pub listen: SocketAddr,
+    /// Listen on a non-loopback address without client keys (anyone who can reach it
+    /// spends your upstream quota).
+    #[arg(long)]
+    pub allow_unauthenticated: bool,
+    /// Without client keys: another Host value to accept besides loopback names
+    /// (repeatable; `name` or `name:port`).
+    #[arg(long = "allowed-host")]
+    pub allowed_hosts: Vec<String>,
+    /// Without client keys: another Origin to accept besides loopback origins
+    /// (repeatable; `scheme://host[:port]`).
+    #[arg(long = "allowed-origin")]
+    pub allowed_origins: Vec<String>,
+    /// On SIGTERM/Ctrl-C, how long in-flight calls may take to finish (seconds); a
+    /// second signal stops at once.
+    #[arg(long, default_value_t = 30.0)]
+    pub grace_s: f64,
+    /// Largest request body accepted (bytes).
+    #[arg(long, default_value_t = 10 * 1024 * 1024)]
+    pub max_body_bytes: usize,
+    /// A call that cannot be admitted for this long answers 429 rate_limit_exceeded
+    /// with Retry-After (seconds).
+    #[arg(long, default_value_t = 10.0)]
+    pub max_wait_s: f64,
+    /// A stream with no first chunk after this long gets its headers and an SSE
+    /// comment every this many seconds until the first chunk.
+    #[arg(long, default_value_t = 15.0)]
+    pub keepalive_s: f64,
+    /// Calls running at once per scope.
+    #[arg(long, default_value_t = 256)]
+    pub max_calls_per_scope: usize,
+    /// Calls waiting for a slot per scope; beyond it: 429 at once.
+    #[arg(long, default_value_t = 1024)]
+    pub max_queued_per_scope: usize,
+    /// A request head must arrive within this (seconds, from its first byte).
+    #[arg(long, default_value_t = 10.0)]
+    pub header_timeout_s: f64,
+    /// A request body must arrive within this (seconds).
+    #[arg(long, default_value_t = 60.0)]
+    pub body_timeout_s: f64,
+    /// A connection idle (between requests, or not reading its answer) this long is
+    /// closed (seconds).
+    #[arg(long, default_value_t = 60.0)]
+    pub idle_timeout_s: f64,
+    /// Largest request head (bytes).
+    #[arg(long, default_value_t = 64 * 1024)]
+    pub max_header_bytes: usize,
+    /// Open connections in total (default: half the open-file limit, 64..16384).
+    #[arg(long)]
+    pub max_connections: Option<usize>,
+    /// Open connections per client address.
+    #[arg(long, default_value_t = 64)]
+    pub max_connections_per_client: usize,
+}
+
+fn secs(flag: &str, v: f64) -> Result<Duration> {
+    if !v.is_finite() || v < 0.0 {
+        bail!("--{flag} {v}: expected a number of seconds ≥ 0");
+    }
+    Ok(Duration::from_secs_f64(v))
+}
+
+fn positive_secs(flag: &str, v: f64) -> Result<Duration> {
+    let d = secs(flag, v)?;
+    if d.is_zero() {
+        bail!("--{flag} {v}: expected a number of seconds > 0");
+    }
+    Ok(d)
+}
+
+/// The served scopes, their shared metrics and telemetry recorders.
+struct Loaded {
+    scopes: Vec<Scope>,
+    metrics: Arc<Metrics>,
+    recorders: Vec<Arc<dyn TelemetryRecorder>>,
+}
+
+/// Builds the clients of the named scopes (default: every chat and embedding scope),
+/// sharing one metrics registry and one telemetry recorder per database URL.
+async fn load(named: &[String]) -> Result<Loaded> {
+    let names = env::scopes(named)?;
+    let metrics = Arc::new(Metrics::new());
+    let mut recorders: HashMap<String, Arc<dyn TelemetryRecorder>> = HashMap::new();
+    let mut scopes = Vec::new();
+    for name in names {
+        let kind = env::kind_of(&name)?;
+        if kind == ScopeKind::Ocr {
+            if named.is_empty() {
+                eprintln!("note: scope {name} is an OCR scope ({name}__KIND=ocr): not served (OpenAI's API has no OCR endpoint)");
+                continue;
+            }
+            bail!("scope {name} is an OCR scope ({name}__KIND=ocr): polygw serve serves chat and embedding scopes");
+        }
+        let loaded = env::load(&name, kind).with_context(|| format!("scope {name}"))?;
+        env::print_warnings(&name, &loaded.warnings);
+        let mut b = GatewayClient::builder(loaded.settings.clone()).metrics(metrics.clone());
+        if let Some(url) = &loaded.settings.telemetry_url {
+            let key = url.expose().to_string();
+            let rec = match recorders.get(&key) {
+                Some(r) => r.clone(),
+                None => {
+                    let r: Arc<dyn TelemetryRecorder> = Arc::new(
+                        polygw::telemetry::SqlRecorder::connect(
+                            url.expose(),
+                            polygw::telemetry::RecorderConfig::default(),
+                        )
+                        .await
+                        .with_context(|| {
+                            format!(
+                                "{name}__TELEMETRY__URL={}",
+                                polygw::core::secret::redact_url(url.expose())
+                            )
+                        })?,
+                    );
+                    recorders.insert(key, r.clone());
+                    r
+                }
+            };
+            b = b.telemetry(rec);
+        }
+        let clients = b
+            .build_all()
+            .await
+            .with_context(|| format!("scope {name}"))?;
+        if let Some(s) = Scope::of_kind(kind, clients) {
+            scopes.push(s);
+        }
+    }
+    if scopes.is_empty() {
+        bail!("no chat or embedding scope to serve");
+    }
+    Ok(Loaded {
+        scopes,
+        metrics,
+        recorders: recorders.into_values().collect(),
+    })
+}
+
+/// Counts SIGTERM and Ctrl-C (SIGINT) from the start of the command.
+fn signals() -> watch::Receiver<u32> {
+    let (tx, rx) = watch::channel(0u32);
+    tokio::spawn(async move {
+        #[cfg(unix)]
+        let mut term =
+            tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()).ok();
+        loop {
+            #[cfg(unix)]
+            let terminate = async {
+                match term.as_mut() {
+                    Some(s) => {
+                        s.recv().await;
+                    }
+                    None => std::future::pending::<()>().await,
+                }
+            };
+            #[cfg(not(unix))]
+            let terminate = std::future::pending::<()>();
+            tokio::select! {
+                _ = tokio::signal::ctrl_c() => {}
+                () = terminate => {}
+            }
+            tx.send_modify(|n| *n += 1);
+        }
+    });
+    rx
+}
+
+async fn nth_signal(mut rx: watch::Receiver<u32>, n: u32) {
+    let _ = rx.wait_for(|seen| *seen >= n).await;
+}
+
+pub async fn run(args: ServeArgs) -> Result<ExitCode> {
+    let grace = secs("grace-s", args.grace_s)?;
+    let max_wait = secs("max-wait-s", args.max_wait_s)?;
+    let keepalive = positive_secs("keepalive-s", args.keepalive_s)?;
+    let header_timeout = positive_secs("header-timeout-s", args.header_timeout_s)?;
+    let body_timeout = positive_secs("body-timeout-s", args.body_timeout_s)?;
+    let idle_timeout = positive_secs("idle-timeout-s", args.idle_timeout_s)?;
+    let keys: Vec<Secret> = std::env::var("POLYGW_PROXY_KEYS")
+        .unwrap_or_default()
+        .split(',')
+        .map(str::trim)
+        .filter(|k| !k.is_empty())
+        .map(Secret::new)
+        .collect();
+    if keys.is_empty() && !args.listen.ip().is_loopback() && !args.allow_unauthenticated {
+        eprintln!(
+            "error: refusing to listen on {} without client keys: anyone who can reach it would \
+             spend your upstream quota. Set POLYGW_PROXY_KEYS, listen on a loopback address, \
+             or pass --allow-unauthenticated",
+            args.listen
+        );
+        return Ok(ExitCode::from(2));
+    }
+    let sig = signals();
+    // Everything that can stop the proxy from starting is configuration: exit 2.
+    let loaded = match load(&args.scope).await {
+        Ok(l) => l,
+        Err(e) => {
+            eprintln!("error: {e:#}");
+            return Ok(ExitCode::from(2));
+        }
+    };
+    if keys.is_empty() {
+        eprintln!(
+            "warning: POLYGW_PROXY_KEYS is not set: the proxy accepts any local client \
+             (loopback Host and Origin, JSON bodies only)"
+        );
+    }
+    let config = ProxyConfig {
+        client_keys: keys,
+        allowed_hosts: args.allowed_hosts.clone(),
+        allowed_origins: args.allowed_origins.clone(),
+        max_body_bytes: args.max_body_bytes,
+        body_timeout,
+        max_wait,
+        keepalive,
+        max_calls_per_scope: args.max_calls_per_scope.max(1),
+        max_queued_per_scope: args.max_queued_per_scope,
+        ..ProxyConfig::default()
+    };
+    let limits = ServerLimits {
+        header_timeout,
+        idle_timeout,
+        max_header_bytes: args.max_header_bytes.max(1024),
+        max_connections: args
+            .max_connections
+            .unwrap_or_else(polygw_serve::default_max_connections)
+            .max(1),
+        max_connections_per_client: args.max_connections_per_client.max(1),
+        grace,
+    };
+    let proxy = Proxy::with_telemetry(
+        config,
+        loaded.scopes,
+        Some(loaded.metrics),
+        loaded.recorders,
+    );
+    let listener = tokio::net::TcpListener::bind(args.listen)
+        .await
+        .with_context(|| format!("binding {}", args.listen))?;
+    let addr = listener.local_addr()?;
+    println!(
+        "polygw serving {} on http://{addr}/v1 (models: {})",
+        proxy
+            .scopes()
+            .map(|s| format!("{} ({})", s.name, s.kind()))
+            .collect::<Vec<_>>()
+            .join(", "),
+        proxy.known_models().join(", ")
+    );
+    let shutdown = {
+        let sig = sig.clone();
+        async move {
+            nth_signal(sig, 1).await;
+            eprintln!(
+                "shutting down: finishing in-flight calls (up to {} s; a second signal stops at once)",
+                grace.as_secs_f64()
+            );
+        }
+    };
+    let second = || async {
+        nth_signal(sig.clone(), 2).await;
+        eprintln!("second signal: stopping now (telemetry and settlements not flushed)");
+        std::process::exit(130);
+    };
+    let report = tokio::select! {
+        r = polygw_serve::serve(listener, proxy.clone(), limits, shutdown) => r.context("serving")?,
+        () = second() => unreachable!("exits"),
+    };
+    if report.cut {
+        eprintln!(
+            "grace period over: the calls still running were ended (streams with an error event){}",
+            if report.dropped > 0 {
+                format!("; {} connection(s) dropped", report.dropped)
+            } else {
+                String::new()
+            }
+        );
+    }
+    let flush = async {
+        for s in proxy.scopes() {
+            let r = match &s.client {
+                polygw_serve::ScopeClient::Chat(c) => c.shutdown().await,
+                polygw_serve::ScopeClient::Embedding(c) => c.shutdown().await,
+            };
+            eprintln!(
+                "scope {}: telemetry written {}, dropped {}, pending {}",
+                s.name, r.written, r.dropped, r.pending
+            );
+        }
+    };
+    tokio::select! {
+        () = flush => {}
+        () = second() => {}
+    }
+    Ok(ExitCode::SUCCESS)
+}

@@ -1,0 +1,270 @@
+//! The router's middleware: client keys (`/v1/*`), the loopback checks of a keyless
+//! proxy (`Host`, `Origin`, a JSON `Content-Type`), the request-target limit, and what
+//! every answer gets — an `x-request-id`, and an OpenAI error body on every error
+//! status (axum's own 404/405 included).
+
+use std::sync::Arc;
+
+use axum::body::{Body, HttpBody};
+use axum::extract::{Request, State};
+use axum::http::{header, HeaderMap, HeaderValue, Method, StatusCode};
+use axum::middleware::Next;
+use axum::response::{IntoResponse, Response};
+use axum::Json;
+use subtle::ConstantTimeEq;
+
+use crate::conn::{status_error, ConnCtx};
+use crate::openai::ApiError;
+use crate::proxy::State as AppState;
+
+/// An OpenAI error as a response (status, JSON body, `Retry-After`).
+pub fn error_response(e: &ApiError) -> Response {
+    let mut resp = (e.status, Json(e.body())).into_response();
+    if let Some(s) = e.retry_after {
+        if let Ok(v) = HeaderValue::from_str(&s.to_string()) {
+            resp.headers_mut().insert(header::RETRY_AFTER, v);
+        }
+    }
+    resp
+}
+
+/// Sets `x-request-id` (and `x-polygw-logical-call-id`, the same id) on a response.
+pub fn set_request_id(h: &mut HeaderMap, id: &str) {
+    if let Ok(v) = HeaderValue::from_str(id) {
+        h.insert("x-request-id", v.clone());
+        h.insert("x-polygw-logical-call-id", v);
+    }
+}
+
+fn peer(req: &Request) -> Option<std::net::SocketAddr> {
+    req.extensions().get::<Arc<ConnCtx>>().map(|c| c.peer)
+}
+
+/// Outermost: the request-target limit; then on the way out an `x-request-id` on
+/// every answer and an OpenAI body on every error answer that has none.
+pub async fn outer(State(st): State<Arc<AppState>>, req: Request, next: Next) -> Response {
+    let target = req.uri().path_and_query().map_or(0, |p| p.as_str().len());
+    let mut resp = if target > st.cfg.max_uri_bytes {
+        st.counters.refused("uri_too_long");
+        error_response(&ApiError::new(
+            StatusCode::URI_TOO_LONG,
+            "invalid_request_error",
+            "uri_too_long",
+            format!(
+                "the request target is {target} bytes; polygw serve accepts at most {}",
+                st.cfg.max_uri_bytes
+            ),
+        ))
+    } else {
+        next.run(req).await
+    };
+    let status = resp.status();
+    if (status.is_client_error() || status.is_server_error())
+        && resp.body().size_hint().exact() == Some(0)
+    {
+        let e = status_error(status, 0);
+        let (mut parts, _) = resp.into_parts();
+        let body = e.body().to_string();
+        parts.headers.insert(
+            header::CONTENT_TYPE,
+            HeaderValue::from_static("application/json"),
+        );
+        parts.headers.remove(header::CONTENT_LENGTH);
+        resp = Response::from_parts(parts, Body::from(body));
+    }
+    if !resp.headers().contains_key("x-request-id") {
+        let id = polygw::CallOptions::new_logical_call_id();
+        if let Ok(v) = HeaderValue::from_str(&id) {
+            resp.headers_mut().insert("x-request-id", v);
+        }
+    }
+    resp
+}
+
+/// Whether a host name (no port) is loopback: `localhost`, `*.localhost`, 127/8, ::1.
+fn is_loopback_host(host: &str) -> bool {
+    let h = host.trim_start_matches('[').trim_end_matches(']');
+    if h.eq_ignore_ascii_case("localhost") || h.to_ascii_lowercase().ends_with(".localhost") {
+        return true;
+    }
+    h.parse::<std::net::IpAddr>()
+        .is_ok_and(|ip| ip.is_loopback())
+}
+
+/// The host part of `host[:port]` (IPv6 in brackets).
+fn host_part(hostport: &str) -> &str {
+    if let Some(rest) = hostport.strip_prefix('[') {
+        return rest.split(']').next().unwrap_or("");
+    }
+    hostport.rsplit_once(':').map_or(hostport, |(h, p)| {
+        if p.chars().all(|c| c.is_ascii_digit()) {
+            h
+        } else {
+            hostport
+        }
+    })
+}
+
+fn forbidden(st: &AppState, reason: &'static str, code: &str, message: String) -> Response {
+    st.counters.refused(reason);
+    error_response(&ApiError::new(
+        StatusCode::FORBIDDEN,
+        "invalid_request_error",
+        code,
+        message,
+    ))
+}
+
+/// Without client keys, a request must look like it comes from this machine: `Host`
+/// a loopback name (or allowed), `Origin` absent or loopback (or allowed), and a POST
+/// must carry a JSON `Content-Type` (a cross-site form cannot). This stops a web page
+/// from calling a local proxy, also through DNS rebinding.
+pub async fn keyless(State(st): State<Arc<AppState>>, req: Request, next: Next) -> Response {
+    if !st.keys.is_empty() {
+        return next.run(req).await;
+    }
+    let host = req
+        .headers()
+        .get(header::HOST)
+        .and_then(|v| v.to_str().ok())
+        .map(str::to_string)
+        .or_else(|| req.uri().authority().map(|a| a.as_str().to_string()));
+    let Some(host) = host else {
+        return forbidden(
+            &st,
+            "host",
+            "forbidden_host",
+            "a Host header is required".into(),
+        );
+    };
+    let host_ok = is_loopback_host(host_part(&host))
+        || st
+            .cfg
+            .allowed_hosts
+            .iter()
+            .any(|a| a.eq_ignore_ascii_case(&host) || a.eq_ignore_ascii_case(host_part(&host)));
+    if !host_ok {
+        return forbidden(
+            &st,
+            "host",
+            "forbidden_host",
+            format!(
+                "Host `{host}` is not served: without client keys (POLYGW_PROXY_KEYS) polygw \
+                 serve answers loopback names only (add it with --allowed-host)"
+            ),
+        );
+    }
+    if let Some(origin) = req.headers().get(header::ORIGIN) {
+        let o = origin.to_str().unwrap_or("");
+        let authority = o.split_once("://").map(|(_, a)| a).unwrap_or("");
+        let ok = (!authority.is_empty() && is_loopback_host(host_part(authority)))
+            || st
+                .cfg
+                .allowed_origins
+                .iter()
+                .any(|a| a.eq_ignore_ascii_case(o));
+        if !ok {
+            return forbidden(
+                &st,
+                "origin",
+                "forbidden_origin",
+                format!(
+                    "Origin `{o}` is not allowed: without client keys polygw serve answers \
+                     pages of loopback origins only (add it with --allowed-origin)"
+                ),
+            );
+        }
+    }
+    if req.method() == Method::POST {
+        let json = req
+            .headers()
+            .get(header::CONTENT_TYPE)
+            .and_then(|v| v.to_str().ok())
+            .and_then(|ct| ct.split(';').next())
+            .is_some_and(|m| {
+                let m = m.trim();
+                m.eq_ignore_ascii_case("application/json")
+                    || (m.len() > 5 && m[m.len() - 5..].eq_ignore_ascii_case("+json"))
+            });
+        if !json {
+            st.counters.refused("content_type");
+            return error_response(&ApiError::new(
+                StatusCode::UNSUPPORTED_MEDIA_TYPE,
+                "invalid_request_error",
+                "unsupported_media_type",
+                "without client keys polygw serve requires Content-Type: application/json",
+            ));
+        }
+    }
+    next.run(req).await
+}
+
+/// Client authentication of `/v1/*`: a bearer key of `client_keys`, compared in
+/// constant time. Failures are counted and logged at a bounded rate.
+pub async fn auth(State(st): State<Arc<AppState>>, req: Request, next: Next) -> Response {
+    if st.keys.is_empty() {
+        return next.run(req).await;
+    }
+    let header_value = req
+        .headers()
+        .get(header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok());
+    let given = header_value
+        .and_then(|v| {
+            v.strip_prefix("Bearer ")
+                .or_else(|| v.strip_prefix("bearer "))
+        })
+        .map(|s| s.trim().as_bytes())
+        .unwrap_or_default();
+    let mut ok = subtle::Choice::from(0u8);
+    for k in &st.keys {
+        ok |= k.as_slice().ct_eq(given);
+    }
+    if bool::from(ok) && !given.is_empty() {
+        return next.run(req).await;
+    }
+    let why = if header_value.is_none() {
+        "no Authorization header"
+    } else {
+        "wrong key"
+    };
+    st.counters.auth_failed(peer(&req), why);
+    error_response(&ApiError::new(
+        StatusCode::UNAUTHORIZED,
+        "invalid_request_error",
+        "invalid_api_key",
+        "Missing or invalid API key: send Authorization: Bearer <key> (one of POLYGW_PROXY_KEYS)",
+    ))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn loopback_hosts() {
+        for h in [
+            "localhost",
+            "LOCALHOST",
+            "app.localhost",
+            "127.0.0.1",
+            "127.5.6.7",
+            "[::1]",
+            "::1",
+        ] {
+            assert!(is_loopback_host(h), "{h}");
+        }
+        for h in [
+            "evil.example",
+            "localhost.evil.example",
+            "10.0.0.1",
+            "0.0.0.0",
+            "",
+        ] {
+            assert!(!is_loopback_host(h), "{h}");
+        }
+        assert_eq!(host_part("localhost:8080"), "localhost");
+        assert_eq!(host_part("[::1]:8080"), "::1");
+        assert_eq!(host_part("example.com"), "example.com");
+    }
+}

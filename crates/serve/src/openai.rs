@@ -1,0 +1,746 @@
+//! OpenAI's wire format: request bodies → [`ChatRequest`] (parsed once, every field
+//! the proxy does not read passed through as sent), answers and stream chunks →
+//! OpenAI JSON (the upstream's own object when there is one, SPEC §15), embeddings
+//! (float or base64), and OpenAI's error object.
+
+use axum::http::StatusCode;
+use base64::Engine as _;
+use polygw::{ChatRequest, Embeddings, LlmResponse, Message, StreamDelta, Usage, UsageSource};
+use serde_json::{json, Map, Value};
+
+/// An error as the proxy answers it (OpenAI's error object and an HTTP status).
+#[derive(Debug, Clone, PartialEq)]
+pub struct ApiError {
+    /// The HTTP status.
+    pub status: StatusCode,
+    /// `error.message`.
+    pub message: String,
+    /// `error.type`.
+    pub kind: &'static str,
+    /// `error.param`: the request field at fault, when one is.
+    pub param: Option<String>,
+    /// `error.code`.
+    pub code: Option<String>,
+    /// `Retry-After` (seconds).
+    pub retry_after: Option<u64>,
+}
+
+impl ApiError {
+    /// A 400 naming the field at fault.
+    pub fn bad_request(param: &str, message: impl Into<String>) -> Self {
+        ApiError {
+            status: StatusCode::BAD_REQUEST,
+            message: message.into(),
+            kind: "invalid_request_error",
+            param: Some(param.to_string()),
+            code: None,
+            retry_after: None,
+        }
+    }
+
+    /// An error with a status, a type and a code.
+    pub fn new(
+        status: StatusCode,
+        kind: &'static str,
+        code: &str,
+        message: impl Into<String>,
+    ) -> Self {
+        ApiError {
+            status,
+            message: message.into(),
+            kind,
+            param: None,
+            code: Some(code.to_string()),
+            retry_after: None,
+        }
+    }
+
+    /// With `Retry-After` (seconds).
+    pub fn with_retry_after(mut self, secs: u64) -> Self {
+        self.retry_after = Some(secs);
+        self
+    }
+
+    /// With `param`.
+    pub fn with_param(mut self, param: &str) -> Self {
+        self.param = Some(param.to_string());
+        self
+    }
+
+    /// OpenAI's error object.
+    pub fn body(&self) -> Value {
+        json!({"error": {
+            "message": self.message,
+            "type": self.kind,
+            "param": self.param,
+            "code": self.code,
+        }})
+    }
+}
+
+/// A chat request read from an OpenAI body.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ParsedChat {
+    /// `model`: selects the scope.
+    pub model: String,
+    /// The request; every field not read here is in its overlay, as sent.
+    pub request: ChatRequest,
+    /// `stream_options.include_usage`: send a final usage chunk.
+    pub include_usage: bool,
+}
+
+/// The fields read into [`ChatRequest`]'s own fields (everything else goes to the
+/// upstream through the overlay, as the client sent it).
+const READ_FIELDS: [&str; 8] = [
+    "model",
+    "messages",
+    "stream",
+    "temperature",
+    "max_tokens",
+    "reasoning_effort",
+    "response_format",
+    "tools",
+];
+
+/// The least number of JSON values any body may hold (see [`json_value_budget`]).
+pub const MIN_JSON_VALUES: usize = 65_536;
+
+/// Bytes of body per JSON value allowed beyond [`MIN_JSON_VALUES`].
+pub const BYTES_PER_JSON_VALUE: usize = 32;
+
+/// How many JSON values (every scalar, array, object and object key) a body of `len`
+/// bytes may hold: parsed, each costs tens of bytes, so a body of tiny values
+/// (`[1,1,1,…]`) would cost ~20× its size; real requests are mostly strings (text,
+/// images as data URLs) and stay far below one value per 32 bytes.
+pub fn json_value_budget(len: usize) -> usize {
+    MIN_JSON_VALUES.max(len / BYTES_PER_JSON_VALUE)
+}
+
+/// An upper bound of the JSON values in `bytes`, without parsing: the structural
+/// characters outside strings (`,` `:` `[` `{`) plus one. Stops counting past `cap`.
+pub fn count_json_values(bytes: &[u8], cap: usize) -> usize {
+    let mut n = 1usize;
+    let mut in_string = false;
+    let mut escaped = false;
+    for &b in bytes {
+        if in_string {
+            if escaped {
+                escaped = false;
+            } else if b == b'\\' {
+                escaped = true;
+            } else if b == b'"' {
+                in_string = false;
+            }
+            continue;
+        }
+        match b {
+            b'"' => in_string = true,
+            b',' | b':' | b'[' | b'{' => {
+                n += 1;
+                if n > cap {
+                    return n;
+                }
+            }
+            _ => {}
+        }
+    }
+    n
+}
+
+fn parse_object(body: &[u8]) -> Result<Map<String, Value>, ApiError> {
+    let budget = json_value_budget(body.len());
+    let values = count_json_values(body, budget);
+    if values > budget {
+        return Err(ApiError {
+            status: StatusCode::PAYLOAD_TOO_LARGE,
+            ..ApiError::bad_request(
+                "body",
+                format!(
+                    "the body holds more than {budget} JSON values ({} bytes): polygw accepts \
+                     at most one value per {BYTES_PER_JSON_VALUE} bytes beyond {MIN_JSON_VALUES}",
+                    body.len()
+                ),
+            )
+        });
+    }
+    match serde_json::from_slice::<Value>(body) {
+        Ok(Value::Object(o)) => Ok(o),
+        Ok(_) => Err(ApiError::bad_request(
+            "body",
+            "the body must be a JSON object",
+        )),
+        Err(e) => Err(ApiError::bad_request(
+            "body",
+            format!("the body is not valid JSON: {e}"),
+        )),
+    }
+}
+
+fn model_of(o: &mut Map<String, Value>) -> Result<String, ApiError> {
+    match o.remove("model") {
+        Some(Value::String(m)) if !m.is_empty() => Ok(m),
+        Some(_) => Err(ApiError::bad_request(
+            "model",
+            "model must be a non-empty string",
+        )),
+        None => Err(ApiError::bad_request("model", "model is required")),
+    }
+}
+
+/// Reads `/v1/chat/completions` JSON, once: the known fields are moved out of the
+/// parsed object (no copies), the rest is the overlay. Errors name the field.
+pub fn parse_chat(body: &[u8]) -> Result<ParsedChat, ApiError> {
+    let mut o = parse_object(body)?;
+    let model = model_of(&mut o)?;
+    let messages: Vec<Message> = match o.remove("messages") {
+        Some(Value::Array(a)) if !a.is_empty() => {
+            let mut out = Vec::with_capacity(a.len());
+            for (i, m) in a.into_iter().enumerate() {
+                out.push(serde_json::from_value(m).map_err(|e| {
+                    ApiError::bad_request(
+                        &format!("messages[{i}]"),
+                        format!("messages[{i}] is not a message: {e}"),
+                    )
+                })?);
+            }
+            out
+        }
+        Some(Value::Array(_)) => {
+            return Err(ApiError::bad_request(
+                "messages",
+                "messages must not be empty",
+            ))
+        }
+        Some(_) => {
+            return Err(ApiError::bad_request(
+                "messages",
+                "messages must be an array",
+            ))
+        }
+        None => return Err(ApiError::bad_request("messages", "messages is required")),
+    };
+    let stream = match o.remove("stream") {
+        None | Some(Value::Null) => false,
+        Some(Value::Bool(b)) => b,
+        Some(_) => return Err(ApiError::bad_request("stream", "stream must be a boolean")),
+    };
+    match o.get("n") {
+        None | Some(Value::Null) => {}
+        Some(n) if n.as_u64() == Some(1) => {}
+        Some(_) => return Err(ApiError::bad_request("n", "only n = 1 is supported")),
+    }
+    let include_usage = match o.get("stream_options") {
+        None | Some(Value::Null) => false,
+        Some(Value::Object(so)) => match so.get("include_usage") {
+            None | Some(Value::Null) => false,
+            Some(Value::Bool(b)) => *b,
+            Some(_) => {
+                return Err(ApiError::bad_request(
+                    "stream_options.include_usage",
+                    "stream_options.include_usage must be a boolean",
+                ))
+            }
+        },
+        Some(_) => {
+            return Err(ApiError::bad_request(
+                "stream_options",
+                "stream_options must be an object",
+            ))
+        }
+    };
+    let num = |o: &mut Map<String, Value>, k: &str| -> Result<Option<f64>, ApiError> {
+        match o.remove(k) {
+            None | Some(Value::Null) => Ok(None),
+            Some(x) => x
+                .as_f64()
+                .map(Some)
+                .ok_or_else(|| ApiError::bad_request(k, format!("{k} must be a number"))),
+        }
+    };
+    let positive_int = |x: f64| x >= 1.0 && x.fract() == 0.0 && x <= f64::from(u32::MAX);
+    let temperature = num(&mut o, "temperature")?;
+    let max_tokens = match num(&mut o, "max_tokens")? {
+        None => None,
+        Some(x) if positive_int(x) => Some(x as u32),
+        Some(_) => {
+            return Err(ApiError::bad_request(
+                "max_tokens",
+                "max_tokens must be a positive integer",
+            ))
+        }
+    };
+    // `max_completion_tokens` reaches the upstream as `max_completion_tokens` (the
+    // overlay); it is only checked here.
+    match o.get("max_completion_tokens") {
+        None | Some(Value::Null) => {}
+        Some(x) if x.as_f64().is_some_and(positive_int) => {}
+        Some(_) => {
+            return Err(ApiError::bad_request(
+                "max_completion_tokens",
+                "max_completion_tokens must be a positive integer",
+            ))
+        }
+    }
+    let reasoning_effort = match o.remove("reasoning_effort") {
+        None | Some(Value::Null) => None,
+        Some(Value::String(s)) => Some(s),
+        Some(_) => {
+            return Err(ApiError::bad_request(
+                "reasoning_effort",
+                "reasoning_effort must be a string",
+            ))
+        }
+    };
+    let response_format = match o.remove("response_format") {
+        None | Some(Value::Null) => None,
+        Some(x @ Value::Object(_)) => Some(x),
+        Some(_) => {
+            return Err(ApiError::bad_request(
+                "response_format",
+                "response_format must be an object",
+            ))
+        }
+    };
+    let tools = match o.remove("tools") {
+        None | Some(Value::Null) => None,
+        Some(Value::Array(a)) => Some(a),
+        Some(_) => return Err(ApiError::bad_request("tools", "tools must be an array")),
+    };
+    debug_assert!(READ_FIELDS.iter().all(|k| !o.contains_key(*k)));
+    let request = ChatRequest {
+        messages,
+        stream,
+        temperature,
+        max_tokens,
+        reasoning_effort,
+        response_format,
+        tools,
+        overlay: (!o.is_empty()).then_some(o),
+    };
+    request
+        .validate()
+        .map_err(|(field, message)| ApiError::bad_request(&field, format!("{field}: {message}")))?;
+    Ok(ParsedChat {
+        model,
+        request,
+        include_usage,
+    })
+}
+
+/// OpenAI's usage object from polygw's figures.
+pub fn usage_json(u: &Usage) -> Value {
+    let mut v = json!({
+        "prompt_tokens": u.prompt_tokens,
+        "completion_tokens": u.completion_tokens,
+        "total_tokens": u.total(),
+    });
+    if let Some(r) = u.reasoning_tokens {
+        v["completion_tokens_details"] = json!({"reasoning_tokens": r});
+    }
+    v
+}
+
+/// The usage a plain answer reports (SPEC §15): measured as the upstream reported it,
+/// estimated as polygw's estimate, unavailable as `null` — never zeros for unknown.
+fn usage_value(r: &LlmResponse, upstream: Option<&Value>) -> Value {
+    match r.usage_source {
+        UsageSource::Unavailable => Value::Null,
+        UsageSource::Measured => match upstream {
+            Some(u) if u.is_object() => u.clone(),
+            _ => usage_json(&r.usage),
+        },
+        UsageSource::Estimated => usage_json(&r.usage),
+    }
+}
+
+fn tool_calls_json(r: &LlmResponse) -> Value {
+    Value::Array(
+        r.tool_calls
+            .iter()
+            .map(|t| {
+                json!({
+                    "id": t.id.clone().unwrap_or_else(|| format!("call_{}", t.index)),
+                    "type": "function",
+                    "function": {"name": t.name.clone().unwrap_or_default(), "arguments": t.arguments},
+                })
+            })
+            .collect(),
+    )
+}
+
+/// A plain answer as a `chat.completion` object. The upstream's own object when there
+/// is one, every field as received (`logprobs`, `system_fingerprint`, `refusal`,
+/// `annotations`, usage details, unknown fields, `content: null`, its id, created and
+/// model) with only `usage` set by the rule of [`usage_value`]; otherwise (a cache hit,
+/// an answer aggregated from a stream) a synthesized object with the same rules:
+/// `content: null` for a tool-only answer, `usage: null` when unknown.
+pub fn completion_json(r: &LlmResponse, created: u64) -> Value {
+    if let Some(up) = &r.upstream {
+        let mut o = up.clone();
+        let usage = usage_value(r, o.get("usage"));
+        o.insert("usage".into(), usage);
+        return Value::Object(o);
+    }
+    let content = if r.content.is_empty() && !r.tool_calls.is_empty() {
+        Value::Null
+    } else {
+        Value::String(r.content.clone())
+    };
+    let mut message = json!({"role": "assistant", "content": content});
+    if let Some(rc) = &r.reasoning_content {
+        message["reasoning_content"] = json!(rc);
+    }
+    if !r.tool_calls.is_empty() {
+        message["tool_calls"] = tool_calls_json(r);
+    }
+    json!({
+        "id": format!("chatcmpl-{}", r.logical_call_id),
+        "object": "chat.completion",
+        "created": created,
+        "model": r.model,
+        "choices": [{
+            "index": 0,
+            "message": message,
+            "finish_reason": r.finish_reason,
+        }],
+        "usage": usage_value(r, None),
+    })
+}
+
+/// A synthesized `chat.completion.chunk` for one delta (used when no upstream frame
+/// exists: an answer from the cache streamed in one chunk).
+pub fn chunk_json(id: &str, model: &str, created: u64, d: &StreamDelta) -> Option<Value> {
+    let mut delta = Map::new();
+    if let Some(r) = &d.role {
+        delta.insert("role".into(), json!(r));
+    }
+    if let Some(c) = &d.content {
+        delta.insert("content".into(), json!(c));
+    }
+    if let Some(r) = &d.reasoning {
+        delta.insert("reasoning_content".into(), json!(r));
+    }
+    if !d.tool_calls.is_empty() {
+        let calls: Vec<Value> = d.tool_calls.iter().map(|t| t.to_json()).collect();
+        delta.insert("tool_calls".into(), Value::Array(calls));
+    }
+    if delta.is_empty() && d.finish_reason.is_none() {
+        return None;
+    }
+    Some(json!({
+        "id": id,
+        "object": "chat.completion.chunk",
+        "created": created,
+        "model": d.model.as_deref().unwrap_or(model),
+        "choices": [{"index": 0, "delta": Value::Object(delta), "finish_reason": d.finish_reason}],
+    }))
+}
+
+/// `encoding_format` of an embeddings request.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Encoding {
+    /// JSON numbers.
+    Float,
+    /// Base64 of the vector's little-endian `f32` bytes (the OpenAI SDKs' default).
+    Base64,
+}
+
+/// An embeddings request.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ParsedEmbeddings {
+    /// `model`: selects the scope.
+    pub model: String,
+    /// The texts.
+    pub input: Vec<String>,
+    /// How vectors are written back.
+    pub encoding: Encoding,
+}
+
+/// Reads `/v1/embeddings` JSON: `model`, `input` (a string or an array of strings),
+/// `encoding_format` (`float` or `base64`). `user` is accepted and not forwarded;
+/// `dimensions` is refused (the vector size is the source's, set it in `EXTRA_BODY`).
+pub fn parse_embeddings(body: &[u8]) -> Result<ParsedEmbeddings, ApiError> {
+    let mut o = parse_object(body)?;
+    let model = model_of(&mut o)?;
+    let input = match o.remove("input") {
+        Some(Value::String(s)) => vec![s],
+        Some(Value::Array(a)) if !a.is_empty() => {
+            let mut out = Vec::with_capacity(a.len());
+            for (i, x) in a.into_iter().enumerate() {
+                match x {
+                    Value::String(s) => out.push(s),
+                    _ => {
+                        return Err(ApiError::bad_request(
+                            &format!("input[{i}]"),
+                            format!(
+                                "input[{i}]: only string inputs are supported (no token arrays)"
+                            ),
+                        ))
+                    }
+                }
+            }
+            out
+        }
+        Some(Value::Array(_)) => {
+            return Err(ApiError::bad_request("input", "input must not be empty"))
+        }
+        _ => {
+            return Err(ApiError::bad_request(
+                "input",
+                "input is required (a string or an array of strings)",
+            ))
+        }
+    };
+    let encoding = match o.remove("encoding_format") {
+        None | Some(Value::Null) => Encoding::Float,
+        Some(Value::String(f)) if f == "float" => Encoding::Float,
+        Some(Value::String(f)) if f == "base64" => Encoding::Base64,
+        Some(_) => {
+            return Err(ApiError::bad_request(
+                "encoding_format",
+                "encoding_format must be \"float\" or \"base64\"",
+            ))
+        }
+    };
+    if o.get("dimensions").is_some_and(|d| !d.is_null()) {
+        return Err(ApiError::bad_request(
+            "dimensions",
+            "dimensions is not forwarded by polygw serve: the vector size is the source's \
+             (set it in the source's EXTRA_BODY)",
+        ));
+    }
+    Ok(ParsedEmbeddings {
+        model,
+        input,
+        encoding,
+    })
+}
+
+/// The base64 of a vector's little-endian `f32` bytes.
+pub fn base64_vector(v: &[f32]) -> String {
+    let mut bytes = Vec::with_capacity(v.len() * 4);
+    for x in v {
+        bytes.extend_from_slice(&x.to_le_bytes());
+    }
+    base64::engine::general_purpose::STANDARD.encode(bytes)
+}
+
+/// The `list` object of an embeddings answer.
+pub fn embeddings_json(e: &Embeddings, encoding: Encoding) -> Value {
+    let data: Vec<Value> = e
+        .vectors
+        .iter()
+        .enumerate()
+        .map(|(i, v)| {
+            let embedding = match encoding {
+                Encoding::Float => json!(v),
+                Encoding::Base64 => Value::String(base64_vector(v)),
+            };
+            json!({"object": "embedding", "index": i, "embedding": embedding})
+        })
+        .collect();
+    let usage = match e.usage_source {
+        UsageSource::Unavailable => Value::Null,
+        _ => json!({"prompt_tokens": e.usage.prompt_tokens, "total_tokens": e.usage.total()}),
+    };
+    json!({"object": "list", "data": data, "model": e.model, "usage": usage})
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn fields_reach_the_upstream_as_sent() {
+        let p = parse_chat(
+            br#"{"model":"llm","messages":[{"role":"user","content":"hi"}],"stream":true,
+                "stream_options":{"include_usage":true,"include_obfuscation":false},"temperature":0.3,
+                "max_completion_tokens":9,"n":1,"logprobs":true,"top_logprobs":2,
+                "top_p":0.5,"stop":["x"],"user":"u1","seed":7}"#,
+        )
+        .unwrap();
+        assert_eq!(p.model, "llm");
+        assert!(p.request.stream && p.include_usage);
+        assert_eq!(p.request.temperature, Some(0.3));
+        assert_eq!(p.request.max_tokens, None, "never renamed to max_tokens");
+        let o = p.request.overlay.unwrap();
+        assert_eq!(o["max_completion_tokens"], 9);
+        assert_eq!(o["top_p"], 0.5);
+        assert_eq!(o["logprobs"], true);
+        assert_eq!(o["n"], 1);
+        assert_eq!(o["stream_options"]["include_obfuscation"], false);
+        for k in ["stop", "user", "seed", "top_logprobs"] {
+            assert!(o.contains_key(k), "{k}");
+        }
+        for k in READ_FIELDS {
+            assert!(!o.contains_key(k), "{k}");
+        }
+    }
+
+    #[test]
+    fn bad_bodies_name_the_field() {
+        let cases: &[(&[u8], &str)] = &[
+            (b"{not json", "body"),
+            (b"[1]", "body"),
+            (br#"{"messages":[{"role":"user","content":"x"}]}"#, "model"),
+            (br#"{"model":"m"}"#, "messages"),
+            (br#"{"model":"m","messages":[]}"#, "messages"),
+            (br#"{"model":"m","messages":[5]}"#, "messages[0]"),
+            (
+                br#"{"model":"m","messages":[{"role":"user","content":"x"}],"stream":"yes"}"#,
+                "stream",
+            ),
+            (
+                br#"{"model":"m","messages":[{"role":"user","content":"x"}],"n":2}"#,
+                "n",
+            ),
+            (
+                br#"{"model":"m","messages":[{"role":"user","content":"x"}],"temperature":"hot"}"#,
+                "temperature",
+            ),
+            (
+                br#"{"model":"m","messages":[{"role":"user","content":"x"}],"temperature":9}"#,
+                "temperature",
+            ),
+            (
+                br#"{"model":"m","messages":[{"role":"user","content":"x"}],"max_tokens":0}"#,
+                "max_tokens",
+            ),
+            (
+                br#"{"model":"m","messages":[{"role":"user","content":"x"}],"max_completion_tokens":1.5}"#,
+                "max_completion_tokens",
+            ),
+            (
+                br#"{"model":"m","messages":[{"role":"user","content":"x"}],"stream_options":{"include_usage":"y"}}"#,
+                "stream_options.include_usage",
+            ),
+        ];
+        for (body, field) in cases {
+            let e = parse_chat(body).unwrap_err();
+            assert_eq!(e.status, StatusCode::BAD_REQUEST);
+            assert_eq!(
+                e.param.as_deref(),
+                Some(*field),
+                "{}",
+                String::from_utf8_lossy(body)
+            );
+            assert!(e.body()["error"]["message"]
+                .as_str()
+                .unwrap()
+                .contains(field));
+        }
+    }
+
+    #[test]
+    fn a_body_of_tiny_values_is_refused_before_parsing() {
+        assert_eq!(count_json_values(br#"{"a":[1,2,{"b":"x,y:[{"}]}"#, 100), 8);
+        assert_eq!(count_json_values(br#""a\"b,c""#, 100), 1);
+        // 1 MiB of `1,` is 500k values: over the budget of a 1 MiB body.
+        let mut body = br#"{"model":"m","messages":[{"role":"user","content":"x"}],"x":["#.to_vec();
+        while body.len() < 1024 * 1024 {
+            body.extend_from_slice(b"1,");
+        }
+        body.extend_from_slice(b"1]}");
+        let e = parse_chat(&body).unwrap_err();
+        assert_eq!(e.status, StatusCode::PAYLOAD_TOO_LARGE);
+        assert!(e.message.contains("JSON values"), "{}", e.message);
+        // The same size in one string is fine.
+        let mut body = br#"{"model":"m","messages":[{"role":"user","content":""#.to_vec();
+        body.resize(1024 * 1024, b'a');
+        body.extend_from_slice(br#""}]}"#);
+        assert!(parse_chat(&body).is_ok());
+    }
+
+    #[test]
+    fn plain_answers_pass_the_upstream_object_through() {
+        let upstream = json!({
+            "id": "chatcmpl-up", "object": "chat.completion", "created": 1700000000,
+            "model": "gpt-x-2025", "system_fingerprint": "fp_1", "service_tier": "default",
+            "choices": [{"index": 0, "finish_reason": "tool_calls", "logprobs": {"content": []},
+                "message": {"role": "assistant", "content": null, "refusal": null, "annotations": [],
+                    "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}}],
+            "usage": {"prompt_tokens": 5, "completion_tokens": 2, "total_tokens": 7,
+                "prompt_tokens_details": {"cached_tokens": 3}},
+            "x_unknown": {"kept": true},
+        });
+        let mut r = LlmResponse {
+            content: String::new(),
+            reasoning_content: None,
+            tool_calls: vec![],
+            finish_reason: Some("tool_calls".into()),
+            model: "gpt-x-2025".into(),
+            source: "a-0".into(),
+            usage: Usage::new(5, 2),
+            usage_source: UsageSource::Measured,
+            ttft_ms: None,
+            max_inter_token_ms: None,
+            logical_call_id: "lc".into(),
+            call_stats: Default::default(),
+            upstream: upstream.as_object().cloned(),
+        };
+        assert_eq!(completion_json(&r, 1), upstream);
+        // Unknown usage is null, never zeros.
+        r.usage_source = UsageSource::Unavailable;
+        let v = completion_json(&r, 1);
+        assert_eq!(v["usage"], Value::Null);
+        assert_eq!(v["x_unknown"]["kept"], true);
+        // Synthesized (no upstream object): a tool-only answer keeps content null.
+        r.upstream = None;
+        r.tool_calls = vec![polygw::ToolCall {
+            index: 0,
+            id: Some("c1".into()),
+            name: Some("f".into()),
+            arguments: "{}".into(),
+        }];
+        let v = completion_json(&r, 9);
+        assert_eq!(v["choices"][0]["message"]["content"], Value::Null);
+        assert_eq!(v["usage"], Value::Null);
+        assert_eq!(v["created"], 9);
+        r.usage_source = UsageSource::Estimated;
+        assert_eq!(completion_json(&r, 9)["usage"]["total_tokens"], 7);
+    }
+
+    #[test]
+    fn embeddings_shapes_and_base64() {
+        let p = parse_embeddings(br#"{"model":"e","input":"a"}"#).unwrap();
+        assert_eq!(
+            (p.input.as_slice(), p.encoding),
+            (&["a".to_string()][..], Encoding::Float)
+        );
+        let p = parse_embeddings(
+            br#"{"model":"e","input":["a","b"],"encoding_format":"base64","user":"u"}"#,
+        )
+        .unwrap();
+        assert_eq!(p.encoding, Encoding::Base64);
+        for (body, param) in [
+            (&br#"{"model":"e","input":[1]}"#[..], "input[0]"),
+            (br#"{"input":"a"}"#, "model"),
+            (br#"{"model":"e","input":[]}"#, "input"),
+            (
+                br#"{"model":"e","input":"a","encoding_format":"int8"}"#,
+                "encoding_format",
+            ),
+            (br#"{"model":"e","input":"a","dimensions":8}"#, "dimensions"),
+        ] {
+            assert_eq!(
+                parse_embeddings(body).unwrap_err().param.as_deref(),
+                Some(param)
+            );
+        }
+        // Little-endian f32: 1.0 = 00 00 80 3f.
+        assert_eq!(base64_vector(&[1.0]), "AACAPw==");
+        assert_eq!(base64_vector(&[]), "");
+    }
+
+    #[test]
+    fn synthesized_chunks_skip_empty_deltas() {
+        assert!(chunk_json("i", "m", 0, &StreamDelta::default()).is_none());
+        let d = StreamDelta {
+            content: Some("x".into()),
+            ..Default::default()
+        };
+        let c = chunk_json("i", "m", 0, &d).unwrap();
+        assert_eq!(c["choices"][0]["delta"]["content"], "x");
+        assert_eq!(c["model"], "m");
+    }
+}

@@ -1,0 +1,8 @@
+//! polygw-serve's own suites, from the outside: the proxy served on loopback by
+//! `polygw_serve::serve`, a mock upstream behind it, clients speaking HTTP to it (an
+//! OpenAI client, reqwest, raw sockets).
+
+mod api;
+mod conformance;
+mod hardening;
+mod support;
