@@ -391,6 +391,8 @@ pub struct Round {
     delivered_any: bool,
     delivered: Transcript,
     role_sent: bool,
+    /// The leg whose chunks carried the role (`None`: carried from an earlier round).
+    role_leg: Option<LegId>,
     extras: u32,
     resumes: u32,
     pending: Option<Pending>,
@@ -414,6 +416,7 @@ impl Round {
             delivered_any,
             delivered,
             role_sent,
+            role_leg: None,
             extras: 0,
             resumes: 0,
             pending: None,
@@ -645,10 +648,16 @@ impl Round {
     }
 
     fn forward(&mut self, leg: LegId, mut d: StreamDelta, out: &mut Vec<Action>) {
+        // The role reaches the caller from one leg only: a resume leg's role chunk is
+        // dropped; the first leg's own chunks pass unchanged (some providers repeat
+        // the role on every chunk).
         if self.role_sent {
-            d.strip_role();
+            if self.role_leg != Some(leg) {
+                d.strip_role();
+            }
         } else if d.role.is_some() {
             self.role_sent = true;
+            self.role_leg = Some(leg);
         }
         if d.is_empty_chunk() {
             return;
