@@ -335,6 +335,7 @@ impl Permits {
         }
     }
 
+    #[cfg(test)]
     fn is_empty(&self) -> bool {
         self.old.is_empty() && self.recent.iter().all(Option::is_none)
     }
