@@ -304,8 +304,8 @@ pub(crate) async fn settle(conn: &Conn, s: &Settlement) -> Result<(), Governance
     let k = &s.keys;
     let mut inv = SETTLE.prepare_invoke();
     inv.key(&k.ledger)
+        .key(&k.totals)
         .key(&k.inflight)
-        .key(&k.win)
         .key(&k.scope_win)
         .arg(&s.id)
         .arg(s.tokens.map(|t| exact(t).to_string()).unwrap_or_default())
@@ -436,7 +436,7 @@ async fn renew(
     scope: &str,
     leases: &[&(u64, Lease)],
 ) -> Result<Vec<u64>, GovernanceError> {
-    let [scope_win, ledger] = keys::scope_window(scope)?;
+    let [scope_win, ledger, totals] = keys::scope_keys(scope)?;
     let mut groups: BTreeMap<&str, usize> = BTreeMap::new();
     let mut names: Vec<&str> = vec![];
     let mut group_keys: Vec<String> = vec![];
@@ -467,7 +467,7 @@ async fn renew(
         }
     }
     let mut inv = RENEW.prepare_invoke();
-    inv.key(&ledger).key(&scope_win);
+    inv.key(&ledger).key(&totals).key(&scope_win);
     for k in &group_keys {
         inv.key(k);
     }

@@ -6,11 +6,12 @@
 //! | `polygw:{S}:source:<name>:inflight` | zset | permit id → lease end (ms): slots |
 //! | `polygw:{S}:source:<name>:breaker` | hash | breaker state (see `lua/breaker_admit.lua`) |
 //! | `polygw:{S}:scope:win` | zset | permit id → admitted at (ms) |
-//! | `polygw:{S}:scope:ledger` | zset | every token entry of the scope and its sources, by expiry, and their totals (see `lua/acquire.lua`) |
+//! | `polygw:{S}:scope:ledger` | zset | every token entry of the scope and its sources, by expiry (see `lua/acquire.lua`) |
+//! | `polygw:{S}:scope:totals` | hash | the ledger's totals (scope, per source), the keys' deadlines, when to prune next |
 //!
-//! The ledger replaced the `…:tokens` hashes and `…:reserved` / `…:settled` sets of each
-//! source and of the scope (one sorted set instead of eight keys: fewer Redis calls per
-//! script); those older keys are never read and expire by their TTL.
+//! The ledger and its totals replaced the `…:tokens` hashes and `…:reserved` /
+//! `…:settled` sets of each source and of the scope (two keys instead of eight: fewer
+//! Redis calls per script); those older keys are never read and expire by their TTL.
 
 use polygw_core::error::GovernanceError;
 
@@ -25,6 +26,7 @@ pub(crate) struct SourceKeys {
     pub inflight: String,
     pub scope_win: String,
     pub ledger: String,
+    pub totals: String,
 }
 
 fn prefix(scope: &str) -> Result<String, GovernanceError> {
@@ -47,6 +49,7 @@ impl SourceKeys {
             inflight: format!("{p}:source:{source}:inflight"),
             scope_win: format!("{p}:scope:win"),
             ledger: format!("{p}:scope:ledger"),
+            totals: format!("{p}:scope:totals"),
         })
     }
 }
@@ -56,8 +59,12 @@ pub(crate) fn breaker(scope: &str, source: &str) -> Result<String, GovernanceErr
     Ok(format!("{}:source:{source}:breaker", prefix(scope)?))
 }
 
-/// A scope's window keys: requests, ledger.
-pub(crate) fn scope_window(scope: &str) -> Result<[String; 2], GovernanceError> {
+/// A scope's keys: requests, ledger, totals.
+pub(crate) fn scope_keys(scope: &str) -> Result<[String; 3], GovernanceError> {
     let p = prefix(scope)?;
-    Ok([format!("{p}:scope:win"), format!("{p}:scope:ledger")])
+    Ok([
+        format!("{p}:scope:win"),
+        format!("{p}:scope:ledger"),
+        format!("{p}:scope:totals"),
+    ])
 }

@@ -741,6 +741,7 @@ mod redis_specific {
         let pre = format!("polygw:{{{sc}}}");
         let want: Vec<String> = [
             "scope:ledger",
+            "scope:totals",
             "scope:win",
             "source:a:breaker",
             "source:a:inflight",
@@ -1040,8 +1041,8 @@ mod cluster {
                 }
             }
             assert_eq!(holders.len(), 1, "{sc}: keys on {holders:?}");
-            // scope: win, ledger; source a: win, inflight, breaker
-            assert!(holders[0].1 >= 5, "{holders:?}");
+            // scope: win, ledger, totals; source a: win, inflight, breaker
+            assert!(holders[0].1 >= 6, "{holders:?}");
             owners.insert(holders[0].0.clone());
         }
         assert!(owners.len() >= 2, "12 scopes all on {owners:?}");

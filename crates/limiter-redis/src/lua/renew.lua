@@ -1,6 +1,6 @@
 -- polygw heartbeat: renews the live leases of one scope (SPEC 14.4), atomically.
--- KEYS: 1 scope ledger (see acquire.lua)   2 scope requests; then 3 keys per source group
---       g (from 2 + 3(g-1) + 1): in-flight, requests, breaker hash
+-- KEYS: 1 scope ledger   2 scope totals (both: see acquire.lua)   3 scope requests; then
+--       3 keys per source group g (from 3 + 3(g-1) + 1): in-flight, requests, breaker hash
 -- ARGV: 1 window ms   2 key ttl margin ms   3 number of groups G; then G source names;
 --       then 5 per lease: kind ('p' permit | 'b' probe), source group, permit id or probe
 --       epoch, lease ms, reservation (tokens; permits only)
@@ -10,12 +10,11 @@
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local W, margin, G = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3])
-local L = KEYS[1]
+local L, M = KEYS[1], KEYS[2]
 local ended = {}
 local renewed = {}
 
 local function n(v) return string.format('%d', v) end
-local function val(s) return -1 - (tonumber(s) or -1) end
 
 -- Extends member m of zset z to score until_ + offset if its lease (score - offset) has
 -- not ended; true if it was live.
@@ -31,7 +30,7 @@ for i = first, #ARGV, 5 do
   local pos = (i - first) / 5 + 1
   local kind, g, id = ARGV[i], tonumber(ARGV[i + 1]), ARGV[i + 2]
   local lease = tonumber(ARGV[i + 3])
-  local base = 2 + 3 * (g - 1)
+  local base = 3 + 3 * (g - 1)
   local until_ = now + lease
   if kind == 'p' then
     local src = ARGV[3 + g]
@@ -51,41 +50,43 @@ for i = first, #ARGV, 5 do
   end
 end
 
--- Deadlines (see acquire.lua): what was renewed now leaves by now + lease + window.
-if next(renewed) ~= nil then
-  local names = {'#L', '#E'}
+-- Deadlines (see acquire.lua): what was renewed now leaves by now + lease + window. The
+-- totals hash is only written where it exists (it holds the deadlines it stands for).
+if next(renewed) ~= nil and redis.call('EXISTS', M) == 1 then
+  local fields = {'L', 'E'}
   local groups = {}
   for g in pairs(renewed) do
     groups[#groups + 1] = g
-    names[#names + 1] = '#e' .. ARGV[3 + g]
+    fields[#fields + 1] = 'e:' .. ARGV[3 + g]
   end
-  local v = redis.call('ZMSCORE', L, unpack(names))
-  local longest = val(v[1])
+  local v = redis.call('HMGET', M, unpack(fields))
+  local longest = tonumber(v[1]) or 0
   local writes = {}
   local function deadline(have, lease)
     local need = now + math.max(longest, lease) + W + margin
-    if have < need then return need + margin end
+    if (tonumber(have) or 0) < need then return need + margin end
     return nil
   end
   local top = 0
   for _, g in ipairs(groups) do top = math.max(top, renewed[g]) end
-  local d = deadline(val(v[2]), top)
+  local d = deadline(v[2], top)
   if d then
-    writes[#writes + 1] = n(-1 - d)
-    writes[#writes + 1] = '#E'
+    writes[#writes + 1] = 'E'
+    writes[#writes + 1] = n(d)
     redis.call('PEXPIREAT', L, n(d))
-    redis.call('PEXPIREAT', KEYS[2], n(d))
+    redis.call('PEXPIREAT', M, n(d))
+    redis.call('PEXPIREAT', KEYS[3], n(d))
   end
   for k, g in ipairs(groups) do
-    local base = 2 + 3 * (g - 1)
-    local dg = deadline(val(v[2 + k]), renewed[g])
+    local base = 3 + 3 * (g - 1)
+    local dg = deadline(v[2 + k], renewed[g])
     if dg then
-      writes[#writes + 1] = n(-1 - dg)
-      writes[#writes + 1] = '#e' .. ARGV[3 + g]
+      writes[#writes + 1] = 'e:' .. ARGV[3 + g]
+      writes[#writes + 1] = n(dg)
       redis.call('PEXPIREAT', KEYS[base + 1], n(dg))
       redis.call('PEXPIREAT', KEYS[base + 2], n(dg))
     end
   end
-  if #writes > 0 then redis.call('ZADD', L, 'XX', unpack(writes)) end
+  if #writes > 0 then redis.call('HSET', M, unpack(writes)) end
 end
 return ended
