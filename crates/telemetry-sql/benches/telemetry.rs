@@ -236,6 +236,59 @@ macro_rules! bind_row {
     };
 }
 
+/// The recorder's PostgreSQL method before `UNNEST`, measured in the same run: batches of
+/// `batch` rows as one multi-row `INSERT … VALUES (…), (…) ON CONFLICT DO NOTHING` each,
+/// one transaction per batch, on one connection; returns rows/s.
+async fn pg_multirow_values(url: &str, offset: usize, batch: usize) -> f64 {
+    let mut c = PgConnection::connect(url).await.unwrap();
+    let input = rows(BATCH_ROWS, offset);
+    let sql = insert_sql(true);
+    let head = &sql[..sql.find(" VALUES ").unwrap()];
+    let t = Instant::now();
+    for chunk in input.chunks(batch) {
+        let mut qb = sqlx::QueryBuilder::<sqlx::Postgres>::new(head);
+        qb.push(" ");
+        qb.push_values(chunk, |mut b, r| {
+            b.push_bind(r.call_id.clone())
+                .push_bind(r.logical_call_id.clone())
+                .push_bind(r.scope.clone())
+                .push_bind(r.operation.clone())
+                .push_bind(r.kind.as_str())
+                .push_bind(r.source.clone())
+                .push_bind(r.provider.clone())
+                .push_bind(r.model.clone())
+                .push_bind(r.attempt_index.map(i64::from))
+                .push_bind(r.is_hedge)
+                .push_bind(r.stream)
+                .push_bind(r.ok)
+                .push_bind(r.error.clone())
+                .push_bind(r.error_detail.clone())
+                .push_bind(r.http_status.map(i64::from))
+                .push_bind(r.prompt_tokens.map(|v| v as i64))
+                .push_bind(r.completion_tokens.map(|v| v as i64))
+                .push_bind(r.reasoning_tokens.map(|v| v as i64))
+                .push_bind(r.usage_source.as_str())
+                .push_bind(r.cost)
+                .push_bind(r.latency_ms.map(|v| v as i64))
+                .push_bind(r.ttft_ms.map(|v| v as i64))
+                .push_bind(r.max_inter_token_ms.map(|v| v as i64))
+                .push_bind(r.stall_ms.map(|v| v as i64))
+                .push_bind(r.stall_count.map(i64::from))
+                .push_bind(r.cache_hit);
+            b.push("CAST(");
+            b.push_bind_unseparated(polygw_telemetry_sql::time::format_utc_ms(r.created_at_ms));
+            b.push_unseparated(" AS TIMESTAMPTZ)");
+        });
+        qb.push(" ON CONFLICT (call_id) DO NOTHING");
+        let mut tx = c.begin().await.unwrap();
+        qb.build().execute(&mut *tx).await.unwrap();
+        tx.commit().await.unwrap();
+    }
+    let rate = per_sec(t.elapsed(), BATCH_ROWS);
+    c.close().await.unwrap();
+    rate
+}
+
 /// Rows through the recorder: record them all, then flush; returns rows/s.
 async fn through_recorder(url: &str, offset: usize, batch_size: usize) -> f64 {
     let cfg = RecorderConfig {
@@ -347,8 +400,29 @@ async fn pg_throughput() {
     }
     let single = per_sec(t.elapsed(), PG_SINGLE_ROWS);
     c.close().await.unwrap();
-    let batched = recorder_rates(&url).await;
+    // The previous method and the recorder, interleaved: the server's load moves.
+    let mut multirow = Vec::new();
+    let mut batched = Vec::new();
+    for (i, batch) in [RecorderConfig::default().batch_size, 1024]
+        .into_iter()
+        .enumerate()
+    {
+        multirow.push((
+            batch,
+            pg_multirow_values(&url, (4 + i) * BATCH_ROWS, batch).await,
+        ));
+        batched.push((batch, through_recorder(&url, i * BATCH_ROWS, batch).await));
+    }
     print_throughput("PostgreSQL", single, PG_SINGLE_ROWS, &batched);
+    for ((batch, old), (_, new)) in multirow.iter().zip(&batched) {
+        println!(
+            "PostgreSQL, batch {batch}: multi-row INSERT … VALUES (the previous method) {old:.0} rows/s ({:.0}× single-row); the recorder ({}) {new:.0} rows/s = {:.2}× the previous method",
+            old / single,
+            "INSERT … SELECT FROM UNNEST",
+            new / old
+        );
+    }
+    println!();
     sqlx::raw_sql(&format!("DROP SCHEMA \"{schema}\" CASCADE"))
         .execute(&mut admin)
         .await

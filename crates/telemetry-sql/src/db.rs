@@ -343,8 +343,9 @@ impl Db {
         }
     }
 
-    /// Inserts rows in one transaction (several statements when the bind limit asks
-    /// for it); rows whose `call_id` exists are skipped (idempotent).
+    /// Inserts rows atomically — SQLite: one transaction (several statements when the
+    /// bind limit asks for it); PostgreSQL: one statement — skipping rows whose `call_id`
+    /// exists or came earlier in the batch (idempotent).
     pub(crate) async fn insert(&self, rows: &[TelemetryRow]) -> Result<(), sqlx::Error> {
         if rows.is_empty() {
             return Ok(());
@@ -368,15 +369,11 @@ impl Db {
             }
             // One statement per batch whatever its size: every column is bound as one
             // array and `UNNEST` turns the arrays back into rows. The statement text never
-            // changes, so it is prepared once per connection, and the server plans and
-            // parses 30 parameters instead of 30 per row (the multi-row VALUES it replaced
-            // wrote 12 000–19 000 rows/s on the project's VM).
+            // changes, so it is prepared once per connection, and the server parses 30
+            // parameters instead of 30 per row (docs/BENCHMARKS.md, "Telemetry").
+            // A single statement is atomic on its own: no BEGIN / COMMIT round trips.
             #[cfg(feature = "postgres")]
-            Db::Postgres(p) => {
-                let mut tx = p.begin().await?;
-                pg_unnest_insert(rows).execute(&mut *tx).await?;
-                tx.commit().await
-            }
+            Db::Postgres(p) => pg_unnest_insert(rows).execute(p).await.map(|_| ()),
         }
     }
 
