@@ -416,9 +416,8 @@ async fn pg_throughput() {
     print_throughput("PostgreSQL", single, PG_SINGLE_ROWS, &batched);
     for ((batch, old), (_, new)) in multirow.iter().zip(&batched) {
         println!(
-            "PostgreSQL, batch {batch}: multi-row INSERT … VALUES (the previous method) {old:.0} rows/s ({:.0}× single-row); the recorder ({}) {new:.0} rows/s = {:.2}× the previous method",
+            "PostgreSQL, batch {batch}: multi-row INSERT … VALUES (the previous method) {old:.0} rows/s ({:.0}× single-row); the recorder (INSERT … SELECT FROM UNNEST) {new:.0} rows/s = {:.2}× the previous method",
             old / single,
-            "INSERT … SELECT FROM UNNEST",
             new / old
         );
     }
