@@ -11,9 +11,10 @@
 //!   `polygw:{SCOPE}:scope:{win,ledger,totals}` (see `keys.rs`; the ledger holds the
 //!   token entries of the scope and all its sources). The braces are a Redis Cluster
 //!   hash tag: every key a script touches is in one slot, and every script declares its
-//!   keys, so a cluster routes it to that slot's node. Every key has a TTL: nothing
-//!   outlives the window, lease or breaker deadline it remembers by more than two
-//!   margins ([`RedisOptions::key_margin`]).
+//!   keys, so a cluster routes it to that slot's node. Every key has a TTL: the limiter's
+//!   keys of a scope (or of a source) share a deadline covering the longest lease + the
+//!   window + [`RedisOptions::key_margin`], moved a margin further when it falls short,
+//!   so none outlives what it remembers by more than a lease and two margins.
 //! - Connections (`REDIS__URL`): `redis://` and `rediss://` (TLS through rustls with the
 //!   ring provider; a private CA with [`RedisOptions::ca_file`]) on one multiplexed
 //!   connection that reconnects by itself, and a Redis Cluster
