@@ -1,7 +1,7 @@
 //! `cargo xtask bench [PART…]`: runs the workspace's benchmarks in release mode, part by
-//! part, so one command reproduces docs/BENCHMARKS.md. Every benchmark is a hand-written
-//! `harness = false` program that prints its method, its same-run baseline and the load
-//! average; none asserts a duration.
+//! part, so one command reproduces docs/BENCHMARKS.md. Every benchmark is a `harness =
+//! false` program (hand-written, or criterion for the memory limiter's ns/op) that prints
+//! its method, its same-run baseline and the load average; none asserts a duration.
 
 use std::process::{Command, ExitCode};
 
@@ -36,7 +36,7 @@ const BENCHES: &[Part] = &[
     Part {
         name: "governance",
         in_all: true,
-        what: "memory and Redis acquire + settle; Redis shared by 4 processes",
+        what: "memory limiter ns/op (criterion) and acquire + settle; Redis per script and shared by 4 processes",
         cargo: &[
             "bench",
             "-p",

@@ -19,7 +19,8 @@
 //! the latest `now` it has seen, so callers reading a clock outside a lock cannot create
 //! out-of-order entries.
 
-use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet, VecDeque};
+use std::collections::{BTreeSet, HashMap, HashSet, VecDeque};
+use std::hash::{BuildHasherDefault, Hasher};
 use std::time::Duration;
 
 use crate::error::RefusalReason;
@@ -27,6 +28,40 @@ use crate::ports::limiter::{AcquireRequest, Refusal};
 
 /// Length of the rolling window.
 pub const WINDOW_MS: u64 = 60_000;
+
+/// A hasher for the model's own permit ids (sequential `u64`s it hands out itself, so
+/// never chosen by an adversary): one multiplication instead of SipHash on the hot path.
+#[derive(Debug, Default, Clone, Copy)]
+pub struct IdHasher(u64);
+
+impl Hasher for IdHasher {
+    fn write(&mut self, bytes: &[u8]) {
+        // FxHash's mixing, a word at a time.
+        let mut chunks = bytes.chunks_exact(8);
+        for c in &mut chunks {
+            let w = u64::from_le_bytes(c.try_into().expect("8 bytes"));
+            self.0 = (self.0.rotate_left(5) ^ w).wrapping_mul(0x51_7c_c1_b7_27_22_0a_95);
+        }
+        for &b in chunks.remainder() {
+            self.0 = (self.0.rotate_left(5) ^ u64::from(b)).wrapping_mul(0x51_7c_c1_b7_27_22_0a_95);
+        }
+    }
+
+    fn write_u64(&mut self, n: u64) {
+        // Fibonacci hashing: the high bits (hashbrown's control bytes) and the low bits
+        // (its bucket index) both vary with sequential ids.
+        self.0 = (self.0 ^ n)
+            .wrapping_mul(0x9e37_79b9_7f4a_7c15)
+            .rotate_left(26);
+    }
+
+    fn finish(&self) -> u64 {
+        self.0
+    }
+}
+
+/// A map keyed by permit ids.
+pub type IdMap<V> = HashMap<u64, V, BuildHasherDefault<IdHasher>>;
 
 /// The requests of one window (RPM), in admission order.
 #[derive(Debug, Default, Clone)]
@@ -60,11 +95,12 @@ impl Requests {
 #[derive(Debug, Default, Clone)]
 struct Tokens {
     /// Unsettled reservations: id → (lease end, tokens).
-    reserved: HashMap<u64, (u64, u64)>,
+    reserved: IdMap<(u64, u64)>,
     /// (lease end, id) of the reservations: they count until lease end + window.
     reserved_by_end: BTreeSet<(u64, u64)>,
-    /// (settled at, id) → tokens: they count until settled at + window.
-    settled: BTreeMap<(u64, u64), u64>,
+    /// (settled at, id, tokens), in settlement order — which is time order, since the
+    /// model's clock never goes back: they count until settled at + window.
+    settled: VecDeque<(u64, u64, u64)>,
     total: u64,
 }
 
@@ -79,11 +115,12 @@ impl Tokens {
                 self.total -= t;
             }
         }
-        while let Some(entry) = self.settled.first_entry() {
-            if entry.key().0 + WINDOW_MS > now {
+        while let Some(&(at, _, t)) = self.settled.front() {
+            if at + WINDOW_MS > now {
                 break;
             }
-            self.total -= entry.remove();
+            self.settled.pop_front();
+            self.total -= t;
         }
     }
 
@@ -98,7 +135,7 @@ impl Tokens {
         if let Some((end, old)) = self.reserved.remove(&id) {
             self.reserved_by_end.remove(&(end, id));
             self.total = self.total - old + tokens;
-            self.settled.insert((now, id), tokens);
+            self.settled.push_back((now, id, tokens));
         }
     }
 
@@ -127,7 +164,7 @@ impl Tokens {
         let mut set = self
             .settled
             .iter()
-            .map(|(&(at, _), &t)| (at + WINDOW_MS, t))
+            .map(|&(at, _, t)| (at + WINDOW_MS, t))
             .peekable();
         let mut remaining = self.total;
         loop {
@@ -150,7 +187,11 @@ impl Tokens {
         self.reserved
             .keys()
             .copied()
-            .chain(self.settled.keys().map(|k| k.1))
+            .chain(self.settled.iter().map(|k| k.1))
+    }
+
+    fn holds(&self, id: u64) -> bool {
+        self.reserved.contains_key(&id) || self.settled.iter().any(|k| k.1 == id)
     }
 }
 
@@ -177,22 +218,175 @@ impl Window {
 struct SourceState {
     window: Window,
     /// permit id → lease end.
-    in_flight: BTreeMap<u64, u64>,
+    in_flight: IdMap<u64>,
 }
 
 impl SourceState {
     fn prune_leases(&mut self, now: u64) {
         self.in_flight.retain(|_, until| *until > now);
     }
+
+    fn is_empty(&self) -> bool {
+        self.window.is_empty() && self.in_flight.is_empty()
+    }
+}
+
+/// Slots addressed by a small index, with a free list: names are looked up once per
+/// acquire (by `&str`, no allocation) and permits remember indices, not names.
+#[derive(Debug, Clone)]
+struct Slab<T> {
+    slots: Vec<Option<T>>,
+    free: Vec<u32>,
+}
+
+impl<T> Default for Slab<T> {
+    fn default() -> Self {
+        Slab {
+            slots: Vec::new(),
+            free: Vec::new(),
+        }
+    }
+}
+
+impl<T> Slab<T> {
+    fn insert(&mut self, v: T) -> u32 {
+        match self.free.pop() {
+            Some(i) => {
+                self.slots[i as usize] = Some(v);
+                i
+            }
+            None => {
+                self.slots.push(Some(v));
+                u32::try_from(self.slots.len() - 1).expect("fewer than 2^32 names")
+            }
+        }
+    }
+
+    fn get(&self, i: u32) -> Option<&T> {
+        self.slots.get(i as usize)?.as_ref()
+    }
+
+    fn get_mut(&mut self, i: u32) -> Option<&mut T> {
+        self.slots.get_mut(i as usize)?.as_mut()
+    }
+
+    fn remove(&mut self, i: u32) {
+        if let Some(slot) = self.slots.get_mut(i as usize) {
+            if slot.take().is_some() {
+                self.free.push(i);
+            }
+        }
+    }
+
+    fn iter_mut(&mut self) -> impl Iterator<Item = (u32, &mut T)> {
+        self.slots
+            .iter_mut()
+            .enumerate()
+            .filter_map(|(i, s)| Some((i as u32, s.as_mut()?)))
+    }
+}
+
+/// One scope: its window and its sources (interned by name).
+#[derive(Debug, Default, Clone)]
+struct ScopeState {
+    name: String,
+    window: Window,
+    source_ids: HashMap<String, u32>,
+    sources: Slab<(String, SourceState)>,
+}
+
+impl ScopeState {
+    fn source_mut(&mut self, source: &str) -> Option<&mut SourceState> {
+        let i = *self.source_ids.get(source)?;
+        self.sources.get_mut(i).map(|s| &mut s.1)
+    }
+}
+
+/// Where a permit's state is: (scope slot, source slot).
+type Place = (u32, u32);
+
+/// Permit id → place. Ids are handed out in sequence, so the recent ones live in a deque
+/// indexed by `id - base` (an insert is a push, a lookup an index: no hashing, no probing
+/// of a large table); compaction moves the few old permits still alive behind the front
+/// into a small map, so one long call never pins the deque's memory.
+#[derive(Debug, Default, Clone)]
+struct Permits {
+    base: u64,
+    recent: VecDeque<Option<Place>>,
+    old: IdMap<Place>,
+}
+
+impl Permits {
+    fn insert(&mut self, id: u64, place: Place) {
+        if self.recent.is_empty() {
+            self.base = id;
+        }
+        // Ids only grow: fill any gap (never happens: one id per acquire) and push.
+        while self.base + (self.recent.len() as u64) < id {
+            self.recent.push_back(None);
+        }
+        self.recent.push_back(Some(place));
+    }
+
+    fn get(&self, id: u64) -> Option<Place> {
+        match id.checked_sub(self.base) {
+            Some(i) => self.recent.get(usize::try_from(i).ok()?).copied().flatten(),
+            None => self.old.get(&id).copied(),
+        }
+    }
+
+    #[cfg(test)]
+    fn is_empty(&self) -> bool {
+        self.old.is_empty() && self.recent.iter().all(Option::is_none)
+    }
+
+    /// Keeps the permits `live` says are alive; bounds the deque to the span from the
+    /// oldest recent permit alive, moving older live ones to the map when they are few.
+    fn retain(&mut self, live: impl Fn(u64) -> bool) {
+        self.old.retain(|id, _| live(*id));
+        let base = self.base;
+        for (i, slot) in self.recent.iter_mut().enumerate() {
+            if slot.is_some() && !live(base + i as u64) {
+                *slot = None;
+            }
+        }
+        // Move live entries out of the front half to the map while they are sparse.
+        let half = self.recent.len() / 2;
+        let alive_front = self
+            .recent
+            .iter()
+            .take(half)
+            .filter(|s| s.is_some())
+            .count();
+        if alive_front <= half / 8 {
+            for _ in 0..half {
+                let id = self.base;
+                if let Some(Some(place)) = self.recent.pop_front() {
+                    self.old.insert(id, place);
+                }
+                self.base += 1;
+            }
+        }
+        while let Some(None) = self.recent.front() {
+            self.recent.pop_front();
+            self.base += 1;
+        }
+    }
 }
 
 /// The reference limiter. Not thread-safe by itself: wrap it in a mutex.
+///
+/// Scope and source names are interned: an acquire looks them up by `&str` and a permit
+/// remembers slot indices, so the hot path allocates nothing once a name is known (and
+/// the windows' buffers have grown).
 #[derive(Debug, Default, Clone)]
 pub struct WindowLimiter {
-    sources: HashMap<(String, String), SourceState>,
-    scopes: HashMap<String, Window>,
-    /// permit id → (scope, source), for settlements, releases and renewals.
-    permits: HashMap<u64, (String, String)>,
+    scope_ids: HashMap<String, u32>,
+    scopes: Slab<ScopeState>,
+    /// permit id → where its source is, for settlements, releases and renewals.
+    permits: Permits,
+    /// The place of the latest acquire (checked by name before use).
+    last: Option<Place>,
     next_id: u64,
     /// The latest time seen: the model's clock never goes back.
     clock: u64,
@@ -219,11 +413,67 @@ impl WindowLimiter {
         self.clock
     }
 
+    /// The slots of a scope and source, interned on first sight.
+    fn place(&mut self, scope: &str, source: &str) -> Place {
+        // Most acquires name the pair the previous one did: two string comparisons
+        // instead of two hash lookups.
+        if let Some((si, ri)) = self.last {
+            if let Some(sc) = self.scopes.get(si) {
+                if sc.name == scope && sc.sources.get(ri).is_some_and(|s| s.0 == source) {
+                    return (si, ri);
+                }
+            }
+        }
+        let place = self.intern(scope, source);
+        self.last = Some(place);
+        place
+    }
+
+    fn intern(&mut self, scope: &str, source: &str) -> Place {
+        let si = match self.scope_ids.get(scope) {
+            Some(&i) => i,
+            None => {
+                let i = self.scopes.insert(ScopeState {
+                    name: scope.to_string(),
+                    ..ScopeState::default()
+                });
+                self.scope_ids.insert(scope.to_string(), i);
+                i
+            }
+        };
+        let sc = self.scopes.get_mut(si).expect("interned above");
+        let ri = match sc.source_ids.get(source) {
+            Some(&i) => i,
+            None => {
+                let i = sc
+                    .sources
+                    .insert((source.to_string(), SourceState::default()));
+                sc.source_ids.insert(source.to_string(), i);
+                i
+            }
+        };
+        (si, ri)
+    }
+
+    fn scope_mut(&mut self, scope: &str) -> Option<&mut ScopeState> {
+        let i = *self.scope_ids.get(scope)?;
+        self.scopes.get_mut(i)
+    }
+
+    /// The scope and source states of a permit.
+    fn states(&mut self, id: u64) -> Option<(&mut Window, &mut SourceState)> {
+        let (si, ri) = self.permits.get(id)?;
+        let sc = self.scopes.get_mut(si)?;
+        let src = sc.sources.get_mut(ri)?;
+        Some((&mut sc.window, &mut src.1))
+    }
+
     /// Admits or refuses one request at `now`. On admission returns the permit id.
     pub fn acquire(&mut self, now: u64, req: &AcquireRequest<'_>) -> Result<u64, Refusal> {
         let now = self.tick(now);
-        let key = (req.scope.to_string(), req.source.to_string());
-        let src = self.sources.entry(key.clone()).or_default();
+        let (si, ri) = self.place(req.scope, req.source);
+        let sc = self.scopes.get_mut(si).expect("interned");
+        let src = &mut sc.sources.get_mut(ri).expect("interned").1;
         src.window.prune(now);
         let refuse = |reason, hint: Option<u64>| Refusal {
             reason,
@@ -250,7 +500,7 @@ impl WindowLimiter {
                 w.tokens.hint(now, req.tpm, req.est_tokens),
             ));
         }
-        let scope = self.scopes.entry(req.scope.to_string()).or_default();
+        let scope = &mut sc.window;
         scope.prune(now);
         if req.scope_rpm > 0 && scope.requests.count() >= req.scope_rpm as u64 {
             return Err(refuse(
@@ -269,11 +519,11 @@ impl WindowLimiter {
         let end = now.saturating_add(lease_ms(req.lease));
         scope.requests.at.push_back(now);
         scope.tokens.reserve(id, end, req.est_tokens);
-        let src = self.sources.get_mut(&key).expect("inserted above");
+        let src = &mut sc.sources.get_mut(ri).expect("interned").1;
         src.window.requests.at.push_back(now);
         src.window.tokens.reserve(id, end, req.est_tokens);
         src.in_flight.insert(id, end);
-        self.permits.insert(id, key);
+        self.permits.insert(id, (si, ri));
         Ok(id)
     }
 
@@ -282,25 +532,18 @@ impl WindowLimiter {
     /// window (its lease ended a window ago) is not revived.
     pub fn settle(&mut self, now: u64, id: u64, tokens: u64) {
         let now = self.tick(now);
-        let Some((scope, source)) = self.permits.get(&id).cloned() else {
-            return;
-        };
-        if let Some(s) = self.sources.get_mut(&(scope.clone(), source)) {
-            s.window.tokens.prune(now);
-            s.window.tokens.settle(now, id, tokens);
-        }
-        if let Some(l) = self.scopes.get_mut(&scope) {
-            l.tokens.prune(now);
-            l.tokens.settle(now, id, tokens);
+        if let Some((scope, src)) = self.states(id) {
+            src.window.tokens.prune(now);
+            src.window.tokens.settle(now, id, tokens);
+            scope.tokens.prune(now);
+            scope.tokens.settle(now, id, tokens);
         }
     }
 
     /// Frees permit `id`'s in-flight slot. Idempotent.
     pub fn release(&mut self, id: u64) {
-        if let Some(key) = self.permits.get(&id) {
-            if let Some(s) = self.sources.get_mut(key) {
-                s.in_flight.remove(&id);
-            }
+        if let Some((_, src)) = self.states(id) {
+            src.in_flight.remove(&id);
         }
     }
 
@@ -309,29 +552,21 @@ impl WindowLimiter {
     pub fn renew(&mut self, now: u64, id: u64, lease: Duration) {
         let now = self.tick(now);
         let until = now.saturating_add(lease_ms(lease));
-        let Some((scope, source)) = self.permits.get(&id).cloned() else {
-            return;
-        };
-        if let Some(s) = self.sources.get_mut(&(scope.clone(), source)) {
-            if let Some(end) = s.in_flight.get_mut(&id) {
+        if let Some((scope, src)) = self.states(id) {
+            if let Some(end) = src.in_flight.get_mut(&id) {
                 if *end > now && until > *end {
                     *end = until;
                 }
             }
-            s.window.tokens.renew(now, id, until);
-        }
-        if let Some(l) = self.scopes.get_mut(&scope) {
-            l.tokens.renew(now, id, until);
+            src.window.tokens.renew(now, id, until);
+            scope.tokens.renew(now, id, until);
         }
     }
 
     /// In-flight count of a source at `now` (ended leases excluded).
     pub fn in_flight(&mut self, now: u64, scope: &str, source: &str) -> u32 {
         let now = self.tick(now);
-        match self
-            .sources
-            .get_mut(&(scope.to_string(), source.to_string()))
-        {
+        match self.scope_mut(scope).and_then(|sc| sc.source_mut(source)) {
             Some(s) => {
                 s.prune_leases(now);
                 s.in_flight.len() as u32
@@ -343,10 +578,7 @@ impl WindowLimiter {
     /// (requests, tokens) in a source's window at `now`.
     pub fn source_window(&mut self, now: u64, scope: &str, source: &str) -> (u64, u64) {
         let now = self.tick(now);
-        match self
-            .sources
-            .get_mut(&(scope.to_string(), source.to_string()))
-        {
+        match self.scope_mut(scope).and_then(|sc| sc.source_mut(source)) {
             Some(s) => {
                 s.window.prune(now);
                 (s.window.requests.count(), s.window.tokens.total)
@@ -358,10 +590,10 @@ impl WindowLimiter {
     /// (requests, tokens) in a scope's window at `now`.
     pub fn scope_window(&mut self, now: u64, scope: &str) -> (u64, u64) {
         let now = self.tick(now);
-        match self.scopes.get_mut(scope) {
+        match self.scope_mut(scope) {
             Some(l) => {
-                l.prune(now);
-                (l.requests.count(), l.tokens.total)
+                l.window.prune(now);
+                (l.window.requests.count(), l.window.tokens.total)
             }
             None => (0, 0),
         }
@@ -370,38 +602,52 @@ impl WindowLimiter {
     /// Whether permit `id` still holds anything (a slot or tokens in a window) at `now`.
     pub fn holds(&mut self, now: u64, id: u64) -> bool {
         let now = self.tick(now);
-        let Some(key) = self.permits.get(&id).cloned() else {
-            return false;
-        };
-        let Some(s) = self.sources.get_mut(&key) else {
+        let Some((_, s)) = self.states(id) else {
             return false;
         };
         s.window.tokens.prune(now);
         s.prune_leases(now);
-        s.in_flight.contains_key(&id)
-            || s.window.tokens.reserved.contains_key(&id)
-            || s.window.tokens.ids().any(|x| x == id)
+        s.in_flight.contains_key(&id) || s.window.tokens.holds(id)
     }
 
-    /// Forgets settled, released permits whose entries left every window (bounded memory).
+    /// Forgets settled, released permits whose entries left every window, and the names
+    /// of sources and scopes that hold nothing (bounded memory).
     pub fn compact(&mut self, now: u64) {
         let now = self.tick(now);
-        for s in self.sources.values_mut() {
-            s.window.prune(now);
-            s.prune_leases(now);
+        let mut live: HashSet<u64, BuildHasherDefault<IdHasher>> = HashSet::default();
+        let mut empty_scopes = vec![];
+        for (si, sc) in self.scopes.iter_mut() {
+            sc.window.prune(now);
+            let mut empty_sources = vec![];
+            for (ri, (_, s)) in sc.sources.iter_mut() {
+                s.window.prune(now);
+                s.prune_leases(now);
+                if s.is_empty() {
+                    empty_sources.push(ri);
+                } else {
+                    live.extend(s.window.tokens.ids().chain(s.in_flight.keys().copied()));
+                }
+            }
+            for ri in empty_sources {
+                if let Some((name, _)) = sc.sources.get(ri) {
+                    let name = name.clone();
+                    sc.source_ids.remove(&name);
+                }
+                sc.sources.remove(ri);
+            }
+            if sc.window.is_empty() && sc.source_ids.is_empty() {
+                empty_scopes.push(si);
+            }
         }
-        for l in self.scopes.values_mut() {
-            l.prune(now);
+        for si in empty_scopes {
+            if let Some(sc) = self.scopes.get(si) {
+                let name = sc.name.clone();
+                self.scope_ids.remove(&name);
+            }
+            self.scopes.remove(si);
         }
-        self.sources
-            .retain(|_, s| !s.window.is_empty() || !s.in_flight.is_empty());
-        self.scopes.retain(|_, l| !l.is_empty());
-        let live: HashSet<u64> = self
-            .sources
-            .values()
-            .flat_map(|s| s.window.tokens.ids().chain(s.in_flight.keys().copied()))
-            .collect();
-        self.permits.retain(|id, _| live.contains(id));
+        self.permits.retain(|id| live.contains(&id));
+        self.last = None;
     }
 }
 
@@ -583,6 +829,80 @@ mod tests {
         assert!(l.acquire(61_001, &r).is_err());
         l.compact(119_000);
         l.acquire(119_000, &r).unwrap();
+    }
+
+    /// One long call does not pin the permit table: compaction moves it out of the
+    /// deque of recent ids, and it still settles, renews and releases.
+    #[test]
+    fn a_long_call_does_not_pin_the_permit_table() {
+        let mut l = WindowLimiter::new();
+        let r = AcquireRequest {
+            lease: Duration::from_secs(30),
+            ..req(0, 0, 0, 10)
+        };
+        let long = l.acquire(0, &r).unwrap();
+        let mut now = 0;
+        for _ in 0..4 {
+            for i in 0..1000 {
+                now += 10;
+                let id = l.acquire(now, &r).unwrap();
+                l.settle(now, id, 10);
+                l.release(id);
+                if i % 100 == 0 {
+                    l.renew(now, long, r.lease);
+                }
+            }
+            // A window later (the heartbeat beating every 10 s), everything else is gone.
+            for _ in 0..7 {
+                now += 10_000;
+                l.renew(now, long, r.lease);
+            }
+            l.compact(now);
+        }
+        assert!(l.permits.recent.len() < 1000, "{}", l.permits.recent.len());
+        assert_eq!(l.permits.old.len(), 1);
+        assert!(l.holds(now, long));
+        assert_eq!(l.in_flight(now, "S", "a"), 1);
+        l.settle(now, long, 5);
+        l.release(long);
+        assert_eq!(l.in_flight(now, "S", "a"), 0);
+        assert_eq!(l.source_window(now, "S", "a"), (0, 5));
+    }
+
+    /// Names are interned in slots that compaction frees and later names reuse: a
+    /// forgotten permit of a freed slot never touches the name that took the slot over.
+    #[test]
+    fn freed_slots_are_reused_without_crosstalk() {
+        let mut l = WindowLimiter::new();
+        let mut a = req(0, 1000, 1, 400);
+        a.scope = "S1";
+        let old = l.acquire(0, &a).unwrap();
+        l.settle(1, old, 100);
+        l.release(old);
+        l.compact(WINDOW_MS + 2);
+        assert!(l.scope_ids.is_empty() && l.permits.is_empty());
+        assert!(l.permits.recent.is_empty(), "the deque is bounded");
+        let mut b = req(0, 1000, 1, 400);
+        b.scope = "S2";
+        b.source = "b";
+        let new = l.acquire(WINDOW_MS + 3, &b).unwrap();
+        assert_eq!(l.scope_ids["S2"], 0, "slot 0 reused");
+        l.settle(WINDOW_MS + 4, old, 999);
+        l.release(old);
+        l.renew(WINDOW_MS + 4, old, Duration::from_secs(1));
+        assert_eq!(l.source_window(WINDOW_MS + 5, "S2", "b"), (1, 400));
+        assert_eq!(l.in_flight(WINDOW_MS + 5, "S2", "b"), 1);
+        assert_eq!(l.source_window(WINDOW_MS + 5, "S1", "a"), (0, 0));
+        // several scopes and sources side by side keep their own windows
+        let mut c = b;
+        c.source = "c";
+        l.acquire(WINDOW_MS + 6, &c).unwrap();
+        assert_eq!(l.scope_window(WINDOW_MS + 6, "S2"), (2, 800));
+        assert_eq!(l.source_window(WINDOW_MS + 6, "S2", "c"), (1, 400));
+        l.settle(WINDOW_MS + 7, new, 50);
+        assert_eq!(l.scope_window(WINDOW_MS + 7, "S2"), (2, 450));
+        assert!(l.holds(WINDOW_MS + 7, new));
+        assert!(!l.holds(WINDOW_MS + 7, old));
     }
 
     /// Timestamps that go back (a clock read outside a lock) never reorder entries: the

@@ -2,7 +2,6 @@
 //! drop-time settlement applies directly (it is in-process, so it never blocks for long)
 //! and whose leases the handle's heartbeat renews.
 
-use std::collections::HashMap;
 use std::fmt;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -11,7 +10,7 @@ use std::time::Duration;
 use async_trait::async_trait;
 use polygw_core::error::GovernanceError;
 use polygw_core::ports::{AcquireRequest, Admission, Clock, Permit, PermitBackend, RateLimiter};
-use polygw_core::window::{WindowLimiter, WINDOW_MS};
+use polygw_core::window::{IdMap, WindowLimiter, WINDOW_MS};
 
 use crate::{lock, Heart, Store};
 
@@ -27,7 +26,7 @@ pub(crate) struct State {
     model: WindowLimiter,
     last_compact_ms: u64,
     /// Live permits: id → (the heartbeat of the handle that granted it, lease).
-    leases: HashMap<u64, (Arc<Heart>, Duration)>,
+    leases: IdMap<(Arc<Heart>, Duration)>,
     last_renew_ms: u64,
     /// A third of the shortest lease registered so far.
     renew_every_ms: Option<u64>,
@@ -231,9 +230,11 @@ impl PermitBackend for MemoryPermit {
 
 impl Drop for MemoryPermit {
     fn drop(&mut self) {
-        // A permit settled on drop or finished is gone from the leases already; one that
-        // was released but never settled (its `Permit` settles on drop) too. Whatever is
-        // left stops being renewed with its holder.
+        // A permit settled and released is gone from the leases already (no lock taken
+        // on the hot path); whatever is left stops being renewed with its holder.
+        if self.settled.load(Ordering::Acquire) && self.released.load(Ordering::Acquire) {
+            return;
+        }
         lock(&self.store.limiter).leases.remove(&self.id);
     }
 }

@@ -1,8 +1,11 @@
 //! Benchmark (not a test): the Redis limiter's acquire + settle cost — latency
-//! percentiles one at a time and throughput under concurrency — against a raw
-//! single-script EVALSHA baseline measured in the same run on the same connection.
-//! `cargo bench -p polygw-limiter-redis`; skipped with a message when Redis is down.
-//! Method and recorded numbers: docs/BENCHMARKS.md, section "Governance".
+//! percentiles one at a time, throughput under concurrency, and the server time of each
+//! script — against a raw single-script EVALSHA baseline measured in the same run on the
+//! same server. It runs on a `redis-server` of its own (started on a free port, so the
+//! server's statistics hold only this program's commands), or on `POLYGW_TEST_REDIS_URL`
+//! when `redis-server` cannot be started.
+//! `cargo bench -p polygw-limiter-redis --bench redis_governance`; skipped with a message
+//! when no Redis is reachable. Method and numbers: docs/BENCHMARKS.md, "Governance".
 
 #![allow(
     clippy::disallowed_methods,
@@ -91,26 +94,32 @@ fn report(name: &str, mut lat: Vec<Duration>, total: Duration) {
     );
 }
 
-async fn sequential<F, Fut>(n: usize, mut f: F) -> (Vec<Duration>, Duration)
-where
-    F: FnMut() -> Fut,
-    Fut: std::future::Future<Output = ()>,
-{
-    let mut lat = Vec::with_capacity(n);
-    let start = Instant::now();
-    for _ in 0..n {
-        let t = Instant::now();
-        f().await;
-        lat.push(t.elapsed());
-    }
-    (lat, start.elapsed())
+fn load() -> String {
+    std::fs::read_to_string("/proc/loadavg")
+        .unwrap_or_default()
+        .split_whitespace()
+        .take(3)
+        .collect::<Vec<_>>()
+        .join(" ")
 }
 
 #[tokio::main(flavor = "multi_thread", worker_threads = 2)]
 async fn main() {
-    let Some(url) = polygw_testkit::services::redis_url() else {
-        println!("redis governance benchmark skipped: Redis is not reachable");
-        return;
+    // An own server when possible (statistics of this program's commands only); kept
+    // alive until the end of main.
+    let own = polygw_testkit::services::RedisServer::start();
+    let url = match &own {
+        Ok(s) => s.url(),
+        Err(e) => match polygw_testkit::services::redis_url() {
+            Some(u) => {
+                println!("(no own redis-server: {e}; using the shared {u}: its statistics include other clients)");
+                u
+            }
+            None => {
+                println!("redis governance benchmark skipped: Redis is not reachable");
+                return;
+            }
+        },
     };
     let gov = RedisGovernance::connect(&url, RedisOptions::default())
         .await
@@ -122,36 +131,65 @@ async fn main() {
         .expect("raw connection");
     let script = redis::Script::new("return redis.call('EXISTS', KEYS[1]) + tonumber(ARGV[1])");
     let scope = polygw_testkit::services::unique_name("BENCH");
-
     // warm-up (loads the scripts, fills connection buffers)
     for _ in 0..300 {
         cycle(&limiter, &scope).await;
         baseline(&mut raw.clone(), &script).await;
     }
 
+    let server: String = redis::cmd("INFO")
+        .arg("server")
+        .query_async(&mut raw.clone())
+        .await
+        .expect("INFO");
+    let version = server
+        .lines()
+        .find_map(|l| l.strip_prefix("redis_version:"))
+        .unwrap_or("?")
+        .to_string();
     println!(
-        "redis governance benchmark: sequential {SEQUENTIAL} ops; concurrent {TASKS} tasks × {PER_TASK} ops, one connection"
+        "redis governance benchmark: Redis {version} ({}); sequential {SEQUENTIAL} ops; concurrent {TASKS} tasks × {PER_TASK} ops, one connection; load average {}",
+        if own.is_ok() { "own server" } else { "shared server" },
+        load()
     );
-    let (lat, total) = sequential(SEQUENTIAL, || {
-        let (mut con, script) = (raw.clone(), script.clone());
-        async move { baseline(&mut con, &script).await }
-    })
-    .await;
+    let mut lat = Vec::with_capacity(SEQUENTIAL);
+    let start = Instant::now();
+    for _ in 0..SEQUENTIAL {
+        let t = Instant::now();
+        baseline(&mut raw.clone(), &script).await;
+        lat.push(t.elapsed());
+    }
+    let total = start.elapsed();
     let base_p50 = {
         let mut l = lat.clone();
         l.sort();
         pct(&l, 0.5)
     };
     report("baseline EVALSHA, sequential", lat, total);
-    let (lat, total) = sequential(SEQUENTIAL, || async {
-        match limiter.acquire(&request(&scope)).await.expect("acquire") {
-            Admission::Admitted(p) => std::mem::forget(p),
+    // Acquire alone: each permit is finished right after its acquire is timed (outside
+    // the timing), so no phase starts with thousands of open permits in the windows.
+    let mut lat = Vec::with_capacity(SEQUENTIAL);
+    let mut busy = Duration::ZERO;
+    for _ in 0..SEQUENTIAL {
+        let t = Instant::now();
+        let admission = limiter.acquire(&request(&scope)).await.expect("acquire");
+        let d = t.elapsed();
+        lat.push(d);
+        busy += d;
+        match admission {
+            Admission::Admitted(mut p) => p.finish(700).await.expect("settle"),
             Admission::Refused(r) => panic!("{r:?}"),
         }
-    })
-    .await;
-    report("acquire only, sequential", lat, total);
-    let (lat, total) = sequential(SEQUENTIAL, || cycle(&limiter, &scope)).await;
+    }
+    report("acquire only, sequential", lat, busy);
+    let mut lat = Vec::with_capacity(SEQUENTIAL);
+    let start = Instant::now();
+    for _ in 0..SEQUENTIAL {
+        let t = Instant::now();
+        cycle(&limiter, &scope).await;
+        lat.push(t.elapsed());
+    }
+    let total = start.elapsed();
     let pair_p50 = {
         let mut l = lat.clone();
         l.sort();
@@ -192,25 +230,49 @@ async fn main() {
             (all, start.elapsed())
         }
     };
-    let s0 = evalsha_stats(&mut raw.clone()).await;
+    let mut admin = raw.clone();
+    let s0 = evalsha_stats(&mut admin).await;
     let (lat, total) = run_concurrent("baseline").await;
-    let s1 = evalsha_stats(&mut raw.clone()).await;
+    let s1 = evalsha_stats(&mut admin).await;
     let base_tput = lat.len() as f64 / total.as_secs_f64();
     report("baseline EVALSHA, concurrent", lat, total);
     let (lat, total) = run_concurrent("pair").await;
-    let s2 = evalsha_stats(&mut raw.clone()).await;
+    let s2 = evalsha_stats(&mut admin).await;
     let pair_tput = lat.len() as f64 / total.as_secs_f64();
     report("acquire+settle, concurrent", lat, total);
     println!(
-        "  server time per script (INFO commandstats): baseline {:.1} µs, acquire/settle {:.1} µs",
+        "  server time per script (INFO commandstats): baseline {:.1} µs, acquire/settle {:.1} µs ({:.1}× the baseline)",
         server_us(s0, s1),
-        server_us(s1, s2)
+        server_us(s1, s2),
+        server_us(s1, s2) / server_us(s0, s1)
     );
-
+    // Each script alone: 2 000 acquires (their permits open meanwhile), then their
+    // settlements, the server's time read around each half.
+    let mut permits = Vec::with_capacity(2000);
+    let a0 = evalsha_stats(&mut admin).await;
+    for _ in 0..2000 {
+        match limiter.acquire(&request(&scope)).await.expect("acquire") {
+            Admission::Admitted(p) => permits.push(p),
+            Admission::Refused(r) => panic!("{r:?}"),
+        }
+    }
+    let a1 = evalsha_stats(&mut admin).await;
+    for mut p in permits {
+        p.finish(700).await.expect("settle");
+    }
+    let a2 = evalsha_stats(&mut admin).await;
     println!(
-        "  ratio acquire+settle / baseline: p50 latency {:.2}× (2 round trips ⇒ ≥ 2×), concurrent throughput {:.2}× fewer ops/s",
+        "  server time per script, one at a time (INFO commandstats): acquire {:.1} µs, settle + release {:.1} µs ({:.1}× / {:.1}× the baseline's)",
+        server_us(a0, a1),
+        server_us(a1, a2),
+        server_us(a0, a1) / server_us(s0, s1),
+        server_us(a1, a2) / server_us(s0, s1),
+    );
+    println!(
+        "  ratio acquire+settle / baseline: p50 latency {:.2}× (2 round trips ⇒ ≥ 2×); concurrent throughput {:.2} of the baseline's",
         pair_p50 / base_p50,
-        base_tput / pair_tput
+        pair_tput / base_tput
     );
     limiter.flush().await.expect("flush");
+    println!("  load average {}", load());
 }

@@ -298,6 +298,40 @@ fn sum(f: &[Figures], k: &str) -> f64 {
     f.iter().map(|x| x[k]).sum()
 }
 
+/// (EVALSHA calls, µs) the target's servers have spent so far, summed over its nodes
+/// (INFO commandstats; other clients of a shared server count too).
+fn evalsha_totals(url: &str) -> (u64, u64) {
+    let (nodes, _) = polygw_core::config::guards::redis_nodes(url).expect("a redis url");
+    let mut total = (0, 0);
+    for node in nodes {
+        let node = if node.contains("://") {
+            node
+        } else {
+            format!("redis://{node}")
+        };
+        let mut con = redis::Client::open(node.as_str())
+            .and_then(|c| c.get_connection())
+            .expect("a node connection");
+        let info: String = redis::cmd("INFO")
+            .arg("commandstats")
+            .query(&mut con)
+            .expect("INFO");
+        let line = info
+            .lines()
+            .find(|l| l.starts_with("cmdstat_evalsha:"))
+            .unwrap_or("");
+        let field = |name: &str| -> u64 {
+            line.split([':', ','])
+                .find_map(|kv| kv.strip_prefix(name)?.strip_prefix('='))
+                .and_then(|v| v.parse().ok())
+                .unwrap_or(0)
+        };
+        total.0 += field("calls");
+        total.1 += field("usec");
+    }
+    total
+}
+
 /// The figures of one target (single server or cluster).
 #[derive(Debug, Default)]
 struct Target {
@@ -334,9 +368,20 @@ fn measure(url: &str, name: &str, full: bool) -> Target {
     );
     let mut base = 0.0;
     for (procs, tasks) in [(1usize, 32usize), (4, 8), (4, 32)] {
+        let before = evalsha_totals(url);
         let (f, wall) = run_phase(procs, &job("throughput", tasks, ops, 0));
+        let after = evalsha_totals(url);
         let total = sum(&f, "admitted");
         let rate = total / wall.as_secs_f64();
+        // The server side of the phase: time per script, how busy the scripts kept the
+        // server, and the cycles/s that time allows (two scripts per cycle).
+        let (calls, usec) = (after.0 - before.0, after.1 - before.1);
+        let us_per = usec as f64 / calls.max(1) as f64;
+        let server = format!(
+            "server: {calls} scripts, {us_per:.1} µs each, busy {:.0} % of the phase; ceiling at that cost {:.0} cycles/s",
+            100.0 * usec as f64 / 1e6 / wall.as_secs_f64(),
+            1e6 / (2.0 * us_per)
+        );
         if procs == 1 {
             base = rate;
         }
@@ -352,6 +397,7 @@ fn measure(url: &str, name: &str, full: bool) -> Target {
             rate / base,
             per.join("  ")
         );
+        println!("  {:<36} {server}", "");
         let (lo50, hi50) = f.iter().fold((f64::MAX, 0.0f64), |(lo, hi), x| {
             (lo.min(x["p50"]), hi.max(x["p50"]))
         });

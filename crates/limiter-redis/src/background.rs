@@ -50,6 +50,8 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 pub(crate) struct Settlement {
     pub keys: SourceKeys,
     pub id: String,
+    /// The permit's reservation (part of its ledger entry's name).
+    pub est: u64,
     pub tokens: Option<u64>,
     pub release: bool,
 }
@@ -105,8 +107,8 @@ pub(crate) struct Lease {
 /// What a lease is.
 #[derive(Debug, Clone)]
 pub(crate) enum LeaseKind {
-    /// A permit's slot and reservation.
-    Permit { id: String },
+    /// A permit's slot and reservation (of `est` tokens).
+    Permit { id: String, est: u64 },
     /// A half-open probe admitted under this epoch.
     Probe { epoch: u64 },
 }
@@ -301,18 +303,17 @@ async fn apply(conn: &Conn, work: &Work) -> Result<(), GovernanceError> {
 pub(crate) async fn settle(conn: &Conn, s: &Settlement) -> Result<(), GovernanceError> {
     let k = &s.keys;
     let mut inv = SETTLE.prepare_invoke();
-    inv.key(&k.tokens)
-        .key(&k.reserved)
-        .key(&k.settled)
+    inv.key(&k.ledger)
+        .key(&k.totals)
         .key(&k.inflight)
-        .key(&k.scope_tokens)
-        .key(&k.scope_reserved)
-        .key(&k.scope_settled)
+        .key(&k.scope_win)
         .arg(&s.id)
         .arg(s.tokens.map(|t| exact(t).to_string()).unwrap_or_default())
         .arg(if s.release { "1" } else { "0" })
         .arg(conn.window_ms())
-        .arg(conn.margin_ms());
+        .arg(conn.margin_ms())
+        .arg(&k.source)
+        .arg(exact(s.est));
     let _: i64 = conn.run("settle", &inv).await?;
     Ok(())
 }
@@ -435,37 +436,46 @@ async fn renew(
     scope: &str,
     leases: &[&(u64, Lease)],
 ) -> Result<Vec<u64>, GovernanceError> {
-    let (scope_reserved, scope_tokens) = {
-        let [_, tokens, reserved, _] = keys::scope_window(scope)?;
-        (reserved, tokens)
-    };
+    let [scope_win, ledger, totals] = keys::scope_keys(scope)?;
     let mut groups: BTreeMap<&str, usize> = BTreeMap::new();
+    let mut names: Vec<&str> = vec![];
     let mut group_keys: Vec<String> = vec![];
-    let mut args: Vec<String> = vec![conn.window_ms().to_string(), conn.margin_ms().to_string()];
+    let mut args: Vec<String> = vec![];
     for (_, l) in leases.iter().map(|x| (&x.0, &x.1)) {
         let next = groups.len() + 1;
         let g = *groups.entry(l.source.as_str()).or_insert_with(|| next);
         if g == next {
             let k = SourceKeys::new(scope, &l.source)?;
-            group_keys.extend([
-                k.inflight,
-                k.reserved,
-                k.tokens,
-                keys::breaker(scope, &l.source)?,
-            ]);
+            names.push(l.source.as_str());
+            group_keys.extend([k.inflight, k.win, keys::breaker(scope, &l.source)?]);
         }
         match &l.kind {
-            LeaseKind::Permit { id } => args.extend(["p".into(), g.to_string(), id.clone()]),
-            LeaseKind::Probe { epoch } => {
-                args.extend(["b".into(), g.to_string(), epoch.to_string()])
-            }
+            LeaseKind::Permit { id, est } => args.extend([
+                "p".into(),
+                g.to_string(),
+                id.clone(),
+                exact(l.lease_ms).to_string(),
+                exact(*est).to_string(),
+            ]),
+            LeaseKind::Probe { epoch } => args.extend([
+                "b".into(),
+                g.to_string(),
+                epoch.to_string(),
+                exact(l.lease_ms).to_string(),
+                String::new(),
+            ]),
         }
-        args.push(exact(l.lease_ms).to_string());
     }
     let mut inv = RENEW.prepare_invoke();
-    inv.key(&scope_reserved).key(&scope_tokens);
+    inv.key(&ledger).key(&totals).key(&scope_win);
     for k in &group_keys {
         inv.key(k);
+    }
+    inv.arg(conn.window_ms())
+        .arg(conn.margin_ms())
+        .arg(names.len());
+    for n in &names {
+        inv.arg(*n);
     }
     for a in &args {
         inv.arg(a);

@@ -1,35 +1,32 @@
-//! Key layout. Everything of one scope shares the `{SCOPE}` hash tag (one cluster slot):
+//! Key layout. Everything of one scope shares the `{S}` hash tag (one cluster slot):
 //!
 //! | key | type | holds |
 //! |---|---|---|
 //! | `polygw:{S}:source:<name>:win` | zset | permit id → admitted at (ms): requests (RPM) |
 //! | `polygw:{S}:source:<name>:inflight` | zset | permit id → lease end (ms): slots |
-//! | `polygw:{S}:source:<name>:tokens` | hash | permit id → tokens; `sum` (TPM) |
-//! | `polygw:{S}:source:<name>:reserved` | zset | permit id → lease end: unsettled reservations |
-//! | `polygw:{S}:source:<name>:settled` | zset | permit id → settled at: settlements |
 //! | `polygw:{S}:source:<name>:breaker` | hash | breaker state (see `lua/breaker_admit.lua`) |
 //! | `polygw:{S}:scope:win` | zset | permit id → admitted at (ms) |
-//! | `polygw:{S}:scope:{tokens,reserved,settled}` | hash, zsets | as the source's |
+//! | `polygw:{S}:scope:ledger` | zset | every token entry of the scope and its sources, by expiry (see `lua/acquire.lua`) |
+//! | `polygw:{S}:scope:totals` | hash | the ledger's totals (scope, per source), the keys' deadlines, when to prune next |
 //!
-//! The token keys are new with §14.3 (reservations held until settled); the keys of the
-//! earlier layout (`…:tok`) are never read and expire by their TTL.
+//! The ledger and its totals replaced the `…:tokens` hashes and `…:reserved` /
+//! `…:settled` sets of each source and of the scope (two keys instead of eight: fewer
+//! Redis calls per script); those older keys are never read and expire by their TTL.
 
 use polygw_core::error::GovernanceError;
 
 use crate::BACKEND;
 
-/// The keys one acquire or settlement touches.
+/// The keys one acquire or settlement touches, and the source's name (part of its ledger
+/// entries).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) struct SourceKeys {
+    pub source: String,
     pub win: String,
     pub inflight: String,
-    pub tokens: String,
-    pub reserved: String,
-    pub settled: String,
     pub scope_win: String,
-    pub scope_tokens: String,
-    pub scope_reserved: String,
-    pub scope_settled: String,
+    pub ledger: String,
+    pub totals: String,
 }
 
 fn prefix(scope: &str) -> Result<String, GovernanceError> {
@@ -47,15 +44,12 @@ impl SourceKeys {
     pub(crate) fn new(scope: &str, source: &str) -> Result<Self, GovernanceError> {
         let p = prefix(scope)?;
         Ok(SourceKeys {
+            source: source.to_string(),
             win: format!("{p}:source:{source}:win"),
             inflight: format!("{p}:source:{source}:inflight"),
-            tokens: format!("{p}:source:{source}:tokens"),
-            reserved: format!("{p}:source:{source}:reserved"),
-            settled: format!("{p}:source:{source}:settled"),
             scope_win: format!("{p}:scope:win"),
-            scope_tokens: format!("{p}:scope:tokens"),
-            scope_reserved: format!("{p}:scope:reserved"),
-            scope_settled: format!("{p}:scope:settled"),
+            ledger: format!("{p}:scope:ledger"),
+            totals: format!("{p}:scope:totals"),
         })
     }
 }
@@ -65,13 +59,12 @@ pub(crate) fn breaker(scope: &str, source: &str) -> Result<String, GovernanceErr
     Ok(format!("{}:source:{source}:breaker", prefix(scope)?))
 }
 
-/// A scope's window keys: requests, tokens, reservations, settlements.
-pub(crate) fn scope_window(scope: &str) -> Result<[String; 4], GovernanceError> {
+/// A scope's keys: requests, ledger, totals.
+pub(crate) fn scope_keys(scope: &str) -> Result<[String; 3], GovernanceError> {
     let p = prefix(scope)?;
     Ok([
         format!("{p}:scope:win"),
-        format!("{p}:scope:tokens"),
-        format!("{p}:scope:reserved"),
-        format!("{p}:scope:settled"),
+        format!("{p}:scope:ledger"),
+        format!("{p}:scope:totals"),
     ])
 }

@@ -7,11 +7,14 @@
 //!   a script is the server's `TIME`, so process clocks never matter.
 //! - The scripts mirror core's reference models ([`polygw_core::window`],
 //!   [`polygw_core::breaker`]); the contract suite in `polygw-testkit` checks they agree.
-//! - Keys: `polygw:{SCOPE}:source:<name>:{win,inflight,tokens,reserved,settled,breaker}`
-//!   and `polygw:{SCOPE}:scope:{win,tokens,reserved,settled}` (see `keys.rs`). The braces
-//!   are a Redis Cluster hash tag: every key a script touches is in one slot, and every
-//!   script declares its keys, so a cluster routes it to that slot's node. Every key has
-//!   a TTL: nothing outlives the window, lease or breaker deadline it remembers.
+//! - Keys: `polygw:{SCOPE}:source:<name>:{win,inflight,breaker}` and
+//!   `polygw:{SCOPE}:scope:{win,ledger,totals}` (see `keys.rs`; the ledger holds the
+//!   token entries of the scope and all its sources). The braces are a Redis Cluster
+//!   hash tag: every key a script touches is in one slot, and every script declares its
+//!   keys, so a cluster routes it to that slot's node. Every key has a TTL: the limiter's
+//!   keys of a scope (or of a source) share a deadline covering the longest lease + the
+//!   window + [`RedisOptions::key_margin`], moved a margin further when it falls short,
+//!   so none outlives what it remembers by more than a lease and two margins.
 //! - Connections (`REDIS__URL`): `redis://` and `rediss://` (TLS through rustls with the
 //!   ring provider; a private CA with [`RedisOptions::ca_file`]) on one multiplexed
 //!   connection that reconnects by itself, and a Redis Cluster

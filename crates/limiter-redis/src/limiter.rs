@@ -53,23 +53,27 @@ impl RedisLimiter {
         source: &str,
     ) -> Result<(u64, u64), GovernanceError> {
         let k = SourceKeys::new(scope, source)?;
-        self.window([&k.win, &k.tokens, &k.reserved, &k.settled])
-            .await
+        self.window([&k.win, &k.ledger], source).await
     }
 
     /// `(requests, tokens)` in a scope's rolling window now (tests, metrics).
     pub async fn scope_window(&self, scope: &str) -> Result<(u64, u64), GovernanceError> {
-        let [win, tokens, reserved, settled] = keys::scope_window(scope)?;
-        self.window([&win, &tokens, &reserved, &settled]).await
+        let [win, ledger, _] = keys::scope_keys(scope)?;
+        self.window([&win, &ledger], "").await
     }
 
-    async fn window(&self, keys: [&String; 4]) -> Result<(u64, u64), GovernanceError> {
+    /// `source` empty: the whole scope.
+    async fn window(
+        &self,
+        keys: [&String; 2],
+        source: &str,
+    ) -> Result<(u64, u64), GovernanceError> {
         let conn = self.bg.conn();
         let mut inv = WINDOW.prepare_invoke();
         for k in keys {
             inv.key(k);
         }
-        inv.arg(conn.window_ms());
+        inv.arg(conn.window_ms()).arg(source);
         let (requests, tokens): (u64, u64) = conn.run("window", &inv).await?;
         Ok((requests, tokens))
     }
@@ -126,14 +130,10 @@ impl RedisLimiter {
         let lease_ms = exact(ms(req.lease)).max(1);
         let mut inv = ACQUIRE.prepare_invoke();
         inv.key(&keys.win)
-            .key(&keys.tokens)
-            .key(&keys.reserved)
-            .key(&keys.settled)
             .key(&keys.inflight)
             .key(&keys.scope_win)
-            .key(&keys.scope_tokens)
-            .key(&keys.scope_reserved)
-            .key(&keys.scope_settled)
+            .key(&keys.ledger)
+            .key(&keys.totals)
             .arg(&id)
             .arg(req.rpm)
             .arg(exact(req.tpm))
@@ -143,7 +143,8 @@ impl RedisLimiter {
             .arg(est)
             .arg(lease_ms)
             .arg(conn.window_ms())
-            .arg(conn.margin_ms());
+            .arg(conn.margin_ms())
+            .arg(&keys.source);
         // If this future is dropped (caller drop, deadline) once the script may have
         // been sent, the admission would hold its slot until the lease ends: queue an
         // idempotent release of this id (a no-op if the script refused or never ran).
@@ -153,6 +154,7 @@ impl RedisLimiter {
             settlement: Some(Settlement {
                 keys: keys.clone(),
                 id: id.clone(),
+                est,
                 tokens: Some(0),
                 release: true,
             }),
@@ -164,7 +166,10 @@ impl RedisLimiter {
                 let lease = self.bg.register(Lease {
                     scope: req.scope.to_string(),
                     source: req.source.to_string(),
-                    kind: LeaseKind::Permit { id: id.clone() },
+                    kind: LeaseKind::Permit {
+                        id: id.clone(),
+                        est,
+                    },
                     lease_ms,
                 });
                 Ok(Admission::Admitted(Permit::new(
@@ -173,6 +178,7 @@ impl RedisLimiter {
                         bg: self.bg.clone(),
                         keys,
                         id,
+                        est,
                         lease: Mutex::new(lease),
                         settled: AtomicBool::new(false),
                         released: AtomicBool::new(false),
@@ -217,6 +223,8 @@ struct RedisPermit {
     bg: Arc<Background>,
     keys: SourceKeys,
     id: String,
+    /// The reservation (part of its ledger entry's name).
+    est: u64,
     lease: Mutex<Option<u64>>,
     settled: AtomicBool,
     released: AtomicBool,
@@ -236,6 +244,7 @@ impl RedisPermit {
         Settlement {
             keys: self.keys.clone(),
             id: self.id.clone(),
+            est: self.est,
             tokens,
             release,
         }
@@ -330,6 +339,7 @@ mod tests {
         Settlement {
             keys: SourceKeys::new(scope, "a").unwrap(),
             id: id.to_string(),
+            est: 400,
             tokens,
             release,
         }
@@ -402,18 +412,20 @@ mod tests {
             .unwrap();
         let k = SourceKeys::new(&sc, "a").unwrap();
         let mut cmd = redis::cmd("ZSCORE");
-        cmd.arg(&k.settled).arg("late");
+        cmd.arg(&k.ledger).arg("late|s999|a");
         let score: Option<f64> = conn.query("zscore", &cmd).await.unwrap();
         assert_eq!(score, None, "not settled");
         assert_eq!(l.source_window(&sc, "a").await.unwrap(), (0, 0));
         assert_eq!(l.in_flight(&sc, "a").await.unwrap(), 0);
         // the next acquire prunes the stale entry and its tokens
         admitted(&l, &req(&sc), "next").await;
-        let mut cmd = redis::cmd("HGETALL");
-        cmd.arg(&k.tokens);
-        let fields: std::collections::HashMap<String, String> =
-            conn.query("hgetall", &cmd).await.unwrap();
-        assert_eq!(fields.get("sum").map(String::as_str), Some("400"));
-        assert!(!fields.contains_key("late"));
+        let mut cmd = redis::cmd("ZRANGE");
+        cmd.arg(&k.ledger).arg(0).arg(-1);
+        let entries: Vec<String> = conn.query("zrange", &cmd).await.unwrap();
+        assert_eq!(entries, ["next|r400|a"]);
+        let mut cmd = redis::cmd("HMGET");
+        cmd.arg(&k.totals).arg("t").arg("t:a").arg("n");
+        let totals: Vec<Option<i64>> = conn.query("hmget", &cmd).await.unwrap();
+        assert_eq!(totals, [Some(400), Some(400), Some(1)]);
     }
 }

@@ -178,11 +178,19 @@ async fn record_cost(dir: &std::path::Path) {
     println!();
 }
 
+/// The single-row baseline's statement: the columns through `created_at` (the resume
+/// columns after it stay NULL, as in the rows here), `created_at` cast on PostgreSQL.
 fn insert_sql(pg: bool) -> String {
-    let params: Vec<String> = (1..=COLUMNS.len())
+    let cols: Vec<&str> = COLUMNS
+        .iter()
+        .copied()
+        .take_while(|c| *c != "created_at")
+        .chain(["created_at"])
+        .collect();
+    let params: Vec<String> = (1..=cols.len())
         .map(|i| {
             let p = if pg { format!("${i}") } else { "?".to_string() };
-            if i == COLUMNS.len() && pg {
+            if i == cols.len() && pg {
                 format!("CAST({p} AS TIMESTAMPTZ)")
             } else {
                 p
@@ -191,7 +199,7 @@ fn insert_sql(pg: bool) -> String {
         .collect();
     format!(
         "INSERT INTO llm_calls ({}) VALUES ({}) ON CONFLICT (call_id) DO NOTHING",
-        COLUMNS.join(", "),
+        cols.join(", "),
         params.join(", ")
     )
 }
@@ -228,6 +236,59 @@ macro_rules! bind_row {
     };
 }
 
+/// The recorder's PostgreSQL method before `UNNEST`, measured in the same run: batches of
+/// `batch` rows as one multi-row `INSERT … VALUES (…), (…) ON CONFLICT DO NOTHING` each,
+/// one transaction per batch, on one connection; returns rows/s.
+async fn pg_multirow_values(url: &str, offset: usize, batch: usize) -> f64 {
+    let mut c = PgConnection::connect(url).await.unwrap();
+    let input = rows(BATCH_ROWS, offset);
+    let sql = insert_sql(true);
+    let head = &sql[..sql.find(" VALUES ").unwrap()];
+    let t = Instant::now();
+    for chunk in input.chunks(batch) {
+        let mut qb = sqlx::QueryBuilder::<sqlx::Postgres>::new(head);
+        qb.push(" ");
+        qb.push_values(chunk, |mut b, r| {
+            b.push_bind(r.call_id.clone())
+                .push_bind(r.logical_call_id.clone())
+                .push_bind(r.scope.clone())
+                .push_bind(r.operation.clone())
+                .push_bind(r.kind.as_str())
+                .push_bind(r.source.clone())
+                .push_bind(r.provider.clone())
+                .push_bind(r.model.clone())
+                .push_bind(r.attempt_index.map(i64::from))
+                .push_bind(r.is_hedge)
+                .push_bind(r.stream)
+                .push_bind(r.ok)
+                .push_bind(r.error.clone())
+                .push_bind(r.error_detail.clone())
+                .push_bind(r.http_status.map(i64::from))
+                .push_bind(r.prompt_tokens.map(|v| v as i64))
+                .push_bind(r.completion_tokens.map(|v| v as i64))
+                .push_bind(r.reasoning_tokens.map(|v| v as i64))
+                .push_bind(r.usage_source.as_str())
+                .push_bind(r.cost)
+                .push_bind(r.latency_ms.map(|v| v as i64))
+                .push_bind(r.ttft_ms.map(|v| v as i64))
+                .push_bind(r.max_inter_token_ms.map(|v| v as i64))
+                .push_bind(r.stall_ms.map(|v| v as i64))
+                .push_bind(r.stall_count.map(i64::from))
+                .push_bind(r.cache_hit);
+            b.push("CAST(");
+            b.push_bind_unseparated(polygw_telemetry_sql::time::format_utc_ms(r.created_at_ms));
+            b.push_unseparated(" AS TIMESTAMPTZ)");
+        });
+        qb.push(" ON CONFLICT (call_id) DO NOTHING");
+        let mut tx = c.begin().await.unwrap();
+        qb.build().execute(&mut *tx).await.unwrap();
+        tx.commit().await.unwrap();
+    }
+    let rate = per_sec(t.elapsed(), BATCH_ROWS);
+    c.close().await.unwrap();
+    rate
+}
+
 /// Rows through the recorder: record them all, then flush; returns rows/s.
 async fn through_recorder(url: &str, offset: usize, batch_size: usize) -> f64 {
     let cfg = RecorderConfig {
@@ -258,7 +319,7 @@ fn print_throughput(db: &str, single: f64, single_rows: usize, batched: &[(usize
     println!("| {db} | single-row INSERT, one transaction each (baseline) | {single_rows} | {single:.0} | 1.0× |");
     for (batch, rate) in batched {
         println!(
-            "| {db} | `SqlRecorder`, batch {batch} (multi-row INSERT, one transaction per batch) | {BATCH_ROWS} | {rate:.0} | {:.0}× |",
+            "| {db} | `SqlRecorder`, batch {batch} (one transaction per batch) | {BATCH_ROWS} | {rate:.0} | {:.0}× |",
             rate / single
         );
     }
@@ -339,8 +400,28 @@ async fn pg_throughput() {
     }
     let single = per_sec(t.elapsed(), PG_SINGLE_ROWS);
     c.close().await.unwrap();
-    let batched = recorder_rates(&url).await;
+    // The previous method and the recorder, interleaved: the server's load moves.
+    let mut multirow = Vec::new();
+    let mut batched = Vec::new();
+    for (i, batch) in [RecorderConfig::default().batch_size, 1024]
+        .into_iter()
+        .enumerate()
+    {
+        multirow.push((
+            batch,
+            pg_multirow_values(&url, (4 + i) * BATCH_ROWS, batch).await,
+        ));
+        batched.push((batch, through_recorder(&url, i * BATCH_ROWS, batch).await));
+    }
     print_throughput("PostgreSQL", single, PG_SINGLE_ROWS, &batched);
+    for ((batch, old), (_, new)) in multirow.iter().zip(&batched) {
+        println!(
+            "PostgreSQL, batch {batch}: multi-row INSERT … VALUES (the previous method) {old:.0} rows/s ({:.0}× single-row); the recorder (INSERT … SELECT FROM UNNEST) {new:.0} rows/s = {:.2}× the previous method",
+            old / single,
+            new / old
+        );
+    }
+    println!();
     sqlx::raw_sql(&format!("DROP SCHEMA \"{schema}\" CASCADE"))
         .execute(&mut admin)
         .await
@@ -355,13 +436,23 @@ fn main() {
         .build()
         .unwrap();
     let dir = tempfile::tempdir().unwrap();
+    let load = || {
+        std::fs::read_to_string("/proc/loadavg")
+            .unwrap_or_default()
+            .split_whitespace()
+            .take(3)
+            .collect::<Vec<_>>()
+            .join(" ")
+    };
     println!(
-        "# polygw-telemetry-sql benchmark ({} CPUs)\n",
-        std::thread::available_parallelism().map_or(0, |n| n.get())
+        "# polygw-telemetry-sql benchmark ({} CPUs; load average {})\n",
+        std::thread::available_parallelism().map_or(0, |n| n.get()),
+        load()
     );
     rt.block_on(async {
         record_cost(dir.path()).await;
         sqlite_throughput(dir.path()).await;
         pg_throughput().await;
     });
+    println!("load average {}", load());
 }

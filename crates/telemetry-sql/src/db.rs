@@ -17,8 +17,10 @@ use sqlx::sqlite::{
 #[cfg(feature = "postgres")]
 use sqlx::Postgres;
 #[cfg(feature = "sqlite")]
+use sqlx::QueryBuilder;
+#[cfg(feature = "sqlite")]
 use sqlx::Sqlite;
-use sqlx::{ConnectOptions, Connection, QueryBuilder, Row};
+use sqlx::{ConnectOptions, Connection, Row};
 
 #[cfg(not(any(feature = "sqlite", feature = "postgres")))]
 compile_error!("polygw-telemetry-sql needs a driver: its `sqlite` or `postgres` feature");
@@ -341,16 +343,17 @@ impl Db {
         }
     }
 
-    /// Inserts rows in one transaction (several statements when the bind limit asks
-    /// for it); rows whose `call_id` exists are skipped (idempotent).
+    /// Inserts rows atomically — SQLite: one transaction (several statements when the
+    /// bind limit asks for it); PostgreSQL: one statement — skipping rows whose `call_id`
+    /// exists or came earlier in the batch (idempotent).
     pub(crate) async fn insert(&self, rows: &[TelemetryRow]) -> Result<(), sqlx::Error> {
         if rows.is_empty() {
             return Ok(());
         }
-        let per = self.backend().max_rows_per_statement();
         match self {
             #[cfg(feature = "sqlite")]
             Db::Sqlite(p) => {
+                let per = Backend::Sqlite.max_rows_per_statement();
                 let mut tx = p.begin().await?;
                 for chunk in rows.chunks(per) {
                     let mut qb = insert_head::<Sqlite>();
@@ -364,23 +367,13 @@ impl Db {
                 }
                 tx.commit().await
             }
+            // One statement per batch whatever its size: every column is bound as one
+            // array and `UNNEST` turns the arrays back into rows. The statement text never
+            // changes, so it is prepared once per connection, and the server parses 30
+            // parameters instead of 30 per row (docs/BENCHMARKS.md, "Telemetry").
+            // A single statement is atomic on its own: no BEGIN / COMMIT round trips.
             #[cfg(feature = "postgres")]
-            Db::Postgres(p) => {
-                let mut tx = p.begin().await?;
-                for chunk in rows.chunks(per) {
-                    let mut qb = insert_head::<Postgres>();
-                    qb.push_values(chunk, |mut b, r| {
-                        push_common!(b, r);
-                        b.push("CAST(");
-                        b.push_bind_unseparated(format_utc_ms(r.created_at_ms));
-                        b.push_unseparated(" AS TIMESTAMPTZ)");
-                        push_resume!(b, r);
-                    });
-                    qb.push(" ON CONFLICT (call_id) DO NOTHING");
-                    qb.build().execute(&mut *tx).await?;
-                }
-                tx.commit().await
-            }
+            Db::Postgres(p) => pg_unnest_insert(rows).execute(p).await.map(|_| ()),
         }
     }
 
@@ -504,6 +497,86 @@ fn null_type(backend: Backend, column: &str) -> &'static str {
     }
 }
 
+/// `INSERT … SELECT … FROM UNNEST($1::TEXT[], …) ON CONFLICT (call_id) DO NOTHING`.
+#[cfg(feature = "postgres")]
+static PG_UNNEST_INSERT: std::sync::LazyLock<String> = std::sync::LazyLock::new(|| {
+    let ty = |c: &str| match c {
+        "attempt_index" | "http_status" | "prompt_tokens" | "completion_tokens"
+        | "reasoning_tokens" | "latency_ms" | "ttft_ms" | "max_inter_token_ms" | "stall_ms"
+        | "stall_count" | "prefix_chars" => "BIGINT",
+        "is_hedge" | "stream" | "ok" | "cache_hit" => "BOOLEAN",
+        "cost" => "DOUBLE PRECISION",
+        // created_at travels as text (the same ISO-8601 form as SQLite's) and is cast
+        // in the SELECT, as the single-row form did.
+        _ => "TEXT",
+    };
+    let params: Vec<String> = COLUMNS
+        .iter()
+        .enumerate()
+        .map(|(i, c)| format!("${}::{}[]", i + 1, ty(c)))
+        .collect();
+    let select: Vec<String> = COLUMNS
+        .iter()
+        .map(|c| match *c {
+            "created_at" => "CAST(u.created_at AS TIMESTAMPTZ)".to_string(),
+            c => format!("u.{c}"),
+        })
+        .collect();
+    format!(
+        "INSERT INTO llm_calls ({cols}) SELECT {select} FROM UNNEST({params}) AS u({cols}) \
+         ON CONFLICT (call_id) DO NOTHING",
+        cols = COLUMNS.join(", "),
+        select = select.join(", "),
+        params = params.join(", "),
+    )
+});
+
+/// The batch insert of PostgreSQL: one array per column, in [`COLUMNS`] order.
+#[cfg(feature = "postgres")]
+fn pg_unnest_insert(
+    rows: &[TelemetryRow],
+) -> sqlx::query::Query<'_, Postgres, sqlx::postgres::PgArguments> {
+    fn col<'r, T>(rows: &'r [TelemetryRow], f: impl Fn(&'r TelemetryRow) -> T) -> Vec<T> {
+        rows.iter().map(f).collect()
+    }
+    let text = |f: fn(&TelemetryRow) -> &str| col(rows, f);
+    let opt_text = |f: fn(&TelemetryRow) -> Option<&str>| col(rows, f);
+    let int = |f: fn(&TelemetryRow) -> Option<i64>| col(rows, f);
+    let flag = |f: fn(&TelemetryRow) -> bool| col(rows, f);
+    sqlx::query(PG_UNNEST_INSERT.as_str())
+        .bind(text(|r| &r.call_id))
+        .bind(text(|r| &r.logical_call_id))
+        .bind(text(|r| &r.scope))
+        .bind(text(|r| &r.operation))
+        .bind(text(|r| r.kind.as_str()))
+        .bind(opt_text(|r| r.source.as_deref()))
+        .bind(opt_text(|r| r.provider.as_deref()))
+        .bind(opt_text(|r| r.model.as_deref()))
+        .bind(int(|r| r.attempt_index.map(i64::from)))
+        .bind(flag(|r| r.is_hedge))
+        .bind(flag(|r| r.stream))
+        .bind(flag(|r| r.ok))
+        .bind(opt_text(|r| r.error.as_deref()))
+        .bind(opt_text(|r| r.error_detail.as_deref()))
+        .bind(int(|r| r.http_status.map(i64::from)))
+        .bind(int(|r| big(r.prompt_tokens)))
+        .bind(int(|r| big(r.completion_tokens)))
+        .bind(int(|r| big(r.reasoning_tokens)))
+        .bind(text(|r| r.usage_source.as_str()))
+        .bind(col(rows, |r| r.cost))
+        .bind(int(|r| big(r.latency_ms)))
+        .bind(int(|r| big(r.ttft_ms)))
+        .bind(int(|r| big(r.max_inter_token_ms)))
+        .bind(int(|r| big(r.stall_ms)))
+        .bind(int(|r| r.stall_count.map(i64::from)))
+        .bind(flag(|r| r.cache_hit))
+        .bind(col(rows, |r| format_utc_ms(r.created_at_ms)))
+        .bind(opt_text(|r| r.resume_of.as_deref()))
+        .bind(opt_text(|r| r.resume_mode.as_deref()))
+        .bind(int(|r| big(r.prefix_chars)))
+}
+
+#[cfg(feature = "sqlite")]
 fn insert_head<'a, DB: sqlx::Database>() -> QueryBuilder<'a, DB> {
     QueryBuilder::new(format!("INSERT INTO llm_calls ({}) ", COLUMNS.join(", ")))
 }
@@ -513,23 +586,25 @@ fn big(v: Option<u64>) -> Option<i64> {
     v.map(|x| i64::try_from(x).unwrap_or(i64::MAX))
 }
 
-/// Binds the 26 columns before `created_at`, in [`COLUMNS`] order.
+/// Binds the 26 columns before `created_at`, in [`COLUMNS`] order. Text is bound by
+/// reference (the batch outlives the statement): no copy of each row's strings.
+#[cfg(feature = "sqlite")]
 macro_rules! push_common {
     ($b:ident, $r:ident) => {
-        $b.push_bind($r.call_id.clone())
-            .push_bind($r.logical_call_id.clone())
-            .push_bind($r.scope.clone())
-            .push_bind($r.operation.clone())
+        $b.push_bind($r.call_id.as_str())
+            .push_bind($r.logical_call_id.as_str())
+            .push_bind($r.scope.as_str())
+            .push_bind($r.operation.as_str())
             .push_bind($r.kind.as_str())
-            .push_bind($r.source.clone())
-            .push_bind($r.provider.clone())
-            .push_bind($r.model.clone())
+            .push_bind($r.source.as_deref())
+            .push_bind($r.provider.as_deref())
+            .push_bind($r.model.as_deref())
             .push_bind($r.attempt_index.map(i64::from))
             .push_bind($r.is_hedge)
             .push_bind($r.stream)
             .push_bind($r.ok)
-            .push_bind($r.error.clone())
-            .push_bind($r.error_detail.clone())
+            .push_bind($r.error.as_deref())
+            .push_bind($r.error_detail.as_deref())
             .push_bind($r.http_status.map(i64::from))
             .push_bind(big($r.prompt_tokens))
             .push_bind(big($r.completion_tokens))
@@ -544,16 +619,19 @@ macro_rules! push_common {
             .push_bind($r.cache_hit);
     };
 }
+#[cfg(feature = "sqlite")]
 use push_common;
 
 /// Binds the columns after `created_at`, in [`COLUMNS`] order.
+#[cfg(feature = "sqlite")]
 macro_rules! push_resume {
     ($b:ident, $r:ident) => {
-        $b.push_bind($r.resume_of.clone())
-            .push_bind($r.resume_mode.clone())
+        $b.push_bind($r.resume_of.as_deref())
+            .push_bind($r.resume_mode.as_deref())
             .push_bind(big($r.prefix_chars));
     };
 }
+#[cfg(feature = "sqlite")]
 use push_resume;
 
 /// Reads one column, naming it and the row in the error.

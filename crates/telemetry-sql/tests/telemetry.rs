@@ -733,6 +733,18 @@ mod roundtrip {
             let mut want = first.clone();
             want.push(attempt("fresh", "lf", T0 + 500));
             assert_same_rows(&got, &want, db.name());
+            // A call_id twice within one batch: the first row is kept.
+            let dup = attempt("twice", "lt", T0 + 600);
+            let mut changed = dup.clone();
+            changed.error = Some("second".into());
+            rec.record(dup.clone());
+            rec.record(changed);
+            let report = rec.flush().await.unwrap();
+            assert_eq!(report.pending, 0, "{}", db.name());
+            assert_eq!(db.count().await, first.len() as i64 + 2, "{}", db.name());
+            let got = read_rows(db.url(), None).await.unwrap();
+            want.push(dup);
+            assert_same_rows(&got, &want, db.name());
             rec.shutdown().await;
         }
     }

@@ -1,40 +1,56 @@
 -- polygw limiter: settle and/or release one permit, atomically and idempotently.
--- KEYS: 1 source tokens   2 source reservations   3 source settlements   4 source in-flight
---       5 scope tokens   6 scope reservations   7 scope settlements
+-- KEYS: 1 scope ledger   2 scope totals (both: see acquire.lua)   3 source in-flight
+--       4 scope requests
 -- ARGV: 1 permit id   2 tokens ('' = no settlement)   3 release ('1' / '0')   4 window ms
---       5 key ttl margin ms
+--       5 key ttl margin ms   6 source name   7 the reservation (tokens reserved at
+--       admission)
 -- The first settlement of a reservation still in the window replaces it by the settled
--- amount, counted for one window from now (SPEC 14.3); later ones change nothing, and
--- none revives a reservation that already left the window.
--- Replicate effects, not the script (TIME is non-deterministic); the default since Redis 5.
-if redis.replicate_commands then redis.replicate_commands() end
-local id = ARGV[1]
+-- amount, counted for one window from now (SPEC 14.3); later ones change nothing (the
+-- reservation entry is gone), and none revives a reservation that already left the
+-- window.
+-- Effects, not scripts, are replicated (TIME is non-deterministic): the default since
+-- Redis 5.
+local id, src = ARGV[1], ARGV[6]
 local W, margin = tonumber(ARGV[4]), tonumber(ARGV[5])
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local L, M = KEYS[1], KEYS[2]
 
-local function keep(key, ttl)
-  if redis.call('PTTL', key) < ttl then redis.call('PEXPIRE', key, ttl) end
-end
-
-local function settle(tok, res, set, new)
-  local e = tonumber(redis.call('ZSCORE', res, id))
-  if not e or e + W <= now then return end
-  redis.call('ZREM', res, id)
-  local old = tonumber(redis.call('HGET', tok, id)) or 0
-  redis.call('HSET', tok, id, new)
-  redis.call('HINCRBY', tok, 'sum', new - old)
-  redis.call('ZADD', set, now, id)
-  keep(tok, W + margin)
-  keep(set, W + margin)
-end
+local function n(v) return string.format('%d', v) end
 
 if ARGV[2] ~= '' then
-  local new = tonumber(ARGV[2])
-  settle(KEYS[1], KEYS[2], KEYS[3], new)
-  settle(KEYS[5], KEYS[6], KEYS[7], new)
+  local reserved = id .. '|r' .. ARGV[7] .. '|' .. src
+  local e = tonumber(redis.call('ZSCORE', L, reserved))
+  if e and e > now then
+    local delta = tonumber(ARGV[2]) - tonumber(ARGV[7])
+    local v = redis.call('HMGET', M, 't', 't:' .. src, 'L', 'E')
+    local args = {
+      't', n((tonumber(v[1]) or 0) + delta),
+      't:' .. src, n((tonumber(v[2]) or 0) + delta),
+    }
+    -- The settlement leaves by now + window: move the scope's deadline if it falls short
+    -- (a holder settling late, after its heartbeat stopped).
+    local need = now + (tonumber(v[3]) or 0) + W + margin
+    local deadline = tonumber(v[4]) or 0
+    local extend = deadline < need
+    if extend then
+      deadline = need + margin
+      args[#args + 1] = 'E'
+      args[#args + 1] = n(deadline)
+    end
+    -- Add before removing: the ledger never empties here (Redis would delete it, and
+    -- the ZADD would create it again without its deadline).
+    redis.call('ZADD', L, n(now + W), id .. '|s' .. ARGV[2] .. '|' .. src)
+    redis.call('ZREM', L, reserved)
+    redis.call('HSET', M, unpack(args))
+    if extend then
+      redis.call('PEXPIREAT', L, n(deadline))
+      redis.call('PEXPIREAT', M, n(deadline))
+      redis.call('PEXPIREAT', KEYS[4], n(deadline))
+    end
+  end
 end
 if ARGV[3] == '1' then
-  redis.call('ZREM', KEYS[4], id)
+  redis.call('ZREM', KEYS[3], id)
 end
 return 1

@@ -1,16 +1,18 @@
 -- polygw limiter: (requests, tokens) in one rolling window now; read-only.
--- KEYS: 1 requests (zset)   2 tokens (hash)   3 reservations (zset)   4 settlements (zset)
--- ARGV: 1 window ms
+-- KEYS: 1 requests (zset)   2 scope ledger (zset, see acquire.lua)
+-- ARGV: 1 window ms   2 source name, or '' for the whole scope
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-local after = '(' .. (now - tonumber(ARGV[1]))
-local requests = redis.call('ZCOUNT', KEYS[1], after, '+inf')
-local sum = 0
-for _, z in ipairs({KEYS[3], KEYS[4]}) do
-  local ids = redis.call('ZRANGEBYSCORE', z, after, '+inf')
-  for i = 1, #ids, 500 do
-    local vals = redis.call('HMGET', KEYS[2], unpack(ids, i, math.min(i + 499, #ids)))
-    for _, v in ipairs(vals) do sum = sum + (tonumber(v) or 0) end
+local requests = redis.call('ZCOUNT', KEYS[1], '(' .. string.format('%d', now - tonumber(ARGV[1])), '+inf')
+local who = ARGV[2]
+local sum, start, CHUNK = 0, 0, 1000
+while true do
+  local page = redis.call('ZRANGEBYSCORE', KEYS[2], '(' .. string.format('%d', now), '+inf', 'LIMIT', start, CHUNK)
+  for _, m in ipairs(page) do
+    local tok, w = string.match(m, '^[^|]*|%a(%d+)|(.*)$')
+    if who == '' or w == who then sum = sum + tonumber(tok) end
   end
+  if #page < CHUNK then break end
+  start = start + CHUNK
 end
 return {requests, sum}
