@@ -28,8 +28,20 @@ struct Real {
     short: RedisGovernance,
 }
 
+/// The contract cases are about semantics, not timeouts (those have tests of their
+/// own): a CI machine loaded by parallel builds and suites can hold a Redis reply past
+/// the production bounds (1 s per reply, 2 s per operation), so these are generous.
 async fn harness(url: &str) -> Real {
-    harness_with(url, RedisOptions::default()).await
+    harness_with(
+        url,
+        RedisOptions {
+            connect_timeout: Duration::from_secs(5),
+            response_timeout: Duration::from_secs(10),
+            operation_timeout: Duration::from_secs(15),
+            ..RedisOptions::default()
+        },
+    )
+    .await
 }
 
 async fn harness_with(url: &str, opts: RedisOptions) -> Real {
