@@ -2,150 +2,17 @@
 //! proxy driven by a third-party OpenAI client (async-openai).
 
 use std::io::{BufRead, BufReader};
-use std::process::{Child, Command, Stdio};
-use std::sync::mpsc;
+use std::process::{Command, Stdio};
 use std::time::Duration;
 
-use async_openai::config::OpenAIConfig;
-use async_openai::types::chat::{
-    ChatCompletionRequestUserMessageArgs, ChatCompletionStreamOptions,
-    CreateChatCompletionRequestArgs,
-};
+use async_openai::types::chat::{ChatCompletionStreamOptions, CreateChatCompletionRequestArgs};
 use async_openai::types::embeddings::{CreateEmbeddingRequestArgs, EmbeddingInput};
-use async_openai::Client;
 use futures_util::StreamExt;
-use polygw_mock_upstream::{Behavior, EndKind, Fault, MockConfig, MockUpstream};
+use polygw_mock_upstream::{Behavior, EndKind, Fault};
 
-const BIN: &str = env!("CARGO_BIN_EXE_polygw-under-test");
+mod support;
 
-fn polygw(args: &[&str], env: &[(String, String)]) -> std::process::Output {
-    Command::new(BIN)
-        .args(args)
-        .env_clear()
-        .env("PATH", std::env::var("PATH").unwrap_or_default())
-        .envs(env.iter().cloned())
-        .output()
-        .expect("run polygw")
-}
-
-fn text(o: &std::process::Output) -> (String, String) {
-    (
-        String::from_utf8_lossy(&o.stdout).into_owned(),
-        String::from_utf8_lossy(&o.stderr).into_owned(),
-    )
-}
-
-async fn mock(default: Behavior) -> MockUpstream {
-    let m = MockUpstream::start(MockConfig::default()).await.unwrap();
-    m.set_default(default);
-    m
-}
-
-/// A mock that answers only requests carrying `Bearer sk-<name>-upstream-secret`.
-async fn keyed_mock(name: &str, default: Behavior) -> MockUpstream {
-    let m = MockUpstream::start(MockConfig {
-        require_key: Some(format!("sk-{name}-upstream-secret")),
-        ..MockConfig::default()
-    })
-    .await
-    .unwrap();
-    m.set_default(default);
-    m
-}
-
-fn source(
-    scope: &str,
-    name: &str,
-    m: &MockUpstream,
-    extra: &[(&str, &str)],
-) -> Vec<(String, String)> {
-    let p = format!("{scope}__{}__0", name.to_uppercase());
-    let mut v = vec![
-        (format!("{p}__BASE_URL"), m.base_url()),
-        (
-            format!("{p}__API_KEY"),
-            format!("sk-{name}-upstream-secret"),
-        ),
-        (format!("{p}__MODEL"), format!("model-{name}")),
-    ];
-    v.extend(
-        extra
-            .iter()
-            .map(|(k, x)| (format!("{p}__{k}"), x.to_string())),
-    );
-    v
-}
-
-/// A running `polygw serve` child; killed on drop.
-struct Serve {
-    child: Child,
-    base: String,
-    lines: mpsc::Receiver<String>,
-}
-
-impl Drop for Serve {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-// The child is killed and waited for by `Serve`'s drop.
-#[allow(clippy::zombie_processes)]
-fn serve(env: &[(String, String)]) -> Serve {
-    let mut child = Command::new(BIN)
-        .args(["serve", "--listen", "127.0.0.1:0", "--grace-s", "5"])
-        .env_clear()
-        .env("PATH", std::env::var("PATH").unwrap_or_default())
-        .envs(env.iter().cloned())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("spawn serve");
-    let (tx, rx) = mpsc::channel();
-    for pipe in [
-        Box::new(child.stdout.take().unwrap()) as Box<dyn std::io::Read + Send>,
-        Box::new(child.stderr.take().unwrap()),
-    ] {
-        let tx = tx.clone();
-        std::thread::spawn(move || {
-            for line in BufReader::new(pipe).lines().map_while(Result::ok) {
-                let _ = tx.send(line);
-            }
-        });
-    }
-    let mut seen = Vec::new();
-    loop {
-        let line = rx
-            .recv_timeout(Duration::from_secs(30))
-            .unwrap_or_else(|_| panic!("serve did not start: {seen:?}"));
-        if let Some(rest) = line.split("on http://").nth(1) {
-            let addr = rest.split('/').next().unwrap().to_string();
-            return Serve {
-                child,
-                base: format!("http://{addr}"),
-                lines: rx,
-            };
-        }
-        seen.push(line);
-    }
-}
-
-fn openai(base: &str, key: &str) -> Client<OpenAIConfig> {
-    Client::with_config(
-        OpenAIConfig::new()
-            .with_api_base(format!("{base}/v1"))
-            .with_api_key(key),
-    )
-}
-
-fn user(text: &str) -> async_openai::types::chat::ChatCompletionRequestMessage {
-    ChatCompletionRequestUserMessageArgs::default()
-        .content(text)
-        .build()
-        .unwrap()
-        .into()
-}
+use support::*;
 
 // ---------------------------------------------------------------- config check, chat
 

@@ -18,6 +18,37 @@ use polygw_mock_upstream::{Behavior, MockConfig, MockUpstream};
 /// The program under test (this package's own build of `polygw`).
 pub const BIN: &str = env!("CARGO_BIN_EXE_polygw-under-test");
 
+/// Runs the program with exactly this environment (plus `PATH`).
+pub fn polygw(args: &[&str], env: &[(String, String)]) -> std::process::Output {
+    Command::new(BIN)
+        .args(args)
+        .env_clear()
+        .env("PATH", std::env::var("PATH").unwrap_or_default())
+        .envs(env.iter().cloned())
+        .output()
+        .expect("run polygw")
+}
+
+/// stdout and stderr as text.
+pub fn text(o: &std::process::Output) -> (String, String) {
+    (
+        String::from_utf8_lossy(&o.stdout).into_owned(),
+        String::from_utf8_lossy(&o.stderr).into_owned(),
+    )
+}
+
+/// A mock that answers only requests carrying `Bearer sk-<name>-upstream-secret`.
+pub async fn keyed_mock(name: &str, default: Behavior) -> MockUpstream {
+    let m = MockUpstream::start(MockConfig {
+        require_key: Some(format!("sk-{name}-upstream-secret")),
+        ..MockConfig::default()
+    })
+    .await
+    .unwrap();
+    m.set_default(default);
+    m
+}
+
 /// A mock upstream on loopback answering `default` when no script is queued.
 pub async fn mock(default: Behavior) -> MockUpstream {
     let m = MockUpstream::start(MockConfig::default()).await.unwrap();
