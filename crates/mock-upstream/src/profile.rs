@@ -47,6 +47,13 @@ pub struct LongTail {
     pub prefill: Option<PrefillMode>,
     /// The prefill dialects of every sampled behavior (None = the server's policy).
     pub prefill_dialects: Option<Vec<PrefillDialect>>,
+    /// The answer's length (content chunks) is a function of the request — its last
+    /// user message — instead of a draw: every mock plans the same length for the same
+    /// question, as one model would, so a prefill continuation on another mock generates
+    /// the rest of that answer rather than an answer of a new length (the stalls' places
+    /// are drawn over the whole answer, so a shorter continuation meets fewer of them).
+    /// Default false (the length is drawn).
+    pub length_by_request: bool,
 }
 
 impl Default for LongTail {
@@ -69,6 +76,7 @@ impl Default for LongTail {
             keepalive_s: None,
             prefill: None,
             prefill_dialects: None,
+            length_by_request: false,
         }
     }
 }
@@ -251,7 +259,25 @@ fn uniform(rng: &mut fastrand::Rng, lo: f64, hi: f64) -> f64 {
 impl LongTail {
     /// Draws one behavior (unscaled).
     pub fn sample(&self, rng: &mut fastrand::Rng) -> Behavior {
-        let n = rng.u32(self.chunks_min.max(1)..=self.chunks_max.max(self.chunks_min.max(1)));
+        self.sample_for(rng, None)
+    }
+
+    /// Draws one behavior (unscaled) for a request whose seed is `request_seed` (see
+    /// [`LongTail::length_by_request`]; the other draws do not depend on it, and the RNG
+    /// advances the same either way).
+    pub fn sample_for(&self, rng: &mut fastrand::Rng, request_seed: Option<u64>) -> Behavior {
+        let (lo, hi) = (
+            self.chunks_min.max(1),
+            self.chunks_max.max(self.chunks_min.max(1)),
+        );
+        let drawn = rng.u32(lo..=hi);
+        let n = match request_seed {
+            Some(seed) if self.length_by_request => {
+                let span = u64::from(hi - lo) + 1;
+                lo + (crate::text::mix(seed ^ 0x6c65_6e67_7468) % span) as u32
+            }
+            _ => drawn,
+        };
         let ttft_ms = lognormal(rng, self.ttft_median_s, self.ttft_sigma) * 1000.0;
         let reasoning_n = if rng.f64() < self.reasoning_p {
             (n / 4).max(1)
@@ -500,6 +526,12 @@ impl Profile {
 
     /// Draws one behavior, already scaled by `time_scale`.
     pub fn sample(&self, rng: &mut fastrand::Rng) -> Behavior {
+        self.sample_for(rng, None)
+    }
+
+    /// Draws one behavior for a request with seed `request_seed`, already scaled by
+    /// `time_scale` (the seed matters only to [`LongTail::length_by_request`]).
+    pub fn sample_for(&self, rng: &mut fastrand::Rng, request_seed: Option<u64>) -> Behavior {
         let b = match &self.kind {
             ProfileKind::Fixed(b) => (**b).clone(),
             ProfileKind::Mix(m) => {
@@ -515,7 +547,7 @@ impl Profile {
                 }
                 pick.clone()
             }
-            ProfileKind::LongTail(l) => l.sample(rng),
+            ProfileKind::LongTail(l) => l.sample_for(rng, request_seed),
         };
         b.scaled(self.time_scale)
     }

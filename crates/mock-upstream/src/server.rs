@@ -55,7 +55,7 @@ impl Shared {
             .clone()
     }
 
-    fn next_behavior(&self) -> Behavior {
+    fn next_behavior(&self, body: &Value) -> Behavior {
         if let Some(b) = self
             .scripts
             .lock()
@@ -66,7 +66,9 @@ impl Shared {
         }
         match &mut *self.default.lock().unwrap_or_else(|e| e.into_inner()) {
             DefaultPlay::Fixed(b) => (**b).clone(),
-            DefaultPlay::Profile { profile, rng } => profile.sample(rng),
+            DefaultPlay::Profile { profile, rng } => {
+                profile.sample_for(rng, Some(text::request_seed(body)))
+            }
         }
     }
 }
@@ -315,7 +317,7 @@ async fn handle_request(
                     error_json(400, None, Some("The body is not a JSON object.")),
                 ));
             }
-            let b = shared.next_behavior();
+            let b = shared.next_behavior(&body);
             guard_behavior(&guard, &b);
             if path.ends_with("/embeddings") {
                 embeddings(&shared, kill, guard, b, body).await

@@ -417,6 +417,52 @@ async fn generated_words_depend_on_the_request_only_so_a_replay_reproduces_the_p
 }
 
 #[tokio::test]
+async fn with_length_by_request_every_mock_plans_one_length_and_a_continuation_ends_it() {
+    let by_request = |seed| {
+        let mut p = sampling_profile(seed);
+        if let ProfileKind::LongTail(l) = &mut p.kind {
+            l.length_by_request = true;
+        }
+        p
+    };
+    let a = MockUpstream::start(MockConfig::with_profile(by_request(1)))
+        .await
+        .unwrap();
+    let b = MockUpstream::start(MockConfig::with_profile(by_request(2)))
+        .await
+        .unwrap();
+    let mut lengths = std::collections::BTreeSet::new();
+    for q in ["tell me", "another question", "a third one", "and a fourth"] {
+        // The same question, four draws on two mocks: one answer.
+        let mut seen = Vec::new();
+        for i in 0..4 {
+            let m = if i % 2 == 0 { &a } else { &b };
+            seen.push(
+                answer(
+                    post(m, "/chat/completions", user_body(i == 0, q)).await,
+                    i == 0,
+                )
+                .await
+                .content,
+            );
+        }
+        assert!(seen.iter().all(|c| c == &seen[0]), "{q}: {seen:?}");
+        let words: Vec<&str> = seen[0].split_inclusive(' ').collect();
+        lengths.insert(words.len());
+        // A continuation from any point on the other mock ends the same answer.
+        let cut = words.len() / 3;
+        let prefix = seen[0][..seen[0].len() - words[cut..].concat().len()].to_string();
+        let body = prefill_body(PrefillDialect::Assistant, true, q, &prefix);
+        let cont = answer(post(&b, "/chat/completions", body).await, true).await;
+        assert_eq!(format!("{prefix}{}", cont.content), seen[0], "{q}");
+        assert_eq!(cont.finish.as_deref(), Some("stop"));
+    }
+    assert!(lengths.len() > 1, "lengths differ by question: {lengths:?}");
+    a.shutdown().await;
+    b.shutdown().await;
+}
+
+#[tokio::test]
 async fn faults_count_the_continuations_chunks() {
     let m = mock().await;
     let chunks = ["ab", "cd", "ef", "gh", "ij"];
