@@ -52,6 +52,15 @@ fn scaled(s: f64, scale: f64) -> String {
     format!("{}", s * scale)
 }
 
+/// The hedging-on column's keys (times in real seconds, scaled when set): on the
+/// frontier measured by the hedging benchmark (docs/BENCHMARKS.md, "Hedging efficacy").
+const HEDGE_ON_SECONDS: [(&str, f64); 2] = [("HEDGE__AFTER_S", 8.0), ("HEDGE__STALL_AFTER_S", 5.0)];
+const HEDGE_ON: [(&str, &str); 3] = [
+    ("HEDGE__MAX_EXTRA", "2"),
+    ("HEDGE__BUDGET_PCT", "30"),
+    ("STREAM__RESUME", "auto"),
+];
+
 /// The environment-style configuration of one run: the same keys a user would set.
 fn vars(
     scope: &str,
@@ -82,14 +91,21 @@ fn vars(
         scaled(0.5, scale),
     );
     set(format!("{scope}__RETRY__BACKOFF_MAX_S"), scaled(8.0, scale));
+    // The simulated upstreams continue an assistant prefill, as most providers do in
+    // one dialect or another: a resume continues the answer instead of restarting it.
+    for i in 0..urls.len() {
+        set(format!("{scope}__SIM__{i}__PREFILL"), "assistant".into());
+    }
     if hedged {
-        // First token later than 8 s, or a stall longer than 10 s, in real time.
-        set(format!("{scope}__HEDGE__AFTER_S"), scaled(8.0, scale));
-        set(
-            format!("{scope}__HEDGE__STALL_AFTER_S"),
-            scaled(10.0, scale),
-        );
-        set(format!("{scope}__HEDGE__BUDGET_PCT"), "30".into());
+        // The frontier settings of docs/HEDGING.md ("Choosing the settings"): a second
+        // leg when the first token is later than 8 s, a resume when a stream is silent
+        // for 5 s, at most 2 extra legs per call, 30 % of the calls at most.
+        for (k, x) in HEDGE_ON_SECONDS {
+            set(format!("{scope}__{k}"), scaled(x, scale));
+        }
+        for (k, x) in HEDGE_ON {
+            set(format!("{scope}__{k}"), x.to_string());
+        }
     }
     v
 }
@@ -107,6 +123,9 @@ pub fn demo_profile(scale: f64, seed: u64) -> Profile {
             chunks_min: 10,
             chunks_max: 80,
             gap_mean_ms: 150.0,
+            // One answer length per question on every upstream, as one model would
+            // give: a resume on another upstream ends the same answer.
+            length_by_request: true,
             ..LongTail::default()
         }),
     }
@@ -201,6 +220,7 @@ struct Figures {
     p99: String,
     extra: String,
     hedges: String,
+    resumes: String,
     stall_share: String,
     tokens: String,
     cost: String,
@@ -223,6 +243,11 @@ fn figures(run: &Run, calls: usize) -> Figures {
         .responses
         .iter()
         .map(|r| r.call_stats.hedges as u64)
+        .sum();
+    let resumes: u64 = run
+        .responses
+        .iter()
+        .map(|r| r.call_stats.resumes as u64)
         .sum();
     let wins = run
         .responses
@@ -260,6 +285,7 @@ fn figures(run: &Run, calls: usize) -> Figures {
             (attempts as f64 - calls as f64).max(0.0) / calls.max(1) as f64,
         )),
         hedges: format!("{hedges} / {wins}"),
+        resumes: resumes.to_string(),
         stall_share: pct((wall > 0).then(|| stall as f64 / wall as f64)),
         tokens: tokens.to_string(),
         cost: format!(
@@ -300,6 +326,15 @@ pub async fn run(args: DemoArgs) -> Result<ExitCode> {
         args.calls,
         args.concurrency
     );
+    println!(
+        "hedging on: {}",
+        HEDGE_ON_SECONDS
+            .iter()
+            .map(|(k, v)| format!("{k}={v} (real s)"))
+            .chain(HEDGE_ON.iter().map(|(k, v)| format!("{k}={v}")))
+            .collect::<Vec<_>>()
+            .join(" ")
+    );
     let bar = ProgressBar::new((2 * args.calls) as u64);
     bar.set_style(
         ProgressStyle::with_template("{bar:40} {pos}/{len} calls · {msg}")
@@ -321,6 +356,7 @@ pub async fn run(args: DemoArgs) -> Result<ExitCode> {
     t.row(["latency p99", &a.p99, &b.p99]);
     t.row(["extra upstream requests", &a.extra, &b.extra]);
     t.row(["hedge legs / wins", &a.hedges, &b.hedges]);
+    t.row(["of which resumes (prefill)", &a.resumes, &b.resumes]);
     t.row([
         "stall share of winners' time",
         &a.stall_share,
@@ -333,9 +369,10 @@ pub async fn run(args: DemoArgs) -> Result<ExitCode> {
     print!("{}", t.render());
     println!();
     println!(
-        "Extra upstream requests are hedge legs; the losers are cancelled, so their usage is \
-         unknown: they make the accounting gap and the \"unknown\" costs (an upstream may \
-         still bill them)."
+        "Extra upstream requests are hedge legs (a resume continues the answer where a \
+         stalled stream stopped, on another upstream); the losers are cancelled, so their \
+         usage is unknown: they make the accounting gap and the \"unknown\" costs (an \
+         upstream may still bill them)."
     );
     println!(
         "Latencies are measured at the demo's time scale (×{}); at real scale multiply by {}.",
