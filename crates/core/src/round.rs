@@ -9,7 +9,8 @@
 //!   ends successfully wins (legs ending in the same poll are fed in launch order, so
 //!   the earliest launched wins). A stall trigger on a leg with content launches a
 //!   prefill continuation of that leg where a prefill-capable source admits (else a
-//!   fresh restart); a first-token trigger launches a fresh leg.
+//!   fresh restart); a first-token trigger launches a leg like the late one: a fresh
+//!   leg for a fresh leg, a continuation of the same text for a resume leg.
 //! - **passthrough** (`polygw serve`, `chat_streaming`, `chat_stream`): the first leg
 //!   to deliver an incremental chunk is committed and its chunks are forwarded; the
 //!   others are cancelled (`hedge_cancelled`). After a commit, only resume legs start:
@@ -66,6 +67,15 @@ impl LegKind {
         match self {
             LegKind::Fresh => None,
             LegKind::Resume { mode, .. } => Some(*mode),
+        }
+    }
+
+    /// The leg a resume leg continues (`None`: a fresh leg, or the attempt carried in
+    /// from the previous round).
+    pub fn continues(&self) -> Option<LegId> {
+        match self {
+            LegKind::Fresh => None,
+            LegKind::Resume { of, .. } => *of,
         }
     }
 
@@ -990,7 +1000,13 @@ impl Round {
         }
         if !self.spec.passthrough {
             return Some(match trigger {
-                Trigger::FirstToken => Purpose::Continue { of: None },
+                // A resume leg slow to start is backed up by another continuation of
+                // the same text, not by a restart that would make the caller wait a
+                // whole answer again; a fresh leg by a fresh one (or, in a continuation
+                // round, by a continuation of the carried text).
+                Trigger::FirstToken => Purpose::Continue {
+                    of: self.legs[leg].kind.continues(),
+                },
                 Trigger::Stall => Purpose::Continue { of: Some(leg) },
             });
         }

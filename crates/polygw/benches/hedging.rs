@@ -201,6 +201,8 @@ struct Outcome {
     /// question with exactly the same text (the reasoning is drawn per leg, so a
     /// hedge's winner may have thought differently).
     answers: Vec<Option<String>>,
+    /// The slowest calls: (latency ms, attempts, hedges, resumes, hedge won, TTFT ms).
+    slowest: Vec<(f64, u32, u32, u32, bool, Option<u64>)>,
 }
 
 /// Tokens of an answer as the mocks count them (one word per chunk; content words after
@@ -280,6 +282,7 @@ async fn run_config(c: Config, calls: usize, coalesced: bool) -> Outcome {
         cpu: Duration::ZERO,
         late_ms: Vec::new(),
         answers: vec![None; calls],
+        slowest: Vec::new(),
     };
     while let Some(r) = set.join_next().await {
         for (i, ms, r) in r.expect("caller") {
@@ -306,6 +309,14 @@ async fn run_config(c: Config, calls: usize, coalesced: bool) -> Outcome {
                     let reasoning = resp.reasoning_content.unwrap_or_default();
                     o.winner_tokens += answer_tokens(&resp.content, &reasoning);
                     o.answers[i] = Some(resp.content);
+                    o.slowest.push((
+                        ms,
+                        s.attempts,
+                        s.hedges,
+                        s.resumes,
+                        s.hedge_won,
+                        resp.ttft_ms,
+                    ));
                 }
                 Err(e) => o.failures.push(e),
             }
@@ -335,6 +346,8 @@ async fn run_config(c: Config, calls: usize, coalesced: bool) -> Outcome {
         .await
         .expect("mock shutdown");
     o.latency_ms.sort_by(f64::total_cmp);
+    o.slowest.sort_by(|a, b| b.0.total_cmp(&a.0));
+    o.slowest.truncate(o.calls.div_ceil(1000).max(1));
     o.late_ms.sort_by(f64::total_cmp);
     o.ttft_ms.sort_by(f64::total_cmp);
     o
@@ -453,6 +466,19 @@ fn main() {
                 pct(&o.late_ms, 0.99)
             );
         }
+        // The calls behind p99.9: what their rounds did.
+        let slow: Vec<String> = o
+            .slowest
+            .iter()
+            .map(|(ms, a, h, r, w, t)| {
+                format!(
+                    "{ms:.0} ms ({a} att, {h} hedges, {r} resumes{}, ttft {})",
+                    if *w { ", hedge won" } else { "" },
+                    t.map_or("-".into(), |t| format!("{t} ms"))
+                )
+            })
+            .collect();
+        println!("      slowest 0.1 %: {}", slow.join("; "));
         for f in o.failures.iter().take(3) {
             println!("      failure: {f}");
         }

@@ -571,6 +571,63 @@ fn aggregated_stall_continues_by_prefill_or_restarts() {
     ));
 }
 
+/// Aggregated: a resume leg that is slow to its first token is backed up by another
+/// continuation of the same text (what the stalled leg had), not by a restart.
+#[test]
+fn aggregated_late_resume_is_backed_up_by_a_continuation() {
+    let mut h = Hand::new(spec(false, policy(Some(5000), Some(1000), 2)));
+    h.at(10).chunk(0, text("Hello"));
+    h.at(1010).on(Event::Tick); // leg 0 stalls: resume
+    let out = h.on(Event::Picked(Some(Picked {
+        source: 1,
+        prefill_capable: true,
+    })));
+    assert!(matches!(
+        &out[..],
+        [Action::Launch {
+            kind: LegKind::Resume {
+                mode: ResumeMode::Prefill,
+                of: Some(0),
+                ..
+            },
+            ..
+        }]
+    ));
+    // Leg 1 (launched at 1010) sends nothing for AFTER_S: its first-token trigger.
+    h.at(6009).on(Event::Tick);
+    assert_eq!(picks(&h.log), 1, "not yet due");
+    h.at(6010).on(Event::Tick);
+    assert_eq!(picks(&h.log), 2);
+    let out = h.on(Event::Picked(Some(Picked {
+        source: 2,
+        prefill_capable: true,
+    })));
+    assert!(
+        matches!(
+            &out[..],
+            [Action::Launch { kind: LegKind::Resume { mode: ResumeMode::Prefill, prefix, of: Some(0) }, .. }] if prefix == "Hello"
+        ),
+        "{out:?}"
+    );
+    // A fresh primary late to its first token still gets a fresh hedge.
+    let mut h = Hand::new(spec(false, policy(Some(5000), Some(1000), 2)));
+    h.at(5000).on(Event::Tick);
+    let out = h.on(Event::Picked(Some(Picked {
+        source: 1,
+        prefill_capable: true,
+    })));
+    assert!(
+        matches!(
+            &out[..],
+            [Action::Launch {
+                kind: LegKind::Fresh,
+                ..
+            }]
+        ),
+        "{out:?}"
+    );
+}
+
 /// The hedge budget and MAX_EXTRA bound the legs; a pick that answers after the
 /// round moved on is released.
 #[test]
