@@ -443,6 +443,8 @@ fn demo_finishes_and_prints_its_table() {
         "latency p99",
         "extra upstream requests",
         "hedge legs / wins",
+        "of which resumes (prefill)",
+        "HEDGE__STALL_AFTER_S=5",
         "stall share",
         "tokens",
         "cost",
