@@ -710,6 +710,8 @@ struct Sim {
     cancels: Vec<u32>,
     finals: Vec<u32>,
     in_hand: Vec<LegId>,
+    /// The legs without a fate when the deadline or the caller's drop arrived.
+    undecided_at_end: Vec<LegId>,
 }
 
 fn split(rng: &SplitMix64, s: &str) -> Vec<String> {
@@ -796,6 +798,13 @@ impl Sim {
         let was_tick_at_wakeup = ev == Event::Tick
             && self.r.next_wakeup() == Some(self.now)
             && self.r.spec.deadline != Some(self.now);
+        // Any event may be the one that ends the round by the deadline (one fed at or
+        // after it), so the snapshot is taken before each event while the round runs.
+        if self.r.result().is_none() {
+            self.undecided_at_end = (0..self.legs.len())
+                .filter(|l| self.r.fate(*l).is_none())
+                .collect();
+        }
         let mut out = Vec::new();
         self.r.on(ev, self.now, &mut out);
         for a in &out {
@@ -1051,9 +1060,30 @@ impl Sim {
                 "leg {leg} got no outcome action"
             );
         }
-        // Legs cancelled by the deadline or the drop never say hedge_cancelled.
+        // Legs still undecided when the deadline or the drop ended the round never say
+        // hedge_cancelled: they are cancelled for that reason, or keep the outcome the
+        // engine already had in hand (an end of their own).
         match self.r.result() {
-            Some(RoundResult::Deadline) | Some(RoundResult::Dropped) => {}
+            Some(r @ (RoundResult::Deadline | RoundResult::Dropped)) => {
+                let reason = if matches!(r, RoundResult::Deadline) {
+                    CancelReason::Deadline
+                } else {
+                    CancelReason::CallerDrop
+                };
+                for leg in &self.undecided_at_end {
+                    match self.r.fate(*leg) {
+                        Some(Fate::Cancelled(c)) => assert_eq!(
+                            *c,
+                            reason,
+                            "leg {leg}, running at the end, labelled {:?}",
+                            c.label()
+                        ),
+                        Some(Fate::Won) => panic!("leg {leg} won a round that ended in {r:?}"),
+                        Some(_) => {}
+                        None => panic!("leg {leg} has no fate"),
+                    }
+                }
+            }
             Some(RoundResult::Won { .. }) => {
                 let won = (0..self.legs.len())
                     .filter(|l| self.r.fate(*l) == Some(&Fate::Won))
@@ -1152,6 +1182,7 @@ proptest! {
             cancels: Vec::new(),
             finals: Vec::new(),
             in_hand: Vec::new(),
+            undecided_at_end: Vec::new(),
         };
         for a in &out {
             if let Action::Launch { kind, .. } = a {
