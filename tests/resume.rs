@@ -269,6 +269,14 @@ async fn a_replay_that_diverges_ends_with_the_original_failure() {
         "nothing of a diverged replay reached the client: {}",
         seen.content
     );
+    // The resume was tried: b replayed the original request (no prefill configured),
+    // then a did (the same source is allowed after a failure); both diverged.
+    let rb = b.wait_for_ended(1, Duration::from_secs(5)).await;
+    assert_eq!(rb.len(), 1);
+    assert_eq!(rb[0].prefill, None, "a replay of the original request");
+    let ra = a.wait_for_ended(2, Duration::from_secs(5)).await;
+    assert_eq!(ra.len(), 2, "the cut leg, then one replay on a");
+    assert_eq!(ra[1].prefill, None);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -318,13 +326,178 @@ async fn the_deadline_ends_a_resume_cleanly() {
     let err = seen.error.expect("an in-stream error");
     assert!(err.contains("deadline"), "{err}");
     let full = planned(&a).await;
-    assert_eq!(
-        seen.content,
-        prefix_of_words(&full, 30),
-        "what was delivered stays"
+    // What was delivered stays: the 30 chunks sent before the reset, or fewer when
+    // the reset discarded bytes the gateway had not read yet.
+    let sent = prefix_of_words(&full, 30);
+    assert!(
+        !seen.content.is_empty() && sent.starts_with(&seen.content),
+        "{:?} is not a prefix of {sent:?}",
+        seen.content
     );
     let rb = b.wait_for_ended(1, Duration::from_secs(5)).await;
     assert_eq!(rb[0].end, EndKind::ClientDisconnected);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_in_band_error_event_is_resumed() {
+    let a = mock(with_fault(
+        words(60),
+        Fault::ErrorFrameAt {
+            chunk: 25,
+            error: None,
+        },
+    ))
+    .await;
+    let b = mock(words(60)).await;
+    let s = serve(&env(&a, &b, &[("PREFILL", "assistant")], &[]));
+    let seen = stream_through(&s.base, "in-band error").await;
+    let full = planned(&a).await;
+    assert_eq!(seen.error, None);
+    assert_eq!(seen.content, full);
+    assert_eq!(seen.ids.len(), 1);
+    let rb = b.wait_for_ended(1, Duration::from_secs(5)).await;
+    let p = rb[0].prefill.clone().expect("a prefill request");
+    assert_eq!(
+        (p.dialect, p.outcome, p.prefix_chars),
+        (
+            PrefillDialect::Assistant,
+            PrefillOutcome::Continued,
+            prefix_of_words(&full, 25).chars().count()
+        )
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_inter_token_timeout_is_resumed() {
+    // No stall hedge: the primary's own watchdog cuts the silent stream after 0.5 s,
+    // and the failure is resumed on the fallback.
+    let a = mock(Behavior {
+        stalls: vec![Stall {
+            before_chunk: 20,
+            ms: 30_000.0,
+        }],
+        ..words(60)
+    })
+    .await;
+    let b = mock(words(60)).await;
+    let mut vars = env(&a, &b, &[("PREFILL", "partial")], &[]);
+    vars.push(("LLM__A__0__INTER_TOKEN_TIMEOUT_S".into(), "0.5".into()));
+    let s = serve(&vars);
+    let seen = stream_through(&s.base, "a watchdog").await;
+    let full = planned(&a).await;
+    assert_eq!(seen.error, None);
+    assert_eq!(seen.content, full);
+    let rb = b.wait_for_ended(1, Duration::from_secs(5)).await;
+    assert_eq!(
+        rb[0].prefill.as_ref().map(|p| (p.dialect, p.prefix_chars)),
+        Some((
+            PrefillDialect::Partial,
+            prefix_of_words(&full, 20).chars().count()
+        ))
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn resume_prefill_never_replays_and_ends_with_the_original_failure() {
+    // STREAM__RESUME=prefill and a fallback without PREFILL: nothing may resume.
+    let a = mock(with_fault(words(60), Fault::ResetAfter { chunks: 30 })).await;
+    let b = mock(words(60)).await;
+    let s = serve(&env(&a, &b, &[], &[("LLM__STREAM__RESUME", "prefill")]));
+    let seen = stream_through(&s.base, "prefill only").await;
+    let err = seen.error.expect("the stream ends with an error");
+    assert!(
+        err.contains("truncated") || err.contains("broke off"),
+        "the original failure: {err}"
+    );
+    let full = planned(&a).await;
+    assert!(full.starts_with(&seen.content) && !seen.content.is_empty());
+    assert!(b.requests().is_empty(), "no replay was sent to b");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn max_resumes_bounds_the_chain_of_resumes() {
+    // Every leg is cut: with MAX_RESUMES=1 the stream is resumed once, then ends.
+    let a = mock(with_fault(words(60), Fault::ResetAfter { chunks: 20 })).await;
+    let b = mock(with_fault(words(60), Fault::ResetAfter { chunks: 10 })).await;
+    let s = serve(&env(
+        &a,
+        &b,
+        &[("PREFILL", "prefix")],
+        &[
+            ("LLM__STREAM__MAX_RESUMES", "1"),
+            ("LLM__RETRY__MAX_ATTEMPTS", "5"),
+        ],
+    ));
+    let seen = stream_through(&s.base, "cut twice").await;
+    assert!(seen.error.is_some(), "{seen:?}");
+    let full = planned(&a).await;
+    assert!(full.starts_with(&seen.content), "{:?}", seen.content);
+    let total = a.requests().len() + b.requests().len();
+    assert_eq!(total, 2, "the first leg and one resume");
+}
+
+/// The final usage chunk sums the legs whose text was delivered; a cut leg's share is
+/// an estimate, and the chunk says so (raw SSE: the OpenAI client types drop the
+/// `polygw` member). The metrics count the resume.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_usage_of_a_resumed_stream_is_summed_and_marked_estimated() {
+    let a = mock(with_fault(words(60), Fault::ResetAfter { chunks: 40 })).await;
+    let b = mock(words(60)).await;
+    let s = serve(&env(&a, &b, &[("PREFILL", "prefix")], &[]));
+    let body = reqwest::Client::new()
+        .post(format!("{}/v1/chat/completions", s.base))
+        .json(&serde_json::json!({"model": "llm", "stream": true,
+            "stream_options": {"include_usage": true},
+            "messages": [{"role": "user", "content": "count my tokens"}]}))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    let frames: Vec<serde_json::Value> = body
+        .lines()
+        .filter_map(|l| l.strip_prefix("data: "))
+        .filter(|d| *d != "[DONE]")
+        .map(|d| serde_json::from_str(d).unwrap())
+        .collect();
+    assert!(body.trim_end().ends_with("data: [DONE]"), "{body}");
+    let usage_frame = frames
+        .iter()
+        .find(|f| f.get("usage").is_some_and(|u| !u.is_null()))
+        .expect("a usage chunk");
+    let rb = b.wait_for_ended(1, Duration::from_secs(5)).await;
+    let continuation = rb[0]
+        .usage
+        .as_ref()
+        .expect("usage reported")
+        .completion_tokens;
+    let completion = usage_frame["usage"]["completion_tokens"].as_u64().unwrap();
+    assert!(
+        completion > continuation,
+        "the cut leg's share is added: {completion} vs the fallback's {continuation}"
+    );
+    assert_eq!(usage_frame["polygw"]["usage_source"], "estimated");
+    let finish = frames
+        .iter()
+        .filter_map(|f| f["choices"][0]["finish_reason"].as_str())
+        .collect::<Vec<_>>();
+    assert_eq!(finish, ["stop"], "one finish_reason, the last leg's");
+    let metrics = reqwest::get(format!("{}/metrics", s.base))
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    let line = metrics
+        .lines()
+        .find(|l| {
+            l.starts_with("polygw_resumes_total{")
+                && l.contains("mode=\"prefill\"")
+                && l.contains("outcome=\"ok\"")
+        })
+        .unwrap_or_else(|| panic!("no resume counted: {metrics}"));
+    assert!(line.ends_with(" 1"), "{line}");
 }
 
 // ------------------------------------------------------------- the library, in process
@@ -407,6 +580,70 @@ async fn aggregated_chat_continues_a_cut_stream_by_prefill() {
         UsageSource::Measured,
         "the leg's own usage"
     );
+}
+
+/// Aggregated `chat()`: a stall hedge continues the stalled leg's text by prefill; a
+/// continuation that is itself slow to start is backed up by another continuation of
+/// the same text (not a restart).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn aggregated_stall_hedges_continue_the_answer() {
+    let stalled = Behavior {
+        stalls: vec![Stall {
+            before_chunk: 20,
+            ms: 30_000.0,
+        }],
+        ..words(60)
+    };
+    let a = mock(stalled).await;
+    let b = mock(Behavior {
+        ttft_ms: 30_000.0,
+        ..words(60)
+    })
+    .await;
+    let c = mock(words(60)).await;
+    let mut vars = lib_vars(&a, &b, Some("prefix"));
+    vars.extend([
+        ("LLM__C__0__BASE_URL".into(), c.base_url()),
+        ("LLM__C__0__API_KEY".into(), "sk-c".into()),
+        ("LLM__C__0__MODEL".into(), "model-c".into()),
+        ("LLM__C__0__PRIORITY".into(), "2".into()),
+        ("LLM__C__0__PREFILL".into(), "assistant".into()),
+        ("LLM__HEDGE__STALL_AFTER_S".into(), "0.3".into()),
+        ("LLM__HEDGE__AFTER_S".into(), "0.5".into()),
+        ("LLM__HEDGE__MAX_EXTRA".into(), "2".into()),
+        ("LLM__HEDGE__BUDGET_PCT".into(), "0".into()),
+    ]);
+    let gw = GatewayClient::from_vars(vars, "LLM").await.unwrap();
+    let t = Instant::now();
+    let r = gw
+        .chat(ChatRequest::user("stall then slow").with_stream(true))
+        .await
+        .unwrap();
+    assert!(t.elapsed() < Duration::from_secs(15), "{:?}", t.elapsed());
+    let full = a.requests()[0].full_content.clone();
+    assert_eq!(
+        r.content, full,
+        "the stalled leg's text plus the continuation"
+    );
+    assert_eq!(r.source, "c-0");
+    assert_eq!(
+        (r.call_stats.hedges, r.call_stats.resumes),
+        (2, 2),
+        "{:?}",
+        r.call_stats
+    );
+    let prefix = prefix_of_words(&full, 20);
+    let rb = b.wait_for_ended(1, Duration::from_secs(5)).await;
+    let rc = c.wait_for_ended(1, Duration::from_secs(5)).await;
+    for (name, rec) in [("b", &rb[0]), ("c", &rc[0])] {
+        let p = rec
+            .prefill
+            .as_ref()
+            .unwrap_or_else(|| panic!("{name}: a prefill"));
+        assert_eq!(p.prefix_chars, prefix.chars().count(), "{name}");
+    }
+    assert_eq!(rb[0].end, EndKind::ClientDisconnected, "b was cancelled");
+    gw.shutdown().await;
 }
 
 /// `chat_stream()`: the public streaming API has the passthrough semantics, resume
