@@ -11,8 +11,9 @@ use reqwest::header::HeaderMap;
 use crate::aggregate::ProviderError;
 
 /// Parses a `Retry-After` value: delay-seconds (integer, or a float as some providers
-/// send) or an HTTP-date, relative to `now`. A date in the past is a zero delay;
-/// anything else (negative, NaN, garbage) is `None`.
+/// send) or an HTTP-date, relative to `now`. Zero, a date in the past (or now) and
+/// anything else (negative, NaN, garbage) are `None`: no hint, so the retry loop's own
+/// backoff applies (SPEC §14.1: a zero hint never makes a tight loop).
 pub fn parse_retry_after(value: &str, now: SystemTime) -> Option<Duration> {
     let v = value.trim();
     if v.is_empty() {

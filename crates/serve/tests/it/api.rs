@@ -335,6 +335,51 @@ async fn every_answer_has_a_request_id_and_errors_their_polygw_headers() {
     assert!(rows.rows_of(&id).len() >= 2, "attempt + terminal rows");
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn short_upstream_hints_are_honoured_then_reach_the_client_as_a_429() {
+    // The case: an upstream that always answers 429 with `Retry-After: 1`. The
+    // proxy honours each hint (about one request a second, never a tight loop) and,
+    // once nothing admitted the call for --max-wait-s, answers 429 with Retry-After
+    // instead of holding the client for the 60 s stall window.
+    let m = mock(Behavior {
+        retry_after: Some(RetryAfter::Seconds(1.0)),
+        ..Behavior::status(429)
+    })
+    .await;
+    let s = serve_with(
+        vec![chat_scope("LLM", &m).await],
+        ProxyConfig {
+            max_wait: Duration::from_secs(2),
+            ..ProxyConfig::default()
+        },
+        ServerLimits::default(),
+    )
+    .await;
+    let started = tokio::time::Instant::now();
+    let r = http()
+        .post(format!("{}/chat/completions", s.v1()))
+        .json(&json!({"model": "llm", "messages": [{"role": "user", "content": "hi"}]}))
+        .send()
+        .await
+        .unwrap();
+    let took = started.elapsed();
+    assert_eq!(r.status(), 429);
+    let ra: u64 = r.headers()["retry-after"]
+        .to_str()
+        .unwrap()
+        .parse()
+        .unwrap();
+    assert!((1..=2).contains(&ra), "the upstream's own hint: {ra}");
+    let v: Value = r.json().await.unwrap();
+    assert_eq!(v["error"]["code"], "rate_limit_exceeded");
+    assert!(took < Duration::from_secs(6), "held {took:?}");
+    let n = m.requests().len();
+    assert!(
+        (2..=4).contains(&n),
+        "each 1 s hint honoured: {n} upstream requests in {took:?}"
+    );
+}
+
 #[tokio::test(start_paused = true)]
 async fn rate_limits_reach_the_client_as_429_with_retry_after() {
     // The upstream asks for 30 s; the proxy waits at most 1 s, then says so.
