@@ -2,8 +2,11 @@
 //! when it is missing (a machine with only Rust stable), runs
 //! `cargo nextest run --workspace ARGS…` (the profile comes from `NEXTEST_PROFILE`,
 //! which nextest reads itself), then the doc tests (`cargo test --workspace --doc`,
-//! which nextest does not run). Both run even when the first fails; the command fails
-//! if either did.
+//! which nextest does not run), then the tests of `polygw` built alone with its default
+//! features (the workspace run unifies features: the test package turns on `schema`, so
+//! the behaviour without it is only built this way). With `-p`/`--package` in ARGS the
+//! run covers those packages only (no `--workspace`, no third step). Every step runs
+//! even when an earlier one fails; the command fails if any did.
 
 use std::process::{Command, ExitCode};
 
@@ -30,16 +33,46 @@ fn nextest_version() -> Option<String> {
 
 /// The commands `cargo xtask test ARGS…` runs, in order.
 pub fn plan(args: &[String]) -> Vec<Vec<String>> {
-    let mut nextest: Vec<String> = ["nextest", "run", "--workspace"]
+    let own = |v: &[&str]| v.iter().map(|s| s.to_string()).collect::<Vec<String>>();
+    let packages: Vec<String> = args
         .iter()
-        .map(|s| s.to_string())
+        .enumerate()
+        .filter_map(|(i, a)| match a.as_str() {
+            "-p" | "--package" => args.get(i + 1).cloned(),
+            _ => a
+                .strip_prefix("--package=")
+                .or_else(|| a.strip_prefix("-p").filter(|p| !p.is_empty()))
+                .map(str::to_string),
+        })
         .collect();
+    if !packages.is_empty() {
+        // Those packages only: `--workspace` would select every package anyway.
+        let mut nextest = own(&["nextest", "run"]);
+        nextest.extend(args.iter().cloned());
+        let mut doc = own(&["test", "--doc"]);
+        for p in &packages {
+            doc.extend(["-p".to_string(), p.clone()]);
+        }
+        return vec![nextest, doc];
+    }
+    let mut nextest = own(&["nextest", "run", "--workspace"]);
     nextest.extend(args.iter().cloned());
-    let doc = ["test", "--workspace", "--doc"]
-        .iter()
-        .map(|s| s.to_string())
-        .collect();
-    vec![nextest, doc]
+    vec![
+        nextest,
+        own(&["test", "--workspace", "--doc"]),
+        // polygw alone, default features (no `schema`): the tests of that build.
+        own(&[
+            "nextest",
+            "run",
+            "-p",
+            "polygw",
+            "--lib",
+            "--test",
+            "features",
+            "-E",
+            "test(/without_the/)",
+        ]),
+    ]
 }
 
 fn status(args: &[String]) -> bool {
@@ -102,12 +135,59 @@ mod tests {
     use super::*;
 
     #[test]
-    fn nextest_gets_the_extra_args_and_doc_tests_follow() {
-        let p = plan(&["-p".into(), "polygw".into()]);
+    fn the_workspace_run_then_doc_tests_then_polygw_alone() {
+        let p = plan(&["--no-fail-fast".into()]);
         assert_eq!(
             p[0],
-            ["nextest", "run", "--workspace", "-p", "polygw"].map(String::from)
+            ["nextest", "run", "--workspace", "--no-fail-fast"].map(String::from)
         );
         assert_eq!(p[1], ["test", "--workspace", "--doc"].map(String::from));
+        assert_eq!(
+            &p[2][..4],
+            &["nextest", "run", "-p", "polygw"].map(String::from)
+        );
+        assert_eq!(p.len(), 3);
+    }
+
+    #[test]
+    fn packages_narrow_the_run() {
+        for args in [
+            vec!["-p", "polygw"],
+            vec!["--package", "polygw"],
+            vec!["--package=polygw"],
+            vec!["-ppolygw"],
+        ] {
+            let args: Vec<String> = args.into_iter().map(String::from).collect();
+            let p = plan(&args);
+            assert_eq!(p.len(), 2, "{args:?}");
+            assert!(!p[0].contains(&"--workspace".to_string()), "{args:?}");
+            assert_eq!(p[0][2..], args[..]);
+            assert_eq!(p[1], ["test", "--doc", "-p", "polygw"].map(String::from));
+        }
+    }
+
+    /// The default `polygw` build compiles SQLite only, and no jsonschema (issue 16).
+    #[test]
+    fn the_default_polygw_build_has_only_sqlite_and_no_jsonschema() {
+        let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../Cargo.toml");
+        let out = Command::new(cargo())
+            .args([
+                "tree", "-p", "polygw", "-e", "normal", "--prefix", "none", "--locked",
+            ])
+            .arg("--manifest-path")
+            .arg(&root)
+            .output()
+            .expect("cargo tree");
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let tree = String::from_utf8_lossy(&out.stdout);
+        let has = |name: &str| tree.lines().any(|l| l.starts_with(&format!("{name} v")));
+        assert!(has("sqlx-sqlite"), "{tree}");
+        for absent in ["sqlx-postgres", "jsonschema", "redis", "rustls-pemfile"] {
+            assert!(!has(absent), "{absent} in the default build");
+        }
     }
 }
