@@ -217,7 +217,12 @@ async fn a_malformed_event_is_resumed() {
 async fn a_fallback_that_rejects_prefill_is_replayed_and_remembered() {
     let a = mock(with_fault(words(60), Fault::ResetAfter { chunks: 30 })).await;
     let b = mock(words(60).with_prefill(PrefillPolicy::reject())).await;
-    let s = serve(&env(&a, &b, &[("PREFILL", "assistant")], &[]));
+    let s = serve(&env(
+        &a,
+        &b,
+        &[("PREFILL", "assistant")],
+        &[("POLYGW_LOG", "info")],
+    ));
     let seen = stream_through(&s.base, "reject my prefill").await;
     let full = planned(&a).await;
     assert_eq!(seen.error, None, "the rejection never reaches the client");
@@ -234,6 +239,61 @@ async fn a_fallback_that_rejects_prefill_is_replayed_and_remembered() {
     let rb = b.wait_for_ended(1, Duration::from_secs(5)).await;
     assert_eq!(rb.len(), 1);
     assert_eq!(rb[0].prefill, None);
+    // The log says it once (a warning), and says each resume.
+    let log = lines_so_far(&s, "resuming the stream", 2);
+    let warnings = log
+        .iter()
+        .filter(|l| l.contains("refused an assistant prefill"))
+        .count();
+    assert_eq!(warnings, 1, "{log:#?}");
+    assert!(
+        !log.iter()
+            .any(|l| l.contains("sk-a-upstream-secret") || l.contains("sk-b-upstream-secret")),
+        "no key in the log"
+    );
+}
+
+/// The serve child's log lines so far: read until `needle` was seen `n` times, then
+/// whatever else is already there.
+fn lines_so_far(s: &support::Serve, needle: &str, n: usize) -> Vec<String> {
+    let mut out: Vec<String> = Vec::new();
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    while out.iter().filter(|l| l.contains(needle)).count() < n {
+        let left = deadline.saturating_duration_since(std::time::Instant::now());
+        match s.lines.recv_timeout(left) {
+            Ok(l) => out.push(l),
+            Err(_) => panic!("{needle:?} not logged {n} times: {out:#?}"),
+        }
+    }
+    out.extend(s.lines.try_iter());
+    out
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_prefill_capable_source_is_preferred_over_priority() {
+    // a (priority 0) is cut; b (priority 1) has no PREFILL; c (priority 2) has: the
+    // resume goes to c, by prefill.
+    let a = mock(with_fault(words(60), Fault::ResetAfter { chunks: 30 })).await;
+    let b = mock(words(60)).await;
+    let c = mock(words(60)).await;
+    let mut vars = env(&a, &b, &[], &[]);
+    vars.extend(source(
+        "LLM",
+        "c",
+        &c,
+        &[("PRIORITY", "2"), ("PREFILL", "partial")],
+    ));
+    let s = serve(&vars);
+    let seen = stream_through(&s.base, "prefer prefill").await;
+    let full = planned(&a).await;
+    assert_eq!(seen.error, None);
+    assert_eq!(seen.content, full);
+    let rc = c.wait_for_ended(1, Duration::from_secs(5)).await;
+    assert_eq!(
+        rc[0].prefill.as_ref().map(|p| p.outcome),
+        Some(PrefillOutcome::Continued)
+    );
+    assert!(b.requests().is_empty(), "b (replay only) was not needed");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -269,14 +329,13 @@ async fn a_replay_that_diverges_ends_with_the_original_failure() {
         "nothing of a diverged replay reached the client: {}",
         seen.content
     );
-    // The resume was tried: b replayed the original request (no prefill configured),
-    // then a did (the same source is allowed after a failure); both diverged.
-    let rb = b.wait_for_ended(1, Duration::from_secs(5)).await;
-    assert_eq!(rb.len(), 1);
-    assert_eq!(rb[0].prefill, None, "a replay of the original request");
-    let ra = a.wait_for_ended(2, Duration::from_secs(5)).await;
-    assert_eq!(ra.len(), 2, "the cut leg, then one replay on a");
-    assert_eq!(ra[1].prefill, None);
+    // The resume was tried (the stream ended after every attempt): replays of the
+    // original request (no prefill configured), on b and on a (the same source is
+    // allowed after a failure), as many as STREAM__MAX_RESUMES (2); all diverged.
+    let (ra, rb) = (a.requests(), b.requests());
+    assert!(!rb.is_empty(), "b was tried");
+    assert_eq!(ra.len() + rb.len(), 3, "the cut leg and two replays");
+    assert!(ra[1..].iter().chain(rb.iter()).all(|r| r.prefill.is_none()));
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
