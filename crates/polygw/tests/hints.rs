@@ -210,6 +210,78 @@ async fn prefer_same_retries_the_same_source_once() {
     assert_eq!(fake.calls_to("s-0"), 2);
 }
 
+/// `RETRY__PREFER=same` waits before retrying the same source: its hint (a 429 whose
+/// hint is at most `BACKOFF_MAX_S`) or the backoff (a 5xx); a longer hint goes to the
+/// next source; an open breaker sends the retry elsewhere too.
+#[tokio::test(start_paused = true)]
+async fn prefer_same_waits_for_the_hint_or_the_backoff() {
+    let cases = [
+        // (first failure of s-0, where the retry goes, earliest retry after). Before
+        // the fix a hinted 429 went to s-1: s-0 was cooling down when the retry came.
+        (
+            hinted(
+                ErrorClass::RateLimited,
+                ErrorLabel::RateLimited,
+                429,
+                Some(ms(700)),
+            ),
+            "s-0",
+            ms(700),
+        ),
+        // A 5xx without hint: the same source after the backoff (full jitter, ≤ 100
+        // ms here, so no lower bound).
+        (
+            hinted(ErrorClass::Transient, ErrorLabel::ServerError, 503, None),
+            "s-0",
+            Duration::ZERO,
+        ),
+        (
+            hinted(
+                ErrorClass::RateLimited,
+                ErrorLabel::RateLimited,
+                429,
+                Some(secs(30)),
+            ),
+            "s-1",
+            Duration::ZERO,
+        ),
+    ];
+    for (failure, want, after) in cases {
+        let mut s = scope(2);
+        s.retry.prefer = RetryPrefer::Same;
+        s.retry.backoff_base = ms(100);
+        s.retry.backoff_max = secs(2);
+        let (c, fake) = client(s).await;
+        fake.push("s-0", failure);
+        fake.set_default("s-0", Script::ok(ms(5), "s-0"));
+        fake.set_default("s-1", Script::ok(ms(5), "s-1"));
+        let t0 = Instant::now();
+        let r = c.chat(ChatRequest::user("x")).await.unwrap();
+        assert_eq!(r.source, want, "retry after {after:?}");
+        let st = starts(&fake, want, t0);
+        let retry = *st.last().unwrap();
+        assert!(
+            retry >= after,
+            "{want} retried at {retry:?}, before {after:?}"
+        );
+        assert!(retry < after + ms(200), "{want} retried late: {retry:?}");
+    }
+    // An open breaker: the same source is not retried.
+    let mut s = scope(2);
+    s.retry.prefer = RetryPrefer::Same;
+    s.breaker.failures = 1;
+    let (c, fake) = client(s).await;
+    fake.push(
+        "s-0",
+        hinted(ErrorClass::Transient, ErrorLabel::ServerError, 500, None),
+    );
+    fake.set_default("s-0", Script::ok(ms(5), "s-0"));
+    fake.set_default("s-1", Script::ok(ms(5), "s-1"));
+    let r = c.chat(ChatRequest::user("x")).await.unwrap();
+    assert_eq!(r.source, "s-1", "the breaker of s-0 opened");
+    assert_eq!(fake.calls_to("s-0"), 1);
+}
+
 fn too_long() -> Script {
     Script::Fail {
         after: ms(5),

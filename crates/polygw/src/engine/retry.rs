@@ -333,6 +333,7 @@ impl Engine {
                         self.ports.rng.as_ref(),
                     ) {
                         RoundVerdict::Retry { backoff } => {
+                            let mut wait = backoff;
                             if let Some(src) = source.filter(|s| {
                                 self.scope.retry.prefer == RetryPrefer::Same
                                     && !retried_same.contains(s)
@@ -340,9 +341,13 @@ impl Engine {
                             }) {
                                 retried_same.insert(src);
                                 prefer_same = Some(src);
+                                // The same source "after its hint or backoff" (SPEC
+                                // §14.8): wait out the cooldown its failure recorded,
+                                // or admission would pass it over for the next source.
+                                wait = wait.max(same_source_cooldown(&error, fallback_cooldown));
                             }
-                            if !backoff.is_zero() {
-                                tokio::time::sleep(backoff).await;
+                            if !wait.is_zero() {
+                                tokio::time::sleep(wait).await;
                             }
                         }
                         RoundVerdict::Fail(reason) => {
@@ -381,5 +386,16 @@ impl Engine {
             TerminalReason::DeadlineExceeded,
             Some(format!("CALL_DEADLINE_S of {:.3}s passed", d.as_secs_f64())),
         )
+    }
+}
+
+/// The cooldown a failure recorded on its source (see `attempt.rs`): a 429 cools down
+/// for its hint or at least the current backoff; a hinted 503 for its hint; other
+/// failures record none.
+fn same_source_cooldown(e: &AttemptError, fallback: std::time::Duration) -> std::time::Duration {
+    match (e.class, e.retry_after) {
+        (polygw_core::ErrorClass::RateLimited, h) => h.map_or(fallback, |h| h.max(fallback)),
+        (_, Some(h)) => h,
+        (_, None) => std::time::Duration::ZERO,
     }
 }
