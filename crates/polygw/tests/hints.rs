@@ -177,6 +177,82 @@ async fn admission_waits_never_exceed_the_stall_window_in_total() {
     assert!(fake.calls().len() <= 3, "{}", fake.calls().len());
 }
 
+/// Without `CONTEXT_WINDOW`s a context-length rejection goes once to an untried source
+/// whose `MODEL` differs; a source with the same model is not tried.
+#[tokio::test(start_paused = true)]
+async fn context_length_without_windows_goes_to_another_model() {
+    let mut s = scope(3);
+    s.sources[1].model = "m0".into(); // the same model as s-0
+    let (c, fake) = client(s.clone()).await;
+    fake.set_default("s-0", too_long());
+    fake.set_default("s-1", Script::ok(ms(5), "same model"));
+    fake.set_default("s-2", Script::ok(ms(5), "another model"));
+    let r = c.chat(ChatRequest::user("long")).await.unwrap();
+    assert_eq!(
+        (r.content.as_str(), r.source.as_str()),
+        ("another model", "s-2")
+    );
+    assert_eq!(fake.calls_to("s-1"), 0, "the same model would refuse too");
+    // Every other source has the same model: the rejection is final at once.
+    let mut s = scope(2);
+    s.sources[1].model = "m0".into();
+    let (c, fake) = client(s).await;
+    fake.set_default("s-0", too_long());
+    fake.set_default("s-1", Script::ok(ms(5), "same model"));
+    let e = c.chat(ChatRequest::user("long")).await.unwrap_err();
+    assert_eq!(e.terminal_reason(), Some(TerminalReason::Rejected));
+    assert_eq!(fake.calls_to("s-1"), 0);
+}
+
+/// The stall window bounds a wait for quota and a wait for an open breaker too, from
+/// the call's start: a source full for a minute, or tripped for a minute, fails the
+/// call as `stalled` when the window ends, not when the source frees.
+#[tokio::test(start_paused = true)]
+async fn quota_and_breaker_waits_end_with_the_stall_window() {
+    // Quota: RPM 1, used by a first call; the second waits for the window, no more.
+    let mut s = scope(1);
+    s.sources[0].rpm = 1;
+    s.retry.stall_window = secs(5);
+    let (c, fake) = client(s).await;
+    fake.set_default("s-0", Script::ok(ms(5), "ok"));
+    c.chat(ChatRequest::user("first")).await.unwrap();
+    let t0 = Instant::now();
+    let e = c.chat(ChatRequest::user("second")).await.unwrap_err();
+    let elapsed = t0.elapsed();
+    assert_eq!(e.terminal_reason(), Some(TerminalReason::Stalled), "{e}");
+    assert!(
+        elapsed >= secs(5) && elapsed <= secs(6),
+        "quota wait {elapsed:?}"
+    );
+    assert_eq!(fake.calls().len(), 1, "no request while the quota is spent");
+
+    // Breaker: one failure opens it for 60 s; the next call waits for the window only.
+    let mut s = scope(1);
+    s.breaker.failures = 1;
+    s.breaker.open = secs(60);
+    s.retry.stall_window = secs(5);
+    s.retry.max_attempts = 1;
+    let (c, fake) = client(s).await;
+    fake.set_default(
+        "s-0",
+        hinted(ErrorClass::Transient, ErrorLabel::ServerError, 500, None),
+    );
+    assert!(c.chat(ChatRequest::user("trip")).await.is_err());
+    let t0 = Instant::now();
+    let e = c.chat(ChatRequest::user("after")).await.unwrap_err();
+    let elapsed = t0.elapsed();
+    assert_eq!(e.terminal_reason(), Some(TerminalReason::Stalled), "{e}");
+    assert!(
+        elapsed >= secs(5) && elapsed <= secs(6),
+        "breaker wait {elapsed:?}"
+    );
+    assert_eq!(
+        fake.calls().len(),
+        1,
+        "the open breaker let nothing through"
+    );
+}
+
 /// `RETRY__PREFER=same` retries a source once after a transient failure; `other` (the
 /// default) goes to the next source.
 #[tokio::test(start_paused = true)]
