@@ -151,16 +151,31 @@ async fn every_field_of_every_real_chunk_reaches_the_client() {
             .map(|d| serde_json::from_str(d).unwrap())
             .collect();
 
-        // One id and one created for the whole stream, usage chunk included.
+        // One id and one created for the whole stream, usage chunk included; the
+        // model is the upstream's own (not the proxy's model alias `llm`).
         let id = &got[0]["id"];
         assert!(id.as_str().is_some_and(|s| !s.is_empty()), "{name}");
-        for f in got.iter().chain(std::iter::once(&usage_chunk)) {
+        let upstream_models: std::collections::BTreeSet<&str> = upstream
+            .iter()
+            .filter_map(|f| f["model"].as_str())
+            .filter(|m| !m.is_empty())
+            .collect();
+        // (A frame before the upstream first named its model carries the source's
+        // configured MODEL: nothing better is known yet.)
+        let mut named = false;
+        for (i, f) in got.iter().chain(std::iter::once(&usage_chunk)).enumerate() {
             assert_eq!(&f["id"], id, "{name}");
             assert_eq!(f["created"], got[0]["created"], "{name}");
-            assert!(
-                f["model"].as_str().is_some_and(|m| !m.is_empty()),
-                "{name}: {f}"
-            );
+            let model = f["model"].as_str().unwrap_or_default();
+            assert!(!model.is_empty() && model != "llm", "{name}: {f}");
+            if upstream_models.is_empty() || upstream_models.contains(model) {
+                named |= !upstream_models.is_empty();
+            } else {
+                assert!(
+                    !named && i < got.len(),
+                    "{name}: model {model:?} is not the upstream's {upstream_models:?}: {f}"
+                );
+            }
         }
 
         // Every client frame is the next upstream frame that tells something, with
