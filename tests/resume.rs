@@ -108,6 +108,17 @@ fn words(n: u32) -> Behavior {
     }
 }
 
+/// 60 words with a 30 s silence before chunk `n`.
+fn stalls_after(n: u32) -> Behavior {
+    Behavior {
+        stalls: vec![Stall {
+            before_chunk: n,
+            ms: 30_000.0,
+        }],
+        ..words(60)
+    }
+}
+
 fn with_fault(mut b: Behavior, f: Fault) -> Behavior {
     b.fault = Some(f);
     b
@@ -157,14 +168,7 @@ async fn a_cut_stream_is_continued_by_prefill_on_the_fallback() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_thirty_second_stall_is_resumed_on_the_fallback() {
-    let a = mock(Behavior {
-        stalls: vec![Stall {
-            before_chunk: 20,
-            ms: 30_000.0,
-        }],
-        ..words(60)
-    })
-    .await;
+    let a = mock(stalls_after(20)).await;
     let b = mock(words(60)).await;
     let s = serve(&env(
         &a,
@@ -428,14 +432,7 @@ async fn an_in_band_error_event_is_resumed() {
 async fn an_inter_token_timeout_is_resumed() {
     // No stall hedge: the primary's own watchdog cuts the silent stream after 0.5 s,
     // and the failure is resumed on the fallback.
-    let a = mock(Behavior {
-        stalls: vec![Stall {
-            before_chunk: 20,
-            ms: 30_000.0,
-        }],
-        ..words(60)
-    })
-    .await;
+    let a = mock(stalls_after(20)).await;
     let b = mock(words(60)).await;
     let mut vars = env(&a, &b, &[("PREFILL", "partial")], &[]);
     vars.push(("LLM__A__0__INTER_TOKEN_TIMEOUT_S".into(), "0.5".into()));
@@ -644,14 +641,7 @@ async fn aggregated_chat_continues_a_cut_stream_by_prefill() {
 /// the same text (not a restart).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn aggregated_stall_hedges_continue_the_answer() {
-    let stalled = Behavior {
-        stalls: vec![Stall {
-            before_chunk: 20,
-            ms: 30_000.0,
-        }],
-        ..words(60)
-    };
-    let a = mock(stalled).await;
+    let a = mock(stalls_after(20)).await;
     let b = mock(Behavior {
         ttft_ms: 30_000.0,
         ..words(60)

@@ -187,6 +187,18 @@ fn as_pg_user(bin: &std::path::Path, root: bool) -> Command {
     }
 }
 
+/// The `postgres` user's uid (`-u`) or gid (`-g`).
+fn postgres_id(flag: &str) -> Result<u32, String> {
+    let out = Command::new("id")
+        .args([flag, "postgres"])
+        .output()
+        .map_err(|e| e.to_string())?;
+    String::from_utf8_lossy(&out.stdout)
+        .trim()
+        .parse()
+        .map_err(|_| format!("no postgres user (id {flag} postgres)"))
+}
+
 fn start_pg_tls(p: &Pki) -> Result<PgTls, String> {
     use std::os::unix::fs::PermissionsExt;
     let (initdb, postgres) = match (pg_bin("initdb"), pg_bin("postgres")) {
@@ -200,23 +212,7 @@ fn start_pg_tls(p: &Pki) -> Result<PgTls, String> {
     let dir = tempfile::tempdir().map_err(|e| e.to_string())?;
     let data = dir.path().join("data");
     let (uid, gid) = if root {
-        let out = Command::new("id")
-            .args(["-u", "postgres"])
-            .output()
-            .map_err(|e| e.to_string())?;
-        let uid: u32 = String::from_utf8_lossy(&out.stdout)
-            .trim()
-            .parse()
-            .map_err(|_| "no postgres user".to_string())?;
-        let out = Command::new("id")
-            .args(["-g", "postgres"])
-            .output()
-            .map_err(|e| e.to_string())?;
-        let gid: u32 = String::from_utf8_lossy(&out.stdout)
-            .trim()
-            .parse()
-            .map_err(|_| "no postgres group".to_string())?;
-        (Some(uid), Some(gid))
+        (Some(postgres_id("-u")?), Some(postgres_id("-g")?))
     } else {
         (None, None)
     };

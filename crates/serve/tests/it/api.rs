@@ -10,7 +10,7 @@ use async_openai::types::chat::{
 use async_openai::types::embeddings::{CreateEmbeddingRequestArgs, EmbeddingInput, EncodingFormat};
 use futures_util::StreamExt;
 use polygw::ScopeKind;
-use polygw_mock_upstream::{Behavior, RetryAfter, UsageMode};
+use polygw_mock_upstream::{Behavior, MockUpstream, RetryAfter, UsageMode};
 use polygw_serve::{ProxyConfig, ServerLimits};
 use polygw_testkit::fakes::RecordingTelemetry;
 use serde_json::{json, Value};
@@ -335,21 +335,23 @@ async fn every_answer_has_a_request_id_and_errors_their_polygw_headers() {
     assert!(rows.rows_of(&id).len() >= 2, "attempt + terminal rows");
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn short_upstream_hints_are_honoured_then_reach_the_client_as_a_429() {
-    // The case: an upstream that always answers 429 with `Retry-After: 1`. The
-    // proxy honours each hint (about one request a second, never a tight loop) and,
-    // once nothing admitted the call for --max-wait-s, answers 429 with Retry-After
-    // instead of holding the client for the 60 s stall window.
+/// A proxy with `--max-wait-s` `max_wait` in front of an upstream that always answers
+/// 429 with `Retry-After: hint_s`, and one plain call through it: the proxy, the
+/// upstream, the answer's status, `Retry-After` (seconds), JSON body, and how long the
+/// call took.
+async fn through_rate_limited(
+    hint_s: f64,
+    max_wait: Duration,
+) -> (Served, MockUpstream, u16, Option<u64>, Value, Duration) {
     let m = mock(Behavior {
-        retry_after: Some(RetryAfter::Seconds(1.0)),
+        retry_after: Some(RetryAfter::Seconds(hint_s)),
         ..Behavior::status(429)
     })
     .await;
     let s = serve_with(
         vec![chat_scope("LLM", &m).await],
         ProxyConfig {
-            max_wait: Duration::from_secs(2),
+            max_wait,
             ..ProxyConfig::default()
         },
         ServerLimits::default(),
@@ -363,14 +365,29 @@ async fn short_upstream_hints_are_honoured_then_reach_the_client_as_a_429() {
         .await
         .unwrap();
     let took = started.elapsed();
-    assert_eq!(r.status(), 429);
-    let ra: u64 = r.headers()["retry-after"]
-        .to_str()
-        .unwrap()
-        .parse()
-        .unwrap();
-    assert!((1..=2).contains(&ra), "the upstream's own hint: {ra}");
+    let status = r.status().as_u16();
+    assert!(r.headers().contains_key("x-request-id"));
+    let ra = r
+        .headers()
+        .get("retry-after")
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse().ok());
     let v: Value = r.json().await.unwrap();
+    (s, m, status, ra, v, took)
+}
+
+#[tokio::test(start_paused = true)]
+async fn short_upstream_hints_are_honoured_then_reach_the_client_as_a_429() {
+    // The case: an upstream that always answers 429 with `Retry-After: 1`. The
+    // proxy honours each hint (about one request a second, never a tight loop) and,
+    // once nothing admitted the call for --max-wait-s, answers 429 with Retry-After
+    // instead of holding the client for the 60 s stall window.
+    let (_s, m, status, ra, v, took) = through_rate_limited(1.0, Duration::from_secs(2)).await;
+    assert_eq!(status, 429);
+    assert!(
+        ra.is_some_and(|ra| (1..=2).contains(&ra)),
+        "the upstream's own hint: {ra:?}"
+    );
     assert_eq!(v["error"]["code"], "rate_limit_exceeded");
     assert!(took < Duration::from_secs(6), "held {took:?}");
     let n = m.requests().len();
@@ -383,37 +400,12 @@ async fn short_upstream_hints_are_honoured_then_reach_the_client_as_a_429() {
 #[tokio::test(start_paused = true)]
 async fn rate_limits_reach_the_client_as_429_with_retry_after() {
     // The upstream asks for 30 s; the proxy waits at most 1 s, then says so.
-    let m = mock(Behavior {
-        retry_after: Some(RetryAfter::Seconds(30.0)),
-        ..Behavior::status(429)
-    })
-    .await;
-    let s = serve_with(
-        vec![chat_scope("LLM", &m).await],
-        ProxyConfig {
-            max_wait: Duration::from_secs(1),
-            ..ProxyConfig::default()
-        },
-        ServerLimits::default(),
-    )
-    .await;
-    let started = tokio::time::Instant::now();
-    let r = http()
-        .post(format!("{}/chat/completions", s.v1()))
-        .json(&json!({"model": "llm", "messages": [{"role": "user", "content": "hi"}]}))
-        .send()
-        .await
-        .unwrap();
-    let took = started.elapsed();
-    assert_eq!(r.status(), 429);
-    let ra: u64 = r.headers()["retry-after"]
-        .to_str()
-        .unwrap()
-        .parse()
-        .unwrap();
-    assert!((25..=31).contains(&ra), "the earliest admission: {ra}");
-    assert!(r.headers().contains_key("x-request-id"));
-    let v: Value = r.json().await.unwrap();
+    let (s, m, status, ra, v, took) = through_rate_limited(30.0, Duration::from_secs(1)).await;
+    assert_eq!(status, 429);
+    assert!(
+        ra.is_some_and(|ra| (25..=31).contains(&ra)),
+        "the earliest admission: {ra:?}"
+    );
     assert_eq!(v["error"]["code"], "rate_limit_exceeded");
     assert!(took < Duration::from_secs(3), "held {took:?}");
     assert_eq!(
