@@ -1,7 +1,7 @@
 //! `cargo bench -p polygw-cli --bench serve` (`cargo xtask bench serve`): what the
 //! `polygw serve` proxy (the release binary, a separate process: memory governance,
 //! telemetry to SQLite) adds to calling the loopback mock upstream directly — plain and
-//! streamed, with 1 and 64 concurrent callers: added µs at p50/p99, added time to first
+//! streamed, with 1, 16 and 64 concurrent callers: added µs at p50/p99, added time to first
 //! token, calls/s, and the proxy's own CPU per call. Baseline and proxy calls are
 //! interleaved round by round in the same run. Method and results: docs/BENCHMARKS.md,
 //! "Proxy overhead".
@@ -287,12 +287,15 @@ fn main() {
     println!(
         "proxy overhead: polygw serve (release binary, memory governance, telemetry to SQLite) vs the mock upstream \
          directly; {CHUNKS} chunks (streams pause 1 ms after the first); {rounds} rounds (+1 warm-up), {c1} calls per variant per round \
-         with 1 caller, {c64} with 64; load average {}",
+         with 1 caller, {c64} with 16 and with 64; load average {}",
         loadavg()
     );
     let ok = rt.block_on(async {
         let (one, p1) = level(&callers, pid, 1, rounds, c1).await;
         let mut ok = report(1, &one, &p1, idle);
+        // 16 callers: issue 17's target level for plain calls (≥ 0.5× direct).
+        let (some, p16) = level(&callers, pid, 16, rounds, c64).await;
+        ok &= report(16, &some, &p16, idle);
         let (many, p64) = level(&callers, pid, 64, rounds, c64).await;
         ok &= report(64, &many, &p64, idle);
         ok

@@ -1,12 +1,13 @@
 //! [`MemoryCache`]: the in-process response cache (SPEC §10) — bounded, with a TTL per
 //! entry and least-recently-used eviction.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::BTreeMap;
 use std::fmt;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
+use hashlink::LruCache;
 use polygw_core::error::CacheError;
 use polygw_core::ports::{Clock, ResponseCache};
 use polygw_core::response::LlmResponse;
@@ -16,6 +17,10 @@ use crate::lock;
 /// A bounded in-process [`ResponseCache`]: at most `capacity` entries, each fresh for the
 /// TTL it was stored with; when full, the least recently used entry goes first (expired
 /// entries go before any live one). Cheap to clone (shared state).
+///
+/// A hit is one hash lookup that also moves the entry to the most recent end of the
+/// recency list (O(1), no allocation besides the clone of the answer); a store also
+/// keeps the entry in an expiry index, so expired entries leave before live ones.
 #[derive(Clone)]
 pub struct MemoryCache {
     inner: Arc<Inner>,
@@ -30,36 +35,30 @@ struct Inner {
 struct Entry {
     response: LlmResponse,
     expires: Instant,
-    /// Position in the recency order.
-    seq: u64,
     /// Insertion number (unique), for the expiry index.
     ins: u64,
 }
 
-#[derive(Default)]
 struct State {
-    entries: HashMap<String, Entry>,
-    /// seq → key, least recently used first.
-    order: BTreeMap<u64, String>,
+    /// Entries in recency order, least recently used first (the capacity is enforced
+    /// here, not by the map, so that an evicted entry also leaves the expiry index).
+    entries: LruCache<String, Entry>,
     /// (expiry, insertion number) → key, soonest first.
     by_expiry: BTreeMap<(Instant, u64), String>,
-    next_seq: u64,
+    next_ins: u64,
 }
 
 impl State {
-    fn touch(&mut self, key: &str) {
-        self.next_seq += 1;
-        let seq = self.next_seq;
-        if let Some(e) = self.entries.get_mut(key) {
-            self.order.remove(&e.seq);
-            e.seq = seq;
-            self.order.insert(seq, key.to_string());
+    fn new() -> Self {
+        State {
+            entries: LruCache::new_unbounded(),
+            by_expiry: BTreeMap::new(),
+            next_ins: 0,
         }
     }
 
     fn remove(&mut self, key: &str) {
         if let Some(e) = self.entries.remove(key) {
-            self.order.remove(&e.seq);
             self.by_expiry.remove(&(e.expires, e.ins));
         }
     }
@@ -70,9 +69,17 @@ impl State {
                 break;
             }
             let key = entry.remove();
-            if let Some(e) = self.entries.remove(&key) {
-                self.order.remove(&e.seq);
+            self.entries.remove(&key);
+        }
+    }
+
+    fn evict_lru(&mut self) -> bool {
+        match self.entries.remove_lru() {
+            Some((_, e)) => {
+                self.by_expiry.remove(&(e.expires, e.ins));
+                true
             }
+            None => false,
         }
     }
 }
@@ -93,7 +100,7 @@ impl MemoryCache {
             inner: Arc::new(Inner {
                 capacity,
                 clock,
-                state: Mutex::new(State::default()),
+                state: Mutex::new(State::new()),
             }),
         }
     }
@@ -114,16 +121,13 @@ impl ResponseCache for MemoryCache {
     async fn get(&self, key: &str) -> Result<Option<LlmResponse>, CacheError> {
         let now = self.inner.clock.now();
         let mut st = lock(&self.inner.state);
+        // `get` moves a found entry to the most recent end.
         match st.entries.get(key) {
             None => Ok(None),
-            Some(e) if e.expires <= now => {
+            Some(e) if e.expires > now => Ok(Some(e.response.clone())),
+            Some(_) => {
                 st.remove(key);
                 Ok(None)
-            }
-            Some(e) => {
-                let response = e.response.clone();
-                st.touch(key);
-                Ok(Some(response))
             }
         }
     }
@@ -145,24 +149,19 @@ impl ResponseCache for MemoryCache {
         st.remove(key);
         st.purge_expired(now);
         while st.entries.len() >= self.inner.capacity {
-            let Some((_, oldest)) = st.order.pop_first() else {
+            if !st.evict_lru() {
                 break;
-            };
-            if let Some(e) = st.entries.remove(&oldest) {
-                st.by_expiry.remove(&(e.expires, e.ins));
             }
         }
-        st.next_seq += 1;
-        let seq = st.next_seq;
-        st.order.insert(seq, key.to_string());
-        st.by_expiry.insert((expires, seq), key.to_string());
+        st.next_ins += 1;
+        let ins = st.next_ins;
+        st.by_expiry.insert((expires, ins), key.to_string());
         st.entries.insert(
             key.to_string(),
             Entry {
                 response: response.clone(),
                 expires,
-                seq,
-                ins: seq,
+                ins,
             },
         );
         Ok(())

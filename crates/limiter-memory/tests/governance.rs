@@ -449,6 +449,24 @@ mod cache {
     }
 
     #[tokio::test]
+    async fn an_entry_evicted_as_least_recent_leaves_no_expiry_behind() {
+        let (c, clock) = cache(2);
+        c.put("a", &resp("a1"), Duration::from_secs(1))
+            .await
+            .unwrap();
+        c.put("b", &resp("b"), TTL).await.unwrap();
+        c.put("c", &resp("c"), TTL).await.unwrap(); // evicts a (least recent)
+        assert_eq!(c.get("a").await.unwrap(), None);
+        c.put("a", &resp("a2"), TTL).await.unwrap(); // evicts b
+        clock.advance(Duration::from_secs(2)); // the first a's expiry has passed
+        c.put("d", &resp("d"), TTL).await.unwrap(); // evicts c, not the new a
+        assert_eq!(c.get("a").await.unwrap(), Some(resp("a2")));
+        assert_eq!(c.get("d").await.unwrap(), Some(resp("d")));
+        assert_eq!(c.get("c").await.unwrap(), None);
+        assert_eq!(c.len(), 2);
+    }
+
+    #[tokio::test]
     async fn overwrite_replaces_value_and_ttl() {
         let (c, clock) = cache(2);
         c.put("k", &resp("old"), Duration::from_secs(1))

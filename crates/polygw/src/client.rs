@@ -310,7 +310,7 @@ impl GatewayClient {
             span.record("polygw.hedge_won", r.call_stats.hedge_won);
             span.record("polygw.cache_hit", r.call_stats.cache_hit);
             if r.call_stats.hedge_won {
-                self.engine.metrics.hedge_win(&self.engine.scope.name);
+                self.engine.scope_metrics.hedge_win();
             }
         }
         self.engine.conclude(call, span, result.as_ref().err());
@@ -380,7 +380,7 @@ impl GatewayClient {
             stall_count: None,
         };
         engine.emit_cache_hit(call, &hit.model);
-        engine.metrics.cache_hit(&engine.scope.name);
+        engine.scope_metrics.cache_hit();
         hit
     }
 

@@ -40,7 +40,10 @@ fn fixture_bodies() -> Vec<Vec<u8>> {
         .collect()
 }
 
-fn parse_and_aggregate(bytes: &[u8], read_size: usize) -> (usize, u32) {
+/// Parses and folds a body; `typed` folds frames as the transport does (the typed path,
+/// the `Value` path for the frames it declines), else every frame through a `Value`
+/// (the transport before issue 17, kept as the same-run baseline).
+fn parse_and_aggregate(bytes: &[u8], read_size: usize, typed: bool) -> (usize, u32) {
     let mut parser = SseParser::new();
     let mut agg = StreamAggregator::new();
     let mut events = Vec::new();
@@ -51,8 +54,10 @@ fn parse_and_aggregate(bytes: &[u8], read_size: usize) -> (usize, u32) {
             if ev.data == "[DONE]" {
                 continue;
             }
-            let v: Value = serde_json::from_str(&ev.data).unwrap();
-            agg.feed(v.as_object().unwrap(), false);
+            if !typed || agg.feed_typed(&ev.data, false).is_none() {
+                let v: Value = serde_json::from_str(&ev.data).unwrap();
+                agg.feed(v.as_object().unwrap(), false);
+            }
             frames += 1;
         }
     }
@@ -63,19 +68,32 @@ fn bench_parser() {
     let bodies = fixture_bodies();
     let total: usize = bodies.iter().map(Vec::len).sum();
     for read_size in [64usize, 1024, 16 * 1024] {
-        let rounds = 20;
-        let start = Instant::now();
-        let mut frames = 0;
-        for _ in 0..rounds {
-            for b in &bodies {
-                frames += parse_and_aggregate(b, read_size).0;
+        let mut rates = [0.0; 2];
+        for (i, typed) in [false, true].into_iter().enumerate() {
+            let rounds = 20;
+            let start = Instant::now();
+            let mut frames = 0;
+            for _ in 0..rounds {
+                for b in &bodies {
+                    frames += parse_and_aggregate(b, read_size, typed).0;
+                }
             }
+            let secs = start.elapsed().as_secs_f64();
+            rates[i] = frames as f64 / secs;
+            println!(
+                "parse+aggregate ({}), reads of {read_size:>5} B: {:>7.1} MB/s, {:>9.0} frames/s",
+                if typed {
+                    "typed, as the transport"
+                } else {
+                    "Value tree, baseline   "
+                },
+                (total * rounds) as f64 / secs / 1e6,
+                rates[i]
+            );
         }
-        let secs = start.elapsed().as_secs_f64();
         println!(
-            "parse+aggregate, reads of {read_size:>5} B: {:>7.1} MB/s, {:>9.0} frames/s",
-            (total * rounds) as f64 / secs / 1e6,
-            frames as f64 / secs
+            "parse+aggregate, reads of {read_size:>5} B: typed / Value tree = {:.2}×",
+            rates[1] / rates[0]
         );
     }
 }

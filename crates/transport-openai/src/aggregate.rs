@@ -15,6 +15,13 @@
 //!   or a tool call with a non-empty name or arguments.
 //!
 //! Nothing here allocates per frame unless the caller asks for a [`StreamDelta`].
+//!
+//! Frames come in two ways: [`StreamAggregator::feed_typed`] takes the frame's JSON text
+//! and parses the common shape (string fields, no usage, no error) into borrowed typed
+//! structs — no `serde_json::Value` tree, the strings without escapes not copied; it
+//! declines anything else, untouched, and the caller then parses a `Value` and calls
+//! [`StreamAggregator::feed`], the general path. Both give the same result for every
+//! frame the typed path accepts (property-tested, and on every recorded fixture).
 
 use std::collections::BTreeMap;
 
@@ -153,6 +160,171 @@ pub fn frame_usage(obj: &Map<String, Value>) -> Option<(Usage, UsageLocation)> {
         .map(|u| (parse_usage(u), UsageLocation::Choice))
 }
 
+/// The common shape of a chunk, parsed with its strings borrowed from the frame's text
+/// (see [`StreamAggregator::feed_typed`]). A field of another JSON type than the one
+/// declared here (typed content parts, a numeric `model`, a fractional tool index…), a
+/// duplicate key, or a choice, delta, tool call or function that is not a JSON object
+/// fails the parse: such a frame goes the general way. (Every struct is read through
+/// [`typed::MapOnly`]: serde's derived structs would also accept a JSON array.)
+mod typed {
+    use std::borrow::Cow;
+    use std::fmt;
+    use std::marker::PhantomData;
+    use std::ops::Deref;
+
+    use serde::de::{self, Deserializer, IgnoredAny, MapAccess, Visitor};
+    use serde::Deserialize;
+
+    /// A struct read from a JSON object only (never from an array).
+    pub(super) struct MapOnly<T>(pub T);
+
+    impl<T> Deref for MapOnly<T> {
+        type Target = T;
+        fn deref(&self) -> &T {
+            &self.0
+        }
+    }
+
+    impl<'de, T: Deserialize<'de>> Deserialize<'de> for MapOnly<T> {
+        fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+            struct V<T>(PhantomData<T>);
+            impl<'de, T: Deserialize<'de>> Visitor<'de> for V<T> {
+                type Value = MapOnly<T>;
+                fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                    f.write_str("a JSON object")
+                }
+                fn visit_map<A: MapAccess<'de>>(self, map: A) -> Result<MapOnly<T>, A::Error> {
+                    T::deserialize(de::value::MapAccessDeserializer::new(map)).map(MapOnly)
+                }
+            }
+            d.deserialize_map(V(PhantomData))
+        }
+    }
+
+    /// A JSON string, borrowed from the input when it has no escapes.
+    pub(super) struct Str<'a>(Cow<'a, str>);
+
+    impl Deref for Str<'_> {
+        type Target = str;
+        fn deref(&self) -> &str {
+            &self.0
+        }
+    }
+
+    impl<'de: 'a, 'a> Deserialize<'de> for Str<'a> {
+        fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+            struct V<'a>(PhantomData<&'a ()>);
+            impl<'de: 'a, 'a> Visitor<'de> for V<'a> {
+                type Value = Str<'a>;
+                fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                    f.write_str("a string")
+                }
+                fn visit_borrowed_str<E: de::Error>(self, v: &'de str) -> Result<Str<'a>, E> {
+                    Ok(Str(Cow::Borrowed(v)))
+                }
+                fn visit_str<E: de::Error>(self, v: &str) -> Result<Str<'a>, E> {
+                    Ok(Str(Cow::Owned(v.to_owned())))
+                }
+                fn visit_string<E: de::Error>(self, v: String) -> Result<Str<'a>, E> {
+                    Ok(Str(Cow::Owned(v)))
+                }
+            }
+            d.deserialize_str(V(PhantomData))
+        }
+    }
+
+    /// A choice's `index` as [`super::choice0`] reads it: absent, zero (integer or
+    /// float), or anything else (another number, or `null`).
+    #[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+    pub(super) enum Index {
+        #[default]
+        Missing,
+        Zero,
+        Other,
+    }
+
+    impl<'de> Deserialize<'de> for Index {
+        fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+            struct V;
+            impl Visitor<'_> for V {
+                type Value = Index;
+                fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                    f.write_str("a number or null")
+                }
+                fn visit_u64<E: de::Error>(self, v: u64) -> Result<Index, E> {
+                    Ok(if v == 0 { Index::Zero } else { Index::Other })
+                }
+                fn visit_i64<E: de::Error>(self, v: i64) -> Result<Index, E> {
+                    Ok(if v == 0 { Index::Zero } else { Index::Other })
+                }
+                fn visit_f64<E: de::Error>(self, v: f64) -> Result<Index, E> {
+                    Ok(if v == 0.0 { Index::Zero } else { Index::Other })
+                }
+                fn visit_unit<E: de::Error>(self) -> Result<Index, E> {
+                    Ok(Index::Other)
+                }
+            }
+            d.deserialize_any(V)
+        }
+    }
+
+    #[derive(Deserialize)]
+    pub(super) struct Frame<'a> {
+        #[serde(borrow, default)]
+        pub model: Option<Str<'a>>,
+        #[serde(borrow, default)]
+        pub choices: Option<Vec<MapOnly<Choice<'a>>>>,
+        #[serde(default)]
+        pub usage: Option<IgnoredAny>,
+        #[serde(default)]
+        pub error: Option<IgnoredAny>,
+    }
+
+    #[derive(Deserialize)]
+    pub(super) struct Choice<'a> {
+        #[serde(default)]
+        pub index: Index,
+        #[serde(borrow, default)]
+        pub delta: Option<MapOnly<Delta<'a>>>,
+        #[serde(borrow, default)]
+        pub finish_reason: Option<Str<'a>>,
+        #[serde(default)]
+        pub usage: Option<IgnoredAny>,
+    }
+
+    #[derive(Deserialize)]
+    pub(super) struct Delta<'a> {
+        #[serde(borrow, default)]
+        pub role: Option<Str<'a>>,
+        #[serde(borrow, default)]
+        pub content: Option<Str<'a>>,
+        #[serde(borrow, default)]
+        pub reasoning_content: Option<Str<'a>>,
+        #[serde(borrow, default)]
+        pub reasoning: Option<Str<'a>>,
+        #[serde(borrow, default)]
+        pub tool_calls: Option<Vec<MapOnly<ToolCall<'a>>>>,
+    }
+
+    #[derive(Deserialize)]
+    pub(super) struct ToolCall<'a> {
+        #[serde(default)]
+        pub index: Option<u64>,
+        #[serde(borrow, default)]
+        pub id: Option<Str<'a>>,
+        #[serde(borrow, default)]
+        pub function: Option<MapOnly<Function<'a>>>,
+    }
+
+    #[derive(Deserialize)]
+    pub(super) struct Function<'a> {
+        #[serde(borrow, default)]
+        pub name: Option<Str<'a>>,
+        #[serde(borrow, default)]
+        pub arguments: Option<Str<'a>>,
+    }
+}
+
 /// Text pieces of one delta (or message), before they are appended.
 #[derive(Default)]
 struct Pieces {
@@ -232,6 +404,137 @@ impl StreamAggregator {
             incremental,
             delta: delta_out,
         }
+    }
+
+    /// Folds one frame given as its JSON text, when it has the common shape: a JSON
+    /// object whose `model`, choices' `finish_reason` and delta fields (`role`,
+    /// `content`, `reasoning_content`, `reasoning`, tool calls' `id`, `name`,
+    /// `arguments`) are strings or null, with no `error` and no usage (top-level or in
+    /// choice 0). Parsed into borrowed typed structs, not a `Value` tree. Returns
+    /// `None`, with nothing folded, for any other text: the caller then parses it as a
+    /// `Value` (checking in-band errors) and calls [`StreamAggregator::feed`], which
+    /// gives the same outcome as this would for the frames this accepts.
+    pub fn feed_typed(&mut self, data: &str, want_delta: bool) -> Option<FrameOutcome> {
+        let frame: typed::MapOnly<typed::Frame<'_>> = serde_json::from_str(data).ok()?;
+        if frame.error.is_some() || frame.usage.is_some() {
+            return None;
+        }
+        let choices = frame.choices.as_deref().unwrap_or(&[]);
+        let c0 = choices
+            .iter()
+            .enumerate()
+            .find(|(pos, c)| match c.index {
+                typed::Index::Missing => *pos == 0,
+                typed::Index::Zero => true,
+                typed::Index::Other => false,
+            })
+            .map(|(_, c)| c);
+        if c0.is_some_and(|c| c.usage.is_some()) {
+            return None;
+        }
+        self.frames = self.frames.saturating_add(1);
+        let model = frame.model.as_deref().filter(|m| !m.is_empty());
+        if self.model.is_none() {
+            if let Some(m) = model {
+                self.model = Some(m.to_string());
+            }
+        }
+        let mut delta_out = want_delta.then(StreamDelta::default);
+        let mut incremental = false;
+        if let Some(c) = c0 {
+            if let Some(delta) = &c.delta {
+                incremental = self.absorb_typed(delta, delta_out.as_mut());
+            }
+            if let Some(fr) = c.finish_reason.as_deref() {
+                self.finish_reason = Some(fr.to_string());
+                if let Some(d) = delta_out.as_mut() {
+                    d.finish_reason = Some(fr.to_string());
+                }
+            }
+        }
+        if let Some(d) = delta_out.as_mut() {
+            d.model = model.map(str::to_string);
+        }
+        if incremental {
+            self.incremental_chunks = self.incremental_chunks.saturating_add(1);
+        }
+        Some(FrameOutcome {
+            incremental,
+            delta: delta_out,
+        })
+    }
+
+    /// [`Self::absorb`] for a typed delta (string content only).
+    fn absorb_typed(&mut self, delta: &typed::Delta<'_>, out: Option<&mut StreamDelta>) -> bool {
+        let want = out.is_some();
+        let mut incremental = false;
+        let mut pieces = Pieces::default();
+        if let Some(s) = delta.content.as_deref() {
+            self.content.push_str(s);
+            incremental |= !s.is_empty();
+            if want {
+                pieces.content = Some(s.to_string());
+            }
+        }
+        for s in [&delta.reasoning_content, &delta.reasoning]
+            .into_iter()
+            .flatten()
+        {
+            self.reasoning.push_str(s);
+            incremental |= !s.is_empty();
+            if want {
+                pieces.reasoning.get_or_insert_with(String::new).push_str(s);
+            }
+        }
+        let mut tool_deltas = Vec::new();
+        for (pos, tc) in delta.tool_calls.iter().flatten().enumerate() {
+            let idx = tc
+                .index
+                .and_then(|i| u32::try_from(i).ok())
+                .unwrap_or(pos as u32);
+            let slot = self.tools.entry(idx).or_default();
+            let mut td = want.then(|| ToolCallDelta {
+                index: idx,
+                ..ToolCallDelta::default()
+            });
+            if let Some(id) = tc.id.as_deref().filter(|id| !id.is_empty()) {
+                if slot.id.is_none() {
+                    slot.id = Some(id.to_string());
+                }
+                if let Some(td) = td.as_mut() {
+                    td.id = Some(id.to_string());
+                }
+            }
+            if let Some(f) = &tc.function {
+                if let Some(name) = f.name.as_deref().filter(|n| !n.is_empty()) {
+                    incremental = true;
+                    if slot.name.is_none() {
+                        slot.name = Some(name.to_string());
+                    }
+                    if let Some(td) = td.as_mut() {
+                        td.name = Some(name.to_string());
+                    }
+                }
+                if let Some(args) = f.arguments.as_deref() {
+                    slot.arguments.push_str(args);
+                    self.args_bytes += args.len();
+                    incremental |= !args.is_empty();
+                    if let Some(td) = td.as_mut() {
+                        td.arguments.push_str(args);
+                    }
+                }
+            }
+            if let Some(td) = td {
+                tool_deltas.push(td);
+            }
+        }
+        if let Some(d) = out {
+            d.role = delta.role.as_deref().map(str::to_string);
+            d.content = pieces.content;
+            d.reasoning = pieces.reasoning;
+            d.tool_calls = tool_deltas;
+        }
+        incremental
     }
 
     /// Folds a plain completion's `choices[0].message` (same rules as a delta), its

@@ -16,7 +16,9 @@ use polygw_core::{AttemptError, ErrorClass, SourceConfig, Usage, UsageSource};
 use serde_json::{Map, Value};
 use tokio::time::Instant as TokioInstant;
 
-use crate::aggregate::{choice0, error_body, in_band_error, Aggregate, StreamAggregator};
+use crate::aggregate::{
+    choice0, error_body, in_band_error, Aggregate, FrameOutcome, StreamAggregator,
+};
 use crate::failure::{fail, http_failure, retry_after, send_failure};
 use crate::sse::{SseError, SseEvent, SseParser};
 use crate::{OpenAiTransport, TransportConfig};
@@ -592,6 +594,14 @@ impl StreamState<'_> {
             // An empty `data:` event carries no frame (some servers use it as a ping).
             return Ok(false);
         }
+        // The common frame: typed and borrowed, no `Value` tree (declined, untouched,
+        // for anything else, which the general path below handles). A caller that
+        // wants the upstream's frame as a `Value` gets the general path.
+        if !is_error_event && !self.wants_raw {
+            if let Some(out) = self.agg.feed_typed(data, self.wants) {
+                return self.folded(out, None, at);
+            }
+        }
         let obj = match serde_json::from_str::<Value>(data) {
             Ok(Value::Object(o)) => o,
             Ok(_) if is_error_event => {
@@ -618,6 +628,16 @@ impl StreamState<'_> {
             return Err(in_band(error_body(data.as_bytes()).unwrap_or_default()));
         }
         let out = self.agg.feed(&obj, self.wants);
+        self.folded(out, Some(obj), at)
+    }
+
+    /// What follows a folded frame: the content cap, the stall meter, the observer.
+    fn folded(
+        &mut self,
+        out: FrameOutcome,
+        obj: Option<Map<String, Value>>,
+        at: &mut Option<Instant>,
+    ) -> Result<bool, Failure> {
         if self.agg.content_bytes() > self.max_content {
             return Err(Failure::TooLarge {
                 limit: self.max_content,
@@ -632,7 +652,7 @@ impl StreamState<'_> {
         }
         if let Some(mut d) = out.delta {
             if self.wants_raw {
-                d.raw = Some(obj);
+                d.raw = obj;
             }
             let t = *at.get_or_insert_with(|| self.clock.now());
             self.observer.on_delta(t, d);

@@ -430,3 +430,154 @@ fn finding_sse_1_decoded_data_stays_within_the_event_bound() {
     assert!(r.is_err(), "7 decoded bytes exceed a 4-byte bound: {out:?}");
     assert!(out.iter().all(|e| e.data.len() <= 4));
 }
+
+/// A JSON value of any type for a field the typed path reads as a string or a number.
+fn field_value() -> BoxedStrategy<Value> {
+    prop_oneof![
+        4 => "[a-z]{0,3}(é|\\\\|\"|\n|😀)?".prop_map(Value::String),
+        1 => Just(Value::String(String::new())),
+        1 => Just(Value::Null),
+        1 => any::<bool>().prop_map(Value::Bool),
+        1 => prop_oneof![Just(json!(0)), Just(json!(1)), Just(json!(0.0)), Just(json!(-0.0)),
+                         Just(json!(2.5)), Just(json!(-1)), Just(json!(u64::MAX)), Just(json!(5_000_000_000u64))],
+        1 => Just(json!(["x", {"type": "text", "text": "y"}])),
+        1 => Just(json!({"text": "z"})),
+    ]
+    .boxed()
+}
+
+/// An optional member: absent, or present with `v`.
+fn member(
+    key: &'static str,
+    v: impl Strategy<Value = Value>,
+) -> impl Strategy<Value = Option<(String, Value)>> {
+    proptest::option::of(v.prop_map(move |v| (key.to_string(), v)))
+}
+
+fn object(members: Vec<Option<(String, Value)>>) -> Value {
+    Value::Object(members.into_iter().flatten().collect())
+}
+
+/// Chunk-like frames: mostly the common shape, with every field sometimes of another
+/// type, indexes of every kind, non-object elements, usage and errors.
+fn chunkish() -> BoxedStrategy<Value> {
+    let function = (
+        member("name", field_value()),
+        member("arguments", field_value()),
+    )
+        .prop_map(|(a, b)| object(vec![a, b]))
+        .boxed();
+    let tool = (
+        member("index", field_value()),
+        member("id", field_value()),
+        member("function", prop_oneof![4 => function, 1 => field_value()]),
+    )
+        .prop_map(|(a, b, c)| object(vec![a, b, c]))
+        .boxed();
+    let tools = prop_oneof![
+        4 => prop::collection::vec(prop_oneof![6 => tool, 1 => field_value()], 0..3).prop_map(Value::Array),
+        1 => field_value(),
+    ]
+    .boxed();
+    let delta = (
+        member("role", field_value()),
+        member("content", field_value()),
+        member("reasoning_content", field_value()),
+        member("reasoning", field_value()),
+        member("tool_calls", tools),
+    )
+        .prop_map(|(a, b, c, d, e)| object(vec![a, b, c, d, e]))
+        .boxed();
+    let usage = prop_oneof![
+        Just(Value::Null),
+        Just(json!({"prompt_tokens": 3, "completion_tokens": 4})),
+        Just(json!(7)),
+    ];
+    let choice = (
+        member("index", field_value()),
+        member("delta", prop_oneof![6 => delta, 1 => field_value()]),
+        member("finish_reason", field_value()),
+        member("usage", usage.clone()),
+    )
+        .prop_map(|(a, b, c, d)| object(vec![a, b, c, d]))
+        .boxed();
+    let choices = prop_oneof![
+        6 => prop::collection::vec(prop_oneof![8 => choice, 1 => field_value()], 0..3).prop_map(Value::Array),
+        1 => field_value(),
+    ]
+    .boxed();
+    (
+        member("model", field_value()),
+        member("choices", choices),
+        member("usage", usage),
+        member(
+            "error",
+            prop_oneof![
+                Just(Value::Null),
+                Just(json!(false)),
+                Just(json!({"message": "m"}))
+            ],
+        ),
+        member("id", field_value()),
+    )
+        .prop_map(|(a, b, c, d, e)| object(vec![a, b, c, d, e]))
+        .boxed()
+}
+
+proptest! {
+    #![proptest_config(config(1_000))]
+
+    /// The typed path folds a frame exactly as the general path does whenever it
+    /// accepts it (outcome, delta, and the aggregate after a whole sequence), and
+    /// leaves the aggregator untouched when it declines.
+    #[test]
+    fn typed_and_general_paths_agree(
+        frames in prop::collection::vec(prop_oneof![4 => chunkish(), 1 => json_value()], 0..10),
+        want in any::<bool>(),
+    ) {
+        let mut general = StreamAggregator::new();
+        let mut typed = StreamAggregator::new();
+        for v in &frames {
+            let text = v.to_string();
+            match v {
+                Value::Object(o) => {
+                    let expected = general.feed(o, want);
+                    let got = match typed.feed_typed(&text, want) {
+                        Some(out) => out,
+                        None => typed.feed(o, want),
+                    };
+                    prop_assert_eq!(got, expected, "{}", text);
+                }
+                _ => prop_assert!(typed.feed_typed(&text, want).is_none(), "{}", text),
+            }
+        }
+        prop_assert_eq!(typed.finish(), general.finish());
+    }
+}
+
+#[test]
+fn the_typed_path_reads_objects_only_and_declines_errors_and_usage() {
+    let mut agg = StreamAggregator::new();
+    for declined in [
+        "[]",
+        "[null, [{\"delta\": {\"content\": \"x\"}}]]",
+        "{\"choices\": [[0, {\"content\": \"x\"}, null]]}",
+        "{\"choices\": [{\"delta\": [null, \"x\"]}]}",
+        "{\"error\": {\"message\": \"m\"}, \"choices\": []}",
+        "{\"usage\": {\"prompt_tokens\": 1}, \"choices\": []}",
+        "{\"choices\": [{\"delta\": {\"content\": \"a\"}, \"usage\": {}}]}",
+        "{\"model\": \"a\", \"model\": \"b\"}",
+        "{\"choices\": [{\"delta\": {\"content\": [{\"type\": \"text\", \"text\": \"p\"}]}}]}",
+    ] {
+        assert!(agg.feed_typed(declined, true).is_none(), "{declined}");
+    }
+    let out = agg
+        .feed_typed(
+            "{\"model\":\"m\",\"usage\":null,\"error\":null,\"choices\":[{\"index\":0,\"delta\":{\"content\":\"a\\nb\"}}]}",
+            false,
+        )
+        .expect("the common shape");
+    assert!(out.incremental);
+    let a = agg.finish();
+    assert_eq!((a.content.as_str(), a.frames), ("a\nb", 1));
+}

@@ -311,6 +311,40 @@ mod fixtures_pure {
         }
     }
 
+    /// The typed path (`feed_typed`) folds every frame it accepts exactly as the
+    /// general path does (outcome with its delta, and the final aggregate), declines
+    /// the others untouched, and accepts most frames of the recorded providers.
+    #[test]
+    fn typed_path_matches_the_general_path_on_every_fixture() {
+        let (mut typed_frames, mut frames) = (0u32, 0u32);
+        for (name, exp) in fixtures() {
+            let (_, events) = aggregate_bytes(&sse_body(&name, false), &[]);
+            let mut general = StreamAggregator::new();
+            let mut typed = StreamAggregator::new();
+            for ev in events.iter().take_while(|e| e.data != "[DONE]") {
+                frames += 1;
+                let v: Value = serde_json::from_str(&ev.data).unwrap();
+                let o = v.as_object().unwrap();
+                let want = general.feed(o, true);
+                let got = match typed.feed_typed(&ev.data, true) {
+                    Some(out) => {
+                        typed_frames += 1;
+                        out
+                    }
+                    None => typed.feed(o, true),
+                };
+                assert_eq!(got, want, "{name}: {}", ev.data);
+            }
+            let (g, t) = (general.finish(), typed.finish());
+            assert_eq!(t, g, "{name}");
+            assert_expected(&name, &t, &exp);
+        }
+        assert!(
+            typed_frames * 10 >= frames * 8,
+            "the typed path took {typed_frames} of {frames} frames"
+        );
+    }
+
     #[test]
     fn byte_by_byte_feeding_of_a_non_ascii_fixture() {
         let bytes = sse_body("alibaba--alibaba-reasoning.chunks.jsonl", true);

@@ -352,8 +352,7 @@ impl AttemptGuard {
             }
         }
         if let Some(d) = self.decided.take() {
-            let label = d.row.error.clone().unwrap_or_else(|| "ok".into());
-            self.count(&label, ttft);
+            self.count(d.row.error.as_deref().unwrap_or("ok"), ttft);
             engine.ports.telemetry.record(d.row);
         }
         self.armed = false;
@@ -361,12 +360,9 @@ impl AttemptGuard {
     }
 
     fn count(&self, label: &str, ttft: Option<u64>) {
-        let scope = &self.engine.scope.name;
-        self.engine
-            .metrics
-            .attempt(scope, &self.source().name, label, ttft);
+        self.engine.source_metrics[self.source_idx].attempt(label, ttft);
         if let Some(mode) = &self.base.resume_mode {
-            self.engine.metrics.resume(scope, mode, label);
+            self.engine.scope_metrics.resume(mode, label);
         }
     }
 }

@@ -24,7 +24,7 @@ impl Engine {
             .now()
             .saturating_duration_since(call.started));
         match error {
-            None => self.metrics.call(&self.scope.name, "ok", latency),
+            None => self.scope_metrics.call("ok", latency),
             Some(e) => {
                 let reason = e
                     .terminal_reason()
@@ -32,7 +32,7 @@ impl Engine {
                     .unwrap_or("invalid_request");
                 span.record("error.type", reason);
                 span.record("polygw.attempts", call.progress().attempts);
-                self.metrics.call(&self.scope.name, reason, latency);
+                self.scope_metrics.call(reason, latency);
                 self.emit_terminal(call, e);
             }
         }

@@ -24,7 +24,7 @@ use polygw_core::ports::{
 };
 use polygw_core::{ScopeKind, ScopeSettings};
 
-use crate::metrics::Metrics;
+use crate::metrics::{Metrics, ScopeMetrics, SourceMetrics};
 
 /// The port implementations a client runs on.
 #[derive(Clone, Debug)]
@@ -57,6 +57,10 @@ pub(crate) struct Engine {
     pub ports: Ports,
     pub hedge_budget: Mutex<HedgeBudget>,
     pub metrics: Arc<Metrics>,
+    /// This scope's counters in `metrics`, looked up once here (no lookup per call).
+    pub scope_metrics: Arc<ScopeMetrics>,
+    /// Each source's counters, indexed like `scope.sources`.
+    pub source_metrics: Vec<Arc<SourceMetrics>>,
     /// Signalled (`notify_one`) whenever an attempt of this client ends, freeing its slot
     /// and settling its reservation: one call waiting for a runnable source looks again
     /// at once (SPEC §14.6).
@@ -70,12 +74,20 @@ impl Engine {
         ports: Ports,
         metrics: Arc<Metrics>,
     ) -> Self {
+        let scope_metrics = metrics.scope(&scope.name);
+        let source_metrics = scope
+            .sources
+            .iter()
+            .map(|s| scope_metrics.source(&s.name))
+            .collect();
         Engine {
             scope,
             kind,
             ports,
             hedge_budget: Mutex::new(HedgeBudget::new()),
             metrics,
+            scope_metrics,
+            source_metrics,
             freed: tokio::sync::Notify::new(),
         }
     }

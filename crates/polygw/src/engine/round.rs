@@ -370,7 +370,7 @@ impl<'a, L: Leg> Exec<'a, L> {
             resume_of,
         };
         if is_hedge {
-            engine.metrics.hedge(&engine.scope.name);
+            engine.scope_metrics.hedge();
         }
         self.call
             .note_tried(&engine.scope.sources[info.source_idx].name);
