@@ -5,19 +5,19 @@
 
 use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
-use std::sync::mpsc;
+use std::process::Command;
 use std::time::Duration;
 
 use polygw_mock_upstream::{Behavior, MockConfig, MockUpstream, RetryAfter};
 use tokio::time::Instant;
 
-const BIN: &str = env!("CARGO_BIN_EXE_polygw-under-test");
+mod support;
 
-async fn mock(default: Behavior) -> MockUpstream {
-    let m = MockUpstream::start(MockConfig::default()).await.unwrap();
-    m.set_default(default);
-    m
+use support::{mock, spawn, Serve, BIN};
+
+/// `polygw serve --listen 127.0.0.1:0 ARGS…` with exactly this environment.
+fn serve(args: &[&str], env: &[(String, String)]) -> Serve {
+    support::serve_args(args, env)
 }
 
 fn source(scope: &str, name: &str, m: &MockUpstream) -> Vec<(String, String)> {
@@ -30,20 +30,6 @@ fn source(scope: &str, name: &str, m: &MockUpstream) -> Vec<(String, String)> {
 }
 
 const UPSTREAM_KEY: &str = "sk-upstream-secret-0123456789";
-
-/// A running `polygw serve`; killed on drop. Every output line goes to `lines`.
-struct Serve {
-    child: Child,
-    base: String,
-    lines: mpsc::Receiver<String>,
-}
-
-impl Drop for Serve {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
 
 impl Serve {
     /// Every line printed until the process ends (or `limit` passes).
@@ -76,53 +62,6 @@ impl Serve {
             .find_map(|l| l.strip_prefix("VmHWM:"))
             .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
             .unwrap_or(0)
-    }
-}
-
-fn spawn(args: &[&str], env: &[(String, String)]) -> Child {
-    Command::new(BIN)
-        .args(args)
-        .env_clear()
-        .env("PATH", std::env::var("PATH").unwrap_or_default())
-        .envs(env.iter().cloned())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("spawn polygw")
-}
-
-// The child is killed and waited for by `Serve`'s drop.
-#[allow(clippy::zombie_processes)]
-fn serve(args: &[&str], env: &[(String, String)]) -> Serve {
-    let mut all = vec!["serve", "--listen", "127.0.0.1:0"];
-    all.extend_from_slice(args);
-    let mut child = spawn(&all, env);
-    let (tx, rx) = mpsc::channel();
-    for pipe in [
-        Box::new(child.stdout.take().unwrap()) as Box<dyn std::io::Read + Send>,
-        Box::new(child.stderr.take().unwrap()),
-    ] {
-        let tx = tx.clone();
-        std::thread::spawn(move || {
-            for line in BufReader::new(pipe).lines().map_while(Result::ok) {
-                let _ = tx.send(line);
-            }
-        });
-    }
-    let mut seen = Vec::new();
-    loop {
-        let line = rx
-            .recv_timeout(Duration::from_secs(30))
-            .unwrap_or_else(|_| panic!("serve did not start: {seen:?}"));
-        if let Some(rest) = line.split("on http://").nth(1) {
-            let addr = rest.split('/').next().unwrap().to_string();
-            return Serve {
-                child,
-                base: format!("http://{addr}"),
-                lines: rx,
-            };
-        }
-        seen.push(line);
     }
 }
 

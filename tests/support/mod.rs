@@ -94,19 +94,33 @@ impl Drop for Serve {
     }
 }
 
-/// Starts `polygw serve` on an ephemeral port with exactly this environment.
-// The child is killed and waited for by `Serve`'s drop.
-#[allow(clippy::zombie_processes)]
+/// Starts `polygw serve` on an ephemeral port with exactly this environment (and a
+/// 5 s grace period).
 pub fn serve(env: &[(String, String)]) -> Serve {
-    let mut child = Command::new(BIN)
-        .args(["serve", "--listen", "127.0.0.1:0", "--grace-s", "5"])
+    serve_args(&["--grace-s", "5"], env)
+}
+
+/// The program with these arguments and exactly this environment, its output piped.
+pub fn spawn(args: &[&str], env: &[(String, String)]) -> Child {
+    Command::new(BIN)
+        .args(args)
         .env_clear()
         .env("PATH", std::env::var("PATH").unwrap_or_default())
         .envs(env.iter().cloned())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .spawn()
-        .expect("spawn serve");
+        .expect("spawn polygw")
+}
+
+/// Starts `polygw serve --listen 127.0.0.1:0 ARGS…` with exactly this environment; every
+/// output line goes to `lines`.
+// The child is killed and waited for by `Serve`'s drop.
+#[allow(clippy::zombie_processes)]
+pub fn serve_args(args: &[&str], env: &[(String, String)]) -> Serve {
+    let mut all = vec!["serve", "--listen", "127.0.0.1:0"];
+    all.extend_from_slice(args);
+    let mut child = spawn(&all, env);
     let (tx, rx) = mpsc::channel();
     for pipe in [
         Box::new(child.stdout.take().unwrap()) as Box<dyn std::io::Read + Send>,

@@ -36,6 +36,15 @@ pub fn set_request_id(h: &mut HeaderMap, id: &str) {
     }
 }
 
+/// Sets `x-request-id` to `id` unless the response already has one.
+pub fn ensure_request_id(h: &mut HeaderMap, id: &str) {
+    if !h.contains_key("x-request-id") {
+        if let Ok(v) = HeaderValue::from_str(id) {
+            h.insert("x-request-id", v);
+        }
+    }
+}
+
 fn peer(req: &Request) -> Option<std::net::SocketAddr> {
     req.extensions().get::<Arc<ConnCtx>>().map(|c| c.peer)
 }
@@ -73,10 +82,10 @@ pub async fn outer(State(st): State<Arc<AppState>>, req: Request, next: Next) ->
         resp = Response::from_parts(parts, Body::from(body));
     }
     if !resp.headers().contains_key("x-request-id") {
-        let id = polygw::CallOptions::new_logical_call_id();
-        if let Ok(v) = HeaderValue::from_str(&id) {
-            resp.headers_mut().insert("x-request-id", v);
-        }
+        ensure_request_id(
+            resp.headers_mut(),
+            &polygw::CallOptions::new_logical_call_id(),
+        );
     }
     resp
 }

@@ -15,7 +15,7 @@ use serde_json::json;
 
 use crate::conn::ConnCtx;
 use crate::errors::from_gateway;
-use crate::guard::{error_response, set_request_id};
+use crate::guard::{ensure_request_id, error_response, set_request_id};
 use crate::openai::{completion_json, embeddings_json, parse_chat, parse_embeddings, ApiError};
 use crate::proxy::{cut_done, State as AppState};
 use crate::scope::{GateRefusal, ScopeClient, Slot};
@@ -246,11 +246,7 @@ pub async fn chat(
     let ctx = conn.map(|Extension(c)| c);
     let id = CallOptions::new_logical_call_id();
     let mut resp = chat_inner(&st, &ctx, &headers, body, &id).await;
-    if !resp.headers().contains_key("x-request-id") {
-        if let Ok(v) = HeaderValue::from_str(&id) {
-            resp.headers_mut().insert("x-request-id", v);
-        }
-    }
+    ensure_request_id(resp.headers_mut(), &id);
     resp
 }
 
@@ -333,11 +329,7 @@ pub async fn embeddings(
     let ctx = conn.map(|Extension(c)| c);
     let id = CallOptions::new_logical_call_id();
     let mut resp = embeddings_inner(&st, &ctx, &headers, body, &id).await;
-    if !resp.headers().contains_key("x-request-id") {
-        if let Ok(v) = HeaderValue::from_str(&id) {
-            resp.headers_mut().insert("x-request-id", v);
-        }
-    }
+    ensure_request_id(resp.headers_mut(), &id);
     resp
 }
 
