@@ -37,23 +37,31 @@ fn slow_first_token(ms: f64) -> Behavior {
     }
 }
 
+/// A client of scope `LLM` with sources `a` (priority 0) and `b` (priority 1) and these
+/// extra keys.
+async fn client_ab(a: &MockUpstream, b: &MockUpstream, extra: &[(&str, &str)]) -> GatewayClient {
+    GatewayClient::from_vars(
+        vars(vec![source_vars("a", a, 0), source_vars("b", b, 1)], extra),
+        "LLM",
+    )
+    .await
+    .unwrap()
+}
+
 #[tokio::test]
 async fn a_late_first_token_is_beaten_by_a_hedge_leg() {
     let (a, b) = (mock().await, mock().await);
     a.set_default(slow_first_token(5_000.0));
     b.set_default(Behavior::text(&["fast ", "answer"]));
-    let c = GatewayClient::from_vars(
-        vars(
-            vec![source_vars("a", &a, 0), source_vars("b", &b, 1)],
-            &[
-                ("LLM__HEDGE__AFTER_S", "0.2"),
-                ("LLM__HEDGE__BUDGET_PCT", "0"),
-            ],
-        ),
-        "LLM",
+    let c = client_ab(
+        &a,
+        &b,
+        &[
+            ("LLM__HEDGE__AFTER_S", "0.2"),
+            ("LLM__HEDGE__BUDGET_PCT", "0"),
+        ],
     )
-    .await
-    .unwrap();
+    .await;
     let r = c
         .chat(ChatRequest::user("hi").with_stream(true))
         .await
@@ -83,18 +91,15 @@ async fn a_stalled_stream_is_beaten_by_a_stall_hedge() {
         ..Behavior::text(&["one ", "two ", "three"])
     });
     b.set_default(Behavior::text(&["other ", "answer"]));
-    let c = GatewayClient::from_vars(
-        vars(
-            vec![source_vars("a", &a, 0), source_vars("b", &b, 1)],
-            &[
-                ("LLM__HEDGE__STALL_AFTER_S", "0.3"),
-                ("LLM__HEDGE__BUDGET_PCT", "0"),
-            ],
-        ),
-        "LLM",
+    let c = client_ab(
+        &a,
+        &b,
+        &[
+            ("LLM__HEDGE__STALL_AFTER_S", "0.3"),
+            ("LLM__HEDGE__BUDGET_PCT", "0"),
+        ],
     )
-    .await
-    .unwrap();
+    .await;
     let r = c
         .chat(ChatRequest::user("hi").with_stream(true))
         .await
@@ -136,21 +141,18 @@ async fn failures_are_retried_elsewhere_with_telemetry_in_sqlite() {
     b.set_default(Behavior::text(&["from b"]));
     let dir = tempfile::tempdir().unwrap();
     let db = format!("sqlite://{}", dir.path().join("t.db").display());
-    let c = GatewayClient::from_vars(
-        vars(
-            vec![source_vars("a", &a, 0), source_vars("b", &b, 1)],
-            &[
-                ("LLM__TELEMETRY__URL", db.as_str()),
-                ("LLM__RETRY__BACKOFF_BASE_S", "0.01"),
-                ("LLM__RETRY__BACKOFF_MAX_S", "0.02"),
-                ("LLM__B__0__INPUT_PRICE", "1"),
-                ("LLM__B__0__OUTPUT_PRICE", "2"),
-            ],
-        ),
-        "LLM",
+    let c = client_ab(
+        &a,
+        &b,
+        &[
+            ("LLM__TELEMETRY__URL", db.as_str()),
+            ("LLM__RETRY__BACKOFF_BASE_S", "0.01"),
+            ("LLM__RETRY__BACKOFF_MAX_S", "0.02"),
+            ("LLM__B__0__INPUT_PRICE", "1"),
+            ("LLM__B__0__OUTPUT_PRICE", "2"),
+        ],
     )
-    .await
-    .unwrap();
+    .await;
     let r = c.chat(ChatRequest::user("hi")).await.unwrap();
     assert_eq!(r.content, "from b");
     assert_eq!(r.call_stats.attempts, 2);
