@@ -78,7 +78,11 @@ pub struct TransportConfig {
     pub finish_grace: Duration,
     /// Idle pooled connections are closed after this.
     pub pool_idle_timeout: Duration,
-    /// Idle pooled connections kept per host.
+    /// Idle pooled connections kept per host. Above the calls one host may have in
+    /// flight: a cap below them closes a connection after each call past the cap and
+    /// opens a new one for the next (at 32, 64 concurrent plain calls ran at 0.41×
+    /// the bare client's rate against 0.49× at 1024; docs/BENCHMARKS.md). Idle ones
+    /// still close after `pool_idle_timeout`.
     pub pool_max_idle_per_host: usize,
     /// The `User-Agent` header.
     pub user_agent: String,
@@ -99,7 +103,7 @@ impl Default for TransportConfig {
             connect_timeout: Duration::from_secs(10),
             finish_grace: Duration::from_secs(5),
             pool_idle_timeout: Duration::from_secs(90),
-            pool_max_idle_per_host: 32,
+            pool_max_idle_per_host: 1024,
             user_agent: format!("polygw/{}", env!("CARGO_PKG_VERSION")),
             extra_roots_pem: None,
         }
@@ -121,6 +125,43 @@ struct Inner {
     client: reqwest::Client,
     cfg: TransportConfig,
     clock: Arc<dyn Clock>,
+    urls: UrlCache,
+}
+
+/// Endpoint URLs parsed once per (base URL, path) instead of on every request
+/// (parsing and IDNA-checking a URL is ≈ 3 000 instructions: a visible share of what
+/// a call adds to a bare request, docs/BENCHMARKS.md "Call overhead").
+#[derive(Default)]
+struct UrlCache(std::sync::RwLock<std::collections::HashMap<String, Vec<(String, reqwest::Url)>>>);
+
+impl UrlCache {
+    /// Bases remembered at most; past it the cache starts over (a library user who
+    /// builds sources on the fly must not grow it without bound).
+    const MAX_BASES: usize = 256;
+
+    /// The parsed endpoint, or `None` when it does not parse (the request is then
+    /// built from the string, and reqwest reports the error as before).
+    fn get(&self, base_url: &str, path: &str) -> Option<reqwest::Url> {
+        {
+            let map = self.0.read().unwrap_or_else(|e| e.into_inner());
+            if let Some(u) = map
+                .get(base_url)
+                .and_then(|paths| paths.iter().find(|(p, _)| p == path))
+            {
+                return Some(u.1.clone());
+            }
+        }
+        let url = reqwest::Url::parse(&endpoint_url(base_url, path)).ok()?;
+        let mut map = self.0.write().unwrap_or_else(|e| e.into_inner());
+        if map.len() >= Self::MAX_BASES && !map.contains_key(base_url) {
+            map.clear();
+        }
+        let paths = map.entry(base_url.to_string()).or_default();
+        if !paths.iter().any(|(p, _)| p == path) {
+            paths.push((path.to_string(), url.clone()));
+        }
+        Some(url)
+    }
 }
 
 impl fmt::Debug for OpenAiTransport {
@@ -168,7 +209,12 @@ impl OpenAiTransport {
             .build()
             .map_err(|e| TransportBuildError(failure::describe(&e, "")))?;
         Ok(OpenAiTransport {
-            inner: Arc::new(Inner { client, cfg, clock }),
+            inner: Arc::new(Inner {
+                client,
+                cfg,
+                clock,
+                urls: UrlCache::default(),
+            }),
         })
     }
 
@@ -187,11 +233,11 @@ impl OpenAiTransport {
         call_id: &str,
         stream: bool,
     ) -> reqwest::RequestBuilder {
-        let url = endpoint_url(&source.base_url, path);
-        let mut rb = self
-            .inner
-            .client
-            .post(url)
+        let rb = match self.inner.urls.get(&source.base_url, path) {
+            Some(url) => self.inner.client.post(url),
+            None => self.inner.client.post(endpoint_url(&source.base_url, path)),
+        };
+        let mut rb = rb
             .header(CONTENT_TYPE, HeaderValue::from_static("application/json"))
             .header(
                 ACCEPT,
@@ -220,7 +266,27 @@ impl OpenAiTransport {
 
 #[cfg(test)]
 mod tests {
-    use super::endpoint_url;
+    use super::{endpoint_url, UrlCache};
+
+    #[test]
+    fn url_cache_parses_once_per_base_and_path_and_stays_bounded() {
+        let c = UrlCache::default();
+        let a = c.get("http://h:1/v1/", "chat/completions").unwrap();
+        assert_eq!(a.as_str(), "http://h:1/v1/chat/completions");
+        assert_eq!(c.get("http://h:1/v1/", "chat/completions").unwrap(), a);
+        assert_eq!(
+            c.get("http://h:1/v1/", "embeddings").unwrap().as_str(),
+            "http://h:1/v1/embeddings"
+        );
+        assert_eq!(c.0.read().unwrap().len(), 1);
+        // Not a URL: no entry, the caller falls back to the string.
+        assert!(c.get("no scheme here", "chat/completions").is_none());
+        for i in 0..(UrlCache::MAX_BASES + 10) {
+            c.get(&format!("http://h{i}/v1"), "chat/completions")
+                .unwrap();
+        }
+        assert!(c.0.read().unwrap().len() <= UrlCache::MAX_BASES);
+    }
 
     #[test]
     fn endpoint_keeps_the_query_after_the_path() {
