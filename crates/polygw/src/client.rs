@@ -144,15 +144,29 @@ impl Leg for ChatLeg<'_> {
 
 /// Runs `fut` under the call deadline: on expiry every leg is dropped (their rows say
 /// `deadline`) and the call ends with `deadline_exceeded`.
-pub(crate) async fn with_deadline<T>(
+///
+/// The call's future (the round, its legs, the transport: ≈ 10 KiB) is boxed here,
+/// before it is stored in any other future: the future a caller holds stays small, so
+/// moving it (into a task, a `select!`, a join set) copies a pointer, not the whole
+/// state (docs/BENCHMARKS.md, "Call overhead").
+pub(crate) fn with_deadline<'a, T: 'a>(
+    engine: &'a Engine,
+    call: &'a CallShared,
+    fut: impl std::future::Future<Output = Result<T, GatewayError>> + Send + 'a,
+) -> impl std::future::Future<Output = Result<T, GatewayError>> + Send + 'a {
+    deadline_boxed(engine, call, Box::pin(fut))
+}
+
+async fn deadline_boxed<T>(
     engine: &Engine,
     call: &CallShared,
-    fut: impl std::future::Future<Output = Result<T, GatewayError>>,
+    mut fut: std::pin::Pin<
+        Box<dyn std::future::Future<Output = Result<T, GatewayError>> + Send + '_>,
+    >,
 ) -> Result<T, GatewayError> {
     let Some(deadline) = engine.scope.call_deadline else {
         return fut.await;
     };
-    let mut fut = Box::pin(fut);
     let left = (call.started + deadline).saturating_duration_since(engine.ports.clock.now());
     match tokio::time::timeout(left, &mut fut).await {
         Ok(r) => r,

@@ -135,15 +135,20 @@ pub(crate) struct AttemptGuard {
     probe: BreakerTicket,
     source_idx: usize,
     started: Instant,
-    base: TelemetryRow,
+    /// The row's fixed part; taken (not cloned) by the one decision, or by the drop of
+    /// an undecided attempt.
+    base: Option<TelemetryRow>,
+    /// A resume leg's mode (its metric label).
+    resume_mode: Option<&'static str>,
     decided: Option<Decided>,
     armed: bool,
 }
 
 impl std::fmt::Debug for AttemptGuard {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let row = self.base.as_ref().or(self.decided.as_ref().map(|d| &d.row));
         f.debug_struct("AttemptGuard")
-            .field("call_id", &self.base.call_id)
+            .field("call_id", &row.map(|r| r.call_id.as_str()))
             .field("armed", &self.armed)
             .finish()
     }
@@ -173,10 +178,12 @@ impl AttemptGuard {
         base.attempt_index = Some(info.attempt_index);
         base.is_hedge = info.is_hedge;
         base.stream = stream;
+        let mut resume_mode = None;
         if let LegKind::Resume { mode, prefix, .. } = &info.kind {
             base.resume_of = info.resume_of.clone();
             base.resume_mode = Some(mode.as_str().to_string());
             base.prefix_chars = Some(prefix.chars().count() as u64);
+            resume_mode = Some(mode.as_str());
         }
         AttemptGuard {
             source_idx: info.source_idx,
@@ -186,7 +193,8 @@ impl AttemptGuard {
             control,
             permit: Some(permit),
             probe: info.probe,
-            base,
+            base: Some(base),
+            resume_mode,
             decided: None,
             armed: true,
         }
@@ -206,17 +214,25 @@ impl AttemptGuard {
         }
     }
 
-    fn row(&self, wall: Duration) -> TelemetryRow {
-        let mut r = self.base.clone();
+    /// The attempt's row, from the base. `None` once decided: the round decides a leg
+    /// once and then finishes its guard, so a second decision is a bug that must not
+    /// overwrite the first (it is logged and ignored).
+    fn row(&mut self, wall: Duration) -> Option<TelemetryRow> {
+        let Some(mut r) = self.base.take() else {
+            tracing::error!("an attempt was decided twice; the first decision stands");
+            return None;
+        };
         r.created_at_ms = self.engine.ports.clock.unix_ms();
         r.latency_ms = Some(ms(wall));
-        r
+        Some(r)
     }
 
     /// Decides a success: tokens to settle, breaker success, the row.
     pub(crate) fn decide_success(&mut self, facts: &SuccessFacts, wall: Duration) {
-        let src = self.source().clone();
-        let est = self.engine.scope.est_tokens(&src);
+        let Some(row) = self.row(wall) else { return };
+        let engine = self.engine.clone();
+        let src = &engine.scope.sources[self.source_idx];
+        let est = engine.scope.est_tokens(src);
         let tokens = facts.settle_override.unwrap_or_else(|| {
             settle(
                 AttemptOutcome::Success {
@@ -227,7 +243,7 @@ impl AttemptGuard {
             )
             .tokens()
         });
-        let mut row = self.row(wall).with_usage(&facts.usage, facts.usage_source);
+        let mut row = row.with_usage(&facts.usage, facts.usage_source);
         row.ok = true;
         row.http_status = Some(facts.http_status);
         if let Some(m) = &facts.model {
@@ -242,7 +258,7 @@ impl AttemptGuard {
                     source: facts.usage_source,
                 }
             },
-            &src,
+            src,
         );
         if let Some(f) = facts.figures {
             row.ttft_ms = f.ttft_ms;
@@ -267,9 +283,11 @@ impl AttemptGuard {
         wall: Duration,
         fallback_cooldown: Duration,
     ) {
+        let Some(mut row) = self.row(wall) else {
+            return;
+        };
         let est = self.engine.scope.est_tokens(self.source());
         let tokens = settle(AttemptOutcome::Failed(error), est).tokens();
-        let mut row = self.row(wall);
         row.error = Some(error.label.as_str().to_string());
         row.error_detail = Some(error.short_detail());
         row.http_status = error.http_status;
@@ -361,7 +379,7 @@ impl AttemptGuard {
 
     fn count(&self, label: &str, ttft: Option<u64>) {
         self.engine.source_metrics[self.source_idx].attempt(label, ttft);
-        if let Some(mode) = &self.base.resume_mode {
+        if let Some(mode) = self.resume_mode {
             self.engine.scope_metrics.resume(mode, label);
         }
     }
@@ -376,7 +394,7 @@ impl Drop for AttemptGuard {
         let src_name = self.source().name.clone();
         let (tokens, row, outcome, extra) = match self.decided.take() {
             // Dropped while finishing: the outcome is known, keep it.
-            Some(d) => (Some(d.tokens), d.row, d.outcome, d.cooldown),
+            Some(d) => (Some(d.tokens), Some(d.row), d.outcome, d.cooldown),
             None => {
                 let label = self.cancel_label();
                 let wall = self
@@ -385,22 +403,26 @@ impl Drop for AttemptGuard {
                     .clock
                     .now()
                     .saturating_duration_since(self.started);
-                let mut row = self.row(wall);
-                row.error = Some(label.as_str().to_string());
-                row.error_detail = Some(match label {
-                    ErrorLabel::HedgeCancelled => "another leg of the round won".to_string(),
-                    ErrorLabel::Deadline => "the call deadline passed".to_string(),
-                    ErrorLabel::ResumeDiverged => {
-                        "the replayed answer diverged from the delivered text".to_string()
-                    }
-                    _ => "the caller dropped the call".to_string(),
+                // Undecided, so the base is still there.
+                let row = self.row(wall).map(|mut row| {
+                    row.error = Some(label.as_str().to_string());
+                    row.error_detail = Some(match label {
+                        ErrorLabel::HedgeCancelled => "another leg of the round won".to_string(),
+                        ErrorLabel::Deadline => "the call deadline passed".to_string(),
+                        ErrorLabel::ResumeDiverged => {
+                            "the replayed answer diverged from the delivered text".to_string()
+                        }
+                        _ => "the caller dropped the call".to_string(),
+                    });
+                    row
                 });
                 (None, row, BreakerOutcome::Neutral, None)
             }
         };
-        let label = row.error.clone().unwrap_or_else(|| "ok".into());
-        self.count(&label, None);
-        self.engine.ports.telemetry.record(row);
+        if let Some(row) = row {
+            self.count(row.error.as_deref().unwrap_or("ok"), None);
+            self.engine.ports.telemetry.record(row);
+        }
         if let Some(permit) = self.permit.take() {
             match tokens {
                 Some(t) => permit.finish_in_background(t),
