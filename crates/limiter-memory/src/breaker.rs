@@ -16,10 +16,29 @@ use crate::{lock, Heart, Store};
 
 type Key = (String, String);
 
+/// Breaker states by scope, then source: looked up with borrowed names, so an admission
+/// or a record allocates nothing once its source has a state.
+type ByScope = HashMap<String, HashMap<String, BreakerState>>;
+
+fn get_mut<'a>(states: &'a mut ByScope, scope: &str, source: &str) -> Option<&'a mut BreakerState> {
+    states.get_mut(scope)?.get_mut(source)
+}
+
+fn get_or_default<'a>(states: &'a mut ByScope, scope: &str, source: &str) -> &'a mut BreakerState {
+    if !states.contains_key(scope) {
+        states.insert(scope.to_string(), HashMap::new());
+    }
+    let by_source = states.get_mut(scope).expect("inserted above");
+    if !by_source.contains_key(source) {
+        by_source.insert(source.to_string(), BreakerState::default());
+    }
+    by_source.get_mut(source).expect("inserted above")
+}
+
 /// The breaker states of a store and the live probes.
 #[derive(Default)]
 pub(crate) struct States {
-    states: HashMap<Key, BreakerState>,
+    states: ByScope,
     /// Live probes: (source, epoch) → (the granting handle's heartbeat, lease ms).
     probes: HashMap<(Key, u64), (Arc<Heart>, u64)>,
     last_renew_ms: u64,
@@ -32,7 +51,7 @@ impl States {
             if now >= self.last_renew_ms.saturating_add(every) {
                 let states = &mut self.states;
                 self.probes.retain(|(key, epoch), (heart, lease)| {
-                    let Some(st) = states.get_mut(key) else {
+                    let Some(st) = get_mut(states, &key.0, &key.1) else {
                         return false;
                     };
                     if heart.beats() {
@@ -109,14 +128,14 @@ impl BreakerStore for MemoryBreakerStore {
             .unwrap_or(u64::MAX)
             .max(1);
         Ok(self.with(|st, now| {
-            let k = key(scope, source);
             // A source that never failed needs no entry: its default state always admits.
-            let Some(state) = st.states.get_mut(&k) else {
+            let Some(state) = get_mut(&mut st.states, scope, source) else {
                 return BreakerState::default().admit(now, lease_ms);
             };
             let a = state.admit(now, lease_ms);
             if let BreakerAdmit::Allowed { probe: true, epoch } = a {
-                st.probes.insert((k, epoch), (self.heart.clone(), lease_ms));
+                st.probes
+                    .insert((key(scope, source), epoch), (self.heart.clone(), lease_ms));
                 let third = (lease_ms / 3).max(1);
                 st.renew_every_ms = Some(st.renew_every_ms.map_or(third, |e| e.min(third)));
             }
@@ -134,13 +153,10 @@ impl BreakerStore for MemoryBreakerStore {
         settings: &BreakerSettings,
     ) -> Result<(), GovernanceError> {
         self.with(|st, now| {
-            let k = key(scope, source);
             if probe {
-                st.probes.remove(&(k.clone(), epoch));
+                st.probes.remove(&(key(scope, source), epoch));
             }
-            st.states
-                .entry(k)
-                .or_default()
+            get_or_default(&mut st.states, scope, source)
                 .record(now, outcome, epoch, probe, settings);
         });
         Ok(())
@@ -148,9 +164,8 @@ impl BreakerStore for MemoryBreakerStore {
 
     fn release_probe(&self, scope: &str, source: &str, epoch: u64) {
         self.with(|st, now| {
-            let k = key(scope, source);
-            st.probes.remove(&(k.clone(), epoch));
-            if let Some(state) = st.states.get_mut(&k) {
+            st.probes.remove(&(key(scope, source), epoch));
+            if let Some(state) = get_mut(&mut st.states, scope, source) {
                 state.record(
                     now,
                     BreakerOutcome::Neutral,
@@ -164,8 +179,7 @@ impl BreakerStore for MemoryBreakerStore {
 
     async fn state(&self, scope: &str, source: &str) -> Result<BreakerState, GovernanceError> {
         Ok(self.with(|st, _| {
-            st.states
-                .get(&key(scope, source))
+            get_mut(&mut st.states, scope, source)
                 .copied()
                 .unwrap_or_default()
         }))
