@@ -14,6 +14,7 @@ use axum::Json;
 use subtle::ConstantTimeEq;
 
 use crate::conn::{status_error, ConnCtx};
+use crate::names;
 use crate::openai::ApiError;
 use crate::proxy::State as AppState;
 
@@ -31,16 +32,16 @@ pub fn error_response(e: &ApiError) -> Response {
 /// Sets `x-request-id` (and `x-polygw-logical-call-id`, the same id) on a response.
 pub fn set_request_id(h: &mut HeaderMap, id: &str) {
     if let Ok(v) = HeaderValue::from_str(id) {
-        h.insert("x-request-id", v.clone());
-        h.insert("x-polygw-logical-call-id", v);
+        h.insert(names::X_REQUEST_ID, v.clone());
+        h.insert(names::X_LOGICAL_CALL_ID, v);
     }
 }
 
 /// Sets `x-request-id` to `id` unless the response already has one.
 pub fn ensure_request_id(h: &mut HeaderMap, id: &str) {
-    if !h.contains_key("x-request-id") {
+    if !h.contains_key(names::X_REQUEST_ID) {
         if let Ok(v) = HeaderValue::from_str(id) {
-            h.insert("x-request-id", v);
+            h.insert(names::X_REQUEST_ID, v);
         }
     }
 }
@@ -81,7 +82,7 @@ pub async fn outer(State(st): State<Arc<AppState>>, req: Request, next: Next) ->
         parts.headers.remove(header::CONTENT_LENGTH);
         resp = Response::from_parts(parts, Body::from(body));
     }
-    if !resp.headers().contains_key("x-request-id") {
+    if !resp.headers().contains_key(names::X_REQUEST_ID) {
         ensure_request_id(
             resp.headers_mut(),
             &polygw::CallOptions::new_logical_call_id(),

@@ -16,6 +16,7 @@ use serde_json::json;
 use crate::conn::ConnCtx;
 use crate::errors::from_gateway;
 use crate::guard::{ensure_request_id, error_response, set_request_id};
+use crate::names;
 use crate::openai::{completion_json, embeddings_json, parse_chat, parse_embeddings, ApiError};
 use crate::proxy::{cut_done, State as AppState};
 use crate::scope::{GateRefusal, ScopeClient, Slot};
@@ -102,11 +103,11 @@ pub fn gateway_error(e: &GatewayError, id: &str) -> Response {
     let id = e.context().map_or(id, |c| c.logical_call_id.as_str());
     set_request_id(h, id);
     if let Some(ctx) = e.context() {
-        h.insert("x-polygw-attempts", HeaderValue::from(ctx.attempts));
+        h.insert(names::X_ATTEMPTS, HeaderValue::from(ctx.attempts));
     }
     if let Some(r) = e.terminal_reason() {
         h.insert(
-            "x-polygw-terminal-reason",
+            names::X_TERMINAL_REASON,
             HeaderValue::from_static(r.as_str()),
         );
     }
@@ -215,23 +216,20 @@ async fn enter_gate(
 fn answer_headers(h: &mut HeaderMap, r: &LlmResponse) {
     set_request_id(h, &r.logical_call_id);
     if let Ok(v) = HeaderValue::from_str(&r.source) {
-        h.insert("x-polygw-source", v);
+        h.insert(names::X_SOURCE, v);
     }
     h.insert(
-        "x-polygw-hedged",
+        names::X_HEDGED,
         HeaderValue::from_static(if r.call_stats.hedge_won {
             "true"
         } else {
             "false"
         }),
     );
-    h.insert("x-polygw-hedges", HeaderValue::from(r.call_stats.hedges));
+    h.insert(names::X_HEDGES, HeaderValue::from(r.call_stats.hedges));
+    h.insert(names::X_ATTEMPTS, HeaderValue::from(r.call_stats.attempts));
     h.insert(
-        "x-polygw-attempts",
-        HeaderValue::from(r.call_stats.attempts),
-    );
-    h.insert(
-        "x-polygw-usage-source",
+        names::X_USAGE_SOURCE,
         HeaderValue::from_static(r.usage_source.as_str()),
     );
 }
@@ -310,8 +308,8 @@ async fn chat_inner(
     };
     drop(slot);
     match r {
-        Ok(r) => {
-            let mut resp = Json(completion_json(&r, unix_now())).into_response();
+        Ok(mut r) => {
+            let mut resp = Json(completion_json(&mut r, unix_now())).into_response();
             answer_headers(resp.headers_mut(), &r);
             resp
         }
@@ -382,14 +380,11 @@ async fn embeddings_inner(
             let h = resp.headers_mut();
             set_request_id(h, &e.logical_call_id);
             if let Some(s) = e.sources.last().and_then(|s| HeaderValue::from_str(s).ok()) {
-                h.insert("x-polygw-source", s);
+                h.insert(names::X_SOURCE, s);
             }
+            h.insert(names::X_ATTEMPTS, HeaderValue::from(e.call_stats.attempts));
             h.insert(
-                "x-polygw-attempts",
-                HeaderValue::from(e.call_stats.attempts),
-            );
-            h.insert(
-                "x-polygw-usage-source",
+                names::X_USAGE_SOURCE,
                 HeaderValue::from_static(e.usage_source.as_str()),
             );
             resp

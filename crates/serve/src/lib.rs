@@ -38,6 +38,7 @@ mod errors;
 mod guard;
 mod handlers;
 mod metrics;
+mod names;
 mod openai;
 mod proxy;
 mod scope;

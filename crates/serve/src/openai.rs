@@ -340,16 +340,14 @@ pub fn usage_json(u: &Usage) -> Value {
     v
 }
 
-/// The usage a plain answer reports (SPEC §15): measured as the upstream reported it,
-/// estimated as polygw's estimate, unavailable as `null` — never zeros for unknown.
-fn usage_value(r: &LlmResponse, upstream: Option<&Value>) -> Value {
+/// The usage a plain answer reports from polygw's figures (SPEC §15): measured or
+/// estimated as counted, unavailable as `null` — never zeros for unknown. (A measured
+/// usage object in the upstream's own answer is passed as received instead:
+/// [`completion_json`].)
+fn usage_value(r: &LlmResponse) -> Value {
     match r.usage_source {
         UsageSource::Unavailable => Value::Null,
-        UsageSource::Measured => match upstream {
-            Some(u) if u.is_object() => u.clone(),
-            _ => usage_json(&r.usage),
-        },
-        UsageSource::Estimated => usage_json(&r.usage),
+        UsageSource::Measured | UsageSource::Estimated => usage_json(&r.usage),
     }
 }
 
@@ -374,10 +372,15 @@ fn tool_calls_json(r: &LlmResponse) -> Value {
 /// model) with only `usage` set by the rule of [`usage_value`]; otherwise (a cache hit,
 /// an answer aggregated from a stream) a synthesized object with the same rules:
 /// `content: null` for a tool-only answer, `usage: null` when unknown.
-pub fn completion_json(r: &LlmResponse, created: u64) -> Value {
-    if let Some(up) = &r.upstream {
-        let mut o = up.clone();
-        let usage = usage_value(r, o.get("usage"));
+///
+/// The upstream's object is moved out of `r` (`r.upstream` is `None` afterwards), not
+/// copied: a copy of the whole tree is a visible share of a proxied call's CPU.
+pub fn completion_json(r: &mut LlmResponse, created: u64) -> Value {
+    if let Some(mut o) = r.upstream.take() {
+        let usage = match o.remove("usage") {
+            Some(u) if r.usage_source == UsageSource::Measured && u.is_object() => u,
+            _ => usage_value(r),
+        };
         o.insert("usage".into(), usage);
         return Value::Object(o);
     }
@@ -403,7 +406,7 @@ pub fn completion_json(r: &LlmResponse, created: u64) -> Value {
             "message": message,
             "finish_reason": r.finish_reason,
         }],
-        "usage": usage_value(r, None),
+        "usage": usage_value(r),
     })
 }
 
@@ -678,10 +681,10 @@ mod tests {
             call_stats: Default::default(),
             upstream: upstream.as_object().cloned(),
         };
-        assert_eq!(completion_json(&r, 1), upstream);
+        assert_eq!(completion_json(&mut r.clone(), 1), upstream);
         // Unknown usage is null, never zeros.
         r.usage_source = UsageSource::Unavailable;
-        let v = completion_json(&r, 1);
+        let v = completion_json(&mut r.clone(), 1);
         assert_eq!(v["usage"], Value::Null);
         assert_eq!(v["x_unknown"]["kept"], true);
         // Synthesized (no upstream object): a tool-only answer keeps content null.
@@ -692,12 +695,15 @@ mod tests {
             name: Some("f".into()),
             arguments: "{}".into(),
         }];
-        let v = completion_json(&r, 9);
+        let v = completion_json(&mut r.clone(), 9);
         assert_eq!(v["choices"][0]["message"]["content"], Value::Null);
         assert_eq!(v["usage"], Value::Null);
         assert_eq!(v["created"], 9);
         r.usage_source = UsageSource::Estimated;
-        assert_eq!(completion_json(&r, 9)["usage"]["total_tokens"], 7);
+        assert_eq!(
+            completion_json(&mut r.clone(), 9)["usage"]["total_tokens"],
+            7
+        );
     }
 
     #[test]

@@ -39,6 +39,7 @@ use crate::conn::ConnCtx;
 use crate::errors::from_gateway;
 use crate::guard::{error_response, set_request_id};
 use crate::handlers::{client_closed, client_gone, gateway_error, shutting_down, unix_now};
+use crate::names;
 use crate::openai::{chunk_json, usage_json, ApiError};
 use crate::proxy::{cut_done, State as AppState};
 use crate::scope::Slot;
@@ -150,8 +151,14 @@ impl SseState {
                     .unwrap_or_else(|| json!(unix_now())),
             );
         }
-        obj.insert("id".into(), json!(self.id()));
-        obj.insert("created".into(), self.created());
+        // Every frame carries the stream's id and created (a resumed stream's later
+        // legs have their own); most already do, and are left as they are.
+        if obj.get("id").and_then(Value::as_str) != self.id.as_deref() {
+            obj.insert("id".into(), json!(self.id()));
+        }
+        if obj.get("created") != self.created.as_ref() {
+            obj.insert("created".into(), self.created());
+        }
         obj.entry("object")
             .or_insert_with(|| json!("chat.completion.chunk"));
         let named = obj
@@ -411,10 +418,10 @@ fn stream_headers(resp: &mut Response, logical_call_id: &str) {
 fn commit_headers(resp: &mut Response, c: &Commit) {
     let h = resp.headers_mut();
     if let Ok(v) = HeaderValue::from_str(&c.source) {
-        h.insert("x-polygw-source", v);
+        h.insert(names::X_SOURCE, v);
     }
     h.insert(
-        "x-polygw-hedged",
+        names::X_HEDGED,
         HeaderValue::from_static(if c.is_hedge { "true" } else { "false" }),
     );
 }
@@ -447,10 +454,10 @@ fn one_shot(r: LlmResponse, include_usage: bool) -> Response {
     stream_headers(&mut resp, &r.logical_call_id);
     let h = resp.headers_mut();
     if let Ok(v) = HeaderValue::from_str(&r.source) {
-        h.insert("x-polygw-source", v);
+        h.insert(names::X_SOURCE, v);
     }
     h.insert(
-        "x-polygw-hedged",
+        names::X_HEDGED,
         HeaderValue::from_static(if r.call_stats.hedge_won {
             "true"
         } else {
@@ -458,7 +465,7 @@ fn one_shot(r: LlmResponse, include_usage: bool) -> Response {
         }),
     );
     h.insert(
-        "x-polygw-usage-source",
+        names::X_USAGE_SOURCE,
         HeaderValue::from_static(r.usage_source.as_str()),
     );
     resp

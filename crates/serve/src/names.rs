@@ -1,0 +1,14 @@
+//! The response headers polygw adds, as prepared [`HeaderName`]s: a `&str` name is
+//! parsed and checked again on every insert (≈ 1 000 instructions each, a visible share
+//! of a proxied call; docs/BENCHMARKS.md "Proxy overhead").
+
+use axum::http::HeaderName;
+
+pub const X_REQUEST_ID: HeaderName = HeaderName::from_static("x-request-id");
+pub const X_LOGICAL_CALL_ID: HeaderName = HeaderName::from_static("x-polygw-logical-call-id");
+pub const X_SOURCE: HeaderName = HeaderName::from_static("x-polygw-source");
+pub const X_HEDGED: HeaderName = HeaderName::from_static("x-polygw-hedged");
+pub const X_HEDGES: HeaderName = HeaderName::from_static("x-polygw-hedges");
+pub const X_ATTEMPTS: HeaderName = HeaderName::from_static("x-polygw-attempts");
+pub const X_USAGE_SOURCE: HeaderName = HeaderName::from_static("x-polygw-usage-source");
+pub const X_TERMINAL_REASON: HeaderName = HeaderName::from_static("x-polygw-terminal-reason");
