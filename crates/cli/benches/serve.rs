@@ -46,7 +46,19 @@ impl Drop for Serve {
 // The child is killed and waited for by `Serve`'s drop.
 #[allow(clippy::zombie_processes)]
 fn serve(env: &[(String, String)]) -> Serve {
-    let mut child = Command::new(env!("CARGO_BIN_EXE_polygw"))
+    // `POLYGW_BENCH_SERVE_WRAPPER`: a command the proxy runs under (a profiler, e.g.
+    // `valgrind --tool=callgrind --callgrind-out-file=/tmp/cg.serve`).
+    let wrapper = std::env::var("POLYGW_BENCH_SERVE_WRAPPER").unwrap_or_default();
+    let mut words = wrapper.split_whitespace();
+    let mut cmd = match words.next() {
+        Some(program) => {
+            let mut c = Command::new(program);
+            c.args(words).arg(env!("CARGO_BIN_EXE_polygw"));
+            c
+        }
+        None => Command::new(env!("CARGO_BIN_EXE_polygw")),
+    };
+    let mut child = cmd
         // 64 callers share one client address: lift the per-client connection cap
         // (64 by default) above what the pool may open while connections turn over.
         .args([
@@ -60,6 +72,8 @@ fn serve(env: &[(String, String)]) -> Serve {
         ])
         .env_clear()
         .env("PATH", std::env::var("PATH").unwrap_or_default())
+        // The proxy's worker threads, when the run sets them.
+        .envs(std::env::var("TOKIO_WORKER_THREADS").map(|n| ("TOKIO_WORKER_THREADS", n)))
         .envs(env.iter().cloned())
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
@@ -249,6 +263,61 @@ fn report(concurrency: usize, accs: &[Acc], proxy_cpu: &[Duration], idle_us_per_
     ok
 }
 
+/// `POLYGW_BENCH_PROFILE=<variant name part>` (with `POLYGW_BENCH_CALLERS`, default 16,
+/// and `POLYGW_BENCH_CALLS`, default 20 000): only that variant, for a profiler on the
+/// proxy (`perf record -p`, or `POLYGW_BENCH_SERVE_WRAPPER`); prints calls/s and the
+/// proxy's CPU per call, no baseline.
+async fn profile_one(callers: &[Direct; 4], pid: u32, name: &str) -> bool {
+    let Some(vi) = VARIANTS.iter().position(|v| v.0.contains(name)) else {
+        eprintln!("no variant named like {name:?}");
+        return false;
+    };
+    let env_num = |k: &str, d: usize| {
+        std::env::var(k)
+            .ok()
+            .and_then(|c| c.parse().ok())
+            .unwrap_or(d)
+    };
+    let (calls, concurrency) = (
+        env_num("POLYGW_BENCH_CALLS", 20_000),
+        env_num("POLYGW_BENCH_CALLERS", 16),
+    );
+    println!(
+        "profiling {:?}: {calls} calls, {concurrency} callers (proxy pid {pid})",
+        VARIANTS[vi].0
+    );
+    let streamed = VARIANTS[vi].1;
+    let d = callers[vi].clone();
+    let pcpu0 = cpu_time(Some(pid));
+    let (samples, failures, wall) = drive(calls, concurrency, move |i| {
+        let d = d.clone();
+        async move {
+            d.call(
+                &format!("Question {i}: tell me something."),
+                streamed,
+                CHUNKS,
+            )
+            .await
+        }
+    })
+    .await;
+    let pcpu = match (pcpu0, cpu_time(Some(pid))) {
+        (Some(a), Some(b)) => b.saturating_sub(a),
+        _ => Duration::ZERO,
+    };
+    println!(
+        "{} calls, {} failed: {:.0} calls/s, proxy {:.1} µs CPU per call",
+        samples.len(),
+        failures.len(),
+        samples.len() as f64 / wall.as_secs_f64(),
+        pcpu.as_secs_f64() * 1e6 / samples.len().max(1) as f64
+    );
+    for f in failures.iter().take(3) {
+        println!("  failure: {f}");
+    }
+    failures.is_empty()
+}
+
 fn main() {
     let full = full_run();
     let mock = |b: Behavior| MockConfig {
@@ -283,6 +352,18 @@ fn main() {
         .enable_all()
         .build()
         .expect("runtime");
+    if let Ok(name) = std::env::var("POLYGW_BENCH_PROFILE") {
+        let ok = rt.block_on(profile_one(&callers, pid, &name));
+        // A polite stop, so that a profiler wrapping the proxy writes its output.
+        let _ = Command::new("kill")
+            .args(["-TERM", &pid.to_string()])
+            .status();
+        let mut proxy = proxy;
+        let _ = proxy.child.wait();
+        drop(rt);
+        host.shutdown();
+        std::process::exit(i32::from(!ok));
+    }
     let (rounds, c1, c64) = if full { (5, 400, 2000) } else { (1, 20, 64) };
     println!(
         "proxy overhead: polygw serve (release binary, memory governance, telemetry to SQLite) vs the mock upstream \

@@ -325,6 +325,53 @@ fn telemetry_delta(concurrency: usize, accs: &[Acc]) {
     }
 }
 
+/// `POLYGW_BENCH_PROFILE=<variant name part>` (with `POLYGW_BENCH_CALLERS`, default 64,
+/// and `POLYGW_BENCH_CALLS`, default 50 000): only that variant, for a profiler attached to the process
+/// (`perf record -p`); prints calls/s and CPU per call, no baseline.
+async fn profile_one(callers: &Callers, name: &str) -> bool {
+    let Some(&v) = VARIANTS.iter().find(|v| v.name.contains(name)) else {
+        eprintln!("no variant named like {name:?}");
+        return false;
+    };
+    let concurrency = std::env::var("POLYGW_BENCH_CALLERS")
+        .ok()
+        .and_then(|c| c.parse().ok())
+        .unwrap_or(64);
+    let calls = std::env::var("POLYGW_BENCH_CALLS")
+        .ok()
+        .and_then(|c| c.parse().ok())
+        .unwrap_or(50_000);
+    println!(
+        "profiling {:?}: {calls} calls, {concurrency} callers (pid {})",
+        v.name,
+        std::process::id()
+    );
+    {
+        let cl = callers.client(v);
+        let f = cl.chat(ChatRequest::user("x"));
+        eprintln!("TMP chat future {} bytes", std::mem::size_of_val(&f));
+    }
+    let c = callers.clone();
+    let cpu0 = cpu_time(None);
+    let (samples, failures, wall) = drive(calls, concurrency, move |i| {
+        let c = c.clone();
+        async move { c.call(v, i).await }
+    })
+    .await;
+    let cpu = match (cpu0, cpu_time(None)) {
+        (Some(a), Some(b)) => b.saturating_sub(a),
+        _ => Duration::ZERO,
+    };
+    println!(
+        "{} calls, {} failed: {:.0} calls/s, {:.1} µs CPU per call",
+        samples.len(),
+        failures.len(),
+        samples.len() as f64 / wall.as_secs_f64(),
+        cpu.as_secs_f64() * 1e6 / samples.len().max(1) as f64
+    );
+    failures.is_empty()
+}
+
 fn main() {
     let full = full_run();
     let mock = |b: Behavior| MockConfig {
@@ -369,6 +416,9 @@ fn main() {
                 ],
             ],
         };
+        if let Ok(name) = std::env::var("POLYGW_BENCH_PROFILE") {
+            return profile_one(&callers, &name).await;
+        }
         let (rounds, c1, c64) = if full { (5, 400, 2000) } else { (1, 20, 64) };
         println!(
             "call overhead: mock upstream on loopback ({CHUNKS} chunks; streams pause 1 ms after the first), {rounds} rounds (+1 warm-up) per level, \
