@@ -346,11 +346,9 @@ async fn profile_one(callers: &Callers, name: &str) -> bool {
         v.name,
         std::process::id()
     );
-    {
-        let cl = callers.client(v);
-        let f = cl.chat(ChatRequest::user("x"));
-        eprintln!("TMP chat future {} bytes", std::mem::size_of_val(&f));
-    }
+    // What a caller moves around: the call's future (its state is boxed inside).
+    let future_bytes = std::mem::size_of_val(&callers.client(v).chat(ChatRequest::user("x")));
+    println!("a chat() future is {future_bytes} bytes");
     let c = callers.clone();
     let cpu0 = cpu_time(None);
     let (samples, failures, wall) = drive(calls, concurrency, move |i| {
