@@ -25,7 +25,9 @@ pub enum ChatEvent {
     /// stream starts from; later ones are resume legs taking over.
     Committed(Commit),
     /// The next chunk of the answer (role once; text never repeated or lost across
-    /// resumes). `delta.raw` holds the upstream's frame when the transport had one.
+    /// resumes). The upstream's frame, when the transport had one, is in `delta.raw` (an
+    /// object) or, for a common frame read on the fast path, `delta.raw_text` (its JSON
+    /// text, to pass through as is); `delta.raw_object()` reads either.
     Delta(StreamDelta),
     /// The call completed: the whole answer, usage summed over the legs whose text it
     /// contains, and the call's figures.

@@ -104,10 +104,31 @@ impl SseState {
             .unwrap_or_default()
     }
 
+    /// The upstream's frame text when it can go to the client exactly as received:
+    /// kept as text by the transport (no usage, no error, one line), after the frame
+    /// that named the stream, with the stream's id and created, an `object`, a model
+    /// and choices — everything [`SseState::chunk`] would otherwise set or check.
+    fn verbatim<'d>(&self, d: &'d StreamDelta) -> Option<&'d str> {
+        let t = d.raw_text.as_ref().filter(|_| d.raw.is_none())?;
+        let id = self.id.as_deref()?;
+        let created = self.created.as_ref().and_then(Value::as_u64);
+        let same = t.id.as_deref() == Some(id)
+            && t.created.is_some()
+            && t.created == created
+            && t.has_object
+            && t.choices > 0
+            && d.model.is_some();
+        same.then_some(t.json.as_str())
+    }
+
     /// One upstream chunk as the client sees it, or `None` when nothing is left to send
     /// (a frame that carried only usage).
-    fn chunk(&mut self, d: StreamDelta) -> Option<Value> {
-        let mut obj: Map<String, Value> = match d.raw {
+    fn chunk(&mut self, mut d: StreamDelta) -> Option<Value> {
+        let raw = match d.raw.take() {
+            Some(o) => Some(o),
+            None => d.raw_object().map(std::borrow::Cow::into_owned),
+        };
+        let mut obj: Map<String, Value> = match raw {
             Some(o) => o,
             None => match chunk_json(&self.id(), &self.model(), 0, &d) {
                 Some(Value::Object(o)) => o,
@@ -205,7 +226,12 @@ impl SseState {
                 self.commit = Some(c);
             }
             Ok(ChatEvent::Delta(d)) => {
-                if let Some(v) = self.chunk(d) {
+                if let Some(text) = self.verbatim(&d) {
+                    self.chunks += 1;
+                    out.extend_from_slice(b"data: ");
+                    out.extend_from_slice(text.as_bytes());
+                    out.extend_from_slice(b"\n\n");
+                } else if let Some(v) = self.chunk(d) {
                     self.chunks += 1;
                     sse(out, &v);
                 }

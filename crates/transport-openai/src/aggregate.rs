@@ -25,7 +25,7 @@
 
 use std::collections::BTreeMap;
 
-use polygw_core::ports::{StreamDelta, ToolCallDelta};
+use polygw_core::ports::{RawText, StreamDelta, ToolCallDelta};
 use polygw_core::{ToolCall, Usage};
 use serde_json::{Map, Value};
 
@@ -270,6 +270,14 @@ mod typed {
 
     #[derive(Deserialize)]
     pub(super) struct Frame<'a> {
+        // The envelope, read for a frame kept as text (any JSON type, as the `Value`
+        // path would take it: these never decline a frame).
+        #[serde(default)]
+        pub id: Option<serde_json::Value>,
+        #[serde(default)]
+        pub created: Option<serde_json::Value>,
+        #[serde(default)]
+        pub object: Option<IgnoredAny>,
         #[serde(borrow, default)]
         pub model: Option<Str<'a>>,
         #[serde(borrow, default)]
@@ -415,11 +423,32 @@ impl StreamAggregator {
     /// `Value` (checking in-band errors) and calls [`StreamAggregator::feed`], which
     /// gives the same outcome as this would for the frames this accepts.
     pub fn feed_typed(&mut self, data: &str, want_delta: bool) -> Option<FrameOutcome> {
+        self.feed_typed_keeping(data, want_delta, false)
+    }
+
+    /// [`Self::feed_typed`]; with `keep_text` (and `want_delta`), the delta carries the
+    /// frame's text and envelope ([`StreamDelta::raw_text`]) for a proxy to pass
+    /// through. Such a frame must need no edit but the envelope's, so with `keep_text`
+    /// a frame whose JSON spans several lines or that has usage in any choice is
+    /// declined too (the `Value` path gives the caller its `raw` object instead).
+    pub fn feed_typed_keeping(
+        &mut self,
+        data: &str,
+        want_delta: bool,
+        keep_text: bool,
+    ) -> Option<FrameOutcome> {
+        let keep_text = keep_text && want_delta;
+        if keep_text && data.contains(['\n', '\r']) {
+            return None;
+        }
         let frame: typed::MapOnly<typed::Frame<'_>> = serde_json::from_str(data).ok()?;
         if frame.error.is_some() || frame.usage.is_some() {
             return None;
         }
         let choices = frame.choices.as_deref().unwrap_or(&[]);
+        if keep_text && choices.iter().any(|c| c.usage.is_some()) {
+            return None;
+        }
         let c0 = choices
             .iter()
             .enumerate()
@@ -454,6 +483,19 @@ impl StreamAggregator {
         }
         if let Some(d) = delta_out.as_mut() {
             d.model = model.map(str::to_string);
+            if keep_text {
+                d.raw_text = Some(Box::new(RawText {
+                    json: data.to_string(),
+                    id: frame
+                        .id
+                        .as_ref()
+                        .and_then(Value::as_str)
+                        .map(str::to_string),
+                    created: frame.created.as_ref().and_then(Value::as_u64),
+                    has_object: frame.object.is_some(),
+                    choices: choices.len(),
+                }));
+            }
         }
         if incremental {
             self.incremental_chunks = self.incremental_chunks.saturating_add(1);
@@ -821,6 +863,52 @@ pub fn error_body(body: &[u8]) -> Option<ProviderError> {
 mod tests {
     use super::*;
     use serde_json::json;
+
+    #[test]
+    fn a_frame_kept_as_text_carries_its_envelope_and_needs_no_edit() {
+        let line = r#"{"model":"m","id":"c1","object":"chat.completion.chunk","created":7,"choices":[{"index":0,"delta":{"content":"hi"},"logprobs":null}],"usage":null}"#;
+        let mut agg = StreamAggregator::default();
+        let out = agg.feed_typed_keeping(line, true, true).unwrap();
+        let d = out.delta.unwrap();
+        assert_eq!(d.content.as_deref(), Some("hi"));
+        assert!(d.raw.is_none());
+        let t = d.raw_text.unwrap();
+        assert_eq!(t.json, line);
+        assert_eq!(t.id.as_deref(), Some("c1"));
+        assert_eq!(t.created, Some(7));
+        assert!(t.has_object);
+        assert_eq!(t.choices, 1);
+        // Not asked for: no text.
+        let d = agg.feed_typed(line, true).unwrap().delta.unwrap();
+        assert!(d.raw_text.is_none());
+        // An envelope of another type is not a reason to decline (the `Value` path
+        // takes it alike), it is just not the stream's.
+        let odd = r#"{"id":5,"created":"x","choices":[{"delta":{"content":"a"}}]}"#;
+        let t = agg
+            .feed_typed_keeping(odd, true, true)
+            .unwrap()
+            .delta
+            .unwrap()
+            .raw_text
+            .unwrap();
+        assert_eq!((&t.id, t.created, t.has_object), (&None, None, false));
+        // Kept as text only when it can go out as is: one line, no usage in any choice.
+        let before = format!("{agg:?}");
+        for declined in [
+            "{\"id\":\"c1\",\n\"choices\":[{\"delta\":{\"content\":\"a\"}}]}",
+            r#"{"choices":[{"index":0,"delta":{"content":"a"}},{"index":1,"delta":{},"usage":{"prompt_tokens":1}}]}"#,
+        ] {
+            assert!(
+                agg.feed_typed_keeping(declined, true, true).is_none(),
+                "{declined}"
+            );
+            assert_eq!(format!("{agg:?}"), before, "a declined frame folds nothing");
+            assert!(
+                agg.clone().feed_typed(declined, true).is_some(),
+                "{declined}"
+            );
+        }
+    }
 
     fn obj(v: Value) -> Map<String, Value> {
         match v {

@@ -596,9 +596,13 @@ impl StreamState<'_> {
         }
         // The common frame: typed and borrowed, no `Value` tree (declined, untouched,
         // for anything else, which the general path below handles). A caller that
-        // wants the upstream's frame as a `Value` gets the general path.
-        if !is_error_event && !self.wants_raw {
-            if let Some(out) = self.agg.feed_typed(data, self.wants) {
+        // wants the upstream's frame gets its text (`raw_text`) from this path and a
+        // `Value` (`raw`) from the general one.
+        if !is_error_event {
+            if let Some(out) = self
+                .agg
+                .feed_typed_keeping(data, self.wants, self.wants_raw)
+            {
                 return self.folded(out, None, at);
             }
         }
@@ -651,7 +655,7 @@ impl StreamState<'_> {
             }
         }
         if let Some(mut d) = out.delta {
-            if self.wants_raw {
+            if self.wants_raw && d.raw_text.is_none() {
                 d.raw = obj;
             }
             let t = *at.get_or_insert_with(|| self.clock.now());
@@ -688,6 +692,7 @@ impl StreamState<'_> {
                 usage: a.usage,
                 model: a.model.clone(),
                 raw: None,
+                raw_text: None,
             };
             self.observer.on_delta(t, d);
         }

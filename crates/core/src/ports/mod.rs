@@ -16,7 +16,7 @@ pub use clock::{Clock, ManualClock};
 pub use limiter::{
     AcquireRequest, Admission, Permit, PermitBackend, RateLimiter, Refusal, UnlimitedLimiter,
 };
-pub use observer::{ChunkObserver, NullObserver, StreamDelta, ToolCallDelta};
+pub use observer::{ChunkObserver, NullObserver, RawText, StreamDelta, ToolCallDelta};
 pub use rng::{Rng, SplitMix64};
 pub use telemetry::{FlushReport, NullRecorder, TelemetryRecorder};
 pub use transport::{

@@ -34,9 +34,54 @@ pub struct StreamDelta {
     /// step with the normalized fields.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub raw: Option<Map<String, Value>>,
+    /// The upstream's frame as received, kept as its JSON text instead of `raw` when
+    /// the transport read it on its fast path (a common frame: no usage, no error), so
+    /// that a proxy can pass it through without building a `Value` tree. At most one
+    /// of `raw` and `raw_text` is set; the `set_*`/`strip_*` edits first turn the text
+    /// into `raw` ([`StreamDelta::raw_object`] reads either).
+    #[serde(skip)]
+    pub raw_text: Option<Box<RawText>>,
+}
+
+/// A frame kept as text ([`StreamDelta::raw_text`]), with the envelope fields a proxy
+/// checks before passing it through unchanged.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct RawText {
+    /// The frame's JSON, as the `data:` of its SSE event carried it (trimmed).
+    pub json: String,
+    /// Its `id`, when a string.
+    pub id: Option<String>,
+    /// Its `created`, when an unsigned integer.
+    pub created: Option<u64>,
+    /// Whether it has an `object` field.
+    pub has_object: bool,
+    /// Its number of choices.
+    pub choices: usize,
 }
 
 impl StreamDelta {
+    /// The upstream's frame as an object, from `raw` or parsed from `raw_text`.
+    pub fn raw_object(&self) -> Option<std::borrow::Cow<'_, Map<String, Value>>> {
+        match (&self.raw, &self.raw_text) {
+            (Some(m), _) => Some(std::borrow::Cow::Borrowed(m)),
+            (None, Some(t)) => match serde_json::from_str::<Value>(&t.json) {
+                Ok(Value::Object(m)) => Some(std::borrow::Cow::Owned(m)),
+                _ => None,
+            },
+            (None, None) => None,
+        }
+    }
+
+    /// Turns `raw_text` into `raw` (before an edit of the frame).
+    fn materialize_raw(&mut self) {
+        if self.raw.is_none() {
+            if let Some(m) = self.raw_object().map(std::borrow::Cow::into_owned) {
+                self.raw = Some(m);
+            }
+        }
+        self.raw_text = None;
+    }
+
     /// Whether the chunk carries new content, reasoning or tool-call text (SPEC §5).
     pub fn is_incremental(&self) -> bool {
         self.content.as_deref().is_some_and(|s| !s.is_empty())
@@ -57,7 +102,10 @@ impl StreamDelta {
         {
             return false;
         }
-        let Some(raw) = &self.raw else { return true };
+        let Some(raw) = self.raw_object() else {
+            return true;
+        };
+        let raw = raw.as_ref();
         // A frame-level field beyond the envelope (Azure's `prompt_filter_results`,
         // Perplexity's `citations`, …) is information for the client (SPEC §15).
         let frame_other = raw.iter().any(|(k, v)| {
@@ -98,6 +146,7 @@ impl StreamDelta {
     /// Removes `delta.role` (a resumed stream sends the role chunk once).
     pub fn strip_role(&mut self) {
         self.role = None;
+        self.materialize_raw();
         if let Some(d) = self.raw_delta_mut() {
             d.remove("role");
         }
@@ -107,6 +156,7 @@ impl StreamDelta {
     /// end of a resumed stream).
     pub fn strip_usage(&mut self) {
         self.usage = None;
+        self.materialize_raw();
         if let Some(raw) = self.raw.as_mut() {
             raw.remove("usage");
             if let Some(c) = choice0_mut(raw) {
@@ -119,6 +169,7 @@ impl StreamDelta {
     /// The raw frame's choice-0 delta is rewritten to match (content as a string).
     pub fn set_text(&mut self, content: Option<String>, tool_calls: Vec<ToolCallDelta>) {
         self.reasoning = None;
+        self.materialize_raw();
         if let Some(d) = self.raw_delta_mut() {
             d.remove("reasoning_content");
             d.remove("reasoning");
@@ -313,6 +364,47 @@ mod tests {
         d.content = None;
         d.role = None;
         assert!(d.is_empty_chunk());
+    }
+
+    fn as_text(d: StreamDelta) -> StreamDelta {
+        let json = serde_json::to_string(d.raw.as_ref().unwrap()).unwrap();
+        StreamDelta {
+            raw: None,
+            raw_text: Some(Box::new(RawText {
+                json,
+                ..Default::default()
+            })),
+            ..d
+        }
+    }
+
+    #[test]
+    fn a_frame_kept_as_text_is_read_and_edited_like_an_object() {
+        let frame = json!({"id":"x","choices":[{"index":0,"delta":{"role":"assistant","content":"Hello"},"logprobs":null}]});
+        let d = as_text(delta(frame.clone()));
+        assert_eq!(Value::Object(d.raw_object().unwrap().into_owned()), frame);
+        // An edit turns the text into the object first; the two never disagree.
+        let mut e = d.clone();
+        e.strip_role();
+        assert!(e.raw_text.is_none());
+        assert_eq!(
+            Value::Object(e.raw.clone().unwrap())["choices"][0]["delta"],
+            json!({"content":"Hello"})
+        );
+        let mut e = d.clone();
+        e.set_text(Some("lo".into()), vec![]);
+        assert_eq!(e.raw.unwrap()["choices"][0]["delta"]["content"], "lo");
+        // Emptiness reads the text's fields as it reads an object's.
+        let mut e = as_text(delta(
+            json!({"choices":[{"index":0,"delta":{"refusal":"no"}}]}),
+        ));
+        e.content = None;
+        e.role = None;
+        assert!(!e.is_empty_chunk());
+        let mut e = as_text(delta(json!({"choices":[{"index":0,"delta":{}}]})));
+        e.content = None;
+        e.role = None;
+        assert!(e.is_empty_chunk());
     }
 
     #[test]
