@@ -12,6 +12,7 @@ pub(crate) mod attempt;
 pub(crate) mod call;
 mod capability;
 pub(crate) mod emit;
+mod future_set;
 pub(crate) mod retry;
 pub(crate) mod round;
 

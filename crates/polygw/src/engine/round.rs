@@ -24,7 +24,9 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use futures_util::future::{AbortHandle, Abortable, BoxFuture, FutureExt};
-use futures_util::stream::{FuturesUnordered, StreamExt};
+use futures_util::stream::StreamExt;
+
+use super::future_set::FutureSet;
 use polygw_core::hedge::BudgetTicket;
 use polygw_core::ports::{ChunkObserver, StreamDelta};
 use polygw_core::resume::{estimate_bytes, estimate_tokens, ResumeMode, Transcript};
@@ -220,7 +222,7 @@ struct Exec<'a, L: Leg> {
     queue: Arc<EventQueue>,
     sink: Option<Arc<dyn DeltaSink>>,
     deltas: bool,
-    legs: FuturesUnordered<LegFuture<'a, L::Output>>,
+    legs: FutureSet<LegFuture<'a, L::Output>>,
     controls: Vec<(Arc<LegControl>, AbortHandle)>,
     infos: Vec<LegInfo>,
     primary: Option<Picked>,
@@ -228,7 +230,7 @@ struct Exec<'a, L: Leg> {
     pick: Option<BoxFuture<'a, Result<Pick, GovernanceError>>>,
     ticket: Option<BudgetTicket>,
     picked: Option<Picked>,
-    finalizing: FuturesUnordered<BoxFuture<'static, ()>>,
+    finalizing: FutureSet<BoxFuture<'static, ()>>,
     /// Ended legs waiting for their fate (within one feed).
     ended: BTreeMap<LegId, LegDone<L::Output>>,
     /// Outputs of legs that ended successfully, kept for the winner.
@@ -870,7 +872,7 @@ impl Engine {
             }),
             sink: start.sink,
             deltas,
-            legs: FuturesUnordered::new(),
+            legs: FutureSet::default(),
             controls: Vec::new(),
             infos: Vec::new(),
             primary: Some(start.primary),
@@ -878,7 +880,7 @@ impl Engine {
             pick: None,
             ticket: None,
             picked: None,
-            finalizing: FuturesUnordered::new(),
+            finalizing: FutureSet::default(),
             ended: BTreeMap::new(),
             outputs: BTreeMap::new(),
             forwarded: Vec::new(),
