@@ -19,8 +19,11 @@
 //!   every label comes from it.
 
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
-use std::sync::atomic::Ordering;
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
+use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 
 use futures_util::future::{AbortHandle, Abortable, BoxFuture, FutureExt};
@@ -35,7 +38,6 @@ use polygw_core::round::{
     Round, RoundResult, RoundSpec,
 };
 use polygw_core::{AttemptError, GovernanceError, ScopeKind, Usage, UsageSource};
-use tokio::sync::Notify;
 use tracing::Instrument;
 
 use super::admission::{Pick, PickPrefs, Picked};
@@ -132,9 +134,20 @@ pub(crate) struct RoundStart {
 }
 
 /// Events queued by the legs' observers.
+///
+/// The observers run inside the legs' polls, which happen inside the round's own poll
+/// (nothing is spawned): an event that asks for the round (`wake`) is seen by the
+/// round's [`QueueReady`] branch in that same poll, so no waker is called then. Waking
+/// the round's task from inside its own poll would make tokio treat it as a yield and
+/// wake another worker thread: a context switch per streamed chunk.
+#[derive(Default)]
 struct EventQueue {
     events: Mutex<Vec<Event>>,
-    notify: Notify,
+    /// An event asked for the round since [`QueueReady`] last returned.
+    wanted: AtomicBool,
+    /// The round is being polled ([`Polling`]).
+    in_poll: AtomicBool,
+    waker: futures_util::task::AtomicWaker,
 }
 
 impl EventQueue {
@@ -144,12 +157,54 @@ impl EventQueue {
             .unwrap_or_else(|e| e.into_inner())
             .push(e);
         if wake {
-            self.notify.notify_one();
+            self.wanted.store(true, Ordering::SeqCst);
+            if !self.in_poll.load(Ordering::SeqCst) {
+                self.waker.wake();
+            }
         }
     }
 
     fn take(&self) -> Vec<Event> {
         std::mem::take(&mut *self.events.lock().unwrap_or_else(|e| e.into_inner()))
+    }
+}
+
+/// Ready once an event asked for the round (the `select!` branch after the legs').
+struct QueueReady<'q>(&'q EventQueue);
+
+impl Future for QueueReady<'_> {
+    type Output = ();
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<()> {
+        self.0.waker.register(cx.waker());
+        if self.0.wanted.swap(false, Ordering::SeqCst) {
+            Poll::Ready(())
+        } else {
+            Poll::Pending
+        }
+    }
+}
+
+/// Marks the queue's round as being polled for the duration of each poll.
+struct Polling<'q, F> {
+    queue: &'q EventQueue,
+    inner: Pin<&'q mut F>,
+}
+
+impl<F: Future> Future for Polling<'_, F> {
+    type Output = F::Output;
+
+    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<F::Output> {
+        self.queue.in_poll.store(true, Ordering::SeqCst);
+        let r = self.inner.as_mut().poll(cx);
+        self.queue.in_poll.store(false, Ordering::SeqCst);
+        // An event pushed at the very end of the poll, after the round last looked:
+        // the round must run again (never the case while the legs are polled only in
+        // the round's `select!`, which looks at the queue last).
+        if r.is_pending() && self.queue.wanted.load(Ordering::SeqCst) {
+            cx.waker().wake_by_ref();
+        }
+        r
     }
 }
 
@@ -770,7 +825,8 @@ impl<'a, L: Leg> Exec<'a, L> {
             } else {
                 None
             };
-            let notified = self.queue.notify.notified();
+            let queue = self.queue.clone();
+            let notified = QueueReady(&queue);
             let sleep = wake_at.map(|t| tokio::time::sleep_until(t.into()));
             let pick = &mut self.pick;
             let wake = tokio::select! {
@@ -866,10 +922,7 @@ impl Engine {
             leg,
             call,
             machine,
-            queue: Arc::new(EventQueue {
-                events: Mutex::new(Vec::new()),
-                notify: Notify::new(),
-            }),
+            queue: Arc::new(EventQueue::default()),
             sink: start.sink,
             deltas,
             legs: FutureSet::default(),
@@ -889,6 +942,12 @@ impl Engine {
             failed: None,
             events: VecDeque::new(),
         };
-        exec.run(initial).await
+        let queue = exec.queue.clone();
+        let run = std::pin::pin!(exec.run(initial));
+        Polling {
+            queue: &queue,
+            inner: run,
+        }
+        .await
     }
 }
