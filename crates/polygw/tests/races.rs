@@ -368,3 +368,40 @@ async fn a_dropped_call_labels_every_leg_cancelled() {
         ]
     );
 }
+
+/// A chunk the transport hands over while its leg stays pending reaches the caller at
+/// once: the round sees the event its own poll queued (it does not wake its own task
+/// for it, see `EventQueue`), without waiting for the leg to end or another wake.
+#[tokio::test(start_paused = true)]
+async fn a_chunk_queued_during_the_rounds_own_poll_is_delivered_at_once() {
+    use futures_util::StreamExt;
+    let h = harness(scope(1), None, None).await;
+    let fail = polygw::core::AttemptError::new(
+        polygw::core::ErrorClass::Transient,
+        polygw::core::ErrorLabel::Timeout,
+        "late",
+    );
+    // One chunk at 10 ms, then nothing for an hour (then a failure).
+    h.fake.push(
+        "s-0",
+        Script::ChunksThenFail {
+            ttft: ms(10),
+            gaps: vec![],
+            after_last: Duration::from_secs(3600),
+            error: fail,
+        },
+    );
+    let start = Instant::now();
+    let mut st = h.client.chat_stream(ChatRequest::user("x"));
+    let first_text = loop {
+        match st.next().await {
+            Some(Ok(polygw::ChatEvent::Delta(d))) if d.is_incremental() => break start.elapsed(),
+            Some(Ok(_)) => continue,
+            other => panic!("no chunk before the end: {other:?}"),
+        }
+    };
+    assert!(
+        first_text < ms(100),
+        "the chunk reached the caller after {first_text:?}, not at 10 ms"
+    );
+}
