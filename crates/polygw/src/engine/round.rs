@@ -8,7 +8,10 @@
 //!   order. A chunk wakes the round only when the machine says it matters now
 //!   (passthrough forwarding, or a stall trigger it arms); other chunks wait in the
 //!   queue until the next timer or leg end, so a plain aggregated stream costs no
-//!   wake-up per chunk.
+//!   wake-up per chunk. Since the legs only run inside the round's own poll, a chunk
+//!   that matters is seen by that same poll: the queue never wakes the round's task
+//!   from inside it (a self-wake is a yield to tokio, which wakes another worker), and
+//!   the legs sit in a [`FutureSet`], which does not wake its own task either.
 //! - Legs, the hedge admission in flight, the finalization of ended legs and the
 //!   timers are polled together: nothing the round awaits stops the legs.
 //! - Legs that end in the same poll are fed in launch order, after every chunk that
