@@ -21,8 +21,8 @@ use std::time::Duration;
 
 use polygw_mock_upstream::{Behavior, MockConfig};
 use support::{
-    cpu_time, drive, full_run, idle_cpu, loadavg, plain_answer, streamed_answer, Acc, Direct,
-    MockHost,
+    cpu_time, drive, env_count, full_run, idle_cpu, loadavg, plain_answer, profile_drive,
+    streamed_answer, Acc, Direct, MockHost,
 };
 
 const CHUNKS: usize = 20;
@@ -152,18 +152,8 @@ async fn level(
             let streamed = VARIANTS[vi].1;
             let d = callers[vi].clone();
             let (cpu0, pcpu0) = (cpu_time(None), cpu_time(Some(proxy_pid)));
-            let (samples, failures, wall) = drive(per_round, concurrency, move |i| {
-                let d = d.clone();
-                async move {
-                    d.call(
-                        &format!("Question {i}: tell me something."),
-                        streamed,
-                        CHUNKS,
-                    )
-                    .await
-                }
-            })
-            .await;
+            let (samples, failures, wall) =
+                drive(per_round, concurrency, move |i| ask(d.clone(), i, streamed)).await;
             let (cpu1, pcpu1) = (cpu_time(None), cpu_time(Some(proxy_pid)));
             if round > 0 {
                 accs[vi].add(samples, failures, wall);
@@ -272,50 +262,29 @@ async fn profile_one(callers: &[Direct; 4], pid: u32, name: &str) -> bool {
         eprintln!("no variant named like {name:?}");
         return false;
     };
-    let env_num = |k: &str, d: usize| {
-        std::env::var(k)
-            .ok()
-            .and_then(|c| c.parse().ok())
-            .unwrap_or(d)
-    };
     let (calls, concurrency) = (
-        env_num("POLYGW_BENCH_CALLS", 20_000),
-        env_num("POLYGW_BENCH_CALLERS", 16),
+        env_count("POLYGW_BENCH_CALLS", 20_000),
+        env_count("POLYGW_BENCH_CALLERS", 16),
     );
     println!(
         "profiling {:?}: {calls} calls, {concurrency} callers (proxy pid {pid})",
         VARIANTS[vi].0
     );
-    let streamed = VARIANTS[vi].1;
-    let d = callers[vi].clone();
-    let pcpu0 = cpu_time(Some(pid));
-    let (samples, failures, wall) = drive(calls, concurrency, move |i| {
-        let d = d.clone();
-        async move {
-            d.call(
-                &format!("Question {i}: tell me something."),
-                streamed,
-                CHUNKS,
-            )
-            .await
-        }
+    let (d, streamed) = (callers[vi].clone(), VARIANTS[vi].1);
+    profile_drive(calls, concurrency, Some(pid), move |i| {
+        ask(d.clone(), i, streamed)
     })
-    .await;
-    let pcpu = match (pcpu0, cpu_time(Some(pid))) {
-        (Some(a), Some(b)) => b.saturating_sub(a),
-        _ => Duration::ZERO,
-    };
-    println!(
-        "{} calls, {} failed: {:.0} calls/s, proxy {:.1} µs CPU per call",
-        samples.len(),
-        failures.len(),
-        samples.len() as f64 / wall.as_secs_f64(),
-        pcpu.as_secs_f64() * 1e6 / samples.len().max(1) as f64
-    );
-    for f in failures.iter().take(3) {
-        println!("  failure: {f}");
-    }
-    failures.is_empty()
+    .await
+}
+
+/// One call of the benchmark's question `i`.
+async fn ask(d: Direct, i: usize, streamed: bool) -> Result<support::Sample, String> {
+    d.call(
+        &format!("Question {i}: tell me something."),
+        streamed,
+        CHUNKS,
+    )
+    .await
 }
 
 fn main() {

@@ -19,8 +19,8 @@ use std::time::Duration;
 use polygw::{ChatRequest, DeltaSink, GatewayClient, StreamDelta};
 use polygw_mock_upstream::{Behavior, MockConfig};
 use support::{
-    cpu_time, drive, full_run, loadavg, plain_answer, streamed_answer, Acc, Direct, MockHost,
-    Sample,
+    cpu_time, drive, env_count, full_run, loadavg, plain_answer, profile_drive, streamed_answer,
+    Acc, Direct, MockHost, Sample,
 };
 use tokio::time::Instant;
 
@@ -333,14 +333,8 @@ async fn profile_one(callers: &Callers, name: &str) -> bool {
         eprintln!("no variant named like {name:?}");
         return false;
     };
-    let concurrency = std::env::var("POLYGW_BENCH_CALLERS")
-        .ok()
-        .and_then(|c| c.parse().ok())
-        .unwrap_or(64);
-    let calls = std::env::var("POLYGW_BENCH_CALLS")
-        .ok()
-        .and_then(|c| c.parse().ok())
-        .unwrap_or(50_000);
+    let concurrency = env_count("POLYGW_BENCH_CALLERS", 64);
+    let calls = env_count("POLYGW_BENCH_CALLS", 50_000);
     println!(
         "profiling {:?}: {calls} calls, {concurrency} callers (pid {})",
         v.name,
@@ -350,24 +344,11 @@ async fn profile_one(callers: &Callers, name: &str) -> bool {
     let future_bytes = std::mem::size_of_val(&callers.client(v).chat(ChatRequest::user("x")));
     println!("a chat() future is {future_bytes} bytes");
     let c = callers.clone();
-    let cpu0 = cpu_time(None);
-    let (samples, failures, wall) = drive(calls, concurrency, move |i| {
+    profile_drive(calls, concurrency, None, move |i| {
         let c = c.clone();
         async move { c.call(v, i).await }
     })
-    .await;
-    let cpu = match (cpu0, cpu_time(None)) {
-        (Some(a), Some(b)) => b.saturating_sub(a),
-        _ => Duration::ZERO,
-    };
-    println!(
-        "{} calls, {} failed: {:.0} calls/s, {:.1} µs CPU per call",
-        samples.len(),
-        failures.len(),
-        samples.len() as f64 / wall.as_secs_f64(),
-        cpu.as_secs_f64() * 1e6 / samples.len().max(1) as f64
-    );
-    failures.is_empty()
+    .await
 }
 
 fn main() {

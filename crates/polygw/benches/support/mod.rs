@@ -311,6 +311,49 @@ where
     (samples, failures, start.elapsed())
 }
 
+/// A count from the environment (`POLYGW_BENCH_CALLS`, `POLYGW_BENCH_CALLERS`), else
+/// `default`.
+pub fn env_count(key: &str, default: usize) -> usize {
+    std::env::var(key)
+        .ok()
+        .and_then(|c| c.parse().ok())
+        .unwrap_or(default)
+}
+
+/// The profile mode (`POLYGW_BENCH_PROFILE`): `calls` calls of `f` with `concurrency`
+/// callers and nothing else, for a profiler; prints calls/s and the CPU per call of
+/// `cpu_of` (a process id; this process when `None`) and the first failures. True when
+/// every call succeeded.
+pub async fn profile_drive<F, Fut>(
+    calls: usize,
+    concurrency: usize,
+    cpu_of: Option<u32>,
+    f: F,
+) -> bool
+where
+    F: Fn(usize) -> Fut + Clone + Send + 'static,
+    Fut: Future<Output = Result<Sample, String>> + Send,
+{
+    let cpu0 = cpu_time(cpu_of);
+    let (samples, failures, wall) = drive(calls, concurrency, f).await;
+    let cpu = match (cpu0, cpu_time(cpu_of)) {
+        (Some(a), Some(b)) => b.saturating_sub(a),
+        _ => Duration::ZERO,
+    };
+    println!(
+        "{} calls, {} failed: {:.0} calls/s, {} {:.1} µs CPU per call",
+        samples.len(),
+        failures.len(),
+        samples.len() as f64 / wall.as_secs_f64(),
+        if cpu_of.is_some() { "proxy" } else { "process" },
+        cpu.as_secs_f64() * 1e6 / samples.len().max(1) as f64
+    );
+    for f in failures.iter().take(3) {
+        println!("  failure: {f}");
+    }
+    failures.is_empty()
+}
+
 /// Nearest-rank percentile of sorted values.
 pub fn pct<T: Copy>(sorted: &[T], p: f64) -> T {
     let i = ((sorted.len() as f64 * p).ceil() as usize).clamp(1, sorted.len()) - 1;
