@@ -506,6 +506,51 @@ impl StreamAggregator {
         })
     }
 
+    /// Folds one tool-call fragment, from either path: the call's first non-empty id
+    /// and name are kept, its arguments appended. Returns whether the fragment carried
+    /// text (a name or arguments) and, when `want`, the fragment as a delta.
+    fn fold_tool_call(
+        &mut self,
+        idx: u32,
+        id: Option<&str>,
+        name: Option<&str>,
+        args: Option<&str>,
+        want: bool,
+    ) -> (bool, Option<ToolCallDelta>) {
+        let slot = self.tools.entry(idx).or_default();
+        let mut td = want.then(|| ToolCallDelta {
+            index: idx,
+            ..ToolCallDelta::default()
+        });
+        let mut text = false;
+        if let Some(id) = id.filter(|id| !id.is_empty()) {
+            if slot.id.is_none() {
+                slot.id = Some(id.to_string());
+            }
+            if let Some(td) = td.as_mut() {
+                td.id = Some(id.to_string());
+            }
+        }
+        if let Some(name) = name.filter(|n| !n.is_empty()) {
+            text = true;
+            if slot.name.is_none() {
+                slot.name = Some(name.to_string());
+            }
+            if let Some(td) = td.as_mut() {
+                td.name = Some(name.to_string());
+            }
+        }
+        if let Some(args) = args {
+            slot.arguments.push_str(args);
+            self.args_bytes += args.len();
+            text |= !args.is_empty();
+            if let Some(td) = td.as_mut() {
+                td.arguments.push_str(args);
+            }
+        }
+        (text, td)
+    }
+
     /// [`Self::absorb`] for a typed delta (string content only).
     fn absorb_typed(&mut self, delta: &typed::Delta<'_>, out: Option<&mut StreamDelta>) -> bool {
         let want = out.is_some();
@@ -534,41 +579,16 @@ impl StreamAggregator {
                 .index
                 .and_then(|i| u32::try_from(i).ok())
                 .unwrap_or(pos as u32);
-            let slot = self.tools.entry(idx).or_default();
-            let mut td = want.then(|| ToolCallDelta {
-                index: idx,
-                ..ToolCallDelta::default()
-            });
-            if let Some(id) = tc.id.as_deref().filter(|id| !id.is_empty()) {
-                if slot.id.is_none() {
-                    slot.id = Some(id.to_string());
-                }
-                if let Some(td) = td.as_mut() {
-                    td.id = Some(id.to_string());
-                }
-            }
-            if let Some(f) = &tc.function {
-                if let Some(name) = f.name.as_deref().filter(|n| !n.is_empty()) {
-                    incremental = true;
-                    if slot.name.is_none() {
-                        slot.name = Some(name.to_string());
-                    }
-                    if let Some(td) = td.as_mut() {
-                        td.name = Some(name.to_string());
-                    }
-                }
-                if let Some(args) = f.arguments.as_deref() {
-                    slot.arguments.push_str(args);
-                    self.args_bytes += args.len();
-                    incremental |= !args.is_empty();
-                    if let Some(td) = td.as_mut() {
-                        td.arguments.push_str(args);
-                    }
-                }
-            }
-            if let Some(td) = td {
-                tool_deltas.push(td);
-            }
+            let f = tc.function.as_ref();
+            let (text, td) = self.fold_tool_call(
+                idx,
+                tc.id.as_deref(),
+                f.and_then(|f| f.name.as_deref()),
+                f.and_then(|f| f.arguments.as_deref()),
+                want,
+            );
+            incremental |= text;
+            tool_deltas.extend(td);
         }
         if let Some(d) = out {
             d.role = delta.role.as_deref().map(str::to_string);
@@ -689,45 +709,17 @@ impl StreamAggregator {
                     .and_then(Value::as_u64)
                     .and_then(|i| u32::try_from(i).ok())
                     .unwrap_or(pos as u32);
-                let slot = self.tools.entry(idx).or_default();
-                let mut td = want.then(|| ToolCallDelta {
-                    index: idx,
-                    ..ToolCallDelta::default()
-                });
-                if let Some(id) = tc.get("id").and_then(Value::as_str) {
-                    if !id.is_empty() {
-                        if slot.id.is_none() {
-                            slot.id = Some(id.to_string());
-                        }
-                        if let Some(td) = td.as_mut() {
-                            td.id = Some(id.to_string());
-                        }
-                    }
-                }
-                if let Some(f) = tc.get("function").and_then(Value::as_object) {
-                    if let Some(name) = f.get("name").and_then(Value::as_str) {
-                        if !name.is_empty() {
-                            incremental = true;
-                            if slot.name.is_none() {
-                                slot.name = Some(name.to_string());
-                            }
-                            if let Some(td) = td.as_mut() {
-                                td.name = Some(name.to_string());
-                            }
-                        }
-                    }
-                    if let Some(args) = f.get("arguments").and_then(Value::as_str) {
-                        slot.arguments.push_str(args);
-                        self.args_bytes += args.len();
-                        incremental |= !args.is_empty();
-                        if let Some(td) = td.as_mut() {
-                            td.arguments.push_str(args);
-                        }
-                    }
-                }
-                if let Some(td) = td {
-                    tool_deltas.push(td);
-                }
+                let f = tc.get("function").and_then(Value::as_object);
+                let field = |k: &str| f.and_then(|f| f.get(k)).and_then(Value::as_str);
+                let (text, td) = self.fold_tool_call(
+                    idx,
+                    tc.get("id").and_then(Value::as_str),
+                    field("name"),
+                    field("arguments"),
+                    want,
+                );
+                incremental |= text;
+                tool_deltas.extend(td);
             }
         }
         if let Some(d) = out {
