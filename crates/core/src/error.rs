@@ -208,7 +208,7 @@ impl ErrorLabel {
     ];
 
     /// The stable name stored in the `error` column.
-    pub fn as_str(self) -> &'static str {
+    pub const fn as_str(self) -> &'static str {
         match self {
             ErrorLabel::Cancelled => "cancelled",
             ErrorLabel::HedgeCancelled => "hedge_cancelled",

@@ -5,7 +5,7 @@
 //! moment it is built, an [`Arc`] of its scope's counters and one of each of its
 //! sources' counters (created once in the shared registry, looked up by name then and
 //! never again), and a call or attempt bumps atomics in them. Outcome labels are the
-//! fixed sets of `polygw-core` (`ok`, [`TerminalReason`], [`ErrorLabel`]) and index an
+//! fixed sets of `polygw-core` (`ok`, [`TerminalReason`](polygw_core::TerminalReason), [`ErrorLabel`]) and index an
 //! array; a label outside them (none today) falls back to a map behind the scope's or
 //! source's own lock. The registry's lock is taken when a client is built and while a
 //! scrape walks the registry, never by a call.
@@ -16,6 +16,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, Weak};
 
 use polygw_core::ports::RateLimiter;
+use polygw_core::ErrorLabel;
 
 /// Histogram bucket bounds in milliseconds.
 pub const BUCKETS_MS: [u64; 14] = [
@@ -81,24 +82,16 @@ const CALL_OUTCOMES: [&str; 9] = [
     "invalid_request",
 ];
 
-/// The outcomes of an attempt: `ok` and every error label.
-const ATTEMPT_OUTCOMES: [&str; 15] = [
-    "ok",
-    "cancelled",
-    "hedge_cancelled",
-    "deadline",
-    "rate_limited",
-    "timeout",
-    "ttft_timeout",
-    "stall_timeout",
-    "connect",
-    "server_error",
-    "truncated",
-    "rejected",
-    "invalid",
-    "dead",
-    "resume_diverged",
-];
+/// The outcomes of an attempt: `ok` and every error label, in `ErrorLabel::ALL`'s order.
+const ATTEMPT_OUTCOMES: [&str; ErrorLabel::ALL.len() + 1] = {
+    let mut out = ["ok"; ErrorLabel::ALL.len() + 1];
+    let mut i = 0;
+    while i < ErrorLabel::ALL.len() {
+        out[i + 1] = ErrorLabel::ALL[i].as_str();
+        i += 1;
+    }
+    out
+};
 
 /// Counters by outcome label: one atomic per label of a fixed set, a locked map for
 /// any other label.

@@ -230,9 +230,8 @@ impl AttemptGuard {
     /// Decides a success: tokens to settle, breaker success, the row.
     pub(crate) fn decide_success(&mut self, facts: &SuccessFacts, wall: Duration) {
         let Some(row) = self.row(wall) else { return };
-        let engine = self.engine.clone();
-        let src = &engine.scope.sources[self.source_idx];
-        let est = engine.scope.est_tokens(src);
+        let src = &self.engine.scope.sources[self.source_idx];
+        let est = self.engine.scope.est_tokens(src);
         let tokens = facts.settle_override.unwrap_or_else(|| {
             settle(
                 AttemptOutcome::Success {
