@@ -53,6 +53,19 @@ mod common {
             TestDb::Sqlite { _dir: dir, url }
         }
 
+        /// [`TestDb::sqlite`] with its file and schema already created: for a test whose
+        /// short `write_timeout` also bounds the recorder's first connection, which on a
+        /// loaded machine can take longer than the test's write window (seen under CI).
+        pub async fn sqlite_with_schema() -> TestDb {
+            let db = TestDb::sqlite();
+            polygw_telemetry_sql::SqlRecorder::connect(db.url(), fast_config())
+                .await
+                .unwrap()
+                .shutdown()
+                .await;
+            db
+        }
+
         pub async fn pg() -> Option<TestDb> {
             let base = polygw_testkit::services::postgres_url()?;
             Some(TestDb::Pg(PgSchema::create(&base).await))
@@ -1103,7 +1116,7 @@ mod outage {
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn sqlite_locked_then_unlocked_loses_nothing() {
-        let db = TestDb::sqlite();
+        let db = TestDb::sqlite_with_schema().await;
         let cfg = RecorderConfig {
             flush_timeout: Duration::from_secs(1),
             write_timeout: Duration::from_millis(400),
@@ -1156,7 +1169,7 @@ mod outage {
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn overflow_while_down_keeps_the_newest_rows_and_counts_the_rest() {
-        let db = TestDb::sqlite();
+        let db = TestDb::sqlite_with_schema().await;
         let cfg = RecorderConfig {
             queue_capacity: 50,
             batch_size: 16,
@@ -1387,7 +1400,7 @@ mod lifecycle {
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_drop_while_the_database_is_down_ends_within_flush_timeout() {
-        let db = TestDb::sqlite();
+        let db = TestDb::sqlite_with_schema().await;
         let cfg = RecorderConfig {
             flush_timeout: Duration::from_millis(300),
             write_timeout: Duration::from_millis(200),
@@ -2067,7 +2080,7 @@ mod logging {
     async fn a_failing_database_warns_once_per_interval_and_its_return_is_logged() {
         let logs = Capture::default();
         let _g = logs.install();
-        let db = TestDb::sqlite();
+        let db = TestDb::sqlite_with_schema().await;
         let cfg = RecorderConfig {
             retry_min: Duration::from_millis(5),
             retry_max: Duration::from_millis(20),
