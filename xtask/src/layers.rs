@@ -23,8 +23,13 @@ pub enum Layer {
     Core,
     Adapter,
     Facade,
-    /// The OpenAI-compatible proxy as a library (`polygw-serve`): on the facade only
-    /// (core types through its re-exports), used by the binary and the suites.
+    /// The wire formats clients speak (`polygw-dialects`): pure conversions between the
+    /// APIs' requests, answers and events and core's types; on core only, used by the
+    /// server and the suites.
+    Dialect,
+    /// The OpenAI-compatible proxy as a library (`polygw-serve`): on the facade and
+    /// the dialects (core types through the facade's re-exports), used by the binary
+    /// and the suites.
     Server,
     Binary,
     Simulator,
@@ -44,6 +49,7 @@ pub fn layer_of(name: &str) -> Option<Layer> {
         | "polygw-limiter-redis"
         | "polygw-telemetry-sql" => Layer::Adapter,
         "polygw" => Layer::Facade,
+        "polygw-dialects" => Layer::Dialect,
         "polygw-serve" => Layer::Server,
         "polygw-cli" => Layer::Binary,
         "polygw-mock-upstream" => Layer::Simulator,
@@ -82,8 +88,10 @@ pub fn edge_allowed(from: Layer, to: Layer, kind: Kind) -> bool {
         (TestSupport, _) => matches!(to, Core | Simulator),
         (Facade, Kind::Dev) => matches!(to, Core | Adapter | TestSupport | Simulator),
         (Facade, _) => matches!(to, Core | Adapter),
-        (Server, Kind::Dev) => matches!(to, Facade | TestSupport | Simulator),
-        (Server, _) => to == Facade,
+        (Dialect, Kind::Dev) => matches!(to, Core | TestSupport),
+        (Dialect, _) => to == Core,
+        (Server, Kind::Dev) => matches!(to, Facade | Dialect | TestSupport | Simulator),
+        (Server, _) => matches!(to, Facade | Dialect),
         (Binary, Kind::Dev) => to != Tooling && to != Binary,
         (Binary, _) => matches!(to, Server | Facade | Core | Simulator),
     }
@@ -573,5 +581,11 @@ mod tests {
         assert!(edge_allowed(Binary, Server, Kind::Normal));
         assert!(!edge_allowed(Facade, Server, Kind::Normal));
         assert!(!edge_allowed(Adapter, Server, Kind::Dev));
+        assert!(edge_allowed(Dialect, Core, Kind::Normal));
+        assert!(!edge_allowed(Dialect, Facade, Kind::Normal));
+        assert!(!edge_allowed(Dialect, Adapter, Kind::Normal));
+        assert!(edge_allowed(Server, Dialect, Kind::Normal));
+        assert!(!edge_allowed(Facade, Dialect, Kind::Normal));
+        assert!(!edge_allowed(Adapter, Dialect, Kind::Normal));
     }
 }

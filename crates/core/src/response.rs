@@ -14,6 +14,15 @@ pub struct Usage {
     /// `completion_tokens_details.reasoning_tokens`, when the provider reports it.
     #[serde(default)]
     pub reasoning_tokens: Option<u64>,
+    /// Prompt tokens read from the provider's prompt cache, when it reports them
+    /// (`prompt_tokens_details.cached_tokens`, DeepSeek's `prompt_cache_hit_tokens`,
+    /// `cache_read_input_tokens`). Part of `prompt_tokens` (SPEC §20.1).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cached_prompt_tokens: Option<u64>,
+    /// Prompt tokens written to the provider's prompt cache, when it reports them
+    /// (`cache_creation_input_tokens`). Part of `prompt_tokens`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cache_write_tokens: Option<u64>,
 }
 
 impl Usage {
@@ -23,6 +32,8 @@ impl Usage {
             prompt_tokens,
             completion_tokens,
             reasoning_tokens: None,
+            cached_prompt_tokens: None,
+            cache_write_tokens: None,
         }
     }
 
@@ -38,11 +49,19 @@ impl Usage {
             completion_tokens: self
                 .completion_tokens
                 .saturating_add(other.completion_tokens),
-            reasoning_tokens: match (self.reasoning_tokens, other.reasoning_tokens) {
-                (None, None) => None,
-                (a, b) => Some(a.unwrap_or(0).saturating_add(b.unwrap_or(0))),
-            },
+            reasoning_tokens: add_known(self.reasoning_tokens, other.reasoning_tokens),
+            cached_prompt_tokens: add_known(self.cached_prompt_tokens, other.cached_prompt_tokens),
+            cache_write_tokens: add_known(self.cache_write_tokens, other.cache_write_tokens),
         }
+    }
+}
+
+/// The sum of two optional counts: unknown only when both are (a part that does not
+/// report a detail contributes none of it).
+fn add_known(a: Option<u64>, b: Option<u64>) -> Option<u64> {
+    match (a, b) {
+        (None, None) => None,
+        (a, b) => Some(a.unwrap_or(0).saturating_add(b.unwrap_or(0))),
     }
 }
 
@@ -211,7 +230,8 @@ mod tests {
             Usage {
                 prompt_tokens: 5,
                 completion_tokens: 7,
-                reasoning_tokens: Some(3)
+                reasoning_tokens: Some(3),
+                ..Usage::default()
             }
         );
     }

@@ -227,6 +227,7 @@ impl Plan {
             prompt_tokens: b.prompt_tokens.unwrap_or(ctx.prompt_tokens),
             completion_tokens: b.completion_tokens.unwrap_or(items.len() as u64),
             reasoning_tokens: (reasoning_n > 0).then_some(reasoning_n),
+            ..Usage::default()
         };
         Plan {
             items,

@@ -39,6 +39,8 @@ const USAGE: Usage = Usage {
     prompt_tokens: 7,
     completion_tokens: 5,
     reasoning_tokens: None,
+    cached_prompt_tokens: None,
+    cache_write_tokens: None,
 };
 const MEASURED: u64 = 12;
 

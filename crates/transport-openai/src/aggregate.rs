@@ -126,26 +126,58 @@ pub fn choice0(obj: &Map<String, Value>) -> Option<&Map<String, Value>> {
     })
 }
 
+/// The largest token count read from an upstream (2^53 − 1: exact in every JSON
+/// client). A larger figure is clamped to it (SPEC §17.6: no wrap reachable from input).
+pub const MAX_TOKENS: u64 = (1 << 53) - 1;
+
 fn tokens(v: Option<&Value>) -> Option<u64> {
     let v = v?;
-    v.as_u64().or_else(|| {
-        v.as_f64()
-            .filter(|f| f.is_finite() && *f >= 0.0)
-            .map(|f| f as u64)
-    })
+    v.as_u64()
+        .or_else(|| {
+            v.as_f64()
+                .filter(|f| f.is_finite() && *f >= 0.0)
+                .map(|f| f as u64)
+        })
+        .map(|n| n.min(MAX_TOKENS))
 }
 
 /// Parses an OpenAI usage object (`prompt_tokens`, `completion_tokens`,
 /// `completion_tokens_details.reasoning_tokens`); null or missing counts are 0, a
 /// missing reasoning count is `None`.
+///
+/// Prompt-cache figures (SPEC §20.1), the first one present:
+/// `prompt_tokens_details.cached_tokens` (OpenAI, DashScope/Qwen, vLLM, xAI),
+/// `prompt_cache_hit_tokens` (DeepSeek), `cache_read_input_tokens` (Anthropic-style),
+/// a top-level `cached_tokens` (Moonshot); cache writes from
+/// `cache_creation_input_tokens`. They are part of `prompt_tokens`, as OpenAI counts
+/// them; a source that reports Anthropic-style fields larger than its `prompt_tokens`
+/// counts them apart (Anthropic's own convention), and they are added to it. Cached
+/// figures are clamped to the prompt (docs/DECISIONS.md).
 pub fn parse_usage(u: &Map<String, Value>) -> Usage {
+    let mut prompt = tokens(u.get("prompt_tokens")).unwrap_or(0);
+    let details = u.get("prompt_tokens_details").and_then(Value::as_object);
+    let anthropic_read = tokens(u.get("cache_read_input_tokens"));
+    let write = tokens(u.get("cache_creation_input_tokens"));
+    let cached = details
+        .and_then(|d| tokens(d.get("cached_tokens")))
+        .or_else(|| tokens(u.get("prompt_cache_hit_tokens")))
+        .or(anthropic_read)
+        .or_else(|| tokens(u.get("cached_tokens")));
+    let anthropic = anthropic_read.unwrap_or(0).saturating_add(write.unwrap_or(0));
+    if anthropic > prompt {
+        prompt = prompt.saturating_add(anthropic);
+    }
+    let cached = cached.map(|c| c.min(prompt));
+    let write = write.map(|w| w.min(prompt.saturating_sub(cached.unwrap_or(0))));
     Usage {
-        prompt_tokens: tokens(u.get("prompt_tokens")).unwrap_or(0),
+        prompt_tokens: prompt,
         completion_tokens: tokens(u.get("completion_tokens")).unwrap_or(0),
         reasoning_tokens: u
             .get("completion_tokens_details")
             .and_then(Value::as_object)
             .and_then(|d| tokens(d.get("reasoning_tokens"))),
+        cached_prompt_tokens: cached,
+        cache_write_tokens: write,
     }
 }
 
@@ -943,7 +975,8 @@ mod tests {
             Some(Usage {
                 prompt_tokens: 3,
                 completion_tokens: 2,
-                reasoning_tokens: Some(1)
+                reasoning_tokens: Some(1),
+                ..Usage::default()
             })
         );
         assert_eq!(agg.incremental_chunks, 2);
