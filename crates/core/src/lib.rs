@@ -11,7 +11,7 @@
 //! - configuration: [`config`] (environment loading, guards)
 //! - decisions: [`classify`], [`settlement`], [`stall`], [`backoff`], [`admission`],
 //!   [`hedge`], [`round`] (the round state machine), [`resume`], [`retry`],
-//!   [`breaker`], [`window`], [`body`], [`cache_key`]
+//!   [`breaker`], [`window`], [`body`], [`cache_key`], [`usage`]
 //! - ports: [`ports`]
 
 pub mod admission;
@@ -36,6 +36,7 @@ pub mod settlement;
 pub mod source;
 pub mod stall;
 pub mod telemetry;
+pub mod usage;
 pub mod window;
 
 pub use config::{ConfigWarning, LoadedScope};

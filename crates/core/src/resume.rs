@@ -316,6 +316,143 @@ impl Transcript {
     }
 }
 
+/// How many leading characters of the delivered prefix a prefill leg may repeat before
+/// it counts as having echoed it (SPEC §17.1): 16, or the whole of a shorter prefix.
+pub const PREFILL_ECHO_CHARS: usize = 16;
+
+/// What a prefill leg's output is, checked against the prefix it was sent (SPEC §17.1).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PrefillCheck {
+    /// Too little output to tell (it is still the prefix's own start): hold it back.
+    Undecided,
+    /// A real continuation: the output follows the prefix.
+    Continuation,
+    /// The target ignored the prefill and reproduced the whole prefix: the leg is a
+    /// replay (only what comes after the prefix is new).
+    Replay,
+    /// The target repeated the prefix's start and then differed: neither a
+    /// continuation nor a replay (`resume_diverged`).
+    Diverged,
+}
+
+impl PrefillCheck {
+    /// The target treated the prefill as history (replayed or echoed it).
+    pub fn ignores_prefill(self) -> bool {
+        matches!(self, PrefillCheck::Replay | PrefillCheck::Diverged)
+    }
+}
+
+/// Checks a prefill leg's `output` so far against its `prefix` (SPEC §17.1); `ended`:
+/// the leg's answer is complete (then never [`PrefillCheck::Undecided`]).
+///
+/// Let `t` = min([`PREFILL_ECHO_CHARS`], the prefix's chars) and `k` the characters the
+/// output's content shares with the prefix's start:
+/// - the content starts with the whole prefix → `Replay`;
+/// - it differs from the prefix at a char `k < t` → `Continuation` (a continuation
+///   may begin like the prefix for a few characters, never for `t`);
+/// - it differs at `k ≥ t` → `Diverged`;
+/// - it is all the prefix's own start: `Undecided` while it runs (a tool call with no
+///   content before it → `Continuation`); at the end, `Continuation` when empty and
+///   `Diverged` otherwise (it repeated part of the prefix and stopped).
+pub fn check_prefill(prefix: &str, output: &Transcript, ended: bool) -> PrefillCheck {
+    let o = output.content.as_str();
+    if prefix.is_empty() || (o.is_empty() && (ended || output.has_tool_call())) {
+        return PrefillCheck::Continuation;
+    }
+    if o.starts_with(prefix) {
+        return PrefillCheck::Replay;
+    }
+    let t = prefix.chars().take(PREFILL_ECHO_CHARS).count();
+    let mut shared = 0usize;
+    let mut ochars = o.chars();
+    let mut pchars = prefix.chars();
+    loop {
+        match (ochars.next(), pchars.next()) {
+            (Some(a), Some(b)) if a == b => shared += 1,
+            (None, _) => {
+                // The output is the prefix's own start so far.
+                return if shared >= t {
+                    if ended || output.has_tool_call() {
+                        PrefillCheck::Diverged
+                    } else {
+                        PrefillCheck::Undecided
+                    }
+                } else if ended {
+                    PrefillCheck::Diverged
+                } else if output.has_tool_call() {
+                    PrefillCheck::Continuation
+                } else {
+                    PrefillCheck::Undecided
+                };
+            }
+            // Differs at `shared` (or the prefix ended: covered by `starts_with`).
+            _ => {
+                return if shared >= t {
+                    PrefillCheck::Diverged
+                } else {
+                    PrefillCheck::Continuation
+                };
+            }
+        }
+    }
+}
+
+/// The answer text of a prefill leg: the prefix and its continuation, or, when the
+/// target replayed the prefix, its own output; `None` when it diverged.
+pub fn prefill_answer(prefix: &str, output: &str) -> Option<String> {
+    let t = Transcript {
+        content: output.to_string(),
+        ..Transcript::default()
+    };
+    match check_prefill(prefix, &t, true) {
+        PrefillCheck::Continuation => Some(format!("{prefix}{output}")),
+        PrefillCheck::Replay => Some(output.to_string()),
+        PrefillCheck::Undecided | PrefillCheck::Diverged => None,
+    }
+}
+
+/// The per-call resume budget across rounds (SPEC §13.5, §17.8): `MAX_RESUMES` resume
+/// legs in the whole logical call — the primary of each continuation round and the
+/// resume legs launched inside rounds alike.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ResumeBudget {
+    max: u32,
+    used: u32,
+}
+
+impl ResumeBudget {
+    /// A budget of `max` resume legs.
+    pub fn new(max: u32) -> Self {
+        ResumeBudget { max, used: 0 }
+    }
+
+    /// Resume legs used so far.
+    pub fn used(&self) -> u32 {
+        self.used
+    }
+
+    /// Resume legs still allowed.
+    pub fn left(&self) -> u32 {
+        self.max.saturating_sub(self.used)
+    }
+
+    /// A continuation round's primary (a resume leg) is launched: it takes one.
+    /// `false` (nothing taken) when none is left.
+    pub fn take_primary(&mut self) -> bool {
+        if self.left() == 0 {
+            return false;
+        }
+        self.used += 1;
+        true
+    }
+
+    /// A round ended having launched `resumes` resume legs besides its primary (it
+    /// was given [`ResumeBudget::left`] after its primary, and never launches more).
+    pub fn on_round(&mut self, resumes: u32) {
+        self.used = self.used.saturating_add(resumes);
+    }
+}
+
 /// A rough token count for text whose usage is unknown (a cut leg's delivered text,
 /// a prompt): one token per four bytes, at least one for non-empty text. Used only
 /// where the usage is marked `estimated`.
@@ -581,6 +718,111 @@ mod tests {
             "prefix not supported",
         );
         assert!(!is_prefill_unsupported(&server));
+    }
+
+    #[test]
+    fn prefill_output_is_verified_against_its_prefix() {
+        use PrefillCheck::*;
+        let long = "Mock response from the mock, long enough";
+        let out = |s: &str| tr(&[d(s)]);
+        let table: &[(&str, &str, bool, PrefillCheck)] = &[
+            // A real continuation.
+            ("Hello wor", "ld!", false, Continuation),
+            ("Hello wor", "ld!", true, Continuation),
+            // The whole prefix again (a target that takes it as history): a replay.
+            ("Hello wor", "Hello world!", false, Replay),
+            ("Hello wor", "Hello wor", true, Replay),
+            (
+                long,
+                "Mock response from the mock, long enough and more",
+                false,
+                Replay,
+            ),
+            // Still the prefix's own start: wait.
+            ("Hello wor", "Hel", false, Undecided),
+            (long, "Mock response from the", false, Undecided),
+            ("Hello wor", "", false, Undecided),
+            // 16 characters repeated, then something else: diverged.
+            (long, "Mock response from another", false, Diverged),
+            (long, "Mock response from the", true, Diverged),
+            // Fewer than 16 shared before it differs: a continuation that begins like
+            // the prefix.
+            (long, "Mock, continued", false, Continuation),
+            // A short prefix counts whole: repeated whole is a replay.
+            ("Hi", "Hi there", false, Replay),
+            ("Hi", "H", false, Undecided),
+            ("Hi", "H", true, Diverged),
+            ("Hi", "!", false, Continuation),
+            // Nothing at the end: an empty continuation.
+            ("Hello", "", true, Continuation),
+            ("", "anything", false, Continuation),
+        ];
+        for (prefix, o, ended, want) in table {
+            assert_eq!(
+                check_prefill(prefix, &out(o), *ended),
+                *want,
+                "{prefix:?} / {o:?} / ended {ended}"
+            );
+        }
+        // A tool call with no content before it continues; after an echo it diverged.
+        assert_eq!(
+            check_prefill("Let me check", &tr(&[tool(0, Some("f"), "{")]), false),
+            Continuation
+        );
+        assert_eq!(
+            check_prefill(
+                long,
+                &tr(&[d("Mock response from the"), tool(0, Some("f"), "{")]),
+                false
+            ),
+            Diverged
+        );
+        assert_eq!(
+            prefill_answer("Hello wor", "ld!").as_deref(),
+            Some("Hello world!")
+        );
+        assert_eq!(
+            prefill_answer("Hello wor", "Hello world!").as_deref(),
+            Some("Hello world!")
+        );
+        assert_eq!(prefill_answer(long, "Mock response from another"), None);
+        assert!(Replay.ignores_prefill() && Diverged.ignores_prefill());
+        assert!(!Continuation.ignores_prefill() && !Undecided.ignores_prefill());
+    }
+
+    #[test]
+    fn the_resume_budget_holds_across_rounds() {
+        let mut b = ResumeBudget::new(2);
+        assert_eq!(b.left(), 2);
+        assert!(b.take_primary());
+        assert_eq!(b.left(), 1, "the round gets what is left after its primary");
+        b.on_round(1);
+        assert_eq!((b.used(), b.left()), (2, 0));
+        assert!(!b.take_primary(), "a third resume is refused");
+        assert_eq!(b.used(), 2);
+        let mut z = ResumeBudget::new(0);
+        assert!(!z.take_primary());
+        assert_eq!(z.left(), 0);
+    }
+
+    proptest! {
+        /// However rounds spend their share, the call never uses more than its budget,
+        /// as long as each round launches at most the `left()` it was given.
+        #[test]
+        fn resume_budget_never_overspends(
+            max in 0u32..5,
+            rounds in proptest::collection::vec((any::<bool>(), 0u32..4), 0..8),
+        ) {
+            let mut b = ResumeBudget::new(max);
+            for (continuation, want) in rounds {
+                if continuation && !b.take_primary() {
+                    continue;
+                }
+                let inside = want.min(b.left());
+                b.on_round(inside);
+                prop_assert!(b.used() <= max);
+            }
+        }
     }
 
     #[test]

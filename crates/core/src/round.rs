@@ -28,8 +28,14 @@
 //! 3. every launched leg gets exactly one final fate;
 //! 4. legs cancelled because of the deadline or the caller's drop are labelled
 //!    `deadline` / `cancelled`, never `hedge_cancelled`;
-//! 5. legs ≤ 1 + `MAX_EXTRA` + `MAX_RESUMES`;
-//! 6. each trigger fires at its own due time, whatever other timers are pending.
+//! 5. legs ≤ 1 + `MAX_EXTRA` + `MAX_RESUMES`; extra legs ≤ `MAX_EXTRA`; resume legs
+//!    (besides a continuation round's primary) ≤ the round's `resumes_left`;
+//! 6. each trigger fires at its own due time, whatever other timers are pending;
+//! 7. a prefill leg's output is verified before any of it is forwarded (SPEC §17.1):
+//!    a target that repeats the delivered text is handled as a replay or ends
+//!    `resume_diverged`, never duplicating a character;
+//! 8. no chunk of a leg is dropped silently: what an uncommitted leg holds is bounded
+//!    in bytes, and a leg over the bound fails (`invalid`).
 
 use std::collections::BTreeSet;
 use std::time::Instant;
@@ -37,7 +43,10 @@ use std::time::Instant;
 use crate::error::{AttemptError, ErrorClass, ErrorLabel};
 use crate::hedge::{combine_failures, HedgePolicy};
 use crate::ports::StreamDelta;
-use crate::resume::{is_prefill_unsupported, ReplayCheck, ResumeMode, ResumeSetting, Transcript};
+use crate::resume::{
+    check_prefill, is_prefill_unsupported, PrefillCheck, ReplayCheck, ResumeMode, ResumeSetting,
+    Transcript,
+};
 
 /// A leg's position in its round (0 = the primary).
 pub type LegId = usize;
@@ -133,8 +142,12 @@ pub enum CancelReason {
     Deadline,
     /// The caller dropped the call (`cancelled`).
     CallerDrop,
-    /// A replay contradicted the delivered text (`resume_diverged`).
+    /// A replay contradicted the delivered text, or a prefill leg repeated it and then
+    /// differed (`resume_diverged`).
     Diverged,
+    /// The leg sent more before its first deliverable chunk than the round holds
+    /// (`invalid`).
+    Overflow,
 }
 
 impl CancelReason {
@@ -145,6 +158,7 @@ impl CancelReason {
             CancelReason::Deadline => ErrorLabel::Deadline,
             CancelReason::CallerDrop => ErrorLabel::Cancelled,
             CancelReason::Diverged => ErrorLabel::ResumeDiverged,
+            CancelReason::Overflow => ErrorLabel::Invalid,
         }
     }
 }
@@ -230,6 +244,10 @@ pub enum Event {
     },
     /// The answer to the outstanding [`Action::Pick`]: `None` = nothing admitted.
     Picked(Option<Picked>),
+    /// The outstanding [`Action::Pick`] failed in the governance backend: no leg is
+    /// launched for it (fail closed), and the legs already running go on — a backend
+    /// error never cuts a healthy stream (SPEC §17, docs/DECISIONS.md).
+    PickFailed,
     /// Time passed (a timer the round asked for via [`Round::next_wakeup`]).
     Tick,
     /// The call deadline passed.
@@ -358,12 +376,52 @@ struct Leg {
     stall_fired_at: Option<u32>,
     /// The leg's own output.
     text: Transcript,
-    /// Non-incremental chunks held until the leg is committed.
+    /// Chunks held until the leg is committed (non-incremental ones; for a prefill leg
+    /// also its output until it is verified).
     buffered: Vec<StreamDelta>,
+    /// Bytes held in `buffered` (bounded by [`MAX_BUFFERED_BYTES`]).
+    buffered_bytes: usize,
+    /// Reasoning of the text a prefill leg continues (aggregated answers).
+    base_reasoning: String,
+    /// Where a prefill leg's output stands against its prefix.
+    verify: Verify,
+    /// Arrival of its first incremental chunk.
+    first_chunk: Option<Instant>,
+    /// Some of its incremental text reached the caller.
+    delivered_text: bool,
 }
 
-/// The most non-incremental chunks held per uncommitted leg.
-const MAX_BUFFERED: usize = 16;
+/// The most a leg may hold, in bytes of chunks, before it is committed: far above what
+/// a role chunk, a finish and a usage frame take, or a prefill's first 16 characters
+/// behind a long reasoning; a leg that needs more fails (`invalid`), it is never cut
+/// silently.
+pub const MAX_BUFFERED_BYTES: usize = 8 << 20;
+
+/// What a prefill leg's output has shown so far (SPEC §17.1).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Verify {
+    /// Not a prefill leg.
+    NotPrefill,
+    /// Not known yet (its output is held).
+    Pending,
+    /// A real continuation.
+    Continuation,
+    /// The target answered from scratch: handled as a replay of the prefix.
+    Replay,
+}
+
+/// The bytes a held chunk takes (its text, its raw frame, and a fixed overhead).
+fn held_bytes(d: &StreamDelta) -> usize {
+    d.content.as_ref().map_or(0, String::len)
+        + d.reasoning.as_ref().map_or(0, String::len)
+        + d.tool_calls
+            .iter()
+            .map(|t| t.arguments.len() + 64)
+            .sum::<usize>()
+        + d.raw_text.as_ref().map_or(0, |t| t.json.len())
+        + d.raw.as_ref().map_or(0, |m| 64 * m.len())
+        + 256
+}
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Trigger {
@@ -389,6 +447,17 @@ struct Pending {
     /// The leg whose trigger asked, and its chunk count then (progress since makes the
     /// pick moot).
     trigger: Option<(LegId, u32)>,
+}
+
+fn overflow_error() -> AttemptError {
+    AttemptError::new(
+        ErrorClass::Invalid,
+        ErrorLabel::Invalid,
+        format!(
+            "the leg sent more than {MAX_BUFFERED_BYTES} bytes of chunks before anything \
+             could be forwarded"
+        ),
+    )
 }
 
 /// The state of one round. See the module documentation.
@@ -437,7 +506,11 @@ impl Round {
         };
         let mut out = Vec::new();
         let (source, kind) = (r.spec.primary_source, r.spec.primary_kind.clone());
-        r.launch(source, kind, false, now, &mut out);
+        let base_reasoning = match (&r.spec.carried, kind.resume_mode()) {
+            (Some(c), Some(ResumeMode::Prefill)) => c.delivered.reasoning.clone(),
+            _ => String::new(),
+        };
+        r.launch(source, kind, false, base_reasoning, now, &mut out);
         (r, out)
     }
 
@@ -491,6 +564,59 @@ impl Round {
         self.extras
     }
 
+    /// When a leg's first incremental chunk arrived (its time to first token, also for
+    /// legs that did not complete).
+    pub fn first_chunk(&self, leg: LegId) -> Option<Instant> {
+        self.legs.get(leg).and_then(|l| l.first_chunk)
+    }
+
+    /// Whether some of a leg's incremental text reached the caller (passthrough).
+    pub fn delivered_text(&self, leg: LegId) -> bool {
+        self.legs.get(leg).is_some_and(|l| l.delivered_text)
+    }
+
+    /// A leg's answer: the delivered text (passthrough), or (aggregated) its own output
+    /// — after the prefix it continued, with that text's reasoning first, when it is a
+    /// verified prefill continuation.
+    pub fn answer(&self, leg: LegId) -> Transcript {
+        if self.spec.passthrough {
+            self.delivered.clone()
+        } else {
+            self.effective_text(leg)
+        }
+    }
+
+    /// The other legs whose text `leg`'s answer holds, so that their usage counts in
+    /// the answer's (SPEC §13.4, §17.8): in passthrough every other leg of this round
+    /// whose text reached the caller; aggregated, the legs a verified prefill chain
+    /// continues. The flag: the text carried in from an earlier round is part of it too.
+    pub fn answer_chain(&self, leg: LegId) -> (Vec<LegId>, bool) {
+        if self.spec.passthrough {
+            let legs = (0..self.legs.len())
+                .filter(|&i| i != leg && self.legs[i].delivered_text)
+                .collect();
+            return (legs, self.spec.carried.is_some());
+        }
+        let mut chain = Vec::new();
+        let mut cur = leg;
+        loop {
+            let l = &self.legs[cur];
+            let continues_prefix = !l.kind.prefill_prefix().is_empty()
+                && self.prefill_verdict(cur, true) == PrefillCheck::Continuation;
+            if !continues_prefix {
+                return (chain, false);
+            }
+            match l.kind.continues() {
+                Some(of) if of < cur && !chain.contains(&of) => {
+                    chain.push(of);
+                    cur = of;
+                }
+                Some(_) => return (chain, false),
+                None => return (chain, self.spec.carried.is_some()),
+            }
+        }
+    }
+
     /// Resume legs launched in this round (the primary of a continuation round not
     /// included: the retry loop counted it).
     pub fn resumes(&self) -> u32 {
@@ -529,6 +655,17 @@ impl Round {
 
     /// Feeds one event at `now`; appends the resulting actions to `out`.
     pub fn on(&mut self, event: Event, now: Instant, out: &mut Vec<Action>) {
+        // An event fed at or after the deadline finds the round ended by it first: no
+        // chunk of that instant commits (and so hedge-cancels) anything, and a leg end
+        // in hand keeps its own outcome.
+        if self.result.is_none() && event != Event::CallerDrop {
+            if let Some(d) = self.spec.deadline {
+                if now >= d {
+                    self.cancel_running(CancelReason::Deadline, None, out);
+                    self.finish(RoundResult::Deadline, out);
+                }
+            }
+        }
         match event {
             Event::Chunk {
                 leg,
@@ -538,6 +675,12 @@ impl Round {
             } => self.on_chunk(leg, at, incremental, delta, out),
             Event::Ended { leg, end } => self.on_ended(leg, end, out),
             Event::Picked(p) => self.on_picked(p, now, out),
+            Event::PickFailed => {
+                // Fail closed: nothing launched for it; whatever runs goes on.
+                if self.pending.take().is_none() {
+                    return;
+                }
+            }
             Event::Tick => {}
             Event::Deadline => {
                 if self.result.is_none() {
@@ -555,13 +698,6 @@ impl Round {
             }
         }
         if self.result.is_none() {
-            if let Some(d) = self.spec.deadline {
-                if now >= d {
-                    self.cancel_running(CancelReason::Deadline, None, out);
-                    self.finish(RoundResult::Deadline, out);
-                    return;
-                }
-            }
             self.fire_triggers(now, out);
             self.check_end(out);
         }
@@ -569,15 +705,22 @@ impl Round {
 
     // ----- legs -------------------------------------------------------------------
 
+    #[allow(clippy::too_many_arguments)]
     fn launch(
         &mut self,
         source: usize,
         kind: LegKind,
         extra: bool,
+        base_reasoning: String,
         now: Instant,
         out: &mut Vec<Action>,
     ) {
         let leg = self.legs.len();
+        let verify = if kind.resume_mode() == Some(ResumeMode::Prefill) {
+            Verify::Pending
+        } else {
+            Verify::NotPrefill
+        };
         self.legs.push(Leg {
             source,
             extra,
@@ -591,6 +734,11 @@ impl Round {
             stall_fired_at: None,
             text: Transcript::default(),
             buffered: Vec::new(),
+            buffered_bytes: 0,
+            base_reasoning,
+            verify,
+            first_chunk: None,
+            delivered_text: false,
         });
         out.push(Action::Launch { leg, source, kind });
     }
@@ -675,6 +823,7 @@ impl Round {
         self.delivered.absorb(&d);
         if d.is_incremental() {
             self.delivered_any = true;
+            self.legs[leg].delivered_text = true;
         }
         out.push(Action::Forward { leg, delta: d });
     }
@@ -696,11 +845,63 @@ impl Round {
         }
     }
 
-    fn buffer(&mut self, leg: LegId, d: StreamDelta) {
-        let b = &mut self.legs[leg].buffered;
-        if b.len() < MAX_BUFFERED {
-            b.push(d);
+    /// Holds a chunk of an uncommitted leg; a leg over [`MAX_BUFFERED_BYTES`] fails
+    /// (`invalid`) instead of losing chunks.
+    fn buffer(&mut self, leg: LegId, d: StreamDelta, out: &mut Vec<Action>) {
+        let n = held_bytes(&d);
+        let l = &mut self.legs[leg];
+        if l.buffered_bytes + n > MAX_BUFFERED_BYTES {
+            l.buffered.clear();
+            l.buffered_bytes = 0;
+            self.cancel(leg, CancelReason::Overflow, out);
+            self.failures.push((leg, overflow_error()));
+            return;
         }
+        l.buffered_bytes += n;
+        l.buffered.push(d);
+    }
+
+    /// The verdict on a prefill leg's output (`Continuation` for other legs).
+    fn prefill_verdict(&self, leg: LegId, ended: bool) -> PrefillCheck {
+        let l = &self.legs[leg];
+        match l.verify {
+            Verify::NotPrefill | Verify::Continuation => PrefillCheck::Continuation,
+            Verify::Replay => PrefillCheck::Replay,
+            Verify::Pending => check_prefill(l.kind.prefill_prefix(), &l.text, ended),
+        }
+    }
+
+    /// Applies a prefill leg's verdict; returns it. A target that ignored the prefill
+    /// is learned as such (one `MarkNoPrefill`); a replay verdict drops the echo the leg
+    /// held (only what follows the prefix is new); a divergence cuts the leg.
+    fn verify_prefill(&mut self, leg: LegId, ended: bool, out: &mut Vec<Action>) -> PrefillCheck {
+        if self.legs[leg].verify != Verify::Pending {
+            return self.prefill_verdict(leg, ended);
+        }
+        let v = self.prefill_verdict(leg, ended);
+        if v.ignores_prefill() {
+            out.push(Action::MarkNoPrefill {
+                source: self.legs[leg].source,
+            });
+        }
+        match v {
+            PrefillCheck::Undecided => {}
+            PrefillCheck::Continuation => self.legs[leg].verify = Verify::Continuation,
+            PrefillCheck::Replay => {
+                let l = &mut self.legs[leg];
+                l.verify = Verify::Replay;
+                l.buffered.retain(|d| !d.is_incremental());
+                l.buffered_bytes = l.buffered.iter().map(held_bytes).sum();
+            }
+            PrefillCheck::Diverged => {
+                if !ended {
+                    self.cancel(leg, CancelReason::Diverged, out);
+                    let e = self.diverged_error(leg);
+                    self.failures.push((leg, e));
+                }
+            }
+        }
+        v
     }
 
     fn on_chunk(
@@ -719,12 +920,18 @@ impl Round {
             if incremental {
                 l.chunks = l.chunks.saturating_add(1);
                 l.last_chunk = Some(l.last_chunk.map_or(at, |p| p.max(at)));
+                l.first_chunk.get_or_insert(at);
             }
             if let Some(d) = &delta {
                 l.text.absorb(d);
             }
         }
         if !self.spec.passthrough {
+            if delta.is_some() && self.legs[leg].verify == Verify::Pending {
+                // A prefill that ignores its prefix is learned (and a divergent one
+                // cut) as soon as it shows.
+                self.verify_prefill(leg, false, out);
+            }
             return;
         }
         let Some(d) = delta else { return };
@@ -736,48 +943,76 @@ impl Round {
             self.forward(leg, d, out);
             return;
         }
-        match self.legs[leg].kind.resume_mode() {
-            None | Some(ResumeMode::Prefill) => {
-                if incremental {
+        let replay = match self.legs[leg].kind.resume_mode() {
+            None => false,
+            Some(ResumeMode::Replay) => true,
+            Some(ResumeMode::Prefill) => match self.verify_prefill(leg, false, out) {
+                PrefillCheck::Undecided => {
+                    // Held until the output shows what it is (at most 16 characters
+                    // of content, and whatever comes before them).
+                    self.buffer(leg, d, out);
+                    return;
+                }
+                PrefillCheck::Diverged => return,
+                PrefillCheck::Continuation => false,
+                PrefillCheck::Replay => true,
+            },
+        };
+        if !replay {
+            if incremental {
+                self.commit(leg, out);
+                self.forward(leg, d, out);
+            } else {
+                self.buffer(leg, d, out);
+            }
+            return;
+        }
+        match self.legs[leg].text.check_replay(&self.delivered) {
+            ReplayCheck::Diverged => {
+                self.cancel(leg, CancelReason::Diverged, out);
+                let e = self.diverged_error(leg);
+                self.failures.push((leg, e));
+            }
+            ReplayCheck::Behind => {}
+            ReplayCheck::Covered => {
+                let (content, tools) = self.legs[leg].text.excess_over(&self.delivered);
+                if content.is_some() || !tools.is_empty() {
+                    let mut d = d;
+                    d.set_text(content, tools);
                     self.commit(leg, out);
                     self.forward(leg, d, out);
-                } else {
-                    self.buffer(leg, d);
+                } else if !incremental {
+                    // Covered exactly: later chunks (finish, usage) are held.
+                    self.buffer(leg, d, out);
                 }
             }
-            Some(ResumeMode::Replay) => match self.legs[leg].text.check_replay(&self.delivered) {
-                ReplayCheck::Diverged => {
-                    self.cancel(leg, CancelReason::Diverged, out);
-                    let e = self.diverged_error(leg);
-                    self.failures.push((leg, e));
-                }
-                ReplayCheck::Behind => {}
-                ReplayCheck::Covered => {
-                    let (content, tools) = self.legs[leg].text.excess_over(&self.delivered);
-                    if content.is_some() || !tools.is_empty() {
-                        let mut d = d;
-                        d.set_text(content, tools);
-                        self.commit(leg, out);
-                        self.forward(leg, d, out);
-                    } else if !incremental {
-                        // Covered exactly: later chunks (finish, usage) are held.
-                        self.buffer(leg, d);
-                    }
-                }
-            },
         }
     }
 
     fn diverged_error(&self, leg: LegId) -> AttemptError {
-        let at = self.legs[leg].text.divergence_char(&self.delivered);
-        AttemptError::new(
-            ErrorClass::Invalid,
-            ErrorLabel::ResumeDiverged,
+        let l = &self.legs[leg];
+        let prefix = l.kind.prefill_prefix();
+        let detail = if l.verify == Verify::Pending && !prefix.is_empty() {
+            let shared = l
+                .text
+                .content
+                .chars()
+                .zip(prefix.chars())
+                .take_while(|(a, b)| a == b)
+                .count();
+            format!(
+                "the prefill continuation repeated the first {shared} of the {} delivered \
+                 characters and then differed (the target ignores assistant prefill)",
+                prefix.chars().count()
+            )
+        } else {
+            let at = l.text.divergence_char(&self.delivered);
             format!(
                 "the replayed answer diverged from the {} delivered characters at character {at}",
                 self.delivered.content_chars()
-            ),
-        )
+            )
+        };
+        AttemptError::new(ErrorClass::Invalid, ErrorLabel::ResumeDiverged, detail)
     }
 
     // ----- ends -------------------------------------------------------------------
@@ -794,6 +1029,9 @@ impl Round {
                 let fate = match (end, &self.legs[leg].fate) {
                     (LegEnd::Ok, Some(Fate::Cancelled(CancelReason::Diverged))) => {
                         Fate::Failed(self.diverged_error(leg))
+                    }
+                    (LegEnd::Ok, Some(Fate::Cancelled(CancelReason::Overflow))) => {
+                        Fate::Failed(overflow_error())
                     }
                     (LegEnd::Ok, _) => Fate::Succeeded,
                     (LegEnd::Err(e), _) => Fate::Failed(e),
@@ -812,30 +1050,34 @@ impl Round {
             self.finalize(leg, Fate::Succeeded, out);
             return;
         }
-        if !self.spec.passthrough {
+        let verdict = if self.legs[leg].verify == Verify::Pending {
+            self.verify_prefill(leg, true, out)
+        } else {
+            self.prefill_verdict(leg, true)
+        };
+        if matches!(verdict, PrefillCheck::Diverged | PrefillCheck::Undecided) {
+            let e = self.diverged_error(leg);
+            self.on_failure(leg, e, out);
+            return;
+        }
+        if !self.spec.passthrough || self.committed == Some(leg) {
             self.win(leg, out);
             return;
         }
-        if self.committed == Some(leg) {
-            self.win(leg, out);
-            return;
-        }
-        match self.legs[leg].kind.resume_mode() {
+        let replay = match self.legs[leg].kind.resume_mode() {
+            None => false,
+            Some(ResumeMode::Prefill) => verdict == PrefillCheck::Replay,
+            Some(ResumeMode::Replay) => true,
+        };
+        if !replay || self.legs[leg].text.check_replay(&self.delivered) == ReplayCheck::Covered {
             // An answer without any incremental chunk (e.g. a `length` stop with
-            // nothing generated), or a prefill whose continuation is empty.
-            None | Some(ResumeMode::Prefill) => {
-                self.commit(leg, out);
-                self.win(leg, out);
-            }
-            Some(ResumeMode::Replay) => {
-                if self.legs[leg].text.check_replay(&self.delivered) == ReplayCheck::Covered {
-                    self.commit(leg, out);
-                    self.win(leg, out);
-                } else {
-                    let e = self.diverged_error(leg);
-                    self.on_failure(leg, e, out);
-                }
-            }
+            // nothing generated), a prefill whose continuation is empty, or a replay
+            // that reproduced exactly the delivered text.
+            self.commit(leg, out);
+            self.win(leg, out);
+        } else {
+            let e = self.diverged_error(leg);
+            self.on_failure(leg, e, out);
         }
     }
 
@@ -949,15 +1191,42 @@ impl Round {
         })
     }
 
-    /// The effective answer text of a leg: prefill prefix + its own output.
+    /// The effective answer text of a leg: for a prefill leg, the prefix (with the
+    /// reasoning of the text it continues) and its verified continuation — or its own
+    /// output when it replayed the prefix, or the prefix alone while its output is
+    /// unverified or diverged; for other legs, their own output.
     fn effective_text(&self, leg: LegId) -> Transcript {
         let l = &self.legs[leg];
-        let mut t = l.text.clone();
-        let prefix = l.kind.prefill_prefix();
-        if !prefix.is_empty() {
-            t.content = format!("{prefix}{}", t.content);
+        if l.verify == Verify::NotPrefill {
+            return l.text.clone();
         }
-        t
+        let prefix = l.kind.prefill_prefix();
+        match self.prefill_verdict(leg, l.state != LegState::Running) {
+            PrefillCheck::Replay => l.text.clone(),
+            PrefillCheck::Continuation => Transcript {
+                content: format!("{prefix}{}", l.text.content),
+                reasoning: format!("{}{}", l.base_reasoning, l.text.reasoning),
+                tools: l.text.tools.clone(),
+            },
+            PrefillCheck::Undecided | PrefillCheck::Diverged => Transcript {
+                content: prefix.to_string(),
+                reasoning: l.base_reasoning.clone(),
+                tools: Default::default(),
+            },
+        }
+    }
+
+    /// The text a continuation of `of` continues (`None`: the carried text).
+    fn continued_text(&self, of: Option<LegId>) -> Transcript {
+        match of {
+            Some(leg) => self.effective_text(leg),
+            None => self
+                .spec
+                .carried
+                .as_ref()
+                .map(|c| c.delivered.clone())
+                .unwrap_or_default(),
+        }
     }
 
     fn aggregated_resume_point(&self) -> Option<ResumePoint> {
@@ -1152,7 +1421,17 @@ impl Round {
                 if !extra || kind.resume_mode().is_some() {
                     self.resumes += 1;
                 }
-                self.launch(p.source, kind, extra, now, out);
+                let base_reasoning = match (&kind, pending.purpose) {
+                    (
+                        LegKind::Resume {
+                            mode: ResumeMode::Prefill,
+                            ..
+                        },
+                        Purpose::Continue { of },
+                    ) => self.continued_text(of).reasoning,
+                    _ => String::new(),
+                };
+                self.launch(p.source, kind, extra, base_reasoning, now, out);
             }
         }
     }
@@ -1185,15 +1464,7 @@ impl Round {
                 }
             }
             Purpose::Continue { of } => {
-                let prefix = match of {
-                    Some(leg) => self.effective_text(leg),
-                    None => self
-                        .spec
-                        .carried
-                        .as_ref()
-                        .map(|c| c.delivered.clone())
-                        .unwrap_or_default(),
-                };
+                let prefix = self.continued_text(of);
                 if p.prefill_capable
                     && can_resume
                     && !prefix.content.is_empty()

@@ -12,6 +12,7 @@ use polygw_core::resume::{
 };
 use polygw_core::round::LegKind;
 use polygw_core::stall::{generation_ms, ms};
+use polygw_core::usage::{call_usage, LegUsage};
 use polygw_core::{
     AttemptError, CallStats, ChatRequest, ConfigWarning, GatewayError, GovernanceError,
     LlmResponse, SourceConfig, ToolCall,
@@ -405,8 +406,8 @@ impl GatewayClient {
         let figures = tr.stream;
         let stall_ms = figures.and_then(|f| f.stall_ms);
         // The answer: what the caller received (passthrough), or the winner's text
-        // after the prefix it continued (aggregated prefill).
-        let (content, reasoning_content, tool_calls) = match won.delivered {
+        // after the prefix it continued, verified (aggregated prefill).
+        let (content, reasoning_content, tool_calls) = match won.answer {
             Some(t) => (
                 t.content,
                 (!t.reasoning.is_empty()).then_some(t.reasoning),
@@ -420,18 +421,14 @@ impl GatewayClient {
                     })
                     .collect(),
             ),
-            None => (
-                format!("{}{}", won.info.kind.prefill_prefix(), tr.content),
-                tr.reasoning_content,
-                tr.tool_calls,
-            ),
+            None => (tr.content, tr.reasoning_content, tr.tool_calls),
         };
-        let mut usage = tr.usage;
-        let mut usage_source = tr.usage_source;
-        for part in &won.parts {
-            usage = usage.add(&part.usage);
-            usage_source = usage_source.merge(part.source);
-        }
+        // The winner's usage plus that of every other leg whose text the answer holds,
+        // with the figures their rows record (SPEC §17.8).
+        let LegUsage {
+            usage,
+            source: usage_source,
+        } = call_usage(LegUsage::new(tr.usage, tr.usage_source), &won.parts);
         let p = call.progress();
         LlmResponse {
             upstream: tr.raw,

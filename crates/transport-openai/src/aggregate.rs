@@ -163,7 +163,9 @@ pub fn parse_usage(u: &Map<String, Value>) -> Usage {
         .or_else(|| tokens(u.get("prompt_cache_hit_tokens")))
         .or(anthropic_read)
         .or_else(|| tokens(u.get("cached_tokens")));
-    let anthropic = anthropic_read.unwrap_or(0).saturating_add(write.unwrap_or(0));
+    let anthropic = anthropic_read
+        .unwrap_or(0)
+        .saturating_add(write.unwrap_or(0));
     if anthropic > prompt {
         prompt = prompt.saturating_add(anthropic);
     }

@@ -128,7 +128,7 @@ fn plain_aggregate(
             Failure::Malformed {
                 detail: "no choices in the response".into(),
             },
-            usage,
+            usage.map(Box::new),
         ));
     }
     let Some(choice) = choice0(obj) else {
@@ -136,7 +136,7 @@ fn plain_aggregate(
             Failure::Malformed {
                 detail: "no choice with index 0 in the response".into(),
             },
-            usage,
+            usage.map(Box::new),
         ));
     };
     let mut agg = StreamAggregator::new();
@@ -146,7 +146,7 @@ fn plain_aggregate(
             Failure::TooLarge {
                 limit: cfg.max_content_bytes,
             },
-            usage,
+            usage.map(Box::new),
         ));
     }
     let a = agg.finish();
@@ -155,18 +155,18 @@ fn plain_aggregate(
             Failure::NothingGenerated {
                 finish_reason: a.finish_reason.clone(),
             },
-            a.usage,
+            a.usage.map(Box::new),
         ));
     }
     Ok(a)
 }
 
 /// A failure plus the usage seen before it.
-pub(crate) struct PlainError(Failure, Option<Usage>);
+pub(crate) struct PlainError(Failure, Option<Box<Usage>>);
 
 impl PlainError {
     fn into_error(self, key: &str) -> AttemptError {
-        with_usage_if_invalid(fail(self.0, key), self.1)
+        with_usage_if_invalid(fail(self.0, key), self.1.map(|u| *u))
     }
 }
 

@@ -143,6 +143,45 @@ impl StreamDelta {
         }
     }
 
+    /// Folds a later chunk of the same leg into this one, for a consumer that keeps
+    /// text but not frames (an aggregated call's queued events): texts concatenate,
+    /// tool-call fragments are appended (a continuation fragment of the last call is
+    /// merged into it), the later finish reason, usage and model win, the first role
+    /// stays. The raw frame is dropped: a merged chunk is no single frame.
+    pub fn append(&mut self, later: StreamDelta) {
+        fn cat(a: &mut Option<String>, b: Option<String>) {
+            match (a.as_mut(), b) {
+                (Some(x), Some(y)) => x.push_str(&y),
+                (None, Some(y)) => *a = Some(y),
+                (_, None) => {}
+            }
+        }
+        cat(&mut self.content, later.content);
+        cat(&mut self.reasoning, later.reasoning);
+        for t in later.tool_calls {
+            match self.tool_calls.last_mut() {
+                Some(last) if last.index == t.index && t.id.is_none() && t.name.is_none() => {
+                    last.arguments.push_str(&t.arguments);
+                }
+                _ => self.tool_calls.push(t),
+            }
+        }
+        if self.role.is_none() {
+            self.role = later.role;
+        }
+        if later.finish_reason.is_some() {
+            self.finish_reason = later.finish_reason;
+        }
+        if later.usage.is_some() {
+            self.usage = later.usage;
+        }
+        if later.model.is_some() {
+            self.model = later.model;
+        }
+        self.raw = None;
+        self.raw_text = None;
+    }
+
     /// Removes `delta.role` (a resumed stream sends the role chunk once).
     pub fn strip_role(&mut self) {
         self.role = None;

@@ -671,6 +671,228 @@ fn deadline_and_drop_labels() {
     }
 }
 
+fn carried(prefix: &str) -> Carried {
+    let mut t = Transcript::default();
+    t.absorb(&text(prefix));
+    Carried {
+        delivered: t,
+        role_sent: true,
+        original: err(ErrorClass::Transient),
+    }
+}
+
+fn reasoning(s: &str) -> StreamDelta {
+    StreamDelta {
+        reasoning: Some(s.into()),
+        ..Default::default()
+    }
+}
+
+/// SPEC §17.1 (issue 22, item 1): a target that treats the assistant prefill as history
+/// answers from scratch; the round takes it as a replay — only what follows the
+/// delivered text is forwarded, never "Mock response Mock response" — and learns that
+/// the source ignores prefill.
+#[test]
+fn a_prefill_the_target_ignores_is_verified_as_a_replay() {
+    let mut s = spec(true, policy(None, None, 1));
+    s.carried = Some(carried("Mock response "));
+    s.primary_source = 1;
+    s.primary_kind = LegKind::Resume {
+        mode: ResumeMode::Prefill,
+        prefix: "Mock response ".into(),
+        of: None,
+    };
+    let mut h = Hand::new(s);
+    h.at(10);
+    h.chunk(0, role());
+    let out = h.chunk(0, text("Mock "));
+    assert!(out.is_empty(), "held while undecided: {out:?}");
+    let out = h.chunk(0, text("response from"));
+    assert!(
+        out.contains(&Action::MarkNoPrefill { source: 1 }),
+        "{out:?}"
+    );
+    h.chunk(0, text(" the mock."));
+    h.chunk(0, finish());
+    h.on(Event::Ended {
+        leg: 0,
+        end: LegEnd::Ok,
+    });
+    assert_eq!(forwarded(&h.log), "from the mock.");
+    assert_eq!(h.r.delivered().content, "Mock response from the mock.");
+    assert_eq!(h.r.result(), Some(&RoundResult::Won { leg: 0 }));
+    // A real continuation of the same prefix is forwarded as it is.
+    let mut s = spec(true, policy(None, None, 1));
+    s.carried = Some(carried("Mock response "));
+    s.primary_kind = LegKind::Resume {
+        mode: ResumeMode::Prefill,
+        prefix: "Mock response ".into(),
+        of: None,
+    };
+    let mut h = Hand::new(s);
+    h.at(10).chunk(0, text("from the mock."));
+    assert_eq!(forwarded(&h.log), "from the mock.");
+    assert!(!h
+        .log
+        .iter()
+        .any(|a| matches!(a, Action::MarkNoPrefill { .. })));
+}
+
+/// A prefill leg that repeats 16 characters of the prefix and then differs ends
+/// `resume_diverged` (nothing of it forwarded), and the source is learned.
+#[test]
+fn a_prefill_that_echoes_and_differs_ends_diverged() {
+    let prefix = "The quick brown fox jumps over";
+    let mut s = spec(true, policy(None, None, 1));
+    s.carried = Some(carried(prefix));
+    s.primary_kind = LegKind::Resume {
+        mode: ResumeMode::Prefill,
+        prefix: prefix.into(),
+        of: None,
+    };
+    let mut h = Hand::new(s);
+    h.at(10).chunk(0, text("The quick brown f"));
+    let out = h.chunk(0, text("ish swims"));
+    assert!(out.contains(&Action::MarkNoPrefill { source: 0 }));
+    assert_eq!(h.r.fate(0), Some(&Fate::Cancelled(CancelReason::Diverged)));
+    assert_eq!(forwarded(&h.log), "");
+    match h.r.result() {
+        Some(RoundResult::Failed {
+            error,
+            resume: Some(p),
+            ..
+        }) => {
+            assert_eq!(error.label, ErrorLabel::ResumeDiverged);
+            assert!(
+                error.detail.contains("repeated the first 17"),
+                "{}",
+                error.detail
+            );
+            assert_eq!(p.delivered.content, prefix);
+        }
+        other => panic!("{other:?}"),
+    }
+}
+
+/// Aggregated: a prefill continuation's answer is the continued text (with its
+/// reasoning) followed by the continuation (item 7); a target that replayed from
+/// scratch gives its own answer, not the prefix twice.
+#[test]
+fn aggregated_prefill_answers_keep_the_reasoning_and_never_duplicate() {
+    let mut h = Hand::new(spec(false, policy(None, Some(1000), 2)));
+    h.at(10).chunk(0, reasoning("think "));
+    h.chunk(0, text("Hello"));
+    h.at(1010).on(Event::Tick);
+    h.on(Event::Picked(Some(Picked {
+        source: 1,
+        prefill_capable: true,
+    })));
+    h.at(1020).chunk(1, reasoning("more "));
+    h.chunk(1, text(" world"));
+    h.on(Event::Ended {
+        leg: 1,
+        end: LegEnd::Ok,
+    });
+    assert_eq!(h.r.result(), Some(&RoundResult::Won { leg: 1 }));
+    let a = h.r.answer(1);
+    assert_eq!(a.content, "Hello world");
+    assert_eq!(a.reasoning, "think more ");
+    assert_eq!(
+        h.r.answer_chain(1),
+        (vec![0], false),
+        "leg 0's usage counts"
+    );
+
+    let mut h = Hand::new(spec(false, policy(None, Some(1000), 2)));
+    h.at(10).chunk(0, text("Hello"));
+    h.at(1010).on(Event::Tick);
+    h.on(Event::Picked(Some(Picked {
+        source: 1,
+        prefill_capable: true,
+    })));
+    let out = h.at(1020).chunk(1, text("Hello world"));
+    assert!(out.contains(&Action::MarkNoPrefill { source: 1 }));
+    h.on(Event::Ended {
+        leg: 1,
+        end: LegEnd::Ok,
+    });
+    assert_eq!(h.r.answer(1).content, "Hello world");
+    assert_eq!(
+        h.r.answer_chain(1),
+        (vec![], false),
+        "a replay stands alone"
+    );
+}
+
+/// Item 7: an uncommitted leg's chunks are never dropped: far more than 16
+/// non-content chunks are all forwarded at its commit, and a leg over the byte bound
+/// fails as `invalid` instead of losing chunks.
+#[test]
+fn held_chunks_are_never_dropped_silently() {
+    let mut h = Hand::new(spec(true, policy(None, None, 1)));
+    h.at(10).chunk(0, role());
+    for _ in 0..40 {
+        let mut raw = serde_json::Map::new();
+        raw.insert("citations".into(), serde_json::json!(["https://x"]));
+        h.chunk(
+            0,
+            StreamDelta {
+                raw: Some(raw),
+                ..Default::default()
+            },
+        );
+    }
+    h.chunk(0, text("hi"));
+    let forwards = h
+        .log
+        .iter()
+        .filter(|a| matches!(a, Action::Forward { .. }))
+        .count();
+    assert_eq!(forwards, 42, "the role, 40 held chunks and the text");
+
+    let mut h = Hand::new(spec(true, policy(None, None, 1)));
+    let big = StreamDelta {
+        raw_text: Some(Box::new(crate::ports::RawText {
+            json: "x".repeat(1 << 20),
+            ..Default::default()
+        })),
+        ..Default::default()
+    };
+    for _ in 0..8 {
+        h.at(10).chunk(0, big.clone());
+    }
+    assert_eq!(h.r.fate(0), Some(&Fate::Cancelled(CancelReason::Overflow)));
+    match h.r.result() {
+        Some(RoundResult::Failed { error, .. }) => {
+            assert_eq!(error.label, ErrorLabel::Invalid);
+            assert!(error.detail.contains("bytes of chunks"), "{}", error.detail);
+        }
+        other => panic!("{other:?}"),
+    }
+}
+
+/// Item 6: a governance error on a hedge or resume pick launches nothing and cuts
+/// nothing: the running leg goes on and wins.
+#[test]
+fn a_failed_pick_never_cuts_the_running_legs() {
+    let mut h = Hand::new(spec(true, policy(None, Some(1000), 1)));
+    h.at(10).chunk(0, text("Hel"));
+    let out = h.at(1010).on(Event::Tick);
+    assert_eq!(picks(&out), 1);
+    let out = h.on(Event::PickFailed);
+    assert!(out.is_empty(), "{out:?}");
+    assert_eq!(h.r.result(), None);
+    h.at(2000).chunk(0, text("lo"));
+    h.on(Event::Ended {
+        leg: 0,
+        end: LegEnd::Ok,
+    });
+    assert_eq!(h.r.result(), Some(&RoundResult::Won { leg: 0 }));
+    assert_eq!(forwarded(&h.log), "Hello");
+    assert_eq!(h.r.first_chunk(0), Some(h.r.legs[0].launched_at + ms(10)));
+    assert!(h.r.delivered_text(0));
+}
+
 // ----- property test ----------------------------------------------------------------
 
 #[derive(Debug)]
@@ -712,6 +934,10 @@ struct Sim {
     in_hand: Vec<LegId>,
     /// The legs without a fate when the deadline or the caller's drop arrived.
     undecided_at_end: Vec<LegId>,
+    /// Sources the machine learned do not honour prefill.
+    marked: std::collections::BTreeSet<usize>,
+    /// The leg whose end is being fed.
+    ending: Option<LegId>,
 }
 
 fn split(rng: &SplitMix64, s: &str) -> Vec<String> {
@@ -748,10 +974,23 @@ impl Sim {
                 mode: ResumeMode::Prefill,
                 prefix,
                 ..
-            } => match world_of(prefix) {
-                Some(w) => w[prefix.len()..].to_string(),
-                None => " and so on.".to_string(),
-            },
+            } => {
+                let chars = prefix.chars().count();
+                match (world_of(prefix), rng.below(8)) {
+                    // A target that ignores the prefill: the whole answer from scratch.
+                    (Some(w), 0 | 1) => w.to_string(),
+                    // One that repeats the prefix's start, then goes its own way.
+                    (_, 2) if chars > crate::resume::PREFILL_ECHO_CHARS => {
+                        let k = crate::resume::PREFILL_ECHO_CHARS
+                            + rng.below((chars - crate::resume::PREFILL_ECHO_CHARS) as u64)
+                                as usize;
+                        let head: String = prefix.chars().take(k).collect();
+                        format!("{head}#echo#")
+                    }
+                    (Some(w), _) => w[prefix.len()..].to_string(),
+                    (None, _) => " and so on.".to_string(),
+                }
+            }
             LegKind::Resume {
                 mode: ResumeMode::Replay,
                 prefix,
@@ -769,6 +1008,24 @@ impl Sim {
             }
         };
         let pieces = split(rng, &full);
+        if kind.resume_mode() == Some(ResumeMode::Prefill) && rng.below(6) == 0 {
+            // A target that refuses the prefill at once (SPEC §13.2).
+            let refusal = AttemptError::new(ErrorClass::Rejected, ErrorLabel::Rejected, "HTTP 400")
+                .with_provider(
+                    None,
+                    Some("This model does not support assistant message prefill".into()),
+                );
+            return SimLeg {
+                kind: kind.clone(),
+                pieces,
+                next: 0,
+                fail_at: Some((0, refusal)),
+                role_sent: false,
+                finish_sent: false,
+                alive: true,
+                output: String::new(),
+            };
+        }
         let fail_at = (rng.below(3) == 0).then(|| {
             let k = rng.below(pieces.len() as u64 + 1) as usize;
             let class = [
@@ -857,6 +1114,9 @@ impl Sim {
                     if is_drop {
                         assert_eq!(*reason, CancelReason::CallerDrop);
                     }
+                    if self.ending == Some(*leg) {
+                        continue;
+                    }
                     let l = &mut self.legs[*leg];
                     assert!(l.alive, "cancel of a leg that ended");
                     l.alive = false;
@@ -869,7 +1129,10 @@ impl Sim {
                     self.finals[*leg] += 1;
                     assert!(self.finals[*leg] <= 1, "leg {leg} finalized twice");
                 }
-                Action::Commit { .. } | Action::MarkNoPrefill { .. } | Action::Done => {}
+                Action::MarkNoPrefill { source } => {
+                    self.marked.insert(*source);
+                }
+                Action::Commit { .. } | Action::Done => {}
             }
         }
         if was_tick_at_wakeup && self.r.result().is_none() {
@@ -890,6 +1153,21 @@ impl Sim {
             r.legs(),
             self.bound
         );
+        let extras = (0..r.legs()).filter(|l| r.is_extra(*l)).count();
+        assert!(
+            extras <= r.spec.policy.max_extra as usize,
+            "{extras} extra legs > MAX_EXTRA {}",
+            r.spec.policy.max_extra
+        );
+        let resume_legs = (1..r.legs())
+            .filter(|l| r.kind(*l).resume_mode().is_some() || !r.is_extra(*l))
+            .count();
+        assert!(
+            resume_legs <= r.spec.resumes_left as usize,
+            "{resume_legs} resume legs > resumes_left {}",
+            r.spec.resumes_left
+        );
+        assert_eq!(r.resumes() as usize, resume_legs, "resumes() counts them");
         if r.spec.passthrough {
             assert_eq!(
                 format!("{}{}", self.carried_text, self.forwarded),
@@ -905,20 +1183,46 @@ impl Sim {
         if let Some(RoundResult::Won { leg }) = r.result() {
             let l = &self.legs[*leg];
             assert!(l.ready_to_end() && l.fail_at.is_none());
+            assert!(
+                !l.output.contains("#echo#"),
+                "a prefill leg that echoed its prefix and then differed never wins: {:?}",
+                l.output
+            );
+            let whole = match &l.kind {
+                LegKind::Resume {
+                    mode: ResumeMode::Prefill,
+                    prefix,
+                    ..
+                } if l.output.starts_with(prefix.as_str()) && !prefix.is_empty() => {
+                    assert!(
+                        self.marked.contains(&r.source(*leg)),
+                        "a target that ignored the prefill is learned"
+                    );
+                    l.output.clone()
+                }
+                LegKind::Resume {
+                    mode: ResumeMode::Prefill,
+                    prefix,
+                    ..
+                } => format!("{prefix}{}", l.output),
+                _ => l.output.clone(),
+            };
             if r.spec.passthrough {
                 assert_eq!(r.committed(), Some(*leg));
-                let whole = match &l.kind {
-                    LegKind::Resume {
-                        mode: ResumeMode::Prefill,
-                        prefix,
-                        ..
-                    } => format!("{prefix}{}", l.output),
-                    _ => l.output.clone(),
-                };
                 let delivered = format!("{}{}", self.carried_text, self.forwarded);
                 assert_eq!(
                     delivered, whole,
                     "the caller has exactly the winner's answer"
+                );
+            } else {
+                assert_eq!(
+                    r.answer(*leg).content,
+                    whole,
+                    "the aggregated answer is the winner's whole text"
+                );
+                assert!(
+                    world_of(&whole).is_some_and(|w| w == whole),
+                    "an aggregated answer is one whole answer, not a piece: {whole:?}"
                 );
             }
         }
@@ -987,6 +1291,20 @@ impl Sim {
             7 if self.rng.below(16) == 0 => {
                 self.apply(Event::CallerDrop);
             }
+            7 if !alive.is_empty() => {
+                // A chunk or an end that the engine feeds at or after the deadline,
+                // before the deadline's own event: the machine ends the round by the
+                // deadline all the same.
+                if let Some(d) = self.r.spec.deadline {
+                    self.now = self.now.max(d) + ms(self.rng.below(3));
+                    let leg = alive[self.rng.below(alive.len() as u64) as usize];
+                    if self.legs[leg].ready_to_end() && self.rng.below(2) == 0 {
+                        self.end(leg);
+                    } else {
+                        self.send(leg);
+                    }
+                }
+            }
             _ => {}
         }
         self.feed_in_hand();
@@ -1016,13 +1334,16 @@ impl Sim {
     }
 
     fn end(&mut self, leg: LegId) {
-        let l = &mut self.legs[leg];
-        l.alive = false;
+        let l = &self.legs[leg];
         let end = match &l.fail_at {
             Some((_, e)) => LegEnd::Err(e.clone()),
             None => LegEnd::Ok,
         };
+        // The machine may cancel it while taking this very end (the deadline passed).
+        self.ending = Some(leg);
         self.apply(Event::Ended { leg, end });
+        self.ending = None;
+        self.legs[leg].alive = false;
     }
 
     /// Runs every remaining leg to its end and answers picks with nothing.
@@ -1183,6 +1504,8 @@ proptest! {
             finals: Vec::new(),
             in_hand: Vec::new(),
             undecided_at_end: Vec::new(),
+            marked: Default::default(),
+            ending: None,
         };
         for a in &out {
             if let Action::Launch { kind, .. } = a {

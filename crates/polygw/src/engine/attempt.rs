@@ -15,7 +15,7 @@
 //! source (SPEC §14.6): a freed slot or settled reservation serves one waiter, not all.
 
 use std::sync::atomic::{AtomicBool, AtomicU8, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use futures_util::future::BoxFuture;
@@ -25,6 +25,7 @@ use polygw_core::round::LegKind;
 use polygw_core::settlement::{settle, AttemptOutcome};
 use polygw_core::stall::{ms, StreamFigures};
 use polygw_core::telemetry::{cost, CostBasis, RowKind, TelemetryRow};
+use polygw_core::usage::LegUsage;
 use polygw_core::{AttemptError, ErrorLabel, SourceConfig, Usage, UsageSource};
 
 use super::admission::BreakerTicket;
@@ -71,13 +72,26 @@ pub(crate) trait Leg: Send + Sync {
 }
 
 /// Shared by a leg's future (its guard and observer) and its round: the label the
-/// round decided for a cancellation, and whether a chunk must wake the round.
+/// round decided for a cancellation, what its row records when it ends without an
+/// answer of its own, and whether a chunk must wake the round.
 #[derive(Debug, Default)]
 pub(crate) struct LegControl {
     /// 0 = none; `i + 1` = `ErrorLabel::ALL[i]`.
     label: AtomicU8,
     /// The next incremental chunk changes the round's timers (or must be forwarded).
     pub wake_on_chunk: AtomicBool,
+    /// Set by the round when it cancels the leg: the usage its row records when the
+    /// answer holds its text (SPEC §17.8), and its time to first token.
+    ended: Mutex<Ended>,
+}
+
+/// What the round knows of a leg that ends without a success of its own.
+#[derive(Debug, Default, Clone, Copy)]
+pub(crate) struct Ended {
+    /// Estimated usage of a leg whose text the answer holds.
+    pub usage: Option<LegUsage>,
+    /// Its first incremental chunk, after its launch.
+    pub ttft_ms: Option<u64>,
 }
 
 impl LegControl {
@@ -95,6 +109,27 @@ impl LegControl {
             i => ErrorLabel::ALL.get(i as usize - 1).copied(),
         }
     }
+
+    pub(crate) fn set_ended(&self, e: Ended) {
+        *self.ended.lock().unwrap_or_else(|p| p.into_inner()) = e;
+    }
+
+    fn ended(&self) -> Ended {
+        *self.ended.lock().unwrap_or_else(|p| p.into_inner())
+    }
+}
+
+/// A row's usage and cost for an estimate the round made (a cut leg's text).
+fn record_estimate(row: TelemetryRow, u: &LegUsage, src: &SourceConfig) -> TelemetryRow {
+    let mut row = row.with_usage(&u.usage, u.source);
+    row.cost = cost(
+        CostBasis::Tokens {
+            usage: &u.usage,
+            source: u.source,
+        },
+        src,
+    );
+    row
 }
 
 /// Identity of one leg.
@@ -281,6 +316,7 @@ impl AttemptGuard {
         error: &AttemptError,
         wall: Duration,
         fallback_cooldown: Duration,
+        ended: Ended,
     ) {
         let Some(mut row) = self.row(wall) else {
             return;
@@ -291,6 +327,11 @@ impl AttemptGuard {
         row.error_detail = Some(error.short_detail());
         row.http_status = error.http_status;
         row.cost = None;
+        row.ttft_ms = ended.ttft_ms;
+        if let Some(u) = &ended.usage {
+            // A cut leg: its estimate, as the answer counts it (SPEC §17.8).
+            row = record_estimate(row, u, self.source());
+        }
         // SPEC §14.1: a hint cools the source down (429 and 503 alike), never for less
         // than the current backoff; without one, the backoff is the cooldown of a 429.
         let cooldown = error
@@ -403,13 +444,23 @@ impl Drop for AttemptGuard {
                     .now()
                     .saturating_duration_since(self.started);
                 // Undecided, so the base is still there.
+                let ended = self.control.ended();
+                let engine = self.engine.clone();
+                let src = &engine.scope.sources[self.source_idx];
                 let row = self.row(wall).map(|mut row| {
+                    row.ttft_ms = ended.ttft_ms;
+                    if let Some(u) = &ended.usage {
+                        row = record_estimate(row, u, src);
+                    }
                     row.error = Some(label.as_str().to_string());
                     row.error_detail = Some(match label {
                         ErrorLabel::HedgeCancelled => "another leg of the round won".to_string(),
                         ErrorLabel::Deadline => "the call deadline passed".to_string(),
                         ErrorLabel::ResumeDiverged => {
                             "the replayed answer diverged from the delivered text".to_string()
+                        }
+                        ErrorLabel::Invalid => {
+                            "the leg held too much before anything could be forwarded".to_string()
                         }
                         _ => "the caller dropped the call".to_string(),
                     });

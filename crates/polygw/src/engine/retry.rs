@@ -12,15 +12,16 @@ use std::sync::Arc;
 use polygw_core::admission::{jittered, larger_context_candidates, on_no_runnable, NoRunnable};
 use polygw_core::classify::is_context_length;
 use polygw_core::hedge::HedgePolicy;
-use polygw_core::resume::{ResumeMode, ResumeSetting};
+use polygw_core::resume::{ResumeBudget, ResumeMode, ResumeSetting};
 use polygw_core::retry::{RetryState, RoundVerdict};
 use polygw_core::round::{Carried, LegKind, RoundSpec};
+use polygw_core::usage::LegUsage;
 use polygw_core::{AttemptError, GatewayError, RetryPrefer, ScopeKind, TerminalReason};
 
 use super::admission::{PickPrefs, Picked};
 use super::attempt::Leg;
 use super::call::CallShared;
-use super::round::{DeltaSink, RoundOutcome, RoundStart, UsagePart, Won};
+use super::round::{DeltaSink, RoundOutcome, RoundStart, Won};
 use super::Engine;
 
 /// The stream a continuation round resumes.
@@ -30,6 +31,9 @@ struct Continuation {
     from: Option<String>,
     /// The text reached the caller (passthrough).
     delivered_to_caller: bool,
+    /// The usage of the legs that produced the text (counted in the answer when the
+    /// next winner's answer holds it).
+    parts: Vec<LegUsage>,
 }
 
 impl Engine {
@@ -154,8 +158,9 @@ impl Engine {
         };
         let passthrough = sink.is_some();
         let mut cont: Option<Continuation> = None;
-        let mut parts: Vec<UsagePart> = Vec::new();
-        let mut resumes_used: u32 = 0;
+        // MAX_RESUMES over the whole call: continuation primaries and the resume legs
+        // rounds launch alike (SPEC §17.8).
+        let mut resumes = ResumeBudget::new(stream_settings.max_resumes);
         // RETRY__PREFER=same: the source the next round tries first, once each.
         let mut prefer_same: Option<usize> = None;
         let mut retried_same: BTreeSet<usize> = BTreeSet::new();
@@ -226,8 +231,21 @@ impl Engine {
                     "no source can continue it",
                 ));
             };
-            if kind.resume_mode().is_some() {
-                resumes_used += 1;
+            if kind.resume_mode().is_some() && !resumes.take_primary() {
+                // A continuation is only set up while the budget allows one.
+                let original = cont.take().map(|c| c.carried.original);
+                return Err(self.unresumable(
+                    call,
+                    original.unwrap_or_else(|| {
+                        AttemptError::new(
+                            polygw_core::ErrorClass::Transient,
+                            polygw_core::ErrorLabel::Truncated,
+                            "the stream failed",
+                        )
+                    }),
+                    TerminalReason::RetryExhausted,
+                    "STREAM__MAX_RESUMES is spent",
+                ));
             }
             let round_started = self.ports.clock.now();
             // A source that answers 429 (or a hinted 503) cools down for at least the
@@ -238,7 +256,7 @@ impl Engine {
                 policy,
                 passthrough,
                 resume: resume_setting,
-                resumes_left: stream_settings.max_resumes.saturating_sub(resumes_used),
+                resumes_left: resumes.left(),
                 deadline: self.scope.call_deadline.map(|d| call.started + d),
                 primary_source: picked.source_idx,
                 primary_kind: kind,
@@ -256,14 +274,14 @@ impl Engine {
                         fallback_cooldown,
                     },
                 )
-                .await
-                .map_err(|e| {
-                    call.terminal(TerminalReason::GovernanceBackend, Some(e.to_string()))
-                })?;
+                .await;
             match outcome {
                 RoundOutcome::Won(mut w) => {
-                    parts.append(&mut w.parts);
-                    w.parts = parts;
+                    if w.uses_carried {
+                        if let Some(c) = cont.as_mut() {
+                            w.parts.append(&mut c.parts);
+                        }
+                    }
                     return Ok(w);
                 }
                 RoundOutcome::Deadline => {
@@ -277,8 +295,15 @@ impl Engine {
                     resume,
                     resume_of,
                     parts: mut p,
+                    uses_carried,
+                    resumes: round_resumes,
                 } => {
-                    parts.append(&mut p);
+                    resumes.on_round(round_resumes);
+                    if uses_carried {
+                        if let Some(c) = cont.as_mut() {
+                            p.append(&mut c.parts);
+                        }
+                    }
                     call.progress().last_error = Some(error.clone());
                     // SPEC §14.9: a context-length rejection goes once to a source with
                     // a larger window (or another model) not yet tried.
@@ -299,7 +324,7 @@ impl Engine {
                     }
                     if let Some(rp) = resume {
                         let resumable = rp.resumable
-                            && resumes_used < stream_settings.max_resumes
+                            && resumes.left() > 0
                             && resume_setting != ResumeSetting::Off;
                         if rp.delivered_to_caller && !resumable {
                             let why = if resume_setting == ResumeSetting::Off {
@@ -322,6 +347,7 @@ impl Engine {
                             },
                             from: resume_of,
                             delivered_to_caller: rp.delivered_to_caller,
+                            parts: p,
                         });
                     }
                     let now = self.ports.clock.now();

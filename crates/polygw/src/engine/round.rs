@@ -35,16 +35,17 @@ use futures_util::stream::StreamExt;
 use super::future_set::FutureSet;
 use polygw_core::hedge::BudgetTicket;
 use polygw_core::ports::{ChunkObserver, StreamDelta};
-use polygw_core::resume::{estimate_bytes, estimate_tokens, ResumeMode, Transcript};
+use polygw_core::resume::{ResumeMode, Transcript};
 use polygw_core::round::{
-    Action, Event, Fate, LegEnd, LegId, LegKind, PickRequest, Picked as MachinePicked, ResumePoint,
-    Round, RoundResult, RoundSpec,
+    Action, CancelReason, Event, Fate, LegEnd, LegId, LegKind, PickRequest,
+    Picked as MachinePicked, ResumePoint, Round, RoundResult, RoundSpec,
 };
-use polygw_core::{AttemptError, GovernanceError, ScopeKind, Usage, UsageSource};
+use polygw_core::usage::{cut_leg_usage, leg_prompt_estimate, LegUsage};
+use polygw_core::{AttemptError, GovernanceError, ScopeKind};
 use tracing::Instrument;
 
 use super::admission::{Pick, PickPrefs, Picked};
-use super::attempt::{AttemptGuard, Leg, LegControl, LegInfo, SuccessFacts};
+use super::attempt::{AttemptGuard, Ended, Leg, LegControl, LegInfo, SuccessFacts};
 use super::call::CallShared;
 use super::Engine;
 use crate::clock::new_id;
@@ -76,14 +77,6 @@ pub trait DeltaSink: Send + Sync {
     fn send(&self, delta: StreamDelta);
 }
 
-/// A part of the call's usage from a leg whose text the answer contains but that did
-/// not win (a cut committed leg, the leg a prefill continued).
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub(crate) struct UsagePart {
-    pub usage: Usage,
-    pub source: UsageSource,
-}
-
 /// A leg whose transport phase ended.
 pub(crate) struct LegDone<T> {
     pub info: LegInfo,
@@ -100,10 +93,14 @@ pub(crate) struct Won<T> {
     /// The winner's transport wall time (from its own launch).
     pub wall: Duration,
     pub info: LegInfo,
-    /// Passthrough: what the caller received (the answer).
-    pub delivered: Option<Transcript>,
-    /// Usage of other legs the answer contains.
-    pub parts: Vec<UsagePart>,
+    /// The answer's text when the round's machine holds it (passthrough: what the
+    /// caller received; a prefill winner: the text it continued and its continuation).
+    pub answer: Option<Transcript>,
+    /// Usage of the other legs of this round whose text the answer holds.
+    pub parts: Vec<LegUsage>,
+    /// The text carried in from the previous round is part of the answer (its legs'
+    /// usage counts too).
+    pub uses_carried: bool,
 }
 
 /// How a round ended.
@@ -120,8 +117,13 @@ pub(crate) enum RoundOutcome<T> {
         resume: Option<ResumePoint>,
         /// The call_id of the attempt that text came from.
         resume_of: Option<String>,
-        /// Usage of legs whose text reached the caller.
-        parts: Vec<UsagePart>,
+        /// Usage of the legs whose text the resume point holds (this round's; with
+        /// `uses_carried`, the carried text's legs too).
+        parts: Vec<LegUsage>,
+        /// The resume point's text includes the text carried into this round.
+        uses_carried: bool,
+        /// Resume legs this round launched besides its primary.
+        resumes: u32,
     },
     Deadline,
 }
@@ -143,9 +145,15 @@ pub(crate) struct RoundStart {
 /// round's [`QueueReady`] branch in that same poll, so no waker is called then. Waking
 /// the round's task from inside its own poll would make tokio treat it as a yield and
 /// wake another worker thread: a context switch per streamed chunk.
+///
+/// Chunks that do not wake the round (an aggregated call's) are folded into the last
+/// queued chunk of the same leg while it waits, so a call's queue holds its text, not
+/// one event per chunk (SPEC §17.7: 200 000 one-character chunks stay a few MB). A
+/// leg's first incremental chunk is kept as its own event (its time is the leg's time
+/// to first token).
 #[derive(Default)]
 struct EventQueue {
-    events: Mutex<Vec<Event>>,
+    events: Mutex<Queued>,
     /// An event asked for the round since [`QueueReady`] last returned.
     wanted: AtomicBool,
     /// The round is being polled ([`Polling`]).
@@ -153,12 +161,56 @@ struct EventQueue {
     waker: futures_util::task::AtomicWaker,
 }
 
+/// The queued events, and whether the last one may take later chunks of its leg.
+#[derive(Default)]
+struct Queued {
+    events: Vec<Event>,
+    /// The last event is a foldable chunk of this leg.
+    foldable: Option<LegId>,
+}
+
 impl EventQueue {
-    fn push(&self, e: Event, wake: bool) {
-        self.events
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .push(e);
+    /// Queues an event; `fold`: it is a chunk that may be folded into the last queued
+    /// chunk of its leg (see the type's doc).
+    fn push(&self, e: Event, wake: bool, fold: bool) {
+        {
+            let mut q = self.events.lock().unwrap_or_else(|e| e.into_inner());
+            let leg = match &e {
+                Event::Chunk { leg, .. } => Some(*leg),
+                _ => None,
+            };
+            let can_fold = fold && leg.is_some() && q.foldable == leg;
+            let folded = match (q.events.last_mut(), e) {
+                (
+                    Some(Event::Chunk {
+                        at,
+                        incremental,
+                        delta,
+                        ..
+                    }),
+                    Event::Chunk {
+                        at: at2,
+                        incremental: inc2,
+                        delta: d2,
+                        ..
+                    },
+                ) if can_fold => {
+                    *at = (*at).max(at2);
+                    *incremental |= inc2;
+                    match (delta.as_mut(), d2) {
+                        (Some(d), Some(d2)) => d.append(d2),
+                        (None, d2) => *delta = d2,
+                        (Some(_), None) => {}
+                    }
+                    None
+                }
+                (_, e) => Some(e),
+            };
+            if let Some(e) = folded {
+                q.events.push(e);
+                q.foldable = if fold { leg } else { None };
+            }
+        }
         if wake {
             self.wanted.store(true, Ordering::SeqCst);
             if !self.in_poll.load(Ordering::SeqCst) {
@@ -168,7 +220,9 @@ impl EventQueue {
     }
 
     fn take(&self) -> Vec<Event> {
-        std::mem::take(&mut *self.events.lock().unwrap_or_else(|e| e.into_inner()))
+        let mut q = self.events.lock().unwrap_or_else(|e| e.into_inner());
+        q.foldable = None;
+        std::mem::take(&mut q.events)
     }
 }
 
@@ -218,11 +272,23 @@ struct LegObserver {
     control: Arc<LegControl>,
     deltas: bool,
     raw: bool,
+    /// Its first incremental chunk was queued.
+    first_seen: AtomicBool,
+}
+
+impl LegObserver {
+    /// Whether this chunk may be folded into the last queued one: it does not wake the
+    /// round, frames are not forwarded, and it is not the leg's first incremental chunk.
+    fn foldable(&self, wake: bool, incremental: bool) -> bool {
+        let first = incremental && !self.first_seen.swap(true, Ordering::Relaxed);
+        !wake && !self.raw && !first
+    }
 }
 
 impl ChunkObserver for LegObserver {
     fn on_chunk(&self, at: Instant) {
         let wake = self.control.wake_on_chunk.load(Ordering::Relaxed);
+        let fold = self.foldable(wake, true);
         self.queue.push(
             Event::Chunk {
                 leg: self.leg,
@@ -231,6 +297,7 @@ impl ChunkObserver for LegObserver {
                 delta: None,
             },
             wake,
+            fold,
         );
     }
 
@@ -247,6 +314,7 @@ impl ChunkObserver for LegObserver {
         // Passthrough (`raw`) forwards every chunk; otherwise only a chunk that arms
         // a trigger needs the round now.
         let wake = self.raw || (incremental && self.control.wake_on_chunk.load(Ordering::Relaxed));
+        let fold = self.foldable(wake, incremental);
         self.queue.push(
             Event::Chunk {
                 leg: self.leg,
@@ -255,6 +323,7 @@ impl ChunkObserver for LegObserver {
                 delta: Some(delta),
             },
             wake,
+            fold,
         );
     }
 }
@@ -293,11 +362,9 @@ struct Exec<'a, L: Leg> {
     ended: BTreeMap<LegId, LegDone<L::Output>>,
     /// Outputs of legs that ended successfully, kept for the winner.
     outputs: BTreeMap<LegId, (L::Output, SuccessFacts, Duration)>,
-    /// Per leg: bytes of text forwarded to the caller (usage estimates of cut legs).
-    forwarded: Vec<usize>,
-    committed_legs: BTreeSet<LegId>,
+    /// Per leg: the usage its row records (SPEC §17.8; `None` = unavailable).
+    usage: Vec<Option<LegUsage>>,
     fallback_cooldown: Duration,
-    failed: Option<GovernanceError>,
     events: VecDeque<Event>,
 }
 
@@ -359,7 +426,6 @@ impl<'a, L: Leg> Exec<'a, L> {
                 }
             }
             Action::Commit { leg, first } => {
-                self.committed_legs.insert(leg);
                 let info = &self.infos[leg];
                 let src = &self.engine.scope.sources[info.source_idx];
                 if let Some(mode) = info.kind.resume_mode() {
@@ -381,23 +447,16 @@ impl<'a, L: Leg> Exec<'a, L> {
                     });
                 }
             }
-            Action::Forward { leg, delta } => {
-                if let Some(f) = self.forwarded.get_mut(leg) {
-                    *f += delta.content.as_ref().map_or(0, String::len)
-                        + delta.reasoning.as_ref().map_or(0, String::len)
-                        + delta
-                            .tool_calls
-                            .iter()
-                            .map(|t| t.arguments.len())
-                            .sum::<usize>();
-                }
+            Action::Forward { delta, .. } => {
                 if let Some(sink) = &self.sink {
                     sink.send(delta);
                 }
             }
             Action::Cancel { leg, reason } => {
+                let ended = self.cancelled_leg(leg, reason);
                 if let Some((c, h)) = self.controls.get(leg) {
                     c.set_label(reason.label());
+                    c.set_ended(ended);
                     h.abort();
                 }
             }
@@ -477,6 +536,7 @@ impl<'a, L: Leg> Exec<'a, L> {
             control: control.clone(),
             deltas: self.deltas,
             raw: self.sink.is_some(),
+            first_seen: AtomicBool::new(false),
         };
         let leg = self.leg;
         let fut = async move {
@@ -504,7 +564,46 @@ impl<'a, L: Leg> Exec<'a, L> {
         self.legs.push(Abortable::new(fut, reg));
         self.controls.push((control, handle));
         self.infos.push(info_copy);
-        self.forwarded.push(0);
+        self.usage.push(None);
+    }
+
+    /// The estimated prompt of a leg (a prefill leg sends its prefix too).
+    fn prompt_estimate(&self, leg: LegId) -> u64 {
+        leg_prompt_estimate(
+            self.leg.estimate_prompt_tokens(),
+            self.machine.kind(leg).prefill_prefix(),
+        )
+    }
+
+    fn ttft_ms(&self, leg: LegId) -> Option<u64> {
+        let first = self.machine.first_chunk(leg)?;
+        let launched = self.infos.get(leg)?.launched_at;
+        Some(polygw_core::stall::ms(
+            first.saturating_duration_since(launched),
+        ))
+    }
+
+    /// What the row of a leg the round cancels records: its first token, and — when
+    /// the answer holds its text (it reached the caller, or the winner continues it)
+    /// — its estimated usage, as the answer counts it.
+    fn cancelled_leg(&mut self, leg: LegId, reason: CancelReason) -> Ended {
+        let in_answer = self.machine.delivered_text(leg)
+            || match self.machine.result() {
+                Some(RoundResult::Won { leg: w }) => self.machine.answer_chain(*w).0.contains(&leg),
+                _ => false,
+            };
+        let usage = if in_answer && reason == CancelReason::HedgeLoser {
+            cut_leg_usage(self.prompt_estimate(leg), self.machine.leg_text(leg))
+        } else {
+            None
+        };
+        if let Some(u) = self.usage.get_mut(leg) {
+            *u = usage;
+        }
+        Ended {
+            usage,
+            ttft_ms: self.ttft_ms(leg),
+        }
     }
 
     fn start_pick(&mut self, req: PickRequest) {
@@ -564,10 +663,13 @@ impl<'a, L: Leg> Exec<'a, L> {
                 self.feed(Event::Picked(None));
             }
             Err(e) => {
+                // Fail closed: no extra leg; the legs running go on (a backend error
+                // never cuts a healthy stream).
+                tracing::warn!(error = %e, "governance backend failed on an extra leg's admission: no extra leg");
                 if let Some(t) = self.ticket.take() {
                     self.engine.budget().give_back(t);
                 }
-                self.failed = Some(e);
+                self.feed(Event::PickFailed);
             }
         }
     }
@@ -608,20 +710,41 @@ impl<'a, L: Leg> Exec<'a, L> {
             (Fate::Won | Fate::Succeeded, Ok(out)) => {
                 let facts = self.leg.facts(&out);
                 guard.decide_success(&facts, wall);
+                self.usage[leg] = Some(LegUsage::new(facts.usage, facts.usage_source));
                 self.outputs.insert(leg, (out, facts, wall));
                 self.infos[leg] = info;
             }
             (Fate::Failed(e), result) => {
-                let e = match result {
+                let (e, ended) = match result {
                     // An answer the machine rejected (a diverged replay) keeps its
-                    // measured usage for settlement.
+                    // measured usage.
                     Ok(out) => {
                         let f = self.leg.facts(&out);
-                        e.with_usage(f.usage, f.usage_source)
+                        let u = LegUsage::new(f.usage, f.usage_source);
+                        let e = e.with_usage(f.usage, f.usage_source);
+                        (
+                            e,
+                            Ended {
+                                usage: (u.source != polygw_core::UsageSource::Unavailable)
+                                    .then_some(u),
+                                ttft_ms: self.ttft_ms(leg),
+                            },
+                        )
                     }
-                    Err(_) => e,
+                    // A cut leg: its prompt and the text it received, estimated.
+                    Err(_) => (
+                        e,
+                        Ended {
+                            usage: cut_leg_usage(
+                                self.prompt_estimate(leg),
+                                self.machine.leg_text(leg),
+                            ),
+                            ttft_ms: self.ttft_ms(leg),
+                        },
+                    ),
                 };
-                guard.decide_failure(&e, wall, self.fallback_cooldown);
+                self.usage[leg] = ended.usage;
+                guard.decide_failure(&e, wall, self.fallback_cooldown, ended);
                 let src = &self.engine.scope.sources[info.source_idx].name;
                 self.call.note_failure(src, &e);
                 self.infos[leg] = info;
@@ -629,7 +752,11 @@ impl<'a, L: Leg> Exec<'a, L> {
             (fate, Err(e)) => {
                 // Never decided by the machine (a success fate for a failed leg).
                 tracing::error!(leg, ?fate, "inconsistent fate for a failed leg");
-                guard.decide_failure(&e, wall, self.fallback_cooldown);
+                let ended = Ended {
+                    usage: None,
+                    ttft_ms: self.ttft_ms(leg),
+                };
+                guard.decide_failure(&e, wall, self.fallback_cooldown, ended);
                 self.infos[leg] = info;
             }
             (Fate::Cancelled(reason), Ok(_)) => {
@@ -703,25 +830,17 @@ impl<'a, L: Leg> Exec<'a, L> {
             .map(|d| self.call.started + d)
     }
 
-    fn usage_parts(&self, exclude: Option<LegId>) -> Vec<UsagePart> {
-        let mut parts = Vec::new();
-        for &leg in &self.committed_legs {
-            if Some(leg) == exclude {
-                continue;
-            }
-            let bytes = self.forwarded[leg];
-            let (usage, source) = match self.outputs.get(&leg) {
-                // A committed leg that completed (a prefill whose continuation was
-                // taken over cannot complete; kept for completeness).
-                Some((_, f, _)) => (f.usage, f.usage_source),
-                None => (
-                    Usage::new(self.leg.estimate_prompt_tokens(), estimate_bytes(bytes)),
-                    UsageSource::Estimated,
-                ),
-            };
-            parts.push(UsagePart { usage, source });
-        }
-        parts
+    /// The recorded usage of these legs (unknown = unavailable).
+    fn parts_of(&self, legs: &[LegId]) -> Vec<LegUsage> {
+        legs.iter()
+            .map(|&l| {
+                self.usage
+                    .get(l)
+                    .copied()
+                    .flatten()
+                    .unwrap_or_else(LegUsage::unavailable)
+            })
+            .collect()
     }
 
     fn outcome(&mut self) -> RoundOutcome<L::Output> {
@@ -739,35 +858,24 @@ impl<'a, L: Leg> Exec<'a, L> {
                         resume: None,
                         resume_of: None,
                         parts: Vec::new(),
+                        uses_carried: false,
+                        resumes: self.machine.resumes(),
                     };
                 };
-                let mut parts = self.usage_parts(Some(leg));
+                let (chain, uses_carried) = self.machine.answer_chain(leg);
                 let info = self.infos[leg].clone();
-                let delivered = self
-                    .sink
-                    .is_some()
-                    .then(|| self.machine.delivered().clone());
-                if delivered.is_none() {
-                    // Aggregated prefill: the prefix came from a leg that did not
-                    // finish; its tokens are estimated.
-                    let prefix = info.kind.prefill_prefix();
-                    if !prefix.is_empty() {
-                        parts.push(UsagePart {
-                            usage: Usage::new(
-                                self.leg.estimate_prompt_tokens(),
-                                estimate_tokens(prefix),
-                            ),
-                            source: UsageSource::Estimated,
-                        });
-                    }
-                }
+                // The machine holds the answer's text when it forwarded it, or when
+                // the winner continued a prefix (verified: SPEC §17.1).
+                let answer = (self.sink.is_some() || info.kind.resume_mode().is_some())
+                    .then(|| self.machine.answer(leg));
                 RoundOutcome::Won(Won {
                     output,
                     facts,
                     wall,
                     info,
-                    delivered,
-                    parts,
+                    answer,
+                    parts: self.parts_of(&chain),
+                    uses_carried,
                 })
             }
             Some(RoundResult::Failed {
@@ -780,13 +888,33 @@ impl<'a, L: Leg> Exec<'a, L> {
                     Some(l) => self.infos.get(l).map(|i| i.call_id.clone()),
                     None => self.carried_from.clone(),
                 });
+                // The legs whose text the resume point holds.
+                let (legs, uses_carried) = match resume.as_ref() {
+                    None => (Vec::new(), false),
+                    Some(_) if self.sink.is_some() => {
+                        let legs: Vec<LegId> = (0..self.machine.legs())
+                            .filter(|&l| self.machine.delivered_text(l))
+                            .collect();
+                        (legs, true)
+                    }
+                    Some(p) => match p.of {
+                        Some(of) => {
+                            let (mut chain, carried) = self.machine.answer_chain(of);
+                            chain.push(of);
+                            (chain, carried)
+                        }
+                        None => (Vec::new(), true),
+                    },
+                };
                 RoundOutcome::Failed {
                     error,
                     source: leg.and_then(|l| self.infos.get(l)).map(|i| i.source_idx),
                     refunded,
                     resume: resume.map(|b| *b),
                     resume_of,
-                    parts: self.usage_parts(None),
+                    parts: self.parts_of(&legs),
+                    uses_carried,
+                    resumes: self.machine.resumes(),
                 }
             }
             Some(RoundResult::Deadline) | Some(RoundResult::Dropped) | None => {
@@ -795,10 +923,7 @@ impl<'a, L: Leg> Exec<'a, L> {
         }
     }
 
-    async fn run(
-        mut self,
-        initial: Vec<Action>,
-    ) -> Result<RoundOutcome<L::Output>, GovernanceError> {
+    async fn run(mut self, initial: Vec<Action>) -> RoundOutcome<L::Output> {
         for a in initial {
             self.apply(a);
         }
@@ -806,9 +931,6 @@ impl<'a, L: Leg> Exec<'a, L> {
         self.on_timer_if_due();
         loop {
             self.drain_queue();
-            if let Some(e) = self.failed.take() {
-                return Err(e);
-            }
             if self.machine.result().is_some() && self.pick.take().is_some() {
                 // An extra leg's admission still in flight when the round is decided:
                 // dropped (the admission is cancel-safe), its budget given back.
@@ -821,7 +943,7 @@ impl<'a, L: Leg> Exec<'a, L> {
                 && self.pick.is_none()
                 && self.picked.is_none()
             {
-                return Ok(self.outcome());
+                return self.outcome();
             }
             let wake_at = if self.machine.result().is_none() {
                 self.machine.next_wakeup()
@@ -914,7 +1036,7 @@ impl Engine {
         leg: &L,
         call: &Arc<CallShared>,
         start: RoundStart,
-    ) -> Result<RoundOutcome<L::Output>, GovernanceError> {
+    ) -> RoundOutcome<L::Output> {
         let now = self.ports.clock.now();
         let resume_on = start.spec.resume != polygw_core::resume::ResumeSetting::Off
             && (start.spec.resumes_left > 0 || start.spec.carried.is_some());
@@ -939,10 +1061,8 @@ impl Engine {
             finalizing: FutureSet::default(),
             ended: BTreeMap::new(),
             outputs: BTreeMap::new(),
-            forwarded: Vec::new(),
-            committed_legs: BTreeSet::new(),
+            usage: Vec::new(),
             fallback_cooldown: start.fallback_cooldown,
-            failed: None,
             events: VecDeque::new(),
         };
         let queue = exec.queue.clone();
