@@ -70,24 +70,66 @@ pub fn order_candidates_preferring(
     out
 }
 
-/// SPEC §14.9: where a context-length rejection by source `rejecting` may go once:
-/// sources not yet tried in the call whose `CONTEXT_WINDOW` is larger — or, when the
-/// windows are not both set, whose `MODEL` differs. Empty: the rejection is final.
+/// SPEC §17.9 (revises §14.9): where a context-length rejection by source `rejecting`
+/// may go: every source not yet tried in the call whose `CONTEXT_WINDOW` is larger —
+/// the smallest such window first — then, where the windows are not both known, the
+/// sources with another `MODEL` (each tried once, as the tried set grows). Empty: the
+/// rejection is final.
 pub fn larger_context_candidates(
     sources: &[SourceConfig],
     rejecting: usize,
     tried: &BTreeSet<usize>,
-) -> BTreeSet<usize> {
+) -> Vec<usize> {
     let r = &sources[rejecting];
-    sources
+    let mut known: Vec<(u64, usize)> = Vec::new();
+    let mut other_model: Vec<usize> = Vec::new();
+    for (i, c) in sources.iter().enumerate() {
+        if i == rejecting || tried.contains(&i) {
+            continue;
+        }
+        match (r.context_window, c.context_window) {
+            (Some(rw), Some(cw)) => {
+                if cw > rw {
+                    known.push((cw, i));
+                }
+            }
+            _ => {
+                if c.model != r.model {
+                    other_model.push(i);
+                }
+            }
+        }
+    }
+    known.sort();
+    known
+        .into_iter()
+        .map(|(_, i)| i)
+        .chain(other_model)
+        .collect()
+}
+
+/// SPEC §17.9: the sources whose known `CONTEXT_WINDOW` is smaller than a request
+/// needs (`need` = its estimated prompt plus its `max_tokens`), skipped before any
+/// request is sent. When every source's window is known and too small, the largest
+/// stay candidates (the estimate is an estimate: the upstream has the last word).
+pub fn too_small_for(sources: &[SourceConfig], need: u64) -> BTreeSet<usize> {
+    let small: BTreeSet<usize> = sources
         .iter()
         .enumerate()
-        .filter(|(i, _)| *i != rejecting && !tried.contains(i))
-        .filter(|(_, c)| match (r.context_window, c.context_window) {
-            (Some(rw), Some(cw)) => cw > rw,
-            _ => c.model != r.model,
-        })
+        .filter(|(_, s)| s.context_window.is_some_and(|w| w < need))
         .map(|(i, _)| i)
+        .collect();
+    if small.len() < sources.len() {
+        return small;
+    }
+    let largest = sources
+        .iter()
+        .filter_map(|s| s.context_window)
+        .max()
+        .unwrap_or(0);
+    small
+        .into_iter()
+        .filter(|&i| sources[i].context_window != Some(largest))
         .collect()
 }
 
@@ -98,6 +140,9 @@ pub enum NoRunnable {
     Wait(Duration),
     /// Fail with `no_runnable_source`.
     Fail,
+    /// Nothing can be admitted within the call's bound: end the call now; the earliest
+    /// admission is this far away (SPEC §17.2).
+    Beyond(Duration),
 }
 
 /// Wait for a refusal that passes with time but carries no hint (no backend refuses so:
@@ -127,6 +172,33 @@ pub fn on_no_runnable(refusals: &[(String, Refusal)], policy: OnNoRunnable) -> N
         .min()
         .map(|d| NoRunnable::Wait(d.max(Duration::from_millis(1))))
         .unwrap_or(NoRunnable::Fail)
+}
+
+impl NoRunnable {
+    /// SPEC §17.2: [`on_no_runnable`] when the call may wait at most `left` more: when
+    /// every refusal is one that cannot clear before its hint — a cooldown, an open
+    /// breaker, a dead source, a requests-per-minute window — and the earliest hint is
+    /// after `left`, the call cannot be served within its bound: [`NoRunnable::Beyond`]
+    /// with that earliest admission, at once, instead of holding the caller. Refusals
+    /// that can clear sooner (a freed slot, tokens settled below their reservation) keep
+    /// the call waiting.
+    pub fn within(refusals: &[(String, Refusal)], policy: OnNoRunnable, left: Duration) -> Self {
+        match on_no_runnable(refusals, policy) {
+            NoRunnable::Wait(hint) if hint > left && refusals.iter().all(|(_, r)| is_firm(r)) => {
+                NoRunnable::Beyond(hint)
+            }
+            other => other,
+        }
+    }
+}
+
+/// Whether a refusal cannot clear before its hint (see [`NoRunnable::within`]).
+pub fn is_firm(r: &Refusal) -> bool {
+    use crate::error::RefusalReason as R;
+    match r.reason {
+        R::Cooldown | R::CircuitOpen | R::Dead | R::Rpm | R::ScopeRpm => true,
+        R::Tpm | R::ScopeTpm | R::Concurrency => false,
+    }
 }
 
 /// The wait before looking again after a hint: the hint plus a jitter of up to a tenth of
@@ -206,18 +278,89 @@ mod tests {
         s[2].context_window = Some(4_000);
         // d: no window, same model as a
         let none = BTreeSet::new();
-        assert_eq!(larger_context_candidates(&s, 0, &none), BTreeSet::from([1]));
+        assert_eq!(larger_context_candidates(&s, 0, &none), vec![1]);
         assert_eq!(
             larger_context_candidates(&s, 0, &BTreeSet::from([1])),
-            BTreeSet::new(),
+            Vec::<usize>::new(),
             "tried already"
         );
         s[3].model = "bigger".into();
-        assert_eq!(
-            larger_context_candidates(&s, 0, &none),
-            BTreeSet::from([1, 3])
-        );
+        assert_eq!(larger_context_candidates(&s, 0, &none), vec![1, 3]);
         assert!(larger_context_candidates(&s, 1, &none).contains(&3));
+    }
+
+    /// Issue 22, item 19: windows of 8k, 16k and 200k and a 25k prompt: the 8k one
+    /// rejects, the next is the smallest larger (16k), then 200k; sources known to be too
+    /// small are skipped up front, but never all of them.
+    #[test]
+    fn context_routing_goes_as_far_as_the_windows_allow() {
+        let mut s = vec![src("a", 0, 1), src("b", 0, 1), src("c", 0, 1)];
+        s[0].context_window = Some(8_000);
+        s[1].context_window = Some(200_000);
+        s[2].context_window = Some(16_000);
+        let mut tried = BTreeSet::from([0]);
+        assert_eq!(larger_context_candidates(&s, 0, &tried), vec![2, 1]);
+        tried.insert(2);
+        assert_eq!(larger_context_candidates(&s, 2, &tried), vec![1]);
+        tried.insert(1);
+        assert!(larger_context_candidates(&s, 1, &tried).is_empty());
+        assert_eq!(too_small_for(&s, 25_000), BTreeSet::from([0, 2]));
+        assert_eq!(too_small_for(&s, 1_000), BTreeSet::new());
+        assert_eq!(
+            too_small_for(&s, 300_000),
+            BTreeSet::from([0, 2]),
+            "the largest stays"
+        );
+        // Unknown windows are never skipped.
+        s[1].context_window = None;
+        assert_eq!(too_small_for(&s, 300_000), BTreeSet::from([0, 2]));
+    }
+
+    /// SPEC §17.2: firm refusals whose earliest hint lies beyond the bound end the
+    /// call at once; a refusal that may clear sooner keeps it waiting.
+    #[test]
+    fn beyond_the_bound_ends_at_once() {
+        let r = |reason, s: u64| {
+            (
+                "x".to_string(),
+                Refusal {
+                    reason,
+                    retry_after: Some(Duration::from_secs(s)),
+                },
+            )
+        };
+        let left = Duration::from_secs(10);
+        let w = OnNoRunnable::Wait;
+        let cooling = vec![r(RefusalReason::Cooldown, 30)];
+        assert_eq!(
+            NoRunnable::within(&cooling, w, left),
+            NoRunnable::Beyond(Duration::from_secs(30))
+        );
+        assert_eq!(
+            NoRunnable::within(&cooling, w, Duration::from_secs(40)),
+            NoRunnable::Wait(Duration::from_secs(30))
+        );
+        let open = vec![
+            r(RefusalReason::CircuitOpen, 12),
+            r(RefusalReason::Dead, 300),
+        ];
+        assert_eq!(
+            NoRunnable::within(&open, w, left),
+            NoRunnable::Beyond(Duration::from_secs(12))
+        );
+        let busy = vec![
+            r(RefusalReason::Cooldown, 30),
+            r(RefusalReason::Concurrency, 60),
+        ];
+        assert_eq!(
+            NoRunnable::within(&busy, w, left),
+            NoRunnable::Wait(Duration::from_secs(30)),
+            "a slot may free sooner"
+        );
+        assert_eq!(
+            NoRunnable::within(&cooling, OnNoRunnable::Fail, left),
+            NoRunnable::Fail
+        );
     }
 
     #[test]

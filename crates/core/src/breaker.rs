@@ -23,9 +23,6 @@ use serde::{Deserialize, Serialize};
 use crate::error::{ErrorClass, RefusalReason};
 use crate::settings::BreakerSettings;
 
-/// The largest multiple of `OPEN_S` an open period can reach.
-pub const MAX_OPEN_FACTOR: u64 = 10;
-
 /// What an attempt's end means to the breaker.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub enum BreakerOutcome {
@@ -50,7 +47,7 @@ impl BreakerOutcome {
         match class {
             ErrorClass::Transient => BreakerOutcome::Failure,
             ErrorClass::RateLimited => BreakerOutcome::RateLimited {
-                cooldown_ms: cooldown.as_millis() as u64,
+                cooldown_ms: crate::classify::millis(crate::classify::clamp_hint(cooldown)),
             },
             ErrorClass::Dead => BreakerOutcome::Dead,
             ErrorClass::Rejected | ErrorClass::Invalid => BreakerOutcome::Neutral,
@@ -94,6 +91,10 @@ pub struct BreakerState {
     pub cooldown_until: u64,
     /// The breaker epoch: bumped on every trip, re-open, probe grant and close.
     pub epoch: u64,
+    /// Consecutive 401/403/404 answers (the source is dead at `DEAD_AFTER`); a success
+    /// or a 429 (the key was accepted) resets it.
+    #[serde(default)]
+    pub consecutive_dead: u32,
 }
 
 impl BreakerState {
@@ -160,6 +161,7 @@ impl BreakerState {
         }
         match outcome {
             BreakerOutcome::Success if current => {
+                self.consecutive_dead = 0;
                 if self.open_until > 0 {
                     self.epoch += 1;
                 }
@@ -180,14 +182,21 @@ impl BreakerState {
                     self.epoch += 1;
                 }
             }
-            BreakerOutcome::Success | BreakerOutcome::Failure | BreakerOutcome::Neutral => {}
+            BreakerOutcome::Success => self.consecutive_dead = 0,
+            BreakerOutcome::Failure | BreakerOutcome::Neutral => {}
             BreakerOutcome::Dead => {
-                self.dead_until = self
-                    .dead_until
-                    .max(now.saturating_add(s.dead.as_millis() as u64));
+                self.consecutive_dead = self.consecutive_dead.saturating_add(1);
+                if self.consecutive_dead >= s.dead_after.max(1) {
+                    self.dead_until = self
+                        .dead_until
+                        .max(now.saturating_add(crate::classify::millis(s.dead)));
+                }
             }
             BreakerOutcome::RateLimited { cooldown_ms } => {
-                self.cooldown_until = self.cooldown_until.max(now + cooldown_ms);
+                self.consecutive_dead = 0;
+                self.cooldown_until = self.cooldown_until.max(now.saturating_add(
+                    cooldown_ms.min(crate::classify::millis(crate::classify::MAX_RETRY_HINT)),
+                ));
             }
         }
     }
@@ -208,13 +217,13 @@ impl BreakerState {
     }
 }
 
-/// Open time after `reopens` re-opens: `OPEN_S · min(2^reopens, 10)`.
+/// Open time after `reopens` re-opens: `OPEN_S · 2^reopens`, at most `OPEN_MAX_S`
+/// (never less than `OPEN_S`).
 pub fn open_ms(s: &BreakerSettings, reopens: u32) -> u64 {
-    let factor = 1u64
-        .checked_shl(reopens.min(20))
-        .unwrap_or(MAX_OPEN_FACTOR)
-        .min(MAX_OPEN_FACTOR);
-    (s.open.as_millis() as u64).saturating_mul(factor)
+    let open = crate::classify::millis(s.open);
+    let max = crate::classify::millis(s.open_max).max(open);
+    let factor = 1u64.checked_shl(reopens.min(40)).unwrap_or(u64::MAX);
+    open.saturating_mul(factor).min(max)
 }
 
 #[cfg(test)]
@@ -225,7 +234,9 @@ mod tests {
         BreakerSettings {
             failures: 3,
             open: Duration::from_secs(30),
+            open_max: Duration::from_secs(300),
             dead: Duration::from_secs(300),
+            dead_after: 1,
         }
     }
 
@@ -267,8 +278,109 @@ mod tests {
         );
     }
 
+    /// The defaults (SPEC §19.3): 2 s, doubling per failed probe, up to 30 s.
     #[test]
-    fn failed_probes_double_open_time_up_to_ten_times() {
+    fn default_open_times_grow_from_two_seconds_to_thirty() {
+        let s = BreakerSettings::default();
+        let got: Vec<u64> = (0..7).map(|r| open_ms(&s, r) / 1000).collect();
+        assert_eq!(got, [2, 4, 8, 16, 30, 30, 30]);
+        // OPEN_S above OPEN_MAX_S: never shorter than OPEN_S.
+        let long = BreakerSettings {
+            open: Duration::from_secs(60),
+            ..s
+        };
+        assert_eq!(open_ms(&long, 3), 60_000);
+        assert_eq!(open_ms(&s, u32::MAX), 30_000, "no overflow");
+    }
+
+    /// SPEC §17.4: one transient 401 does not take a source out; `DEAD_AFTER` in a row
+    /// do; a success or a 429 (the key was accepted) starts the count again.
+    #[test]
+    fn a_source_is_dead_after_dead_after_answers_in_a_row() {
+        let s = BreakerSettings::default();
+        let mut b = BreakerState::default();
+        b.record(0, BreakerOutcome::Dead, b.epoch, false, &s);
+        assert_eq!(
+            allowed(b.admit(1, 1000)),
+            Some(false),
+            "one 401 is not dead"
+        );
+        b.record(2, BreakerOutcome::Success, b.epoch, false, &s);
+        b.record(3, BreakerOutcome::Dead, b.epoch, false, &s);
+        assert_eq!(
+            allowed(b.admit(4, 1000)),
+            Some(false),
+            "the count restarted"
+        );
+        b.record(
+            5,
+            BreakerOutcome::RateLimited { cooldown_ms: 1 },
+            b.epoch,
+            false,
+            &s,
+        );
+        b.record(10, BreakerOutcome::Dead, b.epoch, false, &s);
+        assert_eq!(
+            allowed(b.admit(11, 1000)),
+            Some(false),
+            "a 429 restarts it too"
+        );
+        b.record(12, BreakerOutcome::Dead, b.epoch, false, &s);
+        assert_eq!(
+            b.admit(12, 1000),
+            BreakerAdmit::Refused {
+                reason: RefusalReason::Dead,
+                retry_after_ms: 300_000
+            }
+        );
+    }
+
+    /// SPEC §17.6: a cooldown of any length from outside never wraps: it is bounded.
+    #[test]
+    fn a_huge_cooldown_is_bounded_not_wrapped() {
+        let s = settings();
+        let mut b = BreakerState::default();
+        let huge = BreakerOutcome::of_class(ErrorClass::RateLimited, Duration::MAX);
+        b.record(u64::MAX / 2, huge, b.epoch, false, &s);
+        b.record(
+            1000,
+            BreakerOutcome::RateLimited {
+                cooldown_ms: u64::MAX,
+            },
+            b.epoch,
+            false,
+            &s,
+        );
+        match b.admit(1000, 1) {
+            BreakerAdmit::Refused {
+                reason: RefusalReason::Cooldown,
+                retry_after_ms,
+            } => {
+                assert!(retry_after_ms >= crate::classify::millis(crate::classify::MAX_RETRY_HINT))
+            }
+            other => panic!("{other:?}"),
+        }
+        let mut b = BreakerState::default();
+        b.record(
+            1000,
+            BreakerOutcome::RateLimited {
+                cooldown_ms: u64::MAX,
+            },
+            b.epoch,
+            false,
+            &s,
+        );
+        assert_eq!(
+            b.admit(1000, 1),
+            BreakerAdmit::Refused {
+                reason: RefusalReason::Cooldown,
+                retry_after_ms: crate::classify::millis(crate::classify::MAX_RETRY_HINT)
+            }
+        );
+    }
+
+    #[test]
+    fn failed_probes_double_open_time_up_to_open_max() {
         let s = settings();
         let mut b = BreakerState::default();
         for _ in 0..3 {

@@ -69,6 +69,22 @@ pub enum Failure {
     },
 }
 
+/// The longest retry hint taken from an upstream (24 h): a longer one is this one
+/// (SPEC §17.6: no wrap or truncation reachable from a header; both governance
+/// backends get the same value). Any hint above the call's wait bound already means
+/// "beyond the window": the call does not wait for it (SPEC §17.2).
+pub const MAX_RETRY_HINT: Duration = Duration::from_secs(24 * 3600);
+
+/// A retry hint bounded by [`MAX_RETRY_HINT`].
+pub fn clamp_hint(d: Duration) -> Duration {
+    d.min(MAX_RETRY_HINT)
+}
+
+/// A duration in whole milliseconds, saturating (never truncated to a small value).
+pub fn millis(d: Duration) -> u64 {
+    u64::try_from(d.as_millis()).unwrap_or(u64::MAX)
+}
+
 /// Class and label of an HTTP status (SPEC §5 table). `None` for 2xx.
 pub fn classify_status(status: u16) -> Option<(ErrorClass, ErrorLabel)> {
     use ErrorClass as C;
@@ -77,7 +93,8 @@ pub fn classify_status(status: u16) -> Option<(ErrorClass, ErrorLabel)> {
         200..=299 => return None,
         429 => (C::RateLimited, L::RateLimited),
         408 => (C::Transient, L::Timeout),
-        409 => (C::Transient, L::ServerError),
+        // 409 Conflict is about the request (SPEC §17.4): passed through, not retried.
+        409 => (C::Rejected, L::Rejected),
         500..=599 => (C::Transient, L::ServerError),
         400 | 413 | 422 => (C::Rejected, L::Rejected),
         401 | 403 | 404 => (C::Dead, L::Dead),
@@ -160,10 +177,16 @@ pub fn classify(failure: Failure) -> AttemptError {
             };
             // Retry-After only means something for 429 and 503-like answers; keep it
             // whenever given, the engine only uses it for rate limits and cooldown hints.
-            AttemptError::new(class, label, detail)
+            let e = AttemptError::new(class, label, detail)
                 .with_status(status)
-                .with_retry_after(retry_after)
-                .with_provider(code, message)
+                .with_retry_after(retry_after.map(clamp_hint))
+                .with_provider(code, message);
+            // A redirect is a misconfigured BASE_URL: not this call's source (SPEC §17.4).
+            if (300..400).contains(&status) {
+                e.excluding_source()
+            } else {
+                e
+            }
         }
         Failure::Connect { detail } => AttemptError::new(
             C::Transient,
@@ -230,7 +253,8 @@ pub fn classify(failure: Failure) -> AttemptError {
             C::Invalid,
             L::Invalid,
             format!("response exceeds the cap of {limit} bytes"),
-        ),
+        )
+        .excluding_source(),
         Failure::NothingGenerated { finish_reason } => AttemptError::new(
             C::Invalid,
             L::Invalid,
@@ -323,7 +347,7 @@ mod tests {
         let table: &[(u16, C, L)] = &[
             (429, C::RateLimited, L::RateLimited),
             (408, C::Transient, L::Timeout),
-            (409, C::Transient, L::ServerError),
+            (409, C::Rejected, L::Rejected),
             (500, C::Transient, L::ServerError),
             (502, C::Transient, L::ServerError),
             (503, C::Transient, L::ServerError),
@@ -345,6 +369,29 @@ mod tests {
             assert_eq!(e.http_status, Some(status));
         }
         assert_eq!(classify_status(200), None);
+        // SPEC §17.4: a redirect keeps its source out of the call; so does an answer
+        // over the cap; other failures do not.
+        for s in [301, 302, 307, 308] {
+            assert!(http(s).excludes_source, "{s}");
+        }
+        assert!(classify(Failure::TooLarge { limit: 16 }).excludes_source);
+        for s in [400, 401, 429, 500] {
+            assert!(!http(s).excludes_source, "{s}");
+        }
+    }
+
+    /// SPEC §17.6: a hint from outside is bounded before any arithmetic.
+    #[test]
+    fn retry_hints_are_bounded() {
+        let e = classify(Failure::Http {
+            status: 429,
+            retry_after: Some(Duration::from_secs(18_446_744_073_709_548)),
+            code: None,
+            message: None,
+        });
+        assert_eq!(e.retry_after, Some(MAX_RETRY_HINT));
+        assert_eq!(millis(Duration::MAX), u64::MAX);
+        assert_eq!(clamp_hint(Duration::from_secs(5)), Duration::from_secs(5));
     }
 
     #[test]
@@ -352,13 +399,14 @@ mod tests {
         // SPEC §5: 429 refunded/no breaker; transient 1/yes; rejected terminal/no;
         // dead 1/opens-dead; invalid 1/no.
         assert!(!http(429).class.consumes_budget() && !http(429).class.feeds_breaker());
-        for s in [408, 409, 500, 503] {
+        for s in [408, 500, 503] {
             assert!(
                 http(s).class.consumes_budget() && http(s).class.feeds_breaker(),
                 "{s}"
             );
         }
-        for s in [400, 413, 422] {
+        // SPEC §17.4: 409 and 422 are the request's fault, passed through.
+        for s in [400, 409, 413, 422] {
             assert!(http(s).class.is_terminal_for_call(), "{s}");
             assert!(!http(s).class.feeds_breaker(), "{s}");
         }

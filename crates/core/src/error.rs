@@ -255,6 +255,9 @@ pub struct AttemptError {
     pub usage: Option<Usage>,
     /// Where `usage` came from.
     pub usage_source: UsageSource,
+    /// The source cannot serve this call at all (it redirected, or its answer was over
+    /// the size cap): the call does not send it this request again (SPEC §17.4).
+    pub excludes_source: bool,
 }
 
 /// The longest provider message kept in an error (bytes, cut at a char boundary).
@@ -273,7 +276,14 @@ impl AttemptError {
             detail: shorten(detail.into(), MAX_PROVIDER_MESSAGE),
             usage: None,
             usage_source: UsageSource::Unavailable,
+            excludes_source: false,
         }
+    }
+
+    /// Marks the error as one that keeps its source out of the rest of the call.
+    pub fn excluding_source(mut self) -> Self {
+        self.excludes_source = true;
+        self
     }
 
     /// Sets the HTTP status.

@@ -148,20 +148,29 @@ impl Default for ScopeLimits {
 pub struct BreakerSettings {
     /// Consecutive breaker-feeding failures that open the breaker.
     pub failures: u32,
-    /// First open time (doubles on each re-open, up to 10×).
+    /// First open time (doubles on each failed probe, up to `open_max`).
     #[serde(with = "crate::durations::secs")]
     pub open: Duration,
+    /// The longest an open period grows to (`BREAKER__OPEN_MAX_S`; never below `open`).
+    #[serde(with = "crate::durations::secs")]
+    pub open_max: Duration,
     /// How long a dead source (401/403/404) stays out.
     #[serde(with = "crate::durations::secs")]
     pub dead: Duration,
+    /// Consecutive 401/403/404 answers that make a source dead (`BREAKER__DEAD_AFTER`):
+    /// one transient auth error does not take a source out (SPEC §17.4).
+    pub dead_after: u32,
 }
 
 impl Default for BreakerSettings {
     fn default() -> Self {
         BreakerSettings {
             failures: 5,
-            open: Duration::from_secs(30),
+            // SPEC §19.3: a recovered primary is used again within seconds.
+            open: Duration::from_secs(2),
+            open_max: Duration::from_secs(30),
             dead: Duration::from_secs(300),
+            dead_after: 2,
         }
     }
 }

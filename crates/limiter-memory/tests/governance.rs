@@ -121,7 +121,9 @@ impl BreakerHarness for Mem {
         BreakerSettings {
             failures: 3,
             open: Duration::from_secs(30),
+            open_max: Duration::from_secs(300),
             dead: Duration::from_secs(300),
+            dead_after: 2,
         }
     }
     fn manual_time(&self) -> bool {
@@ -198,9 +200,10 @@ mod breaker_contract {
         only_consecutive_feeding_failures_count,
         half_open_admits_one_probe_and_success_closes,
         failed_probe_doubles_open_time,
-        open_time_capped_at_ten_times,
+        open_time_capped_at_open_max,
         probe_lease_expires_and_neutral_frees,
         cooldown_from_retry_after,
+        a_huge_cooldown_is_bounded_alike,
         dead_source_out_for_dead_s,
         concurrent_half_open_grants_one_probe,
         sources_are_independent,

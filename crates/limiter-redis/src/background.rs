@@ -292,7 +292,9 @@ async fn apply(conn: &Conn, work: &Work) -> Result<(), GovernanceError> {
                 .arg(1)
                 .arg(1)
                 .arg(exact(crate::ms(conn.opts.breaker_idle_ttl)).max(1))
-                .arg(*epoch);
+                .arg(*epoch)
+                .arg(1)
+                .arg(1);
             let _: i64 = conn.run("breaker probe release", &inv).await?;
             Ok(())
         }

@@ -156,7 +156,13 @@ impl BreakerStore for RedisBreakerStore {
             BreakerOutcome::Failure => ("failure", 0),
             BreakerOutcome::Neutral => ("neutral", 0),
             BreakerOutcome::Dead => ("dead", 0),
-            BreakerOutcome::RateLimited { cooldown_ms } => ("rate_limited", cooldown_ms),
+            BreakerOutcome::RateLimited { cooldown_ms } => (
+                "rate_limited",
+                // Bounded as the memory store bounds it (SPEC §17.6).
+                cooldown_ms.min(polygw_core::classify::millis(
+                    polygw_core::classify::MAX_RETRY_HINT,
+                )),
+            ),
         };
         let mut inv = RECORD.prepare_invoke();
         inv.key(&key)
@@ -167,7 +173,9 @@ impl BreakerStore for RedisBreakerStore {
             .arg(exact(ms(settings.open)))
             .arg(exact(ms(settings.dead)))
             .arg(self.idle_ttl_ms())
-            .arg(epoch);
+            .arg(epoch)
+            .arg(settings.dead_after)
+            .arg(exact(ms(settings.open_max)));
         let r: Result<i64, _> = self.bg.conn().run("breaker record", &inv).await;
         if let Err(e) = r {
             if probe {
@@ -192,7 +200,7 @@ impl BreakerStore for RedisBreakerStore {
         let key = keys::breaker(scope, source)?;
         let mut cmd = redis::cmd("HMGET");
         cmd.arg(&key)
-            .arg(&["cf", "ou", "ro", "pu", "du", "cd", "ep"][..]);
+            .arg(&["cf", "ou", "ro", "pu", "du", "cd", "ep", "dd"][..]);
         let v: Vec<Option<u64>> = self.bg.conn().query("breaker state", &cmd).await?;
         let at = |i: usize| v.get(i).copied().flatten().unwrap_or(0);
         let small = |i: usize| u32::try_from(at(i)).unwrap_or(u32::MAX);
@@ -204,6 +212,7 @@ impl BreakerStore for RedisBreakerStore {
             dead_until: at(4),
             cooldown_until: at(5),
             epoch: at(6),
+            consecutive_dead: small(7),
         })
     }
 

@@ -162,9 +162,11 @@ impl BreakerHarness for Real {
         BreakerSettings {
             failures: 3,
             // Long enough that a loaded machine does not pass it between two calls
-            // that must see it open; `open_time_capped_at_ten_times` uses a fifth of it.
+            // that must see it open; `open_time_capped_at_open_max` uses a fifth of it.
             open: Duration::from_secs(1),
+            open_max: Duration::from_secs(10),
             dead: Duration::from_secs(1),
+            dead_after: 2,
         }
     }
     fn manual_time(&self) -> bool {
@@ -239,9 +241,10 @@ macro_rules! breaker_cases {
             only_consecutive_feeding_failures_count,
             half_open_admits_one_probe_and_success_closes,
             failed_probe_doubles_open_time,
-            open_time_capped_at_ten_times,
+            open_time_capped_at_open_max,
             probe_lease_expires_and_neutral_frees,
             cooldown_from_retry_after,
+            a_huge_cooldown_is_bounded_alike,
             dead_source_out_for_dead_s,
             concurrent_half_open_grants_one_probe,
             sources_are_independent,
@@ -906,6 +909,7 @@ mod redis_specific {
             failures: 1,
             open: Duration::from_millis(200),
             dead: Duration::from_secs(1),
+            ..BreakerSettings::default()
         };
         b.record(&sc, "a", BreakerOutcome::Failure, 0, false, &s)
             .await

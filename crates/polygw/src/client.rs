@@ -36,6 +36,9 @@ pub struct CallOptions {
     /// this call. `polygw serve --max-wait-s` uses it to answer 429 instead of holding
     /// a client.
     pub max_wait: Option<std::time::Duration>,
+    /// What errors call [`CallOptions::max_wait`] when it is the bound that ended a call
+    /// (`polygw serve` says `--max-wait-s`).
+    pub max_wait_name: Option<String>,
     /// The call's `logical_call_id`, when the caller must know it before the call
     /// starts (`polygw serve` answers with it in `x-request-id`, also when it sends its
     /// headers before the first chunk). Default: a new UUIDv7. It must be unique.
@@ -46,6 +49,13 @@ impl CallOptions {
     /// Sets [`CallOptions::max_wait`].
     pub fn with_max_wait(mut self, d: std::time::Duration) -> Self {
         self.max_wait = Some(d);
+        self
+    }
+
+    /// Sets [`CallOptions::max_wait`] and the name errors give it.
+    pub fn with_max_wait_named(mut self, d: std::time::Duration, name: impl Into<String>) -> Self {
+        self.max_wait = Some(d);
+        self.max_wait_name = Some(name.into());
         self
     }
 
@@ -128,6 +138,17 @@ impl Leg for ChatLeg<'_> {
 
     fn estimate_prompt_tokens(&self) -> u64 {
         estimate_prompt_tokens(self.request)
+    }
+
+    fn max_output_tokens(&self) -> u64 {
+        let overlay = self.request.overlay.as_ref().and_then(|o| {
+            ["max_completion_tokens", "max_tokens"]
+                .iter()
+                .find_map(|k| o.get(*k).and_then(serde_json::Value::as_u64))
+        });
+        overlay
+            .or(self.request.max_tokens.map(u64::from))
+            .unwrap_or(0)
     }
 
     fn facts(&self, out: &TransportResult) -> SuccessFacts {
@@ -291,7 +312,7 @@ impl GatewayClient {
             .map_err(|(field, message)| GatewayError::InvalidRequest { field, message })?;
         let engine = &self.engine;
         let (call, span) = self.new_call_with_id(request.stream, options.logical_call_id);
-        call.set_max_wait(options.max_wait);
+        call.set_max_wait(options.max_wait, options.max_wait_name);
         if let Some(m) = request.max_tokens {
             span.record("gen_ai.request.max_tokens", m);
         }

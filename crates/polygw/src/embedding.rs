@@ -148,7 +148,7 @@ impl EmbeddingClient {
         let started = engine.ports.clock.now();
         let id = options.logical_call_id.unwrap_or_else(new_id);
         let call = Arc::new(CallShared::new(id, started, false));
-        call.set_max_wait(options.max_wait);
+        call.set_max_wait(options.max_wait, options.max_wait_name.clone());
         let span = tracing::info_span!(
             "polygw.embed",
             gen_ai.operation.name = "embeddings",

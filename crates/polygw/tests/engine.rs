@@ -393,12 +393,18 @@ mod basics {
     async fn dead_source_is_skipped_afterwards() {
         let h = harness(2, |s| s.sources[1].priority = 1).await;
         h.fake.push("s-0", Script::http(ms(5), 401));
+        h.fake.push("s-0", Script::http(ms(5), 401));
+        h.fake.set_default("s-0", Script::ok(ms(5), "s-0 again"));
         h.fake.set_default("s-1", Script::ok(ms(5), "ok"));
         let r = h.client.chat(ChatRequest::user("a")).await.unwrap();
         assert_eq!(r.source, "s-1");
+        // SPEC §17.4: one 401 is not enough (BREAKER__DEAD_AFTER = 2).
         let r = h.client.chat(ChatRequest::user("b")).await.unwrap();
+        assert_eq!(r.source, "s-1");
+        assert_eq!(h.fake.calls_to("s-0"), 2, "s-0 was tried again once");
+        let r = h.client.chat(ChatRequest::user("c")).await.unwrap();
         assert_eq!(r.source, "s-1", "s-0 is dead for BREAKER__DEAD_S");
-        assert_eq!(h.fake.calls_to("s-0"), 1);
+        assert_eq!(h.fake.calls_to("s-0"), 2);
     }
 
     #[tokio::test(start_paused = true)]

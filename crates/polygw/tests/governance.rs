@@ -185,7 +185,9 @@ async fn breakers(f: impl FnOnce(&mut ScopeSettings)) -> Breakers {
 /// close it.
 #[tokio::test(start_paused = true)]
 async fn a_success_admitted_before_a_trip_does_not_close_the_breaker() {
-    let h = breakers(|_| {}).await;
+    // Open longer than the slow success takes (the default 2 s would be half-open by
+    // then: the refused call would be the probe).
+    let h = breakers(|s| s.breaker.open = secs(30)).await;
     h.fake.push("s-0", Script::ok(secs(5), "slow success"));
     h.fake
         .push("s-0", Script::http(Duration::from_millis(10), 500));
@@ -218,7 +220,11 @@ async fn a_success_admitted_before_a_trip_does_not_close_the_breaker() {
 /// the key was revoked (401) does not bring it back.
 #[tokio::test(start_paused = true)]
 async fn a_success_in_flight_does_not_revive_a_dead_source() {
-    let h = breakers(|s| s.breaker.dead = secs(300)).await;
+    let h = breakers(|s| {
+        s.breaker.dead = secs(300);
+        s.breaker.dead_after = 1;
+    })
+    .await;
     h.fake.push("s-0", Script::ok(secs(5), "slow success"));
     h.fake
         .push("s-0", Script::http(Duration::from_millis(10), 401));

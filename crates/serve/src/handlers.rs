@@ -281,7 +281,7 @@ async fn chat_inner(
         Err(r) => return r,
     };
     let options = CallOptions::default()
-        .with_max_wait(st.cfg.max_wait)
+        .with_max_wait_named(st.cfg.max_wait, "--max-wait-s")
         .with_logical_call_id(id);
     if parsed.request.stream {
         return stream::respond(
@@ -361,7 +361,7 @@ async fn embeddings_inner(
         Err(r) => return r,
     };
     let options = CallOptions::default()
-        .with_max_wait(st.cfg.max_wait)
+        .with_max_wait_named(st.cfg.max_wait, "--max-wait-s")
         .with_logical_call_id(id);
     let r = tokio::select! {
         biased;

@@ -3,7 +3,7 @@
 //! sequences with core's pure state machine [`BreakerState`].
 //!
 //! Consecutive breaker-feeding failures open the breaker for `OPEN_S`; each failed
-//! half-open probe doubles it up to 10×; half-open admits exactly one probe (a lease the
+//! half-open probe doubles it up to `OPEN_MAX_S`; half-open admits exactly one probe (a lease the
 //! store renews while it is held) and its success closes the breaker; 429s set a cooldown
 //! (the longer one wins); dead sources are out for `DEAD_S` and nothing else revives them;
 //! outcomes count only in the epoch they were admitted under (SPEC §14.7). Manual-time harnesses are compared exactly; real-time
@@ -241,14 +241,15 @@ pub async fn failed_probe_doubles_open_time(h: &dyn BreakerHarness) {
     assert_eq!(st.consecutive_failures, s.failures + 2);
 }
 
-/// The re-open time stops doubling at 10× `OPEN_S`.
-pub async fn open_time_capped_at_ten_times(h: &dyn BreakerHarness) {
+/// The re-open time stops doubling at `OPEN_MAX_S`.
+pub async fn open_time_capped_at_open_max(h: &dyn BreakerHarness) {
     let b = h.store().await;
     let b = b.as_ref();
     // Settings travel with each record: a shorter OPEN_S keeps the real-time wait short
     // (every checked re-open is still ≥ 2× it).
     let s = BreakerSettings {
         open: h.settings().open / 5,
+        open_max: h.settings().open * 2,
         ..h.settings()
     };
     let sc = scope();
@@ -265,7 +266,7 @@ pub async fn open_time_capped_at_ten_times(h: &dyn BreakerHarness) {
         let got = admit(b, &sc, LEASE).await;
         assert_refused(h, got, RefusalReason::CircuitOpen, wait, h.now() - t);
     }
-    assert_eq!(wait, s.open * 10);
+    assert_eq!(wait, s.open_max);
     assert_eq!(state(b, &sc).await.reopens, 5);
 }
 
@@ -307,6 +308,34 @@ pub async fn probe_lease_expires_and_neutral_frees(h: &dyn BreakerHarness) {
     assert!(state(b, &sc).await.is_tripped(), "still half-open");
 }
 
+/// A cooldown from outside of any length is bounded alike in every store (SPEC §17.6):
+/// never wrapped into the past, never truncated, never forever.
+pub async fn a_huge_cooldown_is_bounded_alike(h: &dyn BreakerHarness) {
+    let b = h.store().await;
+    let b = b.as_ref();
+    let s = h.settings();
+    let sc = scope();
+    record(
+        b,
+        &sc,
+        BreakerOutcome::RateLimited {
+            cooldown_ms: u64::MAX,
+        },
+        false,
+        &s,
+    )
+    .await;
+    let t = h.now();
+    let got = admit(b, &sc, LEASE).await;
+    assert_refused(
+        h,
+        got,
+        RefusalReason::Cooldown,
+        polygw_core::classify::MAX_RETRY_HINT,
+        h.now() - t,
+    );
+}
+
 /// A 429 cools the source down for its Retry-After; a shorter later one does not shorten
 /// it; it does not feed the breaker.
 pub async fn cooldown_from_retry_after(h: &dyn BreakerHarness) {
@@ -346,12 +375,50 @@ pub async fn cooldown_from_retry_after(h: &dyn BreakerHarness) {
     assert_eq!(probe_of(admit(b, &sc, LEASE).await), ALLOWED);
 }
 
-/// A dead source (401/403/404) is out for `DEAD_S`, then back.
+/// A dead source (401/403/404 `DEAD_AFTER` times in a row) is out for `DEAD_S`, then
+/// back; fewer answers in a row, or a success or a 429 between them, do not take it out
+/// (SPEC §17.4).
 pub async fn dead_source_out_for_dead_s(h: &dyn BreakerHarness) {
     let b = h.store().await;
     let b = b.as_ref();
     let s = h.settings();
+    assert!(
+        s.dead_after >= 2,
+        "the harness keeps the default DEAD_AFTER"
+    );
     let sc = scope();
+    for _ in 1..s.dead_after {
+        record(b, &sc, BreakerOutcome::Dead, false, &s).await;
+    }
+    assert_eq!(
+        probe_of(admit(b, &sc, LEASE).await),
+        ALLOWED,
+        "not dead yet"
+    );
+    record(b, &sc, BreakerOutcome::Success, false, &s).await;
+    record(b, &sc, BreakerOutcome::Dead, false, &s).await;
+    assert_eq!(
+        probe_of(admit(b, &sc, LEASE).await),
+        ALLOWED,
+        "a success restarts the count"
+    );
+    record(
+        b,
+        &sc,
+        BreakerOutcome::RateLimited { cooldown_ms: 1 },
+        false,
+        &s,
+    )
+    .await;
+    h.advance(Duration::from_millis(2) + h.margin()).await;
+    for _ in 1..s.dead_after {
+        record(b, &sc, BreakerOutcome::Dead, false, &s).await;
+    }
+    assert_eq!(
+        probe_of(admit(b, &sc, LEASE).await),
+        ALLOWED,
+        "a 429 restarts it too"
+    );
     record(b, &sc, BreakerOutcome::Dead, false, &s).await;
     let t = h.now();
     let got = admit(b, &sc, LEASE).await;
@@ -488,7 +555,9 @@ pub async fn only_the_dead_period_revives_a_dead_source(h: &dyn BreakerHarness) 
     let s = h.settings();
     let sc = scope();
     let e = epoch_of(admit(b, &sc, LEASE).await);
-    record_in(b, &sc, BreakerOutcome::Dead, e, false, &s).await;
+    for _ in 0..s.dead_after {
+        record_in(b, &sc, BreakerOutcome::Dead, e, false, &s).await;
+    }
     let t = h.now();
     record_in(b, &sc, BreakerOutcome::Success, e, false, &s).await;
     let got = admit(b, &sc, LEASE).await;
@@ -584,11 +653,15 @@ pub fn settings_strategy(manual: bool) -> impl Strategy<Value = BreakerSettings>
     } else {
         ((60_000u64..120_000).boxed(), (300_000u64..600_000).boxed())
     };
-    (1u32..5, open, dead).prop_map(|(failures, open, dead)| BreakerSettings {
-        failures,
-        open: Duration::from_millis(open),
-        dead: Duration::from_millis(dead),
-    })
+    (1u32..5, open, 1u64..20, dead, 1u32..4).prop_map(
+        |(failures, open, max_factor, dead, dead_after)| BreakerSettings {
+            failures,
+            open: Duration::from_millis(open),
+            open_max: Duration::from_millis(open * max_factor),
+            dead: Duration::from_millis(dead),
+            dead_after,
+        },
+    )
 }
 
 /// Random breaker op sequences.

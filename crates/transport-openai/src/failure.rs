@@ -3,7 +3,7 @@
 
 use std::time::{Duration, SystemTime};
 
-use polygw_core::classify::{classify, Failure};
+use polygw_core::classify::{classify, Failure, MAX_RETRY_HINT};
 use polygw_core::secret::REDACTED;
 use polygw_core::AttemptError;
 use reqwest::header::HeaderMap;
@@ -22,13 +22,20 @@ pub fn parse_retry_after(value: &str, now: SystemTime) -> Option<Duration> {
     if let Ok(secs) = v.parse::<f64>() {
         // 0 and negative are no hint (SPEC §14.1): the backoff applies instead.
         if secs.is_finite() && secs > 0.0 {
-            return Duration::try_from_secs_f64(secs).ok();
+            // Bounded (SPEC §17.6): a hint of 2^64 s is a long cooldown, not an overflow.
+            return Some(
+                Duration::try_from_secs_f64(secs)
+                    .map_or(MAX_RETRY_HINT, polygw_core::classify::clamp_hint),
+            );
         }
         return None;
     }
     let at = httpdate::parse_http_date(v).ok()?;
     // A date in the past (or now) is no hint either.
-    at.duration_since(now).ok().filter(|d| !d.is_zero())
+    at.duration_since(now)
+        .ok()
+        .filter(|d| !d.is_zero())
+        .map(polygw_core::classify::clamp_hint)
 }
 
 /// Retry-After of a response: `retry-after-ms` (OpenAI's precise variant) when present
@@ -40,7 +47,10 @@ pub fn retry_after(headers: &HeaderMap) -> Option<Duration> {
         .and_then(|s| s.trim().parse::<f64>().ok())
         .filter(|ms| ms.is_finite() && *ms > 0.0)
     {
-        return Duration::try_from_secs_f64(ms / 1000.0).ok();
+        return Some(
+            Duration::try_from_secs_f64(ms / 1000.0)
+                .map_or(MAX_RETRY_HINT, polygw_core::classify::clamp_hint),
+        );
     }
     let raw = headers.get(reqwest::header::RETRY_AFTER)?.to_str().ok()?;
     // An HTTP-date is relative to the wall clock of this host by definition; no

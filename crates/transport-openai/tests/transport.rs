@@ -468,7 +468,7 @@ mod classification {
     async fn http_status_rows() {
         let table: &[(u16, C, L)] = &[
             (408, C::Transient, L::Timeout),
-            (409, C::Transient, L::ServerError),
+            (409, C::Rejected, L::Rejected),
             (500, C::Transient, L::ServerError),
             (502, C::Transient, L::ServerError),
             (503, C::Transient, L::ServerError),

@@ -56,7 +56,7 @@ pub const SOURCE_FIELDS: [&str; 19] = [
 ];
 
 /// Scope keys: (group or "" for two-segment keys, field).
-pub const SCOPE_KEYS: [(&str, &str); 28] = [
+pub const SCOPE_KEYS: [(&str, &str); 30] = [
     ("", "CALL_DEADLINE_S"),
     ("", "MODEL_ALIASES"),
     ("", "KIND"),
@@ -71,7 +71,9 @@ pub const SCOPE_KEYS: [(&str, &str); 28] = [
     ("LIMITS", "LEASE_S"),
     ("BREAKER", "FAILURES"),
     ("BREAKER", "OPEN_S"),
+    ("BREAKER", "OPEN_MAX_S"),
     ("BREAKER", "DEAD_S"),
+    ("BREAKER", "DEAD_AFTER"),
     ("HEDGE", "AFTER_S"),
     ("HEDGE", "STALL_AFTER_S"),
     ("HEDGE", "MAX_EXTRA"),
@@ -457,7 +459,11 @@ fn apply_scope_keys(
                 .and_then(|x| guards::int_in(k, x, &guards::BREAKER_FAILURES_RANGE))
                 .map(|x| s.breaker.failures = x)),
             ("BREAKER", "OPEN_S") => run(parse_secs(k, v).map(|x| s.breaker.open = x)),
+            ("BREAKER", "OPEN_MAX_S") => run(parse_secs(k, v).map(|x| s.breaker.open_max = x)),
             ("BREAKER", "DEAD_S") => run(parse_secs(k, v).map(|x| s.breaker.dead = x)),
+            ("BREAKER", "DEAD_AFTER") => run(parse_int::<u32>(k, v)
+                .and_then(|x| guards::int_in(k, x, &guards::BREAKER_FAILURES_RANGE))
+                .map(|x| s.breaker.dead_after = x)),
             ("HEDGE", "AFTER_S") => run(parse_secs(k, v).map(|x| s.hedge.after = Some(x))),
             ("HEDGE", "STALL_AFTER_S") => {
                 run(parse_secs(k, v).map(|x| s.hedge.stall_after = Some(x)))

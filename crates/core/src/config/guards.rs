@@ -334,7 +334,16 @@ pub fn check(s: &ScopeSettings, kind: ScopeKind) -> Result<Vec<ConfigWarning>, C
         .map(|_| ()),
     );
     push(duration(&scope_key(scope, "BREAKER__OPEN_S"), b.open).map(|_| ()));
+    push(duration(&scope_key(scope, "BREAKER__OPEN_MAX_S"), b.open_max).map(|_| ()));
     push(duration(&scope_key(scope, "BREAKER__DEAD_S"), b.dead).map(|_| ()));
+    push(
+        int_in(
+            &scope_key(scope, "BREAKER__DEAD_AFTER"),
+            b.dead_after,
+            &BREAKER_FAILURES_RANGE,
+        )
+        .map(|_| ()),
+    );
     let stall_ms = s.stream.stall_threshold.as_millis() as u64;
     push(
         int_in(

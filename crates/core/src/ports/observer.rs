@@ -206,9 +206,19 @@ impl StreamDelta {
 
     /// Replaces the chunk's text: content, no reasoning, these tool-call fragments.
     /// The raw frame's choice-0 delta is rewritten to match (content as a string).
+    ///
+    /// The new content is the end of the chunk's own (a replay cut to what the caller
+    /// does not have yet): choice 0's `logprobs.content` keeps only the tokens that lie
+    /// wholly in it, so no token reaches the caller twice; when the tokens do not spell
+    /// the chunk's content (nothing to align them with), they are dropped (`null`).
     pub fn set_text(&mut self, content: Option<String>, tool_calls: Vec<ToolCallDelta>) {
         self.reasoning = None;
         self.materialize_raw();
+        let old = self.content.clone().unwrap_or_default();
+        let new_len = content.as_ref().map_or(0, String::len);
+        if let Some(c) = self.raw.as_mut().and_then(choice0_mut) {
+            trim_logprobs(c, &old, old.len().saturating_sub(new_len));
+        }
         if let Some(d) = self.raw_delta_mut() {
             d.remove("reasoning_content");
             d.remove("reasoning");
@@ -282,6 +292,38 @@ pub struct ToolCallDelta {
     pub name: Option<String>,
     /// An arguments fragment.
     pub arguments: String,
+}
+
+/// Keeps the `logprobs.content` tokens of a choice that start at or after byte `cut`
+/// of `text` (the tokens must spell `text`; else they are set to `null`).
+fn trim_logprobs(choice: &mut Map<String, Value>, text: &str, cut: usize) {
+    let Some(lp) = choice.get_mut("logprobs").and_then(Value::as_object_mut) else {
+        return;
+    };
+    let Some(tokens) = lp.get("content").and_then(Value::as_array) else {
+        return;
+    };
+    let spelled: Option<String> = tokens
+        .iter()
+        .map(|t| t.get("token").and_then(Value::as_str))
+        .collect();
+    if spelled.as_deref() != Some(text) {
+        if cut > 0 {
+            lp.insert("content".into(), Value::Null);
+        }
+        return;
+    }
+    let mut at = 0usize;
+    let kept: Vec<Value> = tokens
+        .iter()
+        .filter(|t| {
+            let start = at;
+            at += t.get("token").and_then(Value::as_str).map_or(0, str::len);
+            start >= cut
+        })
+        .cloned()
+        .collect();
+    lp.insert("content".into(), Value::Array(kept));
 }
 
 impl ToolCallDelta {
@@ -370,10 +412,47 @@ mod tests {
             raw["choices"][0]["delta"],
             json!({"content":"lo","tool_calls":[{"index":0,"id":"c1","type":"function","function":{"name":"f","arguments":"{"}}]})
         );
-        assert_eq!(raw["choices"][0]["logprobs"], json!({"content":[]}));
+        // The replay's tokens the caller already has are not sent again.
+        assert_eq!(raw["choices"][0]["logprobs"], json!({"content":null}));
         assert_eq!(raw["id"], "x");
         assert_eq!(d.content.as_deref(), Some("lo"));
         assert!(d.role.is_none());
+    }
+
+    /// Issue 22, item 3: a replay chunk cut to its new text keeps only the logprob
+    /// tokens of that text (a token across the cut was delivered in part: dropped).
+    #[test]
+    fn a_cut_chunk_keeps_only_the_logprobs_of_its_new_text() {
+        let tok = |t: &str| json!({"token": t, "logprob": -0.1, "bytes": t.as_bytes(), "top_logprobs": []});
+        let frame = json!({"id":"x","choices":[{"index":0,"delta":{"content":"Hello world"},
+            "logprobs":{"content":[tok("Hel"), tok("lo"), tok(" wor"), tok("ld")]}}]});
+        let of = |f: &Value| StreamDelta {
+            content: Some("Hello world".into()),
+            ..delta(f.clone())
+        };
+        let mut d = of(&frame);
+        d.set_text(Some("world".into()), vec![]);
+        let raw = Value::Object(d.raw.clone().unwrap());
+        assert_eq!(raw["choices"][0]["logprobs"]["content"], json!([tok("ld")]));
+        assert_eq!(raw["choices"][0]["delta"]["content"], "world");
+        let mut d = of(&frame);
+        d.set_text(Some(" world".into()), vec![]);
+        let raw = Value::Object(d.raw.clone().unwrap());
+        assert_eq!(
+            raw["choices"][0]["logprobs"]["content"],
+            json!([tok(" wor"), tok("ld")])
+        );
+        // Nothing cut: every token stays.
+        let mut d = of(&frame);
+        d.set_text(Some("Hello world".into()), vec![]);
+        let raw = Value::Object(d.raw.clone().unwrap());
+        assert_eq!(
+            raw["choices"][0]["logprobs"]["content"]
+                .as_array()
+                .unwrap()
+                .len(),
+            4
+        );
     }
 
     #[test]

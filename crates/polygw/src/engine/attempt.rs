@@ -69,6 +69,11 @@ pub(crate) trait Leg: Send + Sync {
     fn estimate_prompt_tokens(&self) -> u64 {
         0
     }
+    /// The most tokens the request asks to generate (`max_tokens` /
+    /// `max_completion_tokens`; 0 when not set), for context-window routing.
+    fn max_output_tokens(&self) -> u64 {
+        0
+    }
 }
 
 /// Shared by a leg's future (its guard and observer) and its round: the label the
@@ -345,7 +350,7 @@ impl AttemptGuard {
         let extra = (error.class == polygw_core::ErrorClass::Transient
             && error.retry_after.is_some())
         .then_some(BreakerOutcome::RateLimited {
-            cooldown_ms: cooldown.as_millis() as u64,
+            cooldown_ms: polygw_core::classify::millis(polygw_core::classify::clamp_hint(cooldown)),
         });
         self.decided = Some(Decided {
             tokens,

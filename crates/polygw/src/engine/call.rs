@@ -30,6 +30,10 @@ pub(crate) struct Progress {
     pub failed: BTreeSet<String>,
     /// Sources an attempt of this call was sent to.
     pub tried: BTreeSet<String>,
+    /// Sources this call never sends its request to again (one redirected, or answered
+    /// over the size cap: SPEC §17.4), or never sends it to at all (a context window
+    /// known to be too small: §17.9).
+    pub excluded: BTreeSet<String>,
     /// The earliest known moment a refusal passes (for 503 Retry-After).
     pub retry_after: Option<Duration>,
 }
@@ -42,7 +46,7 @@ pub(crate) struct CallShared {
     pub stream: bool,
     deadline_hit: AtomicBool,
     budget_counted: AtomicBool,
-    max_wait: Mutex<Option<Duration>>,
+    max_wait: Mutex<Option<(Duration, Option<String>)>>,
     progress: Mutex<Progress>,
 }
 
@@ -71,16 +75,34 @@ impl CallShared {
         self.deadline_hit.load(Ordering::SeqCst)
     }
 
-    /// Sets the call's own bound on waiting without progress ([`crate::CallOptions`]).
-    pub(crate) fn set_max_wait(&self, d: Option<Duration>) {
-        *self.max_wait.lock().unwrap_or_else(|e| e.into_inner()) = d;
+    /// Sets the call's own bound on waiting without progress ([`crate::CallOptions`]),
+    /// and the name errors give it.
+    pub(crate) fn set_max_wait(&self, d: Option<Duration>, name: Option<String>) {
+        *self.max_wait.lock().unwrap_or_else(|e| e.into_inner()) = d.map(|d| (d, name));
+    }
+
+    /// The name of the bound on this call's waits: the call's max wait when it is the
+    /// lower one, else `RETRY__STALL_WINDOW_S` (SPEC §17.2: messages name the bound).
+    pub(crate) fn wait_bound_name(&self, scope: &RetrySettings) -> String {
+        match &*self.max_wait.lock().unwrap_or_else(|e| e.into_inner()) {
+            Some((d, name)) if *d < scope.stall_window => format!(
+                "{} of {} s",
+                name.as_deref()
+                    .unwrap_or("the call's max wait (CallOptions::max_wait)"),
+                d.as_secs_f64()
+            ),
+            _ => format!(
+                "RETRY__STALL_WINDOW_S of {} s",
+                scope.stall_window.as_secs_f64()
+            ),
+        }
     }
 
     /// The retry settings of this call: the scope's, with the stall window lowered to
     /// the call's `max_wait`.
     pub(crate) fn retry_settings(&self, scope: &RetrySettings) -> RetrySettings {
         let mut s = scope.clone();
-        if let Some(w) = *self.max_wait.lock().unwrap_or_else(|e| e.into_inner()) {
+        if let Some((w, _)) = *self.max_wait.lock().unwrap_or_else(|e| e.into_inner()) {
             s.stall_window = s.stall_window.min(w);
         }
         s
@@ -124,6 +146,9 @@ impl CallShared {
         p.reasons
             .insert(source.to_string(), SourceReason::Failed(error.label));
         p.failed.insert(source.to_string());
+        if error.excludes_source {
+            p.excluded.insert(source.to_string());
+        }
         p.last_error = Some(error.clone());
         if let Some(ra) = error.retry_after {
             p.retry_after = Some(p.retry_after.map_or(ra, |x| x.min(ra)));
@@ -132,6 +157,16 @@ impl CallShared {
 
     pub(crate) fn failed_sources(&self) -> BTreeSet<String> {
         self.progress().failed.clone()
+    }
+
+    /// Sources the call must not pick (see [`Progress::excluded`]).
+    pub(crate) fn excluded_sources(&self) -> BTreeSet<String> {
+        self.progress().excluded.clone()
+    }
+
+    /// Keeps these sources out of the call.
+    pub(crate) fn exclude(&self, sources: impl IntoIterator<Item = String>) {
+        self.progress().excluded.extend(sources);
     }
 
     pub(crate) fn note_tried(&self, source: &str) {

@@ -9,7 +9,9 @@
 use std::collections::BTreeSet;
 use std::sync::Arc;
 
-use polygw_core::admission::{jittered, larger_context_candidates, on_no_runnable, NoRunnable};
+use polygw_core::admission::{
+    jittered, larger_context_candidates, on_no_runnable, too_small_for, NoRunnable,
+};
 use polygw_core::classify::is_context_length;
 use polygw_core::hedge::HedgePolicy;
 use polygw_core::resume::{ResumeBudget, ResumeMode, ResumeSetting};
@@ -48,13 +50,17 @@ impl Engine {
         stream: bool,
         prefs: &PickPrefs,
     ) -> Result<Picked, GatewayError> {
-        let none = BTreeSet::new();
         loop {
             // A slot freed meanwhile is not missed: `notify_one` keeps a permit for the
             // next waiter when none is waiting.
             let freed = self.freed.notified();
             let pick = self
-                .try_pick_with(&none, &call.failed_sources(), stream, prefs.clone())
+                .try_pick_with(
+                    &call.excluded_sources(),
+                    &call.failed_sources(),
+                    stream,
+                    prefs.clone(),
+                )
                 .await
                 .map_err(|e| {
                     call.terminal(TerminalReason::GovernanceBackend, Some(e.to_string()))
@@ -64,34 +70,54 @@ impl Engine {
                 retry.on_admitted(self.ports.clock.now());
                 return Ok(p);
             }
-            match on_no_runnable(&pick.refusals, self.scope.retry.on_no_runnable) {
+            if on_no_runnable(&pick.refusals, self.scope.retry.on_no_runnable) == NoRunnable::Fail {
+                return Err(call.terminal(TerminalReason::NoRunnableSource, None));
+            }
+            let now = self.ports.clock.now();
+            // The bound on waiting: what is left of the stall window (or the call's own
+            // max wait), or of the deadline when that is nearer; named in the error.
+            let bound = call.wait_bound_name(&self.scope.retry);
+            let (left, bound) = match (
+                retry.on_no_runnable(now),
+                self.scope
+                    .call_deadline
+                    .map(|d| (call.started + d).saturating_duration_since(now)),
+            ) {
+                (None, _) => {
+                    return Err(call.terminal(
+                        TerminalReason::Stalled,
+                        Some(format!("no source could be admitted within {bound}")),
+                    ))
+                }
+                (Some(w), Some(d)) if d < w => (d, "CALL_DEADLINE_S".to_string()),
+                (Some(w), _) => (w, bound),
+            };
+            match NoRunnable::within(&pick.refusals, self.scope.retry.on_no_runnable, left) {
                 NoRunnable::Fail => {
                     return Err(call.terminal(TerminalReason::NoRunnableSource, None));
                 }
+                NoRunnable::Beyond(hint) => {
+                    // SPEC §17.2: known at once; the caller is not held for nothing.
+                    return Err(call.terminal(
+                        TerminalReason::Stalled,
+                        Some(format!(
+                            "no source can take the call within {bound} ({:.1} s left): the \
+                             earliest admission is in {:.1} s",
+                            left.as_secs_f64(),
+                            hint.as_secs_f64()
+                        )),
+                    ));
+                }
                 NoRunnable::Wait(hint) => {
-                    let now = self.ports.clock.now();
-                    match retry.on_no_runnable(now) {
-                        None => {
-                            return Err(call.terminal(
-                                TerminalReason::Stalled,
-                                Some(
-                                    "no source could be admitted within RETRY__STALL_WINDOW_S"
-                                        .into(),
-                                ),
-                            ))
-                        }
-                        Some(left) => {
-                            let wait = jittered(hint, self.ports.rng.as_ref()).min(left);
-                            tracing::debug!(
-                                wait_ms = wait.as_millis() as u64,
-                                "no runnable source; waiting"
-                            );
-                            // Until the hint, or until an attempt of ours frees a slot.
-                            tokio::select! {
-                                _ = tokio::time::sleep(wait) => {}
-                                _ = freed => {}
-                            }
-                        }
+                    let wait = jittered(hint, self.ports.rng.as_ref()).min(left);
+                    tracing::debug!(
+                        wait_ms = wait.as_millis() as u64,
+                        "no runnable source; waiting"
+                    );
+                    // Until the hint, or until an attempt of ours frees a slot.
+                    tokio::select! {
+                        _ = tokio::time::sleep(wait) => {}
+                        _ = freed => {}
                     }
                 }
             }
@@ -164,9 +190,28 @@ impl Engine {
         // RETRY__PREFER=same: the source the next round tries first, once each.
         let mut prefer_same: Option<usize> = None;
         let mut retried_same: BTreeSet<usize> = BTreeSet::new();
-        // A context-length rejection routed to larger windows (once per call).
-        let mut restrict: Option<BTreeSet<usize>> = None;
-        let mut context_routed = false;
+        // A context-length rejection routed to larger windows (SPEC §17.9): the next
+        // round's candidates, the smallest larger window first.
+        let mut restrict: Option<(BTreeSet<usize>, usize)> = None;
+        if self.kind == ScopeKind::Chat {
+            // Sources whose known window cannot hold the request are never sent it.
+            let need = leg
+                .estimate_prompt_tokens()
+                .saturating_add(leg.max_output_tokens());
+            let small = too_small_for(&self.scope.sources, need);
+            if !small.is_empty() {
+                tracing::debug!(
+                    need,
+                    skipped = small.len(),
+                    "sources with too small a CONTEXT_WINDOW skipped"
+                );
+                call.exclude(
+                    small
+                        .into_iter()
+                        .map(|i| self.scope.sources[i].name.clone()),
+                );
+            }
+        }
         loop {
             let mut prefs = match &cont {
                 Some(c) => PickPrefs {
@@ -178,7 +223,10 @@ impl Engine {
                 None => PickPrefs::default(),
             };
             prefs.first = prefer_same.take();
-            prefs.allowed = restrict.take();
+            if let Some((allowed, first)) = restrict.take() {
+                prefs.allowed = Some(allowed);
+                prefs.first = prefs.first.or(Some(first));
+            }
             if prefs.require_prefill
                 && !(0..self.scope.sources.len()).any(|i| self.prefill_capable(i))
             {
@@ -307,17 +355,22 @@ impl Engine {
                     call.progress().last_error = Some(error.clone());
                     // SPEC §14.9: a context-length rejection goes once to a source with
                     // a larger window (or another model) not yet tried.
-                    if let (Some(src), false, None) = (source, context_routed, &resume) {
+                    if let (Some(src), None) = (source, &resume) {
                         if is_context_length(&error) {
                             let tried = call.tried_sources(&self.scope.sources);
-                            let to = larger_context_candidates(&self.scope.sources, src, &tried);
-                            if !to.is_empty() {
+                            let excluded = call.excluded_sources();
+                            let to: Vec<usize> =
+                                larger_context_candidates(&self.scope.sources, src, &tried)
+                                    .into_iter()
+                                    .filter(|&i| !excluded.contains(&self.scope.sources[i].name))
+                                    .collect();
+                            if let Some(&first) = to.first() {
                                 tracing::info!(
                                     rejected_by = %self.scope.sources[src].name,
+                                    next = %self.scope.sources[first].name,
                                     "context length exceeded: trying a source with a larger window"
                                 );
-                                context_routed = true;
-                                restrict = Some(to);
+                                restrict = Some((to.into_iter().collect(), first));
                                 continue;
                             }
                         }

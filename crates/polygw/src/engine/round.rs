@@ -625,11 +625,12 @@ impl<'a, L: Leg> Exec<'a, L> {
                 }
             }
         }
-        let exclude: BTreeSet<String> = req
+        let mut exclude: BTreeSet<String> = req
             .exclude
             .iter()
             .map(|&i| engine.scope.sources[i].name.clone())
             .collect();
+        exclude.extend(self.call.excluded_sources());
         let failed = self.call.failed_sources();
         let prefs = PickPrefs {
             only: req.only,
