@@ -106,6 +106,30 @@ pub struct TelemetryRow {
     /// A resume leg: characters of content the caller had when it started.
     #[serde(default)]
     pub prefix_chars: Option<u64>,
+    /// The API route the call came by (`chat`, `responses`, `messages`, `embeddings`;
+    /// `None` for library calls: SPEC §18.4).
+    #[serde(default)]
+    pub api: Option<String>,
+    /// Prompt tokens read from the provider's prompt cache (SPEC §20.1).
+    #[serde(default)]
+    pub cached_prompt_tokens: Option<u64>,
+    /// Prompt tokens written to the provider's prompt cache.
+    #[serde(default)]
+    pub cache_write_tokens: Option<u64>,
+    /// A row whose usage is unavailable: the gateway's estimate of the prompt it sent
+    /// (SPEC §20.4).
+    #[serde(default)]
+    pub est_prompt_tokens: Option<u64>,
+    /// A row whose usage is unavailable: an estimate of the text and reasoning it
+    /// received before the end (SPEC §20.4).
+    #[serde(default)]
+    pub est_received_tokens: Option<u64>,
+    /// The client key the call came with (`polygw serve` client keys: SPEC §21.1).
+    #[serde(default)]
+    pub client_key_id: Option<String>,
+    /// The call's decision trace, compact JSON, on its last row (SPEC §19.4).
+    #[serde(default)]
+    pub trace: Option<String>,
 }
 
 impl TelemetryRow {
@@ -148,6 +172,13 @@ impl TelemetryRow {
             created_at_ms,
             resume_of: None,
             resume_mode: None,
+            api: None,
+            cached_prompt_tokens: None,
+            cache_write_tokens: None,
+            est_prompt_tokens: None,
+            est_received_tokens: None,
+            client_key_id: None,
+            trace: None,
             prefix_chars: None,
         }
     }
@@ -159,6 +190,8 @@ impl TelemetryRow {
             self.prompt_tokens = Some(usage.prompt_tokens);
             self.completion_tokens = Some(usage.completion_tokens);
             self.reasoning_tokens = usage.reasoning_tokens;
+            self.cached_prompt_tokens = usage.cached_prompt_tokens;
+            self.cache_write_tokens = usage.cache_write_tokens;
         }
         self
     }

@@ -1,6 +1,8 @@
 //! polygw's in-process governance (SPEC §4.2, §4.4, §10, §14): a [`MemoryLimiter`]
 //! (`RateLimiter`), a [`MemoryBreakerStore`] (`BreakerStore`) and a [`MemoryCache`]
-//! (`ResponseCache`), for one process.
+//! (`ResponseCache`), for one process; and a [`MemoryResponseStore`] (`ResponseStore`,
+//! SPEC §18.1), the bounded store of OpenAI Responses for a scope without a telemetry
+//! database ([`shared_responses`]: one per scope and process).
 //!
 //! The limiter runs core's reference model [`polygw_core::window::WindowLimiter`] under a
 //! mutex and the breaker store runs [`polygw_core::breaker::BreakerState`] as is, so their
@@ -25,10 +27,15 @@
 mod breaker;
 mod cache;
 mod limiter;
+mod responses;
 
 pub use breaker::MemoryBreakerStore;
 pub use cache::MemoryCache;
 pub use limiter::MemoryLimiter;
+pub use responses::{
+    shared_responses, shared_responses_with, MemoryResponseStore, ResponseStoreLimits,
+    ENTRY_OVERHEAD,
+};
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};

@@ -1,6 +1,6 @@
-//! The memory backend against the testkit contract suites (limiter and breaker, with a
-//! manual clock so window and breaker tests need no real waiting), plus the response
-//! cache and memory-specific behaviour.
+//! The memory backend against the testkit contract suites (limiter and breaker with a
+//! manual clock so window and breaker tests need no real waiting; the response store),
+//! plus the response cache, the response store's bounds and memory-specific behaviour.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -493,5 +493,193 @@ mod cache {
             c.put("k", &resp("a"), Duration::MAX).await.is_err(),
             "an unrepresentable TTL is a cache error, never a panic"
         );
+    }
+}
+
+mod store_contract {
+    use std::sync::Arc;
+
+    use async_trait::async_trait;
+    use polygw_core::ports::ResponseStore;
+    use polygw_limiter_memory::MemoryResponseStore;
+    use polygw_testkit::store_contract::{self as sc, StoreHarness};
+
+    /// One store of default bounds per case, reached through two handles.
+    struct Mem(Arc<MemoryResponseStore>);
+
+    #[async_trait]
+    impl StoreHarness for Mem {
+        async fn store(&self) -> Arc<dyn ResponseStore> {
+            self.0.clone()
+        }
+    }
+
+    macro_rules! cases {
+        ($($name:ident),* $(,)?) => {$(
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn $name() {
+                sc::$name(&Mem(Arc::new(MemoryResponseStore::default()))).await;
+            }
+        )*};
+    }
+
+    cases!(
+        put_get_round_trip,
+        another_scopes_id_is_invisible,
+        expired_entries_are_never_returned,
+        delete_returns_true_then_false,
+        put_replaces,
+        large_values_round_trip,
+        many_entries,
+        concurrent_clients,
+    );
+
+    #[test]
+    fn every_case_runs_here() {
+        let here = include_str!("governance.rs");
+        for case in sc::CASES {
+            assert!(here.contains(&format!("        {case},\n")), "{case}");
+        }
+    }
+}
+
+mod response_store {
+    use std::sync::Arc;
+
+    use polygw_core::ports::ResponseStore;
+    use polygw_limiter_memory::{
+        shared_responses, shared_responses_with, MemoryResponseStore, ResponseStoreLimits,
+    };
+    use polygw_testkit::store_contract::{entry, DAY_MS, T0};
+    use serde_json::json;
+
+    fn store(max_entries: usize, max_bytes: usize) -> MemoryResponseStore {
+        MemoryResponseStore::new(ResponseStoreLimits {
+            max_entries,
+            max_bytes,
+        })
+    }
+
+    #[test]
+    fn defaults_are_documented() {
+        let l = ResponseStoreLimits::default();
+        assert_eq!((l.max_entries, l.max_bytes), (10_000, 64 << 20));
+        assert_eq!(MemoryResponseStore::default().limits(), l);
+    }
+
+    #[tokio::test]
+    async fn the_oldest_entries_leave_first_when_the_count_is_reached() {
+        let s = store(3, usize::MAX);
+        for i in 0..3 {
+            s.put(entry("S", &format!("r{i}"), "x")).await.unwrap();
+        }
+        // Replacing r0 makes it the newest: r1 is now the oldest.
+        s.put(entry("S", "r0", "again")).await.unwrap();
+        s.put(entry("S", "r3", "x")).await.unwrap();
+        assert_eq!(s.len(), 3);
+        assert!(s.get("S", "r1", T0).await.unwrap().is_none());
+        for id in ["r0", "r2", "r3"] {
+            assert!(s.get("S", id, T0).await.unwrap().is_some(), "{id}");
+        }
+    }
+
+    #[tokio::test]
+    async fn bytes_are_bounded_and_accounted_exactly() {
+        let one = {
+            let s = MemoryResponseStore::default();
+            s.put(entry("S", "r0", "x")).await.unwrap();
+            s.bytes()
+        };
+        let s = store(1000, one * 3 + one / 2);
+        for i in 0..10 {
+            s.put(entry("S", &format!("r{i}"), "x")).await.unwrap();
+            assert!(s.bytes() <= one * 3 + one / 2);
+        }
+        assert_eq!(s.len(), 3);
+        assert_eq!(s.bytes(), 3 * one);
+        for i in 7..10 {
+            assert!(s.get("S", &format!("r{i}"), T0).await.unwrap().is_some());
+        }
+        // Deleting and replacing keep the count exact.
+        assert!(s.delete("S", "r9").await.unwrap());
+        assert_eq!(s.bytes(), 2 * one);
+        s.put(entry("S", "r8", "x")).await.unwrap();
+        assert_eq!((s.len(), s.bytes()), (2, 2 * one));
+        s.delete("S", "r8").await.unwrap();
+        s.delete("S", "r7").await.unwrap();
+        assert_eq!((s.len(), s.bytes()), (0, 0));
+    }
+
+    #[tokio::test]
+    async fn an_entry_larger_than_the_bound_is_refused_and_evicts_nothing() {
+        let s = store(10, 4096);
+        s.put(entry("S", "small", "x")).await.unwrap();
+        let mut big = entry("S", "big", "x");
+        big.response = json!({"text": "y".repeat(5000)});
+        let e = s.put(big).await.unwrap_err().0;
+        assert!(e.contains("does not fit"), "{e}");
+        assert!(s.get("S", "small", T0).await.unwrap().is_some());
+        assert!(s.get("S", "big", T0).await.unwrap().is_none());
+        let none = store(0, usize::MAX);
+        assert!(none.put(entry("S", "r", "x")).await.is_err());
+        assert!(none.is_empty());
+    }
+
+    #[tokio::test]
+    async fn expired_entries_are_purged_lazily_and_go_before_live_ones() {
+        let s = store(3, usize::MAX);
+        for i in 0..3 {
+            let mut r = entry("S", &format!("short{i}"), "x");
+            r.expires_at_ms = T0 + 100 + i;
+            s.put(r).await.unwrap();
+        }
+        assert_eq!(s.len(), 3);
+        // A get at a later time purges what expired by then.
+        assert!(s.get("S", "other", T0 + 101).await.unwrap().is_none());
+        assert_eq!(s.len(), 1);
+        // A put purges at its created_at: the expired entry goes, no live one is evicted.
+        let mut live = entry("S", "live0", "x");
+        live.created_at_ms = T0 + 1_000;
+        s.put(live).await.unwrap();
+        assert_eq!(s.len(), 1);
+        s.put(entry("S", "live1", "x")).await.unwrap();
+        s.put(entry("S", "live2", "x")).await.unwrap();
+        s.put(entry("S", "live3", "x")).await.unwrap();
+        assert_eq!(s.len(), 3);
+        assert!(s.get("S", "live0", T0 + 2_000).await.unwrap().is_none());
+        assert!(s
+            .get("S", "live3", T0 + DAY_MS - 1)
+            .await
+            .unwrap()
+            .is_some());
+        assert!(s.get("S", "live3", T0 + DAY_MS).await.unwrap().is_none());
+        assert!(s.is_empty());
+        assert_eq!(s.bytes(), 0);
+    }
+
+    #[tokio::test]
+    async fn one_shared_store_per_scope_while_it_lives() {
+        let a = shared_responses("RS_SHARED_A");
+        let b = shared_responses("RS_SHARED_A");
+        let c = shared_responses("RS_SHARED_B");
+        assert!(Arc::ptr_eq(&a, &b));
+        assert!(!Arc::ptr_eq(&a, &c));
+        a.put(entry("RS_SHARED_A", "r", "x")).await.unwrap();
+        assert!(b.get("RS_SHARED_A", "r", T0).await.unwrap().is_some());
+        // The first creation's bounds hold; once every handle is gone, a new store.
+        let small = ResponseStoreLimits {
+            max_entries: 1,
+            max_bytes: 1 << 20,
+        };
+        assert_eq!(
+            shared_responses_with("RS_SHARED_A", small).limits(),
+            a.limits()
+        );
+        drop((a, b));
+        let d = shared_responses_with("RS_SHARED_A", small);
+        assert_eq!(d.limits(), small);
+        assert!(d.is_empty());
+        // Usable as the port.
+        let _port: Arc<dyn ResponseStore> = d;
     }
 }

@@ -17,8 +17,6 @@ use sqlx::sqlite::{
 #[cfg(feature = "postgres")]
 use sqlx::Postgres;
 #[cfg(feature = "sqlite")]
-use sqlx::QueryBuilder;
-#[cfg(feature = "sqlite")]
 use sqlx::Sqlite;
 use sqlx::{ConnectOptions, Connection, Row};
 
@@ -30,42 +28,127 @@ use crate::time::format_utc_ms;
 #[cfg(feature = "sqlite")]
 use crate::time::parse_utc_ms;
 
-/// The columns of `llm_calls`, in table order (SPEC §8).
-pub const COLUMNS: [&str; 30] = [
-    "call_id",
-    "logical_call_id",
-    "scope",
-    "operation",
-    "kind",
-    "source",
-    "provider",
-    "model",
-    "attempt_index",
-    "is_hedge",
-    "stream",
-    "ok",
-    "error",
-    "error_detail",
-    "http_status",
-    "prompt_tokens",
-    "completion_tokens",
-    "reasoning_tokens",
-    "usage_source",
-    "cost",
-    "latency_ms",
-    "ttft_ms",
-    "max_inter_token_ms",
-    "stall_ms",
-    "stall_count",
-    "cache_hit",
-    "created_at",
-    "resume_of",
-    "resume_mode",
-    "prefix_chars",
+/// How the writers read one column from a row; the variant is also its SQL type.
+#[derive(Clone, Copy)]
+enum Get {
+    /// TEXT (the NOT NULL ones are always `Some`).
+    Text(for<'a> fn(&'a TelemetryRow) -> Option<&'a str>),
+    /// INTEGER / BIGINT.
+    Int(fn(&TelemetryRow) -> Option<i64>),
+    /// INTEGER 0/1 / BOOLEAN.
+    Bool(fn(&TelemetryRow) -> bool),
+    /// REAL / DOUBLE PRECISION.
+    Real(fn(&TelemetryRow) -> Option<f64>),
+    /// `created_at`: ISO-8601 UTC text / TIMESTAMPTZ (written as the same text).
+    Time(fn(&TelemetryRow) -> i64),
+}
+
+/// One column of `llm_calls`: its name and how a row gives its value.
+#[derive(Clone, Copy)]
+struct Column {
+    name: &'static str,
+    get: Get,
+}
+
+const fn col(name: &'static str, get: Get) -> Column {
+    Column { name, get }
+}
+
+/// The one list both writers bind from (SQLite row by row, PostgreSQL column by column),
+/// the reader's types for missing columns and the PostgreSQL array types come from: a
+/// column added here is written, typed and read alike by both backends.
+const TABLE: [Column; 37] = [
+    col("call_id", Get::Text(|r| Some(&r.call_id))),
+    col("logical_call_id", Get::Text(|r| Some(&r.logical_call_id))),
+    col("scope", Get::Text(|r| Some(&r.scope))),
+    col("operation", Get::Text(|r| Some(&r.operation))),
+    col("kind", Get::Text(|r| Some(r.kind.as_str()))),
+    col("source", Get::Text(|r| r.source.as_deref())),
+    col("provider", Get::Text(|r| r.provider.as_deref())),
+    col("model", Get::Text(|r| r.model.as_deref())),
+    col(
+        "attempt_index",
+        Get::Int(|r| r.attempt_index.map(i64::from)),
+    ),
+    col("is_hedge", Get::Bool(|r| r.is_hedge)),
+    col("stream", Get::Bool(|r| r.stream)),
+    col("ok", Get::Bool(|r| r.ok)),
+    col("error", Get::Text(|r| r.error.as_deref())),
+    col("error_detail", Get::Text(|r| r.error_detail.as_deref())),
+    col("http_status", Get::Int(|r| r.http_status.map(i64::from))),
+    col("prompt_tokens", Get::Int(|r| big(r.prompt_tokens))),
+    col("completion_tokens", Get::Int(|r| big(r.completion_tokens))),
+    col("reasoning_tokens", Get::Int(|r| big(r.reasoning_tokens))),
+    col("usage_source", Get::Text(|r| Some(r.usage_source.as_str()))),
+    col("cost", Get::Real(|r| r.cost)),
+    col("latency_ms", Get::Int(|r| big(r.latency_ms))),
+    col("ttft_ms", Get::Int(|r| big(r.ttft_ms))),
+    col(
+        "max_inter_token_ms",
+        Get::Int(|r| big(r.max_inter_token_ms)),
+    ),
+    col("stall_ms", Get::Int(|r| big(r.stall_ms))),
+    col("stall_count", Get::Int(|r| r.stall_count.map(i64::from))),
+    col("cache_hit", Get::Bool(|r| r.cache_hit)),
+    col("created_at", Get::Time(|r| r.created_at_ms)),
+    // Migration 2.
+    col("resume_of", Get::Text(|r| r.resume_of.as_deref())),
+    col("resume_mode", Get::Text(|r| r.resume_mode.as_deref())),
+    col("prefix_chars", Get::Int(|r| big(r.prefix_chars))),
+    // Migration 3.
+    col("api", Get::Text(|r| r.api.as_deref())),
+    col(
+        "cached_prompt_tokens",
+        Get::Int(|r| big(r.cached_prompt_tokens)),
+    ),
+    col(
+        "cache_write_tokens",
+        Get::Int(|r| big(r.cache_write_tokens)),
+    ),
+    col("est_prompt_tokens", Get::Int(|r| big(r.est_prompt_tokens))),
+    col(
+        "est_received_tokens",
+        Get::Int(|r| big(r.est_received_tokens)),
+    ),
+    col("client_key_id", Get::Text(|r| r.client_key_id.as_deref())),
+    col("trace", Get::Text(|r| r.trace.as_deref())),
 ];
+
+/// The columns of `llm_calls`, in table order (SPEC §8; migrations 2 and 3 appended
+/// theirs).
+pub const COLUMNS: [&str; TABLE.len()] = {
+    let mut names = [""; TABLE.len()];
+    let mut i = 0;
+    while i < TABLE.len() {
+        names[i] = TABLE[i].name;
+        i += 1;
+    }
+    names
+};
 
 /// `application_name` of polygw's PostgreSQL connections (unless the URL sets one).
 pub const APPLICATION_NAME: &str = "polygw-telemetry";
+
+/// Connections of a PostgreSQL [`crate::SqlResponseStore`]'s own pool (at most; opened on
+/// first use). The recorder's writer keeps its one connection besides.
+pub const STORE_PG_CONNECTIONS: u32 = 2;
+
+/// A PostgreSQL store connection idle this long is closed.
+#[cfg(feature = "postgres")]
+const STORE_PG_IDLE: Duration = Duration::from_secs(60);
+
+/// The connect options of a PostgreSQL URL, connections named [`APPLICATION_NAME`]
+/// unless the URL names them.
+#[cfg(feature = "postgres")]
+fn pg_options(url: &str) -> Result<PgConnectOptions, TelemetryError> {
+    let mut o =
+        PgConnectOptions::from_str(url).map_err(|e| err("invalid PostgreSQL URL", &e, url))?;
+    // Name the connections in pg_stat_activity, unless the URL does.
+    if o.get_application_name().is_none() {
+        o = o.application_name(APPLICATION_NAME);
+    }
+    Ok(o)
+}
 
 /// SQLite's default bind-parameter limit (SQLITE_MAX_VARIABLE_NUMBER since 3.32).
 pub const SQLITE_MAX_BINDS: usize = 32_766;
@@ -167,7 +250,7 @@ pub(crate) fn describe(err: &dyn std::fmt::Display, url: &str) -> String {
     text
 }
 
-fn err(context: &str, e: &dyn std::fmt::Display, url: &str) -> TelemetryError {
+pub(crate) fn err(context: &str, e: &dyn std::fmt::Display, url: &str) -> TelemetryError {
     TelemetryError(format!(
         "{context} ({}): {}",
         redact_url(url),
@@ -225,12 +308,7 @@ impl Db {
             Backend::Sqlite => Err(missing_driver(url, Backend::Sqlite)),
             #[cfg(feature = "postgres")]
             Backend::Postgres => {
-                let mut o = PgConnectOptions::from_str(url)
-                    .map_err(|e| err("invalid PostgreSQL URL", &e, url))?;
-                // Name the connections in pg_stat_activity, unless the URL does.
-                if o.get_application_name().is_none() {
-                    o = o.application_name(APPLICATION_NAME);
-                }
+                let o = pg_options(url)?;
                 probe(&o, opts.timeout, url, "cannot connect to PostgreSQL").await?;
                 let pool = PgPoolOptions::new()
                     .max_connections(1)
@@ -242,6 +320,31 @@ impl Db {
             }
             #[cfg(not(feature = "postgres"))]
             Backend::Postgres => Err(missing_driver(url, Backend::Postgres)),
+        }
+    }
+
+    /// The connections of a [`crate::SqlResponseStore`] made from the recorder that
+    /// opened `self`. SQLite: the same pool (one connection: SQLite has one writer, and
+    /// an in-memory database exists only on its connection). PostgreSQL: a pool of its
+    /// own of up to [`STORE_PG_CONNECTIONS`], opened on first use and closed when idle,
+    /// so that a GET never queues behind the writer's batch insert.
+    pub(crate) fn for_store(&self, url: &str, timeout: Duration) -> Result<Db, TelemetryError> {
+        match self {
+            #[cfg(feature = "sqlite")]
+            Db::Sqlite(p) => {
+                let _ = (url, timeout);
+                Ok(Db::Sqlite(p.clone()))
+            }
+            #[cfg(feature = "postgres")]
+            Db::Postgres(_) => {
+                let pool = PgPoolOptions::new()
+                    .max_connections(STORE_PG_CONNECTIONS)
+                    .min_connections(0)
+                    .idle_timeout(STORE_PG_IDLE)
+                    .acquire_timeout(timeout)
+                    .connect_lazy_with(pg_options(url)?);
+                Ok(Db::Postgres(pool))
+            }
         }
     }
 
@@ -351,19 +454,18 @@ impl Db {
             return Ok(());
         }
         match self {
+            // One transaction of multi-row INSERTs whose row counts are powers of two
+            // (a batch of 255 rows is 128 + 64 + … + 1): sqlx keeps every statement it
+            // prepared in a per-connection cache, one per distinct SQL text, so a text per
+            // batch size would hold up to 100 large prepared statements (+55 MiB over
+            // batches of every size, benches/statement_cache.rs); powers of two bound
+            // them to 10 texts, +2.6 MiB, and full batches stay one cached statement
+            // (docs/TELEMETRY.md).
             #[cfg(feature = "sqlite")]
             Db::Sqlite(p) => {
-                let per = Backend::Sqlite.max_rows_per_statement();
                 let mut tx = p.begin().await?;
-                for chunk in rows.chunks(per) {
-                    let mut qb = insert_head::<Sqlite>();
-                    qb.push_values(chunk, |mut b, r| {
-                        push_common!(b, r);
-                        b.push_bind(format_utc_ms(r.created_at_ms));
-                        push_resume!(b, r);
-                    });
-                    qb.push(" ON CONFLICT (call_id) DO NOTHING");
-                    qb.build().execute(&mut *tx).await?;
+                for q in sqlite_statements(rows) {
+                    q.execute(&mut *tx).await?;
                 }
                 tx.commit().await
             }
@@ -477,49 +579,42 @@ impl Db {
 
 /// The SQL type a missing column is read as.
 fn null_type(backend: Backend, column: &str) -> &'static str {
-    match (backend, column) {
-        (_, "cost") => match backend {
-            Backend::Sqlite => "REAL",
-            Backend::Postgres => "DOUBLE PRECISION",
-        },
-        (
-            _,
-            "attempt_index" | "http_status" | "prompt_tokens" | "completion_tokens"
-            | "reasoning_tokens" | "latency_ms" | "ttft_ms" | "max_inter_token_ms" | "stall_ms"
-            | "stall_count" | "prefix_chars",
-        ) => match backend {
-            Backend::Sqlite => "INTEGER",
-            Backend::Postgres => "BIGINT",
-        },
-        (Backend::Postgres, "is_hedge" | "stream" | "ok" | "cache_hit") => "BOOLEAN",
-        (Backend::Sqlite, "is_hedge" | "stream" | "ok" | "cache_hit") => "INTEGER",
+    let get = TABLE.iter().find(|c| c.name == column).map(|c| c.get);
+    match (backend, get) {
+        (Backend::Sqlite, Some(Get::Int(_) | Get::Bool(_))) => "INTEGER",
+        (Backend::Postgres, Some(Get::Int(_))) => "BIGINT",
+        (Backend::Postgres, Some(Get::Bool(_))) => "BOOLEAN",
+        (Backend::Sqlite, Some(Get::Real(_))) => "REAL",
+        (Backend::Postgres, Some(Get::Real(_))) => "DOUBLE PRECISION",
+        (Backend::Postgres, Some(Get::Time(_))) => "TIMESTAMPTZ",
         _ => "TEXT",
     }
 }
 
-/// `INSERT … SELECT … FROM UNNEST($1::TEXT[], …) ON CONFLICT (call_id) DO NOTHING`.
+/// `INSERT … SELECT … FROM UNNEST($1::TEXT[], …) ON CONFLICT (call_id) DO NOTHING`: one
+/// text whatever the batch size, so one prepared statement per connection.
 #[cfg(feature = "postgres")]
 static PG_UNNEST_INSERT: std::sync::LazyLock<String> = std::sync::LazyLock::new(|| {
-    let ty = |c: &str| match c {
-        "attempt_index" | "http_status" | "prompt_tokens" | "completion_tokens"
-        | "reasoning_tokens" | "latency_ms" | "ttft_ms" | "max_inter_token_ms" | "stall_ms"
-        | "stall_count" | "prefix_chars" => "BIGINT",
-        "is_hedge" | "stream" | "ok" | "cache_hit" => "BOOLEAN",
-        "cost" => "DOUBLE PRECISION",
-        // created_at travels as text (the same ISO-8601 form as SQLite's) and is cast
-        // in the SELECT, as the single-row form did.
-        _ => "TEXT",
-    };
-    let params: Vec<String> = COLUMNS
+    let params: Vec<String> = TABLE
         .iter()
         .enumerate()
-        .map(|(i, c)| format!("${}::{}[]", i + 1, ty(c)))
+        .map(|(i, c)| {
+            let ty = match c.get {
+                Get::Int(_) => "BIGINT",
+                Get::Bool(_) => "BOOLEAN",
+                Get::Real(_) => "DOUBLE PRECISION",
+                // created_at travels as text (the same ISO-8601 form as SQLite's) and is
+                // cast in the SELECT.
+                Get::Text(_) | Get::Time(_) => "TEXT",
+            };
+            format!("${}::{ty}[]", i + 1)
+        })
         .collect();
-    let select: Vec<String> = COLUMNS
+    let select: Vec<String> = TABLE
         .iter()
-        .map(|c| match *c {
-            "created_at" => "CAST(u.created_at AS TIMESTAMPTZ)".to_string(),
-            c => format!("u.{c}"),
+        .map(|c| match c.get {
+            Get::Time(_) => format!("CAST(u.{0} AS TIMESTAMPTZ)", c.name),
+            _ => format!("u.{}", c.name),
         })
         .collect();
     format!(
@@ -536,103 +631,106 @@ static PG_UNNEST_INSERT: std::sync::LazyLock<String> = std::sync::LazyLock::new(
 fn pg_unnest_insert(
     rows: &[TelemetryRow],
 ) -> sqlx::query::Query<'_, Postgres, sqlx::postgres::PgArguments> {
-    fn col<'r, T>(rows: &'r [TelemetryRow], f: impl Fn(&'r TelemetryRow) -> T) -> Vec<T> {
-        rows.iter().map(f).collect()
+    let mut q = sqlx::query(PG_UNNEST_INSERT.as_str());
+    for c in &TABLE {
+        q = match c.get {
+            Get::Text(f) => q.bind(rows.iter().map(f).collect::<Vec<_>>()),
+            Get::Int(f) => q.bind(rows.iter().map(f).collect::<Vec<_>>()),
+            Get::Bool(f) => q.bind(rows.iter().map(f).collect::<Vec<_>>()),
+            Get::Real(f) => q.bind(rows.iter().map(f).collect::<Vec<_>>()),
+            Get::Time(f) => q.bind(rows.iter().map(|r| format_utc_ms(f(r))).collect::<Vec<_>>()),
+        };
     }
-    let text = |f: fn(&TelemetryRow) -> &str| col(rows, f);
-    let opt_text = |f: fn(&TelemetryRow) -> Option<&str>| col(rows, f);
-    let int = |f: fn(&TelemetryRow) -> Option<i64>| col(rows, f);
-    let flag = |f: fn(&TelemetryRow) -> bool| col(rows, f);
-    sqlx::query(PG_UNNEST_INSERT.as_str())
-        .bind(text(|r| &r.call_id))
-        .bind(text(|r| &r.logical_call_id))
-        .bind(text(|r| &r.scope))
-        .bind(text(|r| &r.operation))
-        .bind(text(|r| r.kind.as_str()))
-        .bind(opt_text(|r| r.source.as_deref()))
-        .bind(opt_text(|r| r.provider.as_deref()))
-        .bind(opt_text(|r| r.model.as_deref()))
-        .bind(int(|r| r.attempt_index.map(i64::from)))
-        .bind(flag(|r| r.is_hedge))
-        .bind(flag(|r| r.stream))
-        .bind(flag(|r| r.ok))
-        .bind(opt_text(|r| r.error.as_deref()))
-        .bind(opt_text(|r| r.error_detail.as_deref()))
-        .bind(int(|r| r.http_status.map(i64::from)))
-        .bind(int(|r| big(r.prompt_tokens)))
-        .bind(int(|r| big(r.completion_tokens)))
-        .bind(int(|r| big(r.reasoning_tokens)))
-        .bind(text(|r| r.usage_source.as_str()))
-        .bind(col(rows, |r| r.cost))
-        .bind(int(|r| big(r.latency_ms)))
-        .bind(int(|r| big(r.ttft_ms)))
-        .bind(int(|r| big(r.max_inter_token_ms)))
-        .bind(int(|r| big(r.stall_ms)))
-        .bind(int(|r| r.stall_count.map(i64::from)))
-        .bind(flag(|r| r.cache_hit))
-        .bind(col(rows, |r| format_utc_ms(r.created_at_ms)))
-        .bind(opt_text(|r| r.resume_of.as_deref()))
-        .bind(opt_text(|r| r.resume_mode.as_deref()))
-        .bind(int(|r| big(r.prefix_chars)))
+    q
 }
 
+/// The largest row count of one SQLite INSERT: the largest power of two whose binds stay
+/// under SQLite's limit (512 rows of 37 columns).
 #[cfg(feature = "sqlite")]
-fn insert_head<'a, DB: sqlx::Database>() -> QueryBuilder<'a, DB> {
-    QueryBuilder::new(format!("INSERT INTO llm_calls ({}) ", COLUMNS.join(", ")))
+pub(crate) const SQLITE_MAX_CHUNK: usize = {
+    let max = SQLITE_MAX_BINDS / TABLE.len();
+    let mut p = 1;
+    while p * 2 <= max {
+        p *= 2;
+    }
+    p
+};
+
+/// log2([`SQLITE_MAX_CHUNK`]) + 1: how many distinct INSERT texts the SQLite writer has.
+#[cfg(feature = "sqlite")]
+const SQLITE_CHUNK_SIZES: usize = SQLITE_MAX_CHUNK.trailing_zeros() as usize + 1;
+
+/// The INSERT texts of the SQLite writer, one per power-of-two row count, built once.
+#[cfg(feature = "sqlite")]
+static SQLITE_INSERT_SQL: [std::sync::OnceLock<String>; SQLITE_CHUNK_SIZES] =
+    [const { std::sync::OnceLock::new() }; SQLITE_CHUNK_SIZES];
+
+/// `INSERT INTO llm_calls (…) VALUES (?, …), … ON CONFLICT (call_id) DO NOTHING` for
+/// `rows` rows, `rows` a power of two up to [`SQLITE_MAX_CHUNK`].
+#[cfg(feature = "sqlite")]
+fn sqlite_insert_sql(rows: usize) -> &'static str {
+    assert!(
+        rows.is_power_of_two() && rows <= SQLITE_MAX_CHUNK,
+        "{rows} rows"
+    );
+    SQLITE_INSERT_SQL[rows.trailing_zeros() as usize].get_or_init(|| {
+        let one = format!("({})", vec!["?"; TABLE.len()].join(", "));
+        format!(
+            "INSERT INTO llm_calls ({}) VALUES {} ON CONFLICT (call_id) DO NOTHING",
+            COLUMNS.join(", "),
+            vec![one.as_str(); rows].join(", ")
+        )
+    })
+}
+
+/// Row counts of the statements a batch of `n` rows is written with: powers of two,
+/// largest first (`n`'s binary digits, above [`SQLITE_MAX_CHUNK`] in chunks of it).
+#[cfg(feature = "sqlite")]
+pub(crate) fn sqlite_chunks(mut n: usize) -> impl Iterator<Item = usize> {
+    std::iter::from_fn(move || {
+        if n == 0 {
+            return None;
+        }
+        let size = if n >= SQLITE_MAX_CHUNK {
+            SQLITE_MAX_CHUNK
+        } else {
+            1 << (usize::BITS - 1 - n.leading_zeros())
+        };
+        n -= size;
+        Some(size)
+    })
+}
+
+/// The statements the SQLite writer runs for a batch, in one transaction. Text is bound
+/// by reference (the batch outlives the statements): no copy of each row's strings.
+#[cfg(feature = "sqlite")]
+fn sqlite_statements(
+    rows: &[TelemetryRow],
+) -> impl Iterator<Item = sqlx::query::Query<'_, Sqlite, sqlx::sqlite::SqliteArguments<'_>>> {
+    let mut rest = rows;
+    sqlite_chunks(rows.len()).map(move |n| {
+        let (chunk, tail) = rest.split_at(n);
+        rest = tail;
+        let mut q = sqlx::query(sqlite_insert_sql(n));
+        for r in chunk {
+            for c in &TABLE {
+                q = match c.get {
+                    Get::Text(f) => q.bind(f(r)),
+                    Get::Int(f) => q.bind(f(r)),
+                    Get::Bool(f) => q.bind(f(r)),
+                    Get::Real(f) => q.bind(f(r)),
+                    Get::Time(f) => q.bind(format_utc_ms(f(r))),
+                };
+            }
+        }
+        q
+    })
 }
 
 /// A u64 as a BIGINT (saturating: no real count reaches 2^63).
 fn big(v: Option<u64>) -> Option<i64> {
     v.map(|x| i64::try_from(x).unwrap_or(i64::MAX))
 }
-
-/// Binds the 26 columns before `created_at`, in [`COLUMNS`] order. Text is bound by
-/// reference (the batch outlives the statement): no copy of each row's strings.
-#[cfg(feature = "sqlite")]
-macro_rules! push_common {
-    ($b:ident, $r:ident) => {
-        $b.push_bind($r.call_id.as_str())
-            .push_bind($r.logical_call_id.as_str())
-            .push_bind($r.scope.as_str())
-            .push_bind($r.operation.as_str())
-            .push_bind($r.kind.as_str())
-            .push_bind($r.source.as_deref())
-            .push_bind($r.provider.as_deref())
-            .push_bind($r.model.as_deref())
-            .push_bind($r.attempt_index.map(i64::from))
-            .push_bind($r.is_hedge)
-            .push_bind($r.stream)
-            .push_bind($r.ok)
-            .push_bind($r.error.as_deref())
-            .push_bind($r.error_detail.as_deref())
-            .push_bind($r.http_status.map(i64::from))
-            .push_bind(big($r.prompt_tokens))
-            .push_bind(big($r.completion_tokens))
-            .push_bind(big($r.reasoning_tokens))
-            .push_bind($r.usage_source.as_str())
-            .push_bind($r.cost)
-            .push_bind(big($r.latency_ms))
-            .push_bind(big($r.ttft_ms))
-            .push_bind(big($r.max_inter_token_ms))
-            .push_bind(big($r.stall_ms))
-            .push_bind($r.stall_count.map(i64::from))
-            .push_bind($r.cache_hit);
-    };
-}
-#[cfg(feature = "sqlite")]
-use push_common;
-
-/// Binds the columns after `created_at`, in [`COLUMNS`] order.
-#[cfg(feature = "sqlite")]
-macro_rules! push_resume {
-    ($b:ident, $r:ident) => {
-        $b.push_bind($r.resume_of.as_deref())
-            .push_bind($r.resume_mode.as_deref())
-            .push_bind(big($r.prefix_chars));
-    };
-}
-#[cfg(feature = "sqlite")]
-use push_resume;
 
 /// Reads one column, naming it and the row in the error.
 fn get<'r, R, T>(row: &'r R, col: &str, call_id: &str, url: &str) -> Result<T, TelemetryError>
@@ -721,6 +819,17 @@ macro_rules! decode_row {
             resume_of: get(row, "resume_of", id, url)?,
             resume_mode: get(row, "resume_mode", id, url)?,
             prefix_chars: unsigned(int("prefix_chars")?, "prefix_chars", id)?,
+            api: get(row, "api", id, url)?,
+            cached_prompt_tokens: unsigned(
+                int("cached_prompt_tokens")?,
+                "cached_prompt_tokens",
+                id,
+            )?,
+            cache_write_tokens: unsigned(int("cache_write_tokens")?, "cache_write_tokens", id)?,
+            est_prompt_tokens: unsigned(int("est_prompt_tokens")?, "est_prompt_tokens", id)?,
+            est_received_tokens: unsigned(int("est_received_tokens")?, "est_received_tokens", id)?,
+            client_key_id: get(row, "client_key_id", id, url)?,
+            trace: get(row, "trace", id, url)?,
             call_id,
         })
     }};
@@ -773,13 +882,114 @@ mod tests {
     fn statements_stay_under_the_bind_limits() {
         for b in [Backend::Sqlite, Backend::Postgres] {
             let rows = b.max_rows_per_statement();
-            assert!(rows >= 1000, "{b:?}: {rows}");
+            // A default batch (256 rows) is one statement.
+            assert!(rows >= 512, "{b:?}: {rows}");
             let limit = match b {
                 Backend::Sqlite => SQLITE_MAX_BINDS,
                 Backend::Postgres => POSTGRES_MAX_BINDS,
             };
             assert!(rows * COLUMNS.len() <= limit);
             assert!((rows + 1) * COLUMNS.len() > limit);
+        }
+    }
+
+    fn batch(n: usize) -> Vec<TelemetryRow> {
+        (0..n)
+            .map(|i| TelemetryRow::new(RowKind::Attempt, format!("c{i}"), "l", "S", "chat", 0))
+            .collect()
+    }
+
+    /// The memory bug: sqlx caches one prepared statement per distinct SQL text (up to 100
+    /// per connection), so the SQLite writer must not make a text per batch size. Over
+    /// batches of every size up to the default batch size (and far beyond it), the texts
+    /// stay the powers of two: at most log2(largest) + 1, whatever the number of sizes.
+    #[cfg(feature = "sqlite")]
+    #[test]
+    fn the_sqlite_writer_prepares_a_bounded_set_of_statements() {
+        use sqlx::{Arguments, Execute};
+        let count = |sizes: &mut dyn Iterator<Item = usize>| {
+            let mut texts = std::collections::HashSet::new();
+            let mut statements = 0;
+            for n in sizes {
+                let rows = batch(n);
+                let mut written = 0;
+                for mut q in sqlite_statements(&rows) {
+                    let sql = q.sql().to_string();
+                    let args = q.take_arguments().unwrap().map_or(0, |a| a.len());
+                    // The column list and `ON CONFLICT (call_id)` besides the rows.
+                    let values = sql.matches('(').count() - 2;
+                    assert_eq!(args, values * COLUMNS.len(), "binds = rows × columns");
+                    written += values;
+                    statements += 1;
+                    texts.insert(sql);
+                }
+                assert_eq!(written, n, "every row of a batch of {n} is written once");
+            }
+            (texts.len(), statements)
+        };
+        let (texts, statements) = count(&mut (1..=256));
+        assert_eq!(texts, 9, "1, 2, 4, …, 256 rows");
+        // One statement per binary digit of the batch size: at most 8 below 256 rows.
+        assert!(statements <= 256 * 8, "{statements}");
+        let (texts, _) = count(&mut (257..=3000).step_by(61));
+        assert_eq!(
+            texts, SQLITE_CHUNK_SIZES,
+            "bounded whatever the batch sizes"
+        );
+        assert_eq!(SQLITE_MAX_CHUNK, 512);
+        assert!(SQLITE_MAX_CHUNK * COLUMNS.len() <= SQLITE_MAX_BINDS);
+        // A full default batch is one statement.
+        assert_eq!(sqlite_chunks(256).collect::<Vec<_>>(), [256]);
+        assert_eq!(sqlite_chunks(255).count(), 8);
+        assert_eq!(
+            sqlite_chunks(1300).collect::<Vec<_>>(),
+            [512, 512, 256, 16, 4]
+        );
+    }
+
+    /// PostgreSQL's batch insert is one text whatever the batch size (UNNEST of one array
+    /// per column): one prepared statement per connection.
+    #[cfg(feature = "postgres")]
+    #[test]
+    fn the_postgres_writer_has_one_statement_text() {
+        use sqlx::{Arguments, Execute};
+        let mut texts = std::collections::HashSet::new();
+        for n in 1..=256 {
+            let rows = batch(n);
+            let mut q = pg_unnest_insert(&rows);
+            let args = q.take_arguments().unwrap().map_or(0, |a| a.len());
+            assert_eq!(args, COLUMNS.len(), "one array per column");
+            texts.insert(q.sql().to_string());
+        }
+        assert_eq!(texts.len(), 1);
+        let sql = texts.into_iter().next().unwrap();
+        assert!(
+            sql.contains(&format!("${}::TEXT[]", COLUMNS.len())),
+            "{sql}"
+        );
+        assert!(!sql.contains(&format!("${}", COLUMNS.len() + 1)), "{sql}");
+    }
+
+    #[test]
+    fn every_column_has_its_type() {
+        let distinct: std::collections::HashSet<&str> = COLUMNS.iter().copied().collect();
+        assert_eq!(distinct.len(), COLUMNS.len());
+        for (c, want) in [
+            ("trace", ("TEXT", "TEXT")),
+            ("api", ("TEXT", "TEXT")),
+            ("est_received_tokens", ("INTEGER", "BIGINT")),
+            ("cached_prompt_tokens", ("INTEGER", "BIGINT")),
+            ("cost", ("REAL", "DOUBLE PRECISION")),
+            ("ok", ("INTEGER", "BOOLEAN")),
+        ] {
+            assert_eq!(
+                (
+                    null_type(Backend::Sqlite, c),
+                    null_type(Backend::Postgres, c)
+                ),
+                want,
+                "{c}"
+            );
         }
     }
 

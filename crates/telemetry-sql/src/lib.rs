@@ -7,7 +7,10 @@
 //!   rows were written, dropped and are still pending.
 //! - [`read_rows`], [`accounting_gap`] and [`TelemetryReader`] read the table back (for
 //!   `polygw report`).
-//! - [`migrations`]: the embedded, add-column-only migrations run on connect.
+//! - [`SqlResponseStore`] ([`SqlRecorder::response_store`]) implements
+//!   [`polygw_core::ports::ResponseStore`]: stored OpenAI Responses (SPEC §18.1) in the
+//!   table `polygw_responses` of the same database.
+//! - [`migrations`]: the embedded, additive migrations run on connect.
 //! - [`queries`]: example queries that run unchanged on both databases.
 //!
 //! When telemetry is off, use [`polygw_core::ports::telemetry::NullRecorder`].
@@ -32,10 +35,14 @@ pub mod migrations;
 pub mod queries;
 mod reader;
 mod recorder;
+mod store;
 pub mod time;
 
 pub use config::RecorderConfig;
-pub use db::{Backend, APPLICATION_NAME, COLUMNS, POSTGRES_MAX_BINDS, SQLITE_MAX_BINDS};
+pub use db::{
+    Backend, APPLICATION_NAME, COLUMNS, POSTGRES_MAX_BINDS, SQLITE_MAX_BINDS, STORE_PG_CONNECTIONS,
+};
 pub use polygw_core::ports::telemetry::{FlushReport, NullRecorder, TelemetryRecorder};
 pub use reader::{accounting_gap, read_rows, TelemetryReader};
 pub use recorder::{RecorderMonitor, SqlRecorder};
+pub use store::{SqlResponseStore, PURGE_BATCH};

@@ -1,5 +1,6 @@
-//! The embedded, add-column-only migrations of `llm_calls`, one list per backend, run
-//! with sqlx's migrator on connect.
+//! The embedded, additive migrations of polygw's tables (`llm_calls`, and
+//! `polygw_responses` since migration 4), one list per backend, run with sqlx's migrator
+//! on connect.
 //!
 //! The SQL files live in `migrations/sqlite/` and `migrations/postgres/` and are embedded
 //! with `include_str!` (no `sqlx::migrate!` macro: that would build a second copy of
@@ -9,9 +10,12 @@
 //! sqlx's own. A test checks the lists match the directories.
 //!
 //! Rules:
-//! - add-column-only: a migration after the first may only `ALTER TABLE llm_calls ADD
-//!   COLUMN` (nullable or with a default) or `CREATE INDEX`; the writer names its columns,
-//!   so an older binary keeps writing to a newer database;
+//! - additive only: a migration after the first may only `ALTER TABLE llm_calls ADD
+//!   COLUMN` (nullable or with a default), `CREATE INDEX`, or create a new table of
+//!   polygw's own with `CREATE TABLE IF NOT EXISTS polygw_…`; nothing is ever altered
+//!   otherwise, renamed or dropped ([`is_additive_statement`], enforced by a test). The
+//!   writer names its columns and an older binary ignores tables it does not know, so an
+//!   older binary keeps working on a newer database;
 //! - the migrator ignores applied versions it does not know (a newer binary migrated the
 //!   database first), for the same reason;
 //! - polygw refuses a `_sqlx_migrations` table that holds another application's
@@ -56,6 +60,18 @@ pub const SQLITE: &[EmbeddedMigration] = &[
         file: "0002_polygw_resume_columns.sql",
         sql: include_str!("../migrations/sqlite/0002_polygw_resume_columns.sql"),
     },
+    EmbeddedMigration {
+        version: 3,
+        description: "polygw revision3 columns",
+        file: "0003_polygw_revision3_columns.sql",
+        sql: include_str!("../migrations/sqlite/0003_polygw_revision3_columns.sql"),
+    },
+    EmbeddedMigration {
+        version: 4,
+        description: "polygw responses",
+        file: "0004_polygw_responses.sql",
+        sql: include_str!("../migrations/sqlite/0004_polygw_responses.sql"),
+    },
 ];
 
 /// PostgreSQL migrations, in order (same versions and descriptions as [`SQLITE`]).
@@ -71,6 +87,18 @@ pub const POSTGRES: &[EmbeddedMigration] = &[
         description: "polygw resume columns",
         file: "0002_polygw_resume_columns.sql",
         sql: include_str!("../migrations/postgres/0002_polygw_resume_columns.sql"),
+    },
+    EmbeddedMigration {
+        version: 3,
+        description: "polygw revision3 columns",
+        file: "0003_polygw_revision3_columns.sql",
+        sql: include_str!("../migrations/postgres/0003_polygw_revision3_columns.sql"),
+    },
+    EmbeddedMigration {
+        version: 4,
+        description: "polygw responses",
+        file: "0004_polygw_responses.sql",
+        sql: include_str!("../migrations/postgres/0004_polygw_responses.sql"),
     },
 ];
 
@@ -100,14 +128,21 @@ impl MigrationSource<'static> for Embedded {
 }
 
 /// The migrator for a list: sqlx's, ignoring versions it does not know (a newer polygw
-/// may have migrated the database first; add-column-only keeps this binary's writes valid).
+/// may have migrated the database first; additive migrations keep this binary's writes
+/// valid).
 pub async fn migrator(list: &'static [EmbeddedMigration]) -> Result<Migrator, BoxDynError> {
     let mut m = Migrator::new(Embedded(list)).await?;
     m.set_ignore_missing(true);
     Ok(m)
 }
 
-/// Whether a statement is allowed in a migration after the first (add-column-only).
+/// The prefix of every table polygw creates besides `llm_calls`.
+pub const TABLE_PREFIX: &str = "polygw_";
+
+/// Whether a statement is allowed in a migration after the first (additive only):
+/// `ALTER TABLE llm_calls ADD COLUMN …`, `CREATE [UNIQUE] INDEX …`, or
+/// `CREATE TABLE IF NOT EXISTS polygw_… (…)` — a new table of polygw's own, never an
+/// existing one altered or dropped.
 pub fn is_additive_statement(stmt: &str) -> bool {
     let words: Vec<String> = stmt
         .split_whitespace()
@@ -115,12 +150,20 @@ pub fn is_additive_statement(stmt: &str) -> bool {
         .map(|w| w.to_ascii_uppercase())
         .collect();
     let w: Vec<&str> = words.iter().map(String::as_str).collect();
-    matches!(
-        w.as_slice(),
+    match w.as_slice() {
         ["ALTER", "TABLE", "LLM_CALLS", "ADD", "COLUMN", ..]
-            | ["CREATE", "INDEX", ..]
-            | ["CREATE", "UNIQUE", "INDEX", ..]
-    )
+        | ["CREATE", "INDEX", ..]
+        | ["CREATE", "UNIQUE", "INDEX", ..] => true,
+        ["CREATE", "TABLE", "IF", "NOT", "EXISTS", name, ..] => {
+            // The name may run into the column list: `polygw_x(`.
+            let name = name.split('(').next().unwrap_or_default();
+            let prefix = TABLE_PREFIX.to_ascii_uppercase();
+            name.len() > prefix.len()
+                && name.starts_with(&prefix)
+                && name.chars().all(|c| c.is_ascii_alphanumeric() || c == '_')
+        }
+        _ => false,
+    }
 }
 
 /// The SQL statements of a file, comments removed (split on `;`; the migrations hold no
@@ -189,7 +232,7 @@ mod tests {
     }
 
     #[test]
-    fn later_migrations_are_add_column_only() {
+    fn later_migrations_are_additive_only() {
         // The first migration creates the table; every later one may only add.
         assert!(is_additive_statement(
             "ALTER TABLE llm_calls ADD COLUMN x BIGINT"
@@ -204,6 +247,36 @@ mod tests {
             "ALTER TABLE llm_calls RENAME COLUMN x TO y"
         ));
         assert!(!is_additive_statement("DROP TABLE llm_calls"));
+        // New tables of polygw's own, and only those, only if not there yet.
+        assert!(is_additive_statement(
+            "CREATE TABLE IF NOT EXISTS polygw_responses (id TEXT NOT NULL)"
+        ));
+        assert!(is_additive_statement(
+            "create table if not exists polygw_keys(id TEXT)"
+        ));
+        assert!(!is_additive_statement(
+            "CREATE TABLE polygw_responses (id TEXT)"
+        ));
+        assert!(!is_additive_statement(
+            "CREATE TABLE IF NOT EXISTS users (id TEXT)"
+        ));
+        assert!(!is_additive_statement(
+            "CREATE TABLE IF NOT EXISTS llm_calls (id TEXT)"
+        ));
+        assert!(!is_additive_statement(
+            "CREATE TABLE IF NOT EXISTS polygw_ (id TEXT)"
+        ));
+        assert!(!is_additive_statement(
+            "CREATE TABLE IF NOT EXISTS \"polygw_x\"; DROP TABLE llm_calls"
+        ));
+        assert!(!is_additive_statement("DROP TABLE polygw_responses"));
+        assert!(!is_additive_statement(
+            "ALTER TABLE polygw_responses DROP COLUMN id"
+        ));
+        assert!(!is_additive_statement(
+            "ALTER TABLE polygw_responses RENAME TO llm_calls"
+        ));
+
         for list in [SQLITE, POSTGRES] {
             let first = statements(list[0].sql);
             assert!(first[0].starts_with("CREATE TABLE IF NOT EXISTS llm_calls"));

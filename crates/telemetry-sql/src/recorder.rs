@@ -21,6 +21,7 @@ use tokio::time::Instant;
 
 use crate::config::RecorderConfig;
 use crate::db::{describe, Backend, Db, OpenOptions};
+use crate::store::{SqlResponseStore, StoreBase};
 
 /// State shared by the recorder handles and the writer task.
 #[derive(Debug)]
@@ -341,6 +342,8 @@ struct Inner {
     cfg: RecorderConfig,
     backend: Backend,
     label: String,
+    /// The connections of [`SqlRecorder::response_store`].
+    store: Arc<StoreBase>,
 }
 
 impl Drop for Inner {
@@ -403,6 +406,13 @@ impl SqlRecorder {
         }
         let backend = db.backend();
         let label = redact_url(url);
+        let store = match db.for_store(url, config.write_timeout) {
+            Ok(store_db) => Arc::new(StoreBase::new(store_db, url, &label, config.write_timeout)),
+            Err(e) => {
+                db.close().await;
+                return Err(e);
+            }
+        };
         let shared = Arc::new(Shared {
             queue: Mutex::new(VecDeque::with_capacity(
                 config.queue_capacity.min(config.batch_size * 4),
@@ -437,8 +447,24 @@ impl SqlRecorder {
                 cfg: config,
                 backend,
                 label,
+                store,
             }),
         })
+    }
+
+    /// The [`polygw_core::ports::ResponseStore`] of this database: table
+    /// `polygw_responses` (SPEC §18.1), each operation bounded by `write_timeout`.
+    /// SQLite: on the recorder's one connection; PostgreSQL: on a pool of its own (up to
+    /// [`crate::STORE_PG_CONNECTIONS`], opened on first use) so that reads never wait
+    /// behind a batch insert. Every call returns a handle on the same connections. A
+    /// store keeps the database open while it lives; [`SqlRecorder::shutdown`] closes it.
+    pub fn response_store(&self) -> SqlResponseStore {
+        let keep: Option<Arc<dyn std::fmt::Debug + Send + Sync>> = match self.inner.backend {
+            // The writer closes the connection it shares when it stops: keep it running.
+            Backend::Sqlite => Some(self.inner.clone()),
+            Backend::Postgres => None,
+        };
+        SqlResponseStore::new(self.inner.store.clone(), keep)
     }
 
     /// The backend the URL named.
@@ -501,6 +527,11 @@ impl SqlRecorder {
             }
         }
         s.stopped.store(true, Ordering::SeqCst);
+        // The response store's connections too (SQLite: the writer's, closed already).
+        // Bounded; a close cut short would leave idle connections until the last store
+        // handle is dropped.
+        let _ =
+            tokio::time::timeout(self.inner.cfg.flush_timeout, self.inner.store.db.close()).await;
         s.report()
     }
 }

@@ -373,6 +373,13 @@ mod common {
         r.max_inter_token_ms = Some(1200);
         r.stall_ms = Some(1100);
         r.stall_count = Some(1);
+        // Through the proxy's chat route, with a client key; cached prompt tokens; the
+        // call's last row, so it carries the trace.
+        r.api = Some("chat".into());
+        r.client_key_id = Some("key_01".into());
+        r.cached_prompt_tokens = Some(1024);
+        r.cache_write_tokens = Some(64);
+        r.trace = Some(trace_json());
         rows.push(r);
 
         // l2: a failed attempt, then the terminal row of the failed call.
@@ -396,6 +403,7 @@ mod common {
         r.error_detail = Some("last error: server_error (transient) HTTP 503".into());
         r.latency_ms = Some(9050);
         r.cost = cost(CostBasis::Failed, &qw);
+        r.trace = Some(r#"{"v":1,"events":[{"t":0,"ev":"launch","leg":0}]}"#.into());
         rows.push(r);
 
         // l3: a hedged round; the primary loses (hedge_cancelled), the hedge leg wins.
@@ -406,8 +414,15 @@ mod common {
         r.latency_ms = Some(3000);
         r.ttft_ms = None;
         r.cost = cost(CostBasis::Failed, &ds);
+        // The loser's usage is unavailable: the gateway's estimates instead.
+        r.api = Some("responses".into());
+        r.est_prompt_tokens = Some(900);
+        r.est_received_tokens = Some(42);
         rows.push(r);
-        let u3 = Usage::new(900, 120);
+        let u3 = Usage {
+            cached_prompt_tokens: Some(512),
+            ..Usage::new(900, 120)
+        };
         let mut r =
             from_source(attempt("c3b", "l3", T0 + 4), &qw).with_usage(&u3, UsageSource::Measured);
         r.attempt_index = Some(1);
@@ -436,6 +451,8 @@ mod common {
         r.error = Some("cancelled".into());
         r.latency_ms = Some(700);
         r.ttft_ms = Some(650);
+        r.est_prompt_tokens = Some(1200);
+        r.est_received_tokens = Some(0);
         rows.push(r);
 
         // l5: a cache hit (measured usage of the stored answer, cost 0.0), and one whose
@@ -468,6 +485,8 @@ mod common {
             &ds,
         );
         r.latency_ms = Some(800);
+        r.est_prompt_tokens = Some(800);
+        r.est_received_tokens = Some(150);
         rows.push(r);
 
         // l7: an OCR call priced per call (usage measured 0).
@@ -585,9 +604,58 @@ mod common {
                 stall_ms,
                 stall_count,
                 cache_hit,
-                created_at_ms
+                created_at_ms,
+                resume_of,
+                resume_mode,
+                prefix_chars,
+                api,
+                cached_prompt_tokens,
+                cache_write_tokens,
+                est_prompt_tokens,
+                est_received_tokens,
+                client_key_id,
+                trace
             );
         }
+    }
+
+    /// A row with every field set, the revision-3 ones included (a resume leg of a call
+    /// through the Responses API, with a client key, cache tokens and the call's trace).
+    pub fn full_row(call_id: &str, at: i64) -> TelemetryRow {
+        let usage = Usage {
+            reasoning_tokens: Some(80),
+            cached_prompt_tokens: Some(1024),
+            cache_write_tokens: Some(64),
+            ..Usage::new(1200, 350)
+        };
+        let mut r = from_source(attempt(call_id, "lfull", at), &priced())
+            .with_usage(&usage, UsageSource::Measured);
+        r.attempt_index = Some(3);
+        r.is_hedge = true;
+        r.stream = true;
+        r.ok = true;
+        r.error_detail = Some("detail".into());
+        r.http_status = Some(200);
+        r.cost = Some(0.000_709);
+        r.latency_ms = Some(2300);
+        r.ttft_ms = Some(410);
+        r.max_inter_token_ms = Some(1200);
+        r.stall_ms = Some(1100);
+        r.stall_count = Some(1);
+        r.resume_of = Some("c-previous".into());
+        r.resume_mode = Some("prefill".into());
+        r.prefix_chars = Some(5120);
+        r.api = Some("responses".into());
+        r.est_prompt_tokens = Some(1190);
+        r.est_received_tokens = Some(9_000_000_000_000);
+        r.client_key_id = Some("key_01J9Z3K7".into());
+        r.trace = Some(trace_json());
+        r
+    }
+
+    /// A decision trace as the engine writes it: compact JSON, quotes and unicode.
+    pub fn trace_json() -> String {
+        r#"{"v":1,"events":[{"t":0,"ev":"launch","leg":0,"source":"deepseek-0","why":"primary"},{"t":812,"ev":"launch","leg":1,"source":"qwen-0","why":"hedge","threshold_ms":800,"from":"sketch:deepseek-0"},{"t":1210,"ev":"first_token","leg":1},{"t":2300,"ev":"won","leg":1,"note":"«ok» "quoted" ✓"}]}"#.to_string()
     }
 
     /// Rows numbered `from..to` under one logical call each.
@@ -655,6 +723,90 @@ mod roundtrip {
         }
         if let [(_, a), (_, b)] = read_back.as_slice() {
             assert_same_rows(a, b, "sqlite vs postgres");
+        }
+    }
+
+    /// Every field, the revision-3 columns included, written and read back alike by both
+    /// backends (and NULL stays NULL for a row that sets none of them).
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_row_with_every_field_set_round_trips_on_both_backends() {
+        let mut big = full_row("full-big", T0 + 2);
+        big.trace = Some(format!(
+            "{{\"v\":1,\"events\":[{}]}}",
+            vec![r#"{"t":1,"ev":"stall","leg":0}"#; 4000].join(",")
+        ));
+        big.cached_prompt_tokens = Some(u64::MAX);
+        let rows = vec![full_row("full", T0), attempt("bare", "lbare", T0 + 1), big];
+        let mut read_back = Vec::new();
+        for db in TestDb::all().await {
+            let rec = SqlRecorder::connect(db.url(), fast_config()).await.unwrap();
+            for r in &rows {
+                rec.record(r.clone());
+            }
+            assert_eq!(rec.flush().await.unwrap().written, 3, "{}", db.name());
+            rec.shutdown().await;
+            let got = read_rows(db.url(), None).await.unwrap();
+            // u64::MAX is stored saturated at i64::MAX (a BIGINT).
+            let mut want = rows.clone();
+            want[2].cached_prompt_tokens = Some(i64::MAX as u64);
+            assert_same_rows(&got, &want, db.name());
+            let full = got.iter().find(|r| r.call_id == "full").unwrap();
+            assert_eq!(full, &rows[0], "{}: the whole row", db.name());
+            let bare = got.iter().find(|r| r.call_id == "bare").unwrap();
+            assert_eq!(
+                (
+                    &bare.api,
+                    bare.cached_prompt_tokens,
+                    bare.cache_write_tokens,
+                    bare.est_prompt_tokens,
+                    bare.est_received_tokens,
+                    &bare.client_key_id,
+                    &bare.trace
+                ),
+                (&None, None, None, None, None, &None, &None),
+                "{}",
+                db.name()
+            );
+            read_back.push(got);
+        }
+        if let [a, b] = read_back.as_slice() {
+            assert_same_rows(a, b, "sqlite vs postgres");
+        }
+    }
+
+    /// The SQLite writer splits batches into power-of-two statements: every batch size
+    /// from 1 to 300 (beyond the default batch) is written whole, once, in one
+    /// transaction each.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn batches_of_every_size_are_written_whole() {
+        for db in TestDb::all().await {
+            let cfg = polygw_telemetry_sql::RecorderConfig {
+                batch_size: 300,
+                queue_capacity: 1000,
+                flush_interval: std::time::Duration::from_secs(3600),
+                ..fast_config()
+            };
+            let rec = SqlRecorder::connect(db.url(), cfg).await.unwrap();
+            let mut total = 0usize;
+            for n in (1..=300).step_by(if db.backend() == polygw_telemetry_sql::Backend::Sqlite {
+                1
+            } else {
+                7
+            }) {
+                for r in numbered(&format!("b{n}"), 0, n) {
+                    rec.record(r);
+                }
+                total += n;
+                let report = rec.flush().await.unwrap();
+                assert_eq!(
+                    (report.written, report.pending),
+                    (total as u64, 0),
+                    "{}",
+                    db.name()
+                );
+            }
+            assert_eq!(db.count().await, total as i64, "{}", db.name());
+            rec.shutdown().await;
         }
     }
 
@@ -1518,29 +1670,53 @@ mod schema {
 
     use crate::common::*;
 
-    /// A later polygw's migration list: this binary's, plus one that adds a column.
+    /// A later polygw's migration: one that adds a column and a table of its own.
+    const NEXT: EmbeddedMigration = EmbeddedMigration {
+        version: 5,
+        description: "polygw test region",
+        file: "0005_polygw_test_region.sql",
+        sql: "ALTER TABLE llm_calls ADD COLUMN region TEXT;\nCREATE INDEX IF NOT EXISTS llm_calls_region ON llm_calls (region);\nCREATE TABLE IF NOT EXISTS polygw_test_regions (region TEXT NOT NULL PRIMARY KEY);",
+    };
+    /// A later polygw's migration list: this binary's, plus [`NEXT`].
     static SQLITE_NEXT: &[EmbeddedMigration] = &[
         migrations::SQLITE[0],
         migrations::SQLITE[1],
-        EmbeddedMigration {
-            version: 3,
-            description: "polygw test region",
-            file: "0003_polygw_test_region.sql",
-            sql: "ALTER TABLE llm_calls ADD COLUMN region TEXT;\nCREATE INDEX IF NOT EXISTS llm_calls_region ON llm_calls (region);",
-        },
+        migrations::SQLITE[2],
+        migrations::SQLITE[3],
+        NEXT,
     ];
     static POSTGRES_NEXT: &[EmbeddedMigration] = &[
         migrations::POSTGRES[0],
         migrations::POSTGRES[1],
-        EmbeddedMigration {
-            version: 3,
-            description: "polygw test region",
-            file: "0003_polygw_test_region.sql",
-            sql: "ALTER TABLE llm_calls ADD COLUMN region TEXT;\nCREATE INDEX IF NOT EXISTS llm_calls_region ON llm_calls (region);",
-        },
+        migrations::POSTGRES[2],
+        migrations::POSTGRES[3],
+        NEXT,
     ];
     /// This binary's latest migration.
-    const LATEST: i64 = 2;
+    const LATEST: i64 = 4;
+
+    #[test]
+    fn the_lists_here_are_this_binarys_plus_one() {
+        assert_eq!(migrations::SQLITE.len() as i64, LATEST);
+        assert_eq!(migrations::POSTGRES.len() as i64, LATEST);
+        for s in migrations::statements(NEXT.sql) {
+            assert!(migrations::is_additive_statement(&s), "{s}");
+        }
+    }
+
+    /// Whether a table exists, on a connection of its own.
+    async fn has_table(db: &TestDb, table: &str) -> bool {
+        let sql = match db.backend() {
+            Backend::Sqlite => format!(
+                "SELECT COUNT(*) FROM sqlite_master WHERE type = 'table' AND name = '{table}'"
+            ),
+            Backend::Postgres => format!(
+                "SELECT COUNT(*) FROM information_schema.tables \
+                 WHERE table_schema = current_schema() AND table_name = '{table}'"
+            ),
+        };
+        db.scalar(&sql).await == 1
+    }
 
     async fn run_migrator(db: &TestDb, list: &'static [EmbeddedMigration]) {
         let m = Migrator::new(Embedded(list)).await.unwrap();
@@ -1623,11 +1799,41 @@ mod schema {
                 "max_inter_token_ms",
                 "stall_ms",
                 "stall_count",
+                "prefix_chars",
+                "cached_prompt_tokens",
+                "cache_write_tokens",
+                "est_prompt_tokens",
+                "est_received_tokens",
             ] {
                 assert_eq!(ty(c), int, "{} {c}", db.name());
             }
+            let text = match db.backend() {
+                Backend::Sqlite => "TEXT",
+                Backend::Postgres => "text",
+            };
+            for c in ["resume_of", "resume_mode", "api", "client_key_id", "trace"] {
+                assert_eq!(ty(c), text, "{} {c}", db.name());
+            }
             assert_eq!(ty("cost"), real);
             assert_eq!(ty("created_at"), ts);
+            // The responses table (migration 4), its primary key and expiry index.
+            assert!(has_table(&db, "polygw_responses").await, "{}", db.name());
+            let (pk, idx) = match db.backend() {
+                Backend::Sqlite => (
+                    db.scalar("SELECT COUNT(*) FROM pragma_table_info('polygw_responses') WHERE pk > 0").await,
+                    db.scalar("SELECT COUNT(*) FROM sqlite_master WHERE type = 'index' AND name = 'polygw_responses_expires_at_ms'").await,
+                ),
+                Backend::Postgres => (
+                    db.scalar("SELECT COUNT(*) FROM information_schema.key_column_usage k JOIN information_schema.table_constraints c USING (constraint_schema, constraint_name) WHERE c.constraint_type = 'PRIMARY KEY' AND k.table_schema = current_schema() AND k.table_name = 'polygw_responses'").await,
+                    db.scalar("SELECT COUNT(*) FROM pg_indexes WHERE schemaname = current_schema() AND indexname = 'polygw_responses_expires_at_ms'").await,
+                ),
+            };
+            assert_eq!(
+                (pk, idx),
+                (2, 1),
+                "{}: (scope, id) and expires_at_ms",
+                db.name()
+            );
             let indexes = match db.backend() {
                 Backend::Sqlite => db.scalar("SELECT COUNT(*) FROM sqlite_master WHERE type = 'index' AND name IN ('llm_calls_created_at', 'llm_calls_logical_call_id')").await,
                 Backend::Postgres => db.scalar("SELECT COUNT(*) FROM pg_indexes WHERE schemaname = current_schema() AND indexname IN ('llm_calls_created_at', 'llm_calls_logical_call_id')").await,
@@ -1709,7 +1915,7 @@ mod schema {
                 (&None, &None, None)
             );
 
-            // A later polygw adds a column (migration 3).
+            // A later polygw adds a column and a table (migration 5).
             run_migrator(&db, next).await;
             assert_eq!(
                 db.scalar("SELECT MAX(version) FROM _sqlx_migrations").await,
@@ -1718,9 +1924,10 @@ mod schema {
             let cols = column_names(&db).await;
             assert_eq!(cols.len(), COLUMNS.len() + 1);
             assert_eq!(cols.last().unwrap().0, "region");
+            assert!(has_table(&db, "polygw_test_regions").await);
 
             // The migrated database keeps its rows, and this binary (which does not
-            // know migration 3) still connects, writes and reads.
+            // know migration 5) still connects, writes and reads.
             let rec = SqlRecorder::connect(db.url(), fast_config()).await.unwrap();
             rec.record(attempt("after", "after", T0 + 100));
             assert_eq!(rec.flush().await.unwrap().written, 1);
@@ -1736,6 +1943,94 @@ mod schema {
             assert_eq!(
                 db.scalar("SELECT COUNT(*) FROM _sqlx_migrations").await,
                 LATEST + 1
+            );
+        }
+    }
+
+    /// A database made by the polygw of migrations 1–2, with rows (resume legs among
+    /// them), opened by this binary: it gains the revision-3 columns and the responses
+    /// table in place, the old rows read the new columns as NULL and keep theirs, and new
+    /// rows carry every field.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_database_of_migrations_1_and_2_gains_the_revision3_columns_in_place() {
+        for db in TestDb::all().await {
+            let two: &'static [EmbeddedMigration] = match db.backend() {
+                Backend::Sqlite => &migrations::SQLITE[..2],
+                Backend::Postgres => &migrations::POSTGRES[..2],
+            };
+            run_migrator(&db, two).await;
+            let cols = column_names(&db).await;
+            assert_eq!(cols.len(), 30, "{}: the columns of migration 2", db.name());
+            assert!(!has_table(&db, "polygw_responses").await);
+            let (created, yes) = match db.backend() {
+                Backend::Sqlite => ("'2026-12-02T11:32:08.123Z'", "1"),
+                Backend::Postgres => ("CAST('2026-12-02T11:32:08.123Z' AS TIMESTAMPTZ)", "TRUE"),
+            };
+            // What the writer of migration 2 wrote: a resume leg and a plain attempt.
+            db.exec(&format!(
+                "INSERT INTO llm_calls (call_id, logical_call_id, scope, operation, kind, ok, \
+                 usage_source, prompt_tokens, created_at, resume_of, resume_mode, prefix_chars) \
+                 VALUES ('old-resume', 'l', 'LLM', 'chat', 'attempt', {yes}, 'measured', 10, \
+                 {created}, 'old-first', 'replay', 77); \
+                 INSERT INTO llm_calls (call_id, logical_call_id, scope, operation, kind, ok, \
+                 usage_source, created_at) \
+                 VALUES ('old-first', 'l', 'LLM', 'chat', 'attempt', {yes}, 'unavailable', {created})"
+            ))
+            .await;
+
+            let rec = SqlRecorder::connect(db.url(), fast_config()).await.unwrap();
+            rec.record(full_row("new", T0 + 5));
+            assert_eq!(rec.flush().await.unwrap().written, 1);
+            rec.shutdown().await;
+            assert_eq!(
+                db.scalar("SELECT MAX(version) FROM _sqlx_migrations").await,
+                LATEST
+            );
+            let names: Vec<String> = column_names(&db).await.into_iter().map(|c| c.0).collect();
+            assert_eq!(names, COLUMNS, "{}", db.name());
+            assert!(has_table(&db, "polygw_responses").await, "{}", db.name());
+
+            let read = read_rows(db.url(), None).await.unwrap();
+            assert_eq!(read.len(), 3, "{}", db.name());
+            for id in ["old-resume", "old-first"] {
+                let old = read.iter().find(|r| r.call_id == id).unwrap();
+                assert_eq!(
+                    (
+                        &old.api,
+                        old.cached_prompt_tokens,
+                        old.cache_write_tokens,
+                        old.est_prompt_tokens,
+                        old.est_received_tokens,
+                        &old.client_key_id,
+                        &old.trace
+                    ),
+                    (&None, None, None, None, None, &None, &None),
+                    "{} {id}",
+                    db.name()
+                );
+                assert_eq!(old.created_at_ms, T0);
+            }
+            let resume = read.iter().find(|r| r.call_id == "old-resume").unwrap();
+            assert_eq!(
+                (
+                    resume.resume_of.as_deref(),
+                    resume.resume_mode.as_deref(),
+                    resume.prefix_chars
+                ),
+                (Some("old-first"), Some("replay"), Some(77))
+            );
+            assert_eq!(resume.prompt_tokens, Some(10));
+            let new = read.iter().find(|r| r.call_id == "new").unwrap();
+            assert_eq!(new, &full_row("new", T0 + 5), "{}", db.name());
+            // Connecting again changes nothing.
+            SqlRecorder::connect(db.url(), fast_config())
+                .await
+                .unwrap()
+                .shutdown()
+                .await;
+            assert_eq!(
+                db.scalar("SELECT COUNT(*) FROM _sqlx_migrations").await,
+                LATEST
             );
         }
     }
@@ -1988,6 +2283,38 @@ mod queries {
             assert!(errors
                 .iter()
                 .any(|r| get(r, "error") == &Cell::Text("hedge_cancelled".into())));
+
+            let by = |name: &str, source: &str| {
+                per_db
+                    .iter()
+                    .find(|(n, _)| *n == name)
+                    .unwrap()
+                    .1
+                    .iter()
+                    .find(|r| get(r, "source") == &Cell::Text(source.into()))
+                    .cloned()
+                    .unwrap_or_else(|| panic!("{name}: no row for {source}"))
+            };
+            // deepseek-0 with known usage: c1 (1200, 1024 cached, 64 written), c9 (512,
+            // caching not reported); qwen-0: c3b (900, 512 cached).
+            let ds = by("cache hit share per source", "deepseek-0");
+            assert_eq!(num(get(&ds, "prompt_tokens")), 1712.0, "{}", db.name());
+            assert_eq!(num(get(&ds, "cached_prompt_tokens")), 1024.0);
+            assert_eq!(num(get(&ds, "cache_write_tokens")), 64.0);
+            assert!((num(get(&ds, "cache_hit_share")) - 1024.0 / 1712.0).abs() < 1e-12);
+            let qw = by("cache hit share per source", "qwen-0");
+            assert!((num(get(&qw, "cache_hit_share")) - 512.0 / 900.0).abs() < 1e-12);
+            let ds = by("cache saving per source", "deepseek-0");
+            assert!((num(get(&ds, "saving")) - 1024.0 * 0.20 / 1e6).abs() < 1e-15);
+            let qw = by("cache saving per source", "qwen-0");
+            assert!((num(get(&qw, "saving")) - 512.0 * 0.6 / 1e6).abs() < 1e-15);
+            // deepseek-0 unavailable attempts: c3a (900/42), c4 (1200/0), c6 (800/150),
+            // h2a (no estimate).
+            let ds = by("accounting gap in tokens per source", "deepseek-0");
+            assert_eq!(num(get(&ds, "unavailable_attempts")), 4.0, "{}", db.name());
+            assert_eq!(num(get(&ds, "estimated_attempts")), 3.0);
+            assert_eq!(num(get(&ds, "est_prompt_tokens")), 2900.0);
+            assert_eq!(num(get(&ds, "est_received_tokens")), 192.0);
             results.push((db.name(), per_db));
         }
         if let [(_, a), (_, b)] = results.as_slice() {
@@ -2020,6 +2347,293 @@ mod queries {
                 label.as_str()
             );
         }
+    }
+}
+
+mod responses {
+    use std::sync::Arc;
+    use std::time::Duration;
+
+    use async_trait::async_trait;
+    use polygw_core::ports::ResponseStore;
+    use polygw_telemetry_sql::{
+        Backend, RecorderConfig, SqlRecorder, SqlResponseStore, PURGE_BATCH, STORE_PG_CONNECTIONS,
+    };
+    use polygw_testkit::store_contract::{self as sc, entry, StoreHarness, T0};
+    use sqlx::Connection;
+
+    use crate::common::*;
+
+    /// One database per case; `other` is a second recorder on it (another connection,
+    /// and on PostgreSQL another pool).
+    struct Sql {
+        _db: TestDb,
+        store: SqlResponseStore,
+        other: SqlResponseStore,
+        _recorders: (SqlRecorder, SqlRecorder),
+    }
+
+    impl Sql {
+        async fn open(db: TestDb) -> Sql {
+            let a = SqlRecorder::connect(db.url(), fast_config()).await.unwrap();
+            let b = SqlRecorder::connect(db.url(), fast_config()).await.unwrap();
+            Sql {
+                store: a.response_store(),
+                other: b.response_store(),
+                _recorders: (a, b),
+                _db: db,
+            }
+        }
+    }
+
+    #[async_trait]
+    impl StoreHarness for Sql {
+        async fn store(&self) -> Arc<dyn ResponseStore> {
+            Arc::new(self.store.clone())
+        }
+        async fn other(&self) -> Arc<dyn ResponseStore> {
+            Arc::new(self.other.clone())
+        }
+    }
+
+    macro_rules! cases {
+        ($($name:ident),* $(,)?) => {
+            mod sqlite {
+                use super::*;
+                $(
+                    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                    async fn $name() {
+                        sc::$name(&Sql::open(TestDb::sqlite()).await).await;
+                    }
+                )*
+            }
+            mod postgres {
+                use super::*;
+                $(
+                    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                    async fn $name() {
+                        let Some(db) = TestDb::pg().await else { return };
+                        sc::$name(&Sql::open(db).await).await;
+                    }
+                )*
+            }
+        };
+    }
+
+    cases!(
+        put_get_round_trip,
+        another_scopes_id_is_invisible,
+        expired_entries_are_never_returned,
+        delete_returns_true_then_false,
+        put_replaces,
+        large_values_round_trip,
+        many_entries,
+        concurrent_clients,
+    );
+
+    #[test]
+    fn every_contract_case_runs_here() {
+        let here = include_str!("telemetry.rs");
+        for case in sc::CASES {
+            assert!(here.contains(&format!("        {case},\n")), "{case}");
+        }
+    }
+
+    /// A put deletes at most `PURGE_BATCH` expired rows (the oldest first) and never a
+    /// live one; the rows are in the table until purged, never returned.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn puts_purge_expired_rows_in_bounded_batches() {
+        for db in TestDb::all().await {
+            let rec = SqlRecorder::connect(db.url(), fast_config()).await.unwrap();
+            let s = rec.response_store();
+            let n = PURGE_BATCH as usize * 2 + 10;
+            for i in 0..n {
+                let mut r = entry("S", &format!("old{i}"), "x");
+                r.expires_at_ms = T0 + 10 + i as i64;
+                s.put(r).await.unwrap();
+            }
+            s.put(entry("S", "live", "x")).await.unwrap();
+            assert_eq!(s.len().await.unwrap(), n as u64 + 1, "{}", db.name());
+            // Every old row expired by T0 + 10 + n; a put at that time purges one batch.
+            let mut later = entry("S", "later", "x");
+            later.created_at_ms = T0 + 10 + n as i64;
+            s.put(later.clone()).await.unwrap();
+            assert_eq!(
+                s.len().await.unwrap(),
+                (n + 2) as u64 - PURGE_BATCH as u64,
+                "{}",
+                db.name()
+            );
+            assert!(
+                s.get("S", "old0", T0).await.unwrap().is_none(),
+                "the oldest went first"
+            );
+            assert!(s
+                .get("S", &format!("old{}", n - 1), T0)
+                .await
+                .unwrap()
+                .is_some());
+            assert!(s
+                .get("S", &format!("old{}", n - 1), later.created_at_ms)
+                .await
+                .unwrap()
+                .is_none());
+            // The rest, batch by batch; the live rows stay.
+            assert_eq!(
+                s.purge_expired(later.created_at_ms, 1_000).await.unwrap(),
+                (n - PURGE_BATCH as usize) as u64
+            );
+            assert_eq!(s.len().await.unwrap(), 2);
+            assert!(s
+                .get("S", "live", later.created_at_ms)
+                .await
+                .unwrap()
+                .is_some());
+            rec.shutdown().await;
+        }
+    }
+
+    /// SQLite: the store keeps the recorder's connection (and writer) while it lives,
+    /// also after every recorder handle is dropped; `shutdown` ends it on both backends,
+    /// and later calls fail with an error saying so.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn the_store_lives_with_its_handles_and_ends_with_shutdown() {
+        for db in TestDb::all().await {
+            let rec = SqlRecorder::connect(db.url(), fast_config()).await.unwrap();
+            let s = rec.response_store();
+            assert_eq!(s.backend(), db.backend());
+            let monitor = rec.monitor();
+            drop(rec);
+            s.put(entry("S", "r", "x")).await.unwrap();
+            assert!(
+                s.get("S", "r", T0).await.unwrap().is_some(),
+                "{}",
+                db.name()
+            );
+            if db.backend() == Backend::Sqlite {
+                assert!(
+                    !monitor.is_stopped(),
+                    "the shared connection's writer lives on"
+                );
+            }
+            drop(s);
+            let rec = SqlRecorder::connect(db.url(), fast_config()).await.unwrap();
+            let s = rec.response_store();
+            assert!(
+                s.get("S", "r", T0).await.unwrap().is_some(),
+                "{}",
+                db.name()
+            );
+            rec.shutdown().await;
+            let e = s.get("S", "r", T0).await.unwrap_err().0;
+            assert!(e.contains("shut down"), "{}: {e}", db.name());
+            assert!(s.put(entry("S", "r2", "x")).await.is_err());
+        }
+    }
+
+    /// An in-memory SQLite database exists on its one connection: the store shares it.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn an_in_memory_sqlite_database_serves_the_store() {
+        let rec = SqlRecorder::connect("sqlite::memory:", fast_config())
+            .await
+            .unwrap();
+        let s = rec.response_store();
+        let r = entry("S", "mem", "in memory");
+        s.put(r.clone()).await.unwrap();
+        assert_eq!(s.get("S", "mem", T0).await.unwrap(), Some(r));
+        rec.shutdown().await;
+    }
+
+    /// PostgreSQL: the store has connections of its own (at most STORE_PG_CONNECTIONS,
+    /// opened on first use), so the writer's one connection is never in its way; each
+    /// operation is bounded by write_timeout, a hung server included.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn postgres_store_has_its_own_bounded_connections() {
+        let Some(db) = TestDb::pg().await else { return };
+        let TestDb::Pg(schema) = &db else {
+            unreachable!()
+        };
+        let app = polygw_testkit::services::unique_name("store").to_lowercase();
+        let url = format!("{}&application_name={app}", schema.url);
+        let conns = || {
+            let app = app.clone();
+            let db = &db;
+            async move {
+                db.scalar(&format!(
+                    "SELECT COUNT(*) FROM pg_stat_activity WHERE application_name = '{app}'"
+                ))
+                .await
+            }
+        };
+        let rec = SqlRecorder::connect(&url, fast_config()).await.unwrap();
+        let s = rec.response_store();
+        assert_eq!(
+            conns().await,
+            1,
+            "the writer's; the store opens on first use"
+        );
+        let tasks: Vec<_> = (0..8)
+            .map(|i| {
+                let s = s.clone();
+                tokio::spawn(async move {
+                    s.put(entry("S", &format!("r{i}"), "x")).await.unwrap();
+                    s.get("S", &format!("r{i}"), T0).await.unwrap().unwrap();
+                })
+            })
+            .collect();
+        for t in tasks {
+            t.await.unwrap();
+        }
+        let n = conns().await;
+        assert!(
+            (2..=1 + STORE_PG_CONNECTIONS as i64).contains(&n),
+            "{n} connections"
+        );
+        rec.shutdown().await;
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+        while conns().await != 0 && tokio::time::Instant::now() < deadline {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        if conns().await != 0 {
+            let mut c = sqlx::PgConnection::connect(db.url()).await.unwrap();
+            let left: Vec<(Option<String>, Option<String>, Option<String>)> =
+                sqlx::query_as(&format!(
+                    "SELECT state, query, backend_start::TEXT FROM pg_stat_activity \
+                 WHERE application_name = '{app}'"
+                ))
+                .fetch_all(&mut c)
+                .await
+                .unwrap();
+            panic!("connections left open 10 s after shutdown: {left:?}");
+        }
+
+        // A hung server: every store call ends within write_timeout, with an error.
+        let proxy = Proxy::start(pg_addr(schema.base())).await;
+        let cfg = RecorderConfig {
+            write_timeout: Duration::from_millis(500),
+            ..fast_config()
+        };
+        let rec = SqlRecorder::connect(&via(&schema.url, proxy.addr), cfg)
+            .await
+            .unwrap();
+        let s = rec.response_store();
+        s.put(entry("S", "before", "x")).await.unwrap();
+        proxy.hang().await;
+        let t = tokio::time::Instant::now();
+        let e = s.get("S", "before", T0).await.unwrap_err().0;
+        assert!(t.elapsed() < Duration::from_secs(3), "{:?}", t.elapsed());
+        assert!(!e.is_empty());
+        let t = tokio::time::Instant::now();
+        assert!(s.put(entry("S", "during", "x")).await.is_err());
+        assert!(t.elapsed() < Duration::from_secs(3), "{:?}", t.elapsed());
+        proxy.resume();
+        wait_until(
+            "the store to answer again",
+            Duration::from_secs(30),
+            || async { s.get("S", "before", T0).await.is_ok_and(|r| r.is_some()) },
+        )
+        .await;
+        rec.shutdown().await;
     }
 }
 

@@ -7,3 +7,4 @@ pub mod clock;
 pub mod fakes;
 pub mod limiter_contract;
 pub mod services;
+pub mod store_contract;

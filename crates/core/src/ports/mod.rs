@@ -7,6 +7,7 @@ pub mod clock;
 pub mod limiter;
 pub mod observer;
 pub mod rng;
+pub mod store;
 pub mod telemetry;
 pub mod transport;
 
@@ -16,8 +17,11 @@ pub use clock::{Clock, ManualClock};
 pub use limiter::{
     AcquireRequest, Admission, Permit, PermitBackend, RateLimiter, Refusal, UnlimitedLimiter,
 };
-pub use observer::{ChunkObserver, NullObserver, RawText, StreamDelta, ToolCallDelta};
+pub use observer::{
+    passed_header, passed_headers, ChunkObserver, NullObserver, RawText, StreamDelta, ToolCallDelta,
+};
 pub use rng::{Rng, SplitMix64};
+pub use store::{NullStore, ResponseStore, StoredResponse};
 pub use telemetry::{FlushReport, NullRecorder, TelemetryRecorder};
 pub use transport::{
     ChatAttempt, EmbeddingResult, EmbeddingTransport, OcrResult, OcrTransport, Transport,
@@ -33,6 +37,7 @@ pub use self::{
     limiter::{MockPermitBackend, MockRateLimiter},
     observer::MockChunkObserver,
     rng::MockRng,
+    store::MockResponseStore,
     telemetry::MockTelemetryRecorder,
     transport::{MockEmbeddingTransport, MockOcrTransport, MockTransport},
 };
