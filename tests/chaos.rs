@@ -641,9 +641,11 @@ mod faults {
         };
         let on_finish = matches!(b.usage, UsageMode::Inline | UsageMode::Choice);
         match &b.fault {
-            Some(Fault::ResetBeforeHeaders) => vec![Fail(L::Connect)],
+            // The request was sent: a reset before any response is the server's fault
+            // (issue 22, item 16), a reset of a 200's body a truncated answer.
+            Some(Fault::ResetBeforeHeaders) => vec![Fail(L::ServerError)],
             Some(Fault::ResetAfter { .. }) if stream => vec![Fail(L::Truncated)],
-            Some(Fault::ResetAfter { .. }) => vec![Fail(L::Connect)],
+            Some(Fault::ResetAfter { .. }) => vec![Fail(L::Truncated), Fail(L::ServerError)],
             // Salvaged when the finish chunk was read before the RST (its usage, if it
             // carried any, becomes estimated); an RST may also discard unread bytes.
             Some(Fault::ResetAfterFinish) if stream => vec![
@@ -654,7 +656,7 @@ mod faults {
                 }),
                 Fail(L::Truncated),
             ],
-            Some(Fault::ResetAfterFinish) => vec![Fail(L::Connect)],
+            Some(Fault::ResetAfterFinish) => vec![Fail(L::Truncated), Fail(L::ServerError)],
             Some(Fault::TruncateAfter { .. }) if stream => vec![Fail(L::Truncated)],
             // Half a JSON body, cleanly ended.
             Some(Fault::TruncateAfter { .. }) => vec![Fail(L::Invalid)],

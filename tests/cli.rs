@@ -418,7 +418,7 @@ async fn a_client_that_disconnects_cancels_its_call() {
         lines.push(l);
     }
     let all = lines.join("\n");
-    assert!(all.contains("telemetry written 1"), "{all}");
+    assert!(all.contains("(scope(s) LLM): written 1"), "{all}");
     let rows = polygw::telemetry::read_rows(&db, None).await.unwrap();
     assert_eq!(rows.len(), 1);
     assert_eq!(rows[0].error.as_deref(), Some("cancelled"));

@@ -68,11 +68,14 @@ pub async fn shutdown_signal() {
 
 pub async fn run(args: MockArgs) -> Result<ExitCode> {
     let profile = profile(&args.profile, args.time_scale, args.seed)?;
+    // A profile file may also set the simulated prefix cache and the prices billed.
+    let settings = polygw_mock_upstream::MockSettings::from_profile_arg(&args.profile)
+        .map_err(|e| anyhow::anyhow!("--profile {}: {e}", args.profile))?;
     let name = profile.name.clone();
     let mock = MockUpstream::start(MockConfig {
         addr: args.listen,
         require_key: args.require_key.clone(),
-        ..MockConfig::with_profile(profile)
+        ..MockConfig::with_profile(profile).with_settings(settings)
     })
     .await
     .with_context(|| format!("listening on {}", args.listen))?;

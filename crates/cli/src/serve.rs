@@ -104,6 +104,8 @@ struct Loaded {
     scopes: Vec<Scope>,
     metrics: Arc<Metrics>,
     recorders: Vec<Arc<dyn TelemetryRecorder>>,
+    /// Per database (redacted URL): its recorder and the scopes writing to it.
+    databases: Vec<(String, Arc<dyn TelemetryRecorder>, Vec<String>)>,
 }
 
 /// Builds the clients of the named scopes (default: every chat and embedding scope),
@@ -111,7 +113,12 @@ struct Loaded {
 async fn load(named: &[String]) -> Result<Loaded> {
     let names = env::scopes(named)?;
     let metrics = Arc::new(Metrics::new());
-    let mut recorders: HashMap<String, Arc<dyn TelemetryRecorder>> = HashMap::new();
+    type Shared = (
+        Arc<dyn TelemetryRecorder>,
+        Arc<dyn polygw::core::ports::ResponseStore>,
+        Vec<String>,
+    );
+    let mut recorders: HashMap<String, Shared> = HashMap::new();
     let mut scopes = Vec::new();
     for name in names {
         let kind = env::kind_of(&name)?;
@@ -127,27 +134,26 @@ async fn load(named: &[String]) -> Result<Loaded> {
         let mut b = GatewayClient::builder(loaded.settings.clone()).metrics(metrics.clone());
         if let Some(url) = &loaded.settings.telemetry_url {
             let key = url.expose().to_string();
-            let rec = match recorders.get(&key) {
-                Some(r) => r.clone(),
-                None => {
-                    let r: Arc<dyn TelemetryRecorder> = Arc::new(
-                        polygw::telemetry::SqlRecorder::connect(
-                            url.expose(),
-                            polygw::telemetry::RecorderConfig::default(),
-                        )
-                        .await
-                        .with_context(|| {
-                            format!(
-                                "{name}__TELEMETRY__URL={}",
-                                polygw::core::secret::redact_url(url.expose())
-                            )
-                        })?,
-                    );
-                    recorders.insert(key, r.clone());
-                    r
-                }
-            };
-            b = b.telemetry(rec);
+            if !recorders.contains_key(&key) {
+                let sql = polygw::telemetry::SqlRecorder::connect(
+                    url.expose(),
+                    polygw::telemetry::RecorderConfig::default(),
+                )
+                .await
+                .with_context(|| {
+                    format!(
+                        "{name}__TELEMETRY__URL={}",
+                        polygw::core::secret::redact_url(url.expose())
+                    )
+                })?;
+                // Stored Responses live in the same database (SPEC §18.1).
+                let store: Arc<dyn polygw::core::ports::ResponseStore> =
+                    Arc::new(sql.response_store());
+                recorders.insert(key.clone(), (Arc::new(sql), store, Vec::new()));
+            }
+            let (rec, store, users) = recorders.get_mut(&key).context("just inserted")?;
+            users.push(name.clone());
+            b = b.telemetry(rec.clone()).responses(store.clone());
         }
         let clients = b
             .build_all()
@@ -160,10 +166,15 @@ async fn load(named: &[String]) -> Result<Loaded> {
     if scopes.is_empty() {
         bail!("no chat or embedding scope to serve");
     }
+    let databases: Vec<(String, Arc<dyn TelemetryRecorder>, Vec<String>)> = recorders
+        .into_iter()
+        .map(|(url, (rec, _, users))| (polygw::core::secret::redact_url(&url), rec, users))
+        .collect();
     Ok(Loaded {
         scopes,
         metrics,
-        recorders: recorders.into_values().collect(),
+        recorders: databases.iter().map(|(_, r, _)| r.clone()).collect(),
+        databases,
     })
 }
 
@@ -261,6 +272,7 @@ pub async fn run(args: ServeArgs) -> Result<ExitCode> {
         max_connections_per_client: args.max_connections_per_client.max(1),
         grace,
     };
+    let databases = loaded.databases;
     let proxy = Proxy::with_telemetry(
         config,
         loaded.scopes,
@@ -310,15 +322,26 @@ pub async fn run(args: ServeArgs) -> Result<ExitCode> {
         );
     }
     let flush = async {
+        // Every client flushes its settlements (and its recorder); the figures are the
+        // recorder's, so they are printed once per database, not under every scope
+        // that shares it.
         for s in proxy.scopes() {
-            let r = match &s.client {
+            match &s.client {
                 polygw_serve::ScopeClient::Chat(c) => c.shutdown().await,
                 polygw_serve::ScopeClient::Embedding(c) => c.shutdown().await,
             };
-            eprintln!(
-                "scope {}: telemetry written {}, dropped {}, pending {}",
-                s.name, r.written, r.dropped, r.pending
-            );
+        }
+        for (url, rec, users) in &databases {
+            match rec.flush().await {
+                Ok(r) => eprintln!(
+                    "telemetry {url} (scope(s) {}): written {}, dropped {}, pending {}",
+                    users.join(", "),
+                    r.written,
+                    r.dropped,
+                    r.pending
+                ),
+                Err(e) => eprintln!("telemetry {url}: the final flush failed: {e}"),
+            }
         }
     };
     tokio::select! {

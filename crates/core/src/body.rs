@@ -84,6 +84,15 @@ pub fn embedding_body(source: &SourceConfig, texts: &[String]) -> Value {
     Value::Object(body)
 }
 
+/// The embeddings body of inputs that may be token arrays (passed as sent).
+pub fn embedding_body_inputs(source: &SourceConfig, inputs: &[crate::EmbeddingInput]) -> Value {
+    let mut body = Map::new();
+    merge_patch(&mut body, &source.extra_body);
+    body.insert("model".into(), json!(source.model));
+    body.insert("input".into(), json!(inputs));
+    Value::Object(body)
+}
+
 /// The OCR body: a plain vision chat request with the image as a data URI.
 pub fn ocr_body(source: &SourceConfig, data_uri: &str, prompt: &str) -> Value {
     let mut body = Map::new();

@@ -20,8 +20,14 @@ pub enum Failure {
         /// The provider's error message, if the body had one.
         message: Option<String>,
     },
-    /// Connection refused/reset before a response, DNS or TLS failure.
+    /// No connection could be made: refused, DNS or TLS failure, connect timeout.
     Connect {
+        /// What the connection layer said (no URL credentials, no key).
+        detail: String,
+    },
+    /// The request was sent; the upstream closed or reset the connection before any
+    /// response (`server_error`: the server's fault, not a connection failure).
+    NoResponse {
         /// What the connection layer said (no URL credentials, no key).
         detail: String,
     },
@@ -192,6 +198,11 @@ pub fn classify(failure: Failure) -> AttemptError {
             C::Transient,
             L::Connect,
             format!("connection failed: {detail}"),
+        ),
+        Failure::NoResponse { detail } => AttemptError::new(
+            C::Transient,
+            L::ServerError,
+            format!("the upstream closed the connection before any response: {detail}"),
         ),
         Failure::Timeout => AttemptError::new(C::Transient, L::Timeout, "request timed out"),
         Failure::TtftTimeout { budget } => AttemptError::new(

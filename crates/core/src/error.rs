@@ -482,6 +482,9 @@ pub struct FailureContext {
     pub logical_call_id: String,
     /// The last attempt error, if any attempt was made.
     pub last_error: Option<Box<AttemptError>>,
+    /// The source of the last attempt error.
+    #[serde(default)]
+    pub last_source: Option<String>,
     /// Every source's latest reason.
     pub reasons: SourceReasons,
     /// Attempts actually sent.

@@ -44,7 +44,7 @@ pub use error::{
     AttemptError, CacheError, ConfigError, ErrorClass, ErrorLabel, FailureContext, GatewayError,
     GovernanceError, RefusalReason, SourceReason, SourceReasons, TelemetryError, TerminalReason,
 };
-pub use request::{ChatRequest, Message};
+pub use request::{ChatRequest, EmbeddingInput, Message};
 pub use response::{CallStats, LlmResponse, ToolCall, Usage, UsageSource};
 pub use secret::Secret;
 pub use settings::{

@@ -10,12 +10,23 @@ pub struct Message {
     /// `system`, `user`, `assistant`, `tool`, `developer`, …
     pub role: String,
     /// A string, or an array of typed parts (text, image_url, …); absent for some
-    /// assistant tool-call messages.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
+    /// assistant tool-call messages. An explicit `"content": null` is kept as
+    /// `Some(Value::Null)` and reaches the upstream as sent (SPEC §17.5).
+    #[serde(
+        default,
+        deserialize_with = "explicit_null",
+        skip_serializing_if = "Option::is_none"
+    )]
     pub content: Option<Value>,
     /// Every other field of the message, passed through unchanged.
     #[serde(flatten)]
     pub extra: Map<String, Value>,
+}
+
+/// A present field keeps its value, `null` included (`Some(Value::Null)`); an absent one
+/// is `None` (`#[serde(default)]`).
+fn explicit_null<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Option<Value>, D::Error> {
+    Value::deserialize(d).map(Some)
 }
 
 impl Message {
@@ -46,6 +57,34 @@ impl Message {
     /// The text of the message when its content is a plain string.
     pub fn text(&self) -> Option<&str> {
         self.content.as_ref().and_then(Value::as_str)
+    }
+}
+
+/// One embedding input: a text, or the token ids of one (OpenAI accepts both; LangChain's
+/// `OpenAIEmbeddings` sends token arrays by default: SPEC §17.5). Serialized as the API
+/// has it: a string, or an array of integers.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(untagged)]
+pub enum EmbeddingInput {
+    /// A text.
+    Text(String),
+    /// Token ids.
+    Tokens(Vec<u64>),
+}
+
+impl EmbeddingInput {
+    /// Its tokens: the ids' count, or the text's estimate.
+    pub fn estimate_tokens(&self) -> u64 {
+        match self {
+            EmbeddingInput::Text(t) => crate::resume::estimate_tokens(t),
+            EmbeddingInput::Tokens(ids) => ids.len() as u64,
+        }
+    }
+}
+
+impl From<String> for EmbeddingInput {
+    fn from(s: String) -> Self {
+        EmbeddingInput::Text(s)
     }
 }
 
@@ -153,6 +192,25 @@ impl ChatRequest {
 
 #[cfg(test)]
 mod tests {
+    /// Issue 22, item 17: an assistant message's `"content": null` reaches the upstream
+    /// as sent; an absent content stays absent.
+    #[test]
+    fn explicit_null_content_is_kept() {
+        let m: super::Message =
+            serde_json::from_str(r#"{"role":"assistant","content":null,"tool_calls":[]}"#).unwrap();
+        assert_eq!(m.content, Some(serde_json::Value::Null));
+        let back = serde_json::to_value(&m).unwrap();
+        assert!(back.as_object().unwrap().contains_key("content"));
+        assert!(back["content"].is_null());
+        let m: super::Message = serde_json::from_str(r#"{"role":"assistant"}"#).unwrap();
+        assert_eq!(m.content, None);
+        assert!(!serde_json::to_value(&m)
+            .unwrap()
+            .as_object()
+            .unwrap()
+            .contains_key("content"));
+    }
+
     use super::*;
     use serde_json::json;
 

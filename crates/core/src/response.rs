@@ -192,6 +192,10 @@ pub struct LlmResponse {
     /// and transports that do not keep it. Not part of the cached copy.
     #[serde(skip)]
     pub upstream: Option<serde_json::Map<String, serde_json::Value>>,
+    /// The committed attempt's upstream response headers that a proxy passes on
+    /// (`x-request-id`, `x-ratelimit-*`: SPEC §17.4), as received.
+    #[serde(skip)]
+    pub upstream_headers: Vec<(String, String)>,
 }
 
 #[cfg(test)]

@@ -64,45 +64,44 @@ impl From<String> for Secret {
     }
 }
 
-/// The shortest run of a secret's characters that [`redact_fragments`] hides.
-pub const MIN_SECRET_FRAGMENT: usize = 8;
+/// The shortest run of a secret that counts as giving it away (SPEC §17, issue 22,
+/// item 18): 12 characters — longer than a word a message may share with a key
+/// ("upstream says …" for a key `upstream-…`), as long as the part of a key a provider's
+/// own mask shows (`sk-proj-abcd****`).
+pub const MIN_SECRET_FRAGMENT: usize = 12;
 
-/// `text` with every run of at least [`MIN_SECRET_FRAGMENT`] bytes that also occurs in
-/// `secret` replaced by [`REDACTED`]: an upstream that echoes part of a key
-/// (`key upstream-sec*** is bad`) must not pass that part on. Secrets shorter than the
-/// minimum are only hidden whole. Greedy, left to right, longest match first.
+/// `text` with the secret redacted: every run of at least [`MIN_SECRET_FRAGMENT`] bytes
+/// (or the whole secret, when shorter) that also occurs in `secret`, compared ASCII
+/// case-insensitively (an upstream that lowercases the key it echoes gives it away just
+/// the same), replaced by [`REDACTED`]. Secrets shorter than 4 bytes are not secrets
+/// worth garbling messages for. Greedy, left to right, longest match first. (Encoded
+/// forms — base64 — are the transport's: `polygw_transport_openai::failure::redact`.)
 pub fn redact_fragments(text: &str, secret: &str) -> String {
     let (t, k) = (text.as_bytes(), secret.as_bytes());
-    if k.is_empty() {
+    if k.len() < 4 {
         return text.to_string();
     }
-    if k.len() < MIN_SECRET_FRAGMENT {
-        return if k.len() >= 4 && text.contains(secret) {
-            text.replace(secret, REDACTED)
-        } else {
-            text.to_string()
-        };
-    }
+    let min = MIN_SECRET_FRAGMENT.min(k.len());
     let mut out = String::with_capacity(text.len());
     let (mut i, mut copied) = (0, 0);
-    while i + MIN_SECRET_FRAGMENT <= t.len() {
+    while i + min <= t.len() {
         if !text.is_char_boundary(i) {
             i += 1;
             continue;
         }
         let mut best = 0;
-        for j in 0..=k.len() - MIN_SECRET_FRAGMENT {
+        for j in 0..=k.len() - min {
             let n = t[i..]
                 .iter()
                 .zip(&k[j..])
-                .take_while(|(a, b)| a == b)
+                .take_while(|(a, b)| a.eq_ignore_ascii_case(b))
                 .count();
             best = best.max(n);
         }
         while best > 0 && !text.is_char_boundary(i + best) {
             best -= 1;
         }
-        if best >= MIN_SECRET_FRAGMENT {
+        if best >= min {
             out.push_str(&text[copied..i]);
             out.push_str(REDACTED);
             i += best;
@@ -198,23 +197,42 @@ mod tests {
     #[test]
     fn fragments_of_a_secret_are_redacted() {
         let key = "sk-upstream-secret-0123456789";
-        // Whole, a prefix (the provider masked the rest), a middle part, twice.
+        // Whole, a long prefix (the provider masked the rest), a long middle part.
         let t = redact_fragments(
-            "key sk-upstream-secret-0123456789 bad; key upstream-sec*** is bad; cret-01 ok; t-012345678 end",
+            "key sk-upstream-secret-0123456789 bad; key sk-upstream-secre*** is bad; cret-01 ok; eam-secret-012 end",
             key,
         );
         assert_eq!(
             t,
             "key <redacted> bad; key <redacted>*** is bad; cret-01 ok; <redacted> end"
         );
-        // Seven characters are not a fragment; unrelated text is untouched.
+        // Issue 22, item 18: a word shared with the key is not the key; a lowercased or
+        // uppercased echo is.
         assert_eq!(
-            redact_fragments("upstrea and more", key),
-            "upstrea and more"
+            redact_fragments("upstream says 400", "upstream-key-0123456789abcdef"),
+            "upstream says 400"
         );
-        assert_eq!(redact_fragments("é upstream-s ü", key), "é <redacted> ü");
+        let key = "sk-AbCdEfGhIjKlMnOpQrStUvWxYz0123";
+        let lower = key.to_ascii_lowercase();
+        let echoed = format!("invalid key {}", &lower[..27]);
+        assert_eq!(redact_fragments(&echoed, key), "invalid key <redacted>");
+        assert_eq!(
+            redact_fragments(&format!("KEY {}", key.to_ascii_uppercase()), key),
+            "KEY <redacted>"
+        );
+        // Eleven characters are not a fragment of a long key; unrelated text stays.
+        assert_eq!(
+            redact_fragments("sk-AbCdEfGh and more", key),
+            "sk-AbCdEfGh and more"
+        );
+        assert_eq!(
+            redact_fragments("é sk-AbCdEfGhIjKlM ü", key),
+            "é <redacted> ü"
+        );
         assert_eq!(redact_fragments("anything", ""), "anything");
+        // A short key is hidden whole only.
         assert_eq!(redact_fragments("a short-k b", "short-k"), "a <redacted> b");
+        assert_eq!(redact_fragments("a short- b", "short-k"), "a short- b");
         assert_eq!(redact_fragments("a abc b", "abc"), "a abc b");
     }
 

@@ -310,7 +310,13 @@ pub struct ScopeSettings {
     pub max_reasks: u32,
     /// OCR instruction.
     pub ocr_prompt: String,
+    /// How long a stored Responses API answer is kept (`RESPONSES__TTL_S`, SPEC §18.1).
+    #[serde(with = "crate::durations::secs")]
+    pub responses_ttl: Duration,
 }
+
+/// The default `RESPONSES__TTL_S`: 30 days, as OpenAI keeps stored responses.
+pub const DEFAULT_RESPONSES_TTL: Duration = Duration::from_secs(30 * 24 * 3600);
 
 impl ScopeSettings {
     /// A scope with these sources and defaults everywhere else.
@@ -331,6 +337,7 @@ impl ScopeSettings {
             model_aliases: Vec::new(),
             max_reasks: DEFAULT_MAX_REASKS,
             ocr_prompt: DEFAULT_OCR_PROMPT.to_string(),
+            responses_ttl: DEFAULT_RESPONSES_TTL,
         }
     }
 

@@ -66,27 +66,45 @@ pub type IdMap<V> = HashMap<u64, V, BuildHasherDefault<IdHasher>>;
 /// The requests of one window (RPM), in admission order.
 #[derive(Debug, Default, Clone)]
 struct Requests {
-    /// Admission times, non-decreasing (the model's clock never goes back).
-    at: VecDeque<u64>,
+    /// (admission ms, requests admitted in that ms), strictly increasing times.
+    at: VecDeque<(u64, u64)>,
+    n: u64,
 }
 
 impl Requests {
     fn prune(&mut self, now: u64) {
-        while self.at.front().is_some_and(|&t| t + WINDOW_MS <= now) {
+        while let Some(&(t, c)) = self.at.front() {
+            if t + WINDOW_MS > now {
+                break;
+            }
             self.at.pop_front();
+            self.n -= c;
         }
     }
 
+    fn push(&mut self, now: u64) {
+        match self.at.back_mut() {
+            Some((t, c)) if *t == now => *c += 1,
+            _ => self.at.push_back((now, 1)),
+        }
+        self.n += 1;
+    }
+
     fn count(&self) -> u64 {
-        self.at.len() as u64
+        self.n
     }
 
     /// ms until `count - limit + 1` requests have left the window.
     fn hint(&self, now: u64, limit: u64) -> Option<u64> {
-        let idx = (self.count() + 1).checked_sub(limit)?.checked_sub(1)? as usize;
-        self.at
-            .get(idx)
-            .map(|&t| (t + WINDOW_MS).saturating_sub(now).max(1))
+        let idx = (self.count() + 1).checked_sub(limit)?.checked_sub(1)?;
+        let mut cum = 0;
+        for &(t, c) in &self.at {
+            cum += c;
+            if cum > idx {
+                return Some((t + WINDOW_MS).saturating_sub(now).max(1));
+            }
+        }
+        None
     }
 }
 
@@ -100,7 +118,7 @@ struct Tokens {
     reserved_by_end: BTreeSet<(u64, u64)>,
     /// (settled at, id, tokens), in settlement order — which is time order, since the
     /// model's clock never goes back: they count until settled at + window.
-    settled: VecDeque<(u64, u64, u64)>,
+    settled: VecDeque<(u64, u64)>,
     total: u64,
 }
 
@@ -115,7 +133,7 @@ impl Tokens {
                 self.total -= t;
             }
         }
-        while let Some(&(at, _, t)) = self.settled.front() {
+        while let Some(&(at, t)) = self.settled.front() {
             if at + WINDOW_MS > now {
                 break;
             }
@@ -135,7 +153,10 @@ impl Tokens {
         if let Some((end, old)) = self.reserved.remove(&id) {
             self.reserved_by_end.remove(&(end, id));
             self.total = self.total - old + tokens;
-            self.settled.push_back((now, id, tokens));
+            match self.settled.back_mut() {
+                Some((at, t)) if *at == now => *t += tokens,
+                _ => self.settled.push_back((now, tokens)),
+            }
         }
     }
 
@@ -164,7 +185,7 @@ impl Tokens {
         let mut set = self
             .settled
             .iter()
-            .map(|&(at, _, t)| (at + WINDOW_MS, t))
+            .map(|&(at, t)| (at + WINDOW_MS, t))
             .peekable();
         let mut remaining = self.total;
         loop {
@@ -184,14 +205,11 @@ impl Tokens {
     }
 
     fn ids(&self) -> impl Iterator<Item = u64> + '_ {
-        self.reserved
-            .keys()
-            .copied()
-            .chain(self.settled.iter().map(|k| k.1))
+        self.reserved.keys().copied()
     }
 
     fn holds(&self, id: u64) -> bool {
-        self.reserved.contains_key(&id) || self.settled.iter().any(|k| k.1 == id)
+        self.reserved.contains_key(&id)
     }
 }
 
@@ -278,6 +296,14 @@ impl<T> Slab<T> {
         }
     }
 
+    #[cfg(test)]
+    fn iter(&self) -> impl Iterator<Item = (u32, &T)> {
+        self.slots
+            .iter()
+            .enumerate()
+            .filter_map(|(i, s)| s.as_ref().map(|v| (i as u32, v)))
+    }
+
     fn iter_mut(&mut self) -> impl Iterator<Item = (u32, &mut T)> {
         self.slots
             .iter_mut()
@@ -326,6 +352,24 @@ impl Permits {
             self.recent.push_back(None);
         }
         self.recent.push_back(Some(place));
+    }
+
+    /// Forgets a permit that holds nothing any more.
+    fn remove(&mut self, id: u64) {
+        match id.checked_sub(self.base) {
+            Some(i) => {
+                if let Some(slot) = self.recent.get_mut(i as usize) {
+                    *slot = None;
+                }
+                while let Some(None) = self.recent.front() {
+                    self.recent.pop_front();
+                    self.base += 1;
+                }
+            }
+            None => {
+                self.old.remove(&id);
+            }
+        }
     }
 
     fn get(&self, id: u64) -> Option<Place> {
@@ -517,10 +561,10 @@ impl WindowLimiter {
         self.next_id += 1;
         let id = self.next_id;
         let end = now.saturating_add(lease_ms(req.lease));
-        scope.requests.at.push_back(now);
+        scope.requests.push(now);
         scope.tokens.reserve(id, end, req.est_tokens);
         let src = &mut sc.sources.get_mut(ri).expect("interned").1;
-        src.window.requests.at.push_back(now);
+        src.window.requests.push(now);
         src.window.tokens.reserve(id, end, req.est_tokens);
         src.in_flight.insert(id, end);
         self.permits.insert(id, (si, ri));
@@ -537,6 +581,9 @@ impl WindowLimiter {
             src.window.tokens.settle(now, id, tokens);
             scope.tokens.prune(now);
             scope.tokens.settle(now, id, tokens);
+            if !src.in_flight.contains_key(&id) && !src.window.tokens.reserved.contains_key(&id) {
+                self.permits.remove(id);
+            }
         }
     }
 
@@ -544,6 +591,9 @@ impl WindowLimiter {
     pub fn release(&mut self, id: u64) {
         if let Some((_, src)) = self.states(id) {
             src.in_flight.remove(&id);
+            if !src.window.tokens.reserved.contains_key(&id) {
+                self.permits.remove(id);
+            }
         }
     }
 
@@ -647,7 +697,39 @@ impl WindowLimiter {
             self.scopes.remove(si);
         }
         self.permits.retain(|id| live.contains(&id));
+        // Give back what a burst grew: a deque keeps its capacity otherwise (the
+        // memory of a past peak rate, never returned: issue 22, item 10).
+        fn shrink<T>(d: &mut VecDeque<T>) {
+            if d.capacity() > 4 * d.len().max(64) {
+                d.shrink_to(d.len().max(64) * 2);
+            }
+        }
+        shrink(&mut self.permits.recent);
+        for (_, sc) in self.scopes.iter_mut() {
+            shrink(&mut sc.window.requests.at);
+            shrink(&mut sc.window.tokens.settled);
+            for (_, (_, s)) in sc.sources.iter_mut() {
+                shrink(&mut s.window.requests.at);
+                shrink(&mut s.window.tokens.settled);
+            }
+        }
         self.last = None;
+    }
+}
+
+impl WindowLimiter {
+    /// Entries held in the windows and the permit table (tests: no growth with the
+    /// number of calls).
+    #[cfg(test)]
+    fn footprint(&self) -> usize {
+        let mut n = self.permits.recent.len() + self.permits.old.len();
+        for (_, sc) in self.scopes.iter() {
+            n += sc.window.requests.at.len() + sc.window.tokens.settled.len();
+            for (_, (_, s)) in sc.sources.iter() {
+                n += s.window.requests.at.len() + s.window.tokens.settled.len() + s.in_flight.len();
+            }
+        }
+        n
     }
 }
 
@@ -655,6 +737,35 @@ impl WindowLimiter {
 mod tests {
     use super::*;
     use proptest::prelude::*;
+
+    /// Issue 22, item 10 (SPEC §17.7, §22.2): what the limiter keeps does not grow with
+    /// the number of calls — calls finished in one millisecond take one entry per
+    /// window, whatever their number, and a finished permit is forgotten.
+    #[test]
+    fn memory_does_not_grow_with_the_calls() {
+        let mut w = WindowLimiter::new();
+        let r = req(0, 0, 0, 10);
+        let run = |w: &mut WindowLimiter, n: u64, at: u64| {
+            for _ in 0..n {
+                let id = w.acquire(at, &r).unwrap();
+                w.settle(at, id, 7);
+                w.release(id);
+            }
+        };
+        run(&mut w, 100_000, 1_000);
+        let after_n = w.footprint();
+        run(&mut w, 100_000, 1_000);
+        let after_2n = w.footprint();
+        assert!(after_n <= 8, "{after_n} entries after 100k calls in one ms");
+        assert_eq!(after_n, after_2n, "no growth with the number of calls");
+        // Spread over a window's milliseconds: bounded by the window's length.
+        let mut w = WindowLimiter::new();
+        for ms in 0..2_000u64 {
+            run(&mut w, 10, 10_000 + ms);
+        }
+        let spread = w.footprint();
+        assert!(spread <= 4 * 2_000 + 8, "{spread}");
+    }
 
     fn req<'a>(rpm: u32, tpm: u64, conc: u32, est: u64) -> AcquireRequest<'a> {
         AcquireRequest {

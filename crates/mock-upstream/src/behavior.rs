@@ -77,6 +77,9 @@ pub struct Behavior {
     pub raw_body: Option<String>,
     /// Content-Type of `raw_body` (default `application/json`).
     pub content_type: Option<String>,
+    /// Extra response headers (a provider's `x-request-id`, `x-ratelimit-*`, a
+    /// `Location` of a redirect).
+    pub headers: std::collections::BTreeMap<String, String>,
     /// Split raw bodies into writes of this many bytes (exercises client parsers).
     pub raw_chunk_bytes: Option<usize>,
     /// Silence between those writes.
@@ -125,6 +128,7 @@ impl Default for Behavior {
             content_type: None,
             raw_chunk_bytes: None,
             raw_chunk_gap_ms: 0.0,
+            headers: Default::default(),
             prefill: None,
             prefill_dialects: None,
         }

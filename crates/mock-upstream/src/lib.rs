@@ -13,6 +13,11 @@
 //!   answer, a 400, or an answer from scratch, per the [`PrefillPolicy`].
 //! - Every request is recorded ([`RecordedRequest`]): what arrived, when, how its
 //!   response ended ([`EndKind`]) and the usage it reported.
+//! - A simulated provider prefix cache ([`PrefixCache`], off unless configured) reports
+//!   cached prompt tokens in a provider's dialect and answers hits sooner (SPEC §20.3).
+//! - A billing log ([`BillingEntry`], [`Invoice`]) records what a real provider would
+//!   bill for each accepted chat request — cut streams included — at the mock's
+//!   [`Prices`].
 //! - [`TlsFront`] serves a running mock over HTTPS with a caller's certificate.
 //! - Tasks are owned: [`MockUpstream::shutdown`] (or dropping the handle) stops the
 //!   accept loop and every connection.
@@ -20,6 +25,8 @@
 //! The script and profile formats are documented in `docs/MOCK_UPSTREAM.md`.
 
 mod behavior;
+mod billing;
+mod cache;
 mod play;
 mod prefill;
 mod profile;
@@ -41,6 +48,8 @@ use tokio::task::JoinHandle;
 pub use behavior::{
     Behavior, Fault, ReasoningField, RetryAfter, Script, Stall, ToolCallSpec, UsageMode,
 };
+pub use billing::{BillingEntry, Invoice, Prices};
+pub use cache::{CacheDialect, PrefixCache, PromptCacheSeen};
 pub use prefill::{
     continue_from, PrefillDialect, PrefillMode, PrefillOutcome, PrefillPolicy, PrefillSeen,
     VLLM_CONFLICT_MESSAGE,
@@ -54,7 +63,8 @@ pub use text::embedding_of;
 pub use tls::TlsFront;
 
 use record::Log;
-use server::{DefaultPlay, Shared};
+use serde::{Deserialize, Serialize};
+use server::{CacheState, DefaultPlay, Shared};
 
 /// How to start a mock.
 #[derive(Clone)]
@@ -81,6 +91,10 @@ pub struct MockConfig {
     /// What the mock does with prefill requests when the behavior played sets no policy
     /// of its own (default: every dialect continued).
     pub prefill: PrefillPolicy,
+    /// The simulated provider prefix cache (default: none, off).
+    pub prefix_cache: Option<PrefixCache>,
+    /// Prices of the billing log's costs (default: none, costs unknown).
+    pub prices: Option<Prices>,
 }
 
 impl std::fmt::Debug for MockConfig {
@@ -102,6 +116,8 @@ impl std::fmt::Debug for MockConfig {
             .field("record_bodies", &self.record_bodies)
             .field("log_capacity", &self.log_capacity)
             .field("prefill", &self.prefill)
+            .field("prefix_cache", &self.prefix_cache)
+            .field("prices", &self.prices)
             .finish()
     }
 }
@@ -119,6 +135,8 @@ impl Default for MockConfig {
             record_bodies: true,
             log_capacity: 100_000,
             prefill: PrefillPolicy::default(),
+            prefix_cache: None,
+            prices: None,
         }
     }
 }
@@ -130,6 +148,58 @@ impl MockConfig {
             profile: Some(profile),
             ..MockConfig::default()
         }
+    }
+
+    /// This configuration with the server-wide settings of a profile file.
+    pub fn with_settings(mut self, settings: MockSettings) -> Self {
+        if settings.prefix_cache.is_some() {
+            self.prefix_cache = settings.prefix_cache;
+        }
+        if settings.prices.is_some() {
+            self.prices = settings.prices;
+        }
+        self
+    }
+}
+
+/// Server-wide settings a profile file may carry besides its behaviors (top-level
+/// `prefix_cache` and `prices`; `Profile::from_json` accepts and ignores them).
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct MockSettings {
+    /// The prefix cache to turn on.
+    pub prefix_cache: Option<PrefixCache>,
+    /// The prices of the billing log.
+    pub prices: Option<Prices>,
+}
+
+impl MockSettings {
+    /// The settings of a JSON profile document (validated).
+    pub fn from_profile_json(text: &str) -> Result<MockSettings, ProfileError> {
+        let f: ProfileFile = serde_json::from_str(text)
+            .map_err(|e| ProfileError(format!("invalid profile: {e}")))?;
+        let s = MockSettings {
+            prefix_cache: f.prefix_cache,
+            prices: f.prices,
+        };
+        if let Some(c) = &s.prefix_cache {
+            c.validate().map_err(ProfileError)?;
+        }
+        if let Some(p) = &s.prices {
+            p.validate().map_err(ProfileError)?;
+        }
+        Ok(s)
+    }
+
+    /// The settings of a command-line `NAME|FILE` (see [`Profile::from_arg`]): none
+    /// for a built-in name, else the file's.
+    pub fn from_profile_arg(arg: &str) -> Result<MockSettings, ProfileError> {
+        if PROFILE_NAMES.contains(&arg) || arg == "long_tail" {
+            return Ok(MockSettings::default());
+        }
+        let text = std::fs::read_to_string(arg)
+            .map_err(|e| ProfileError(format!("cannot read {arg}: {e}")))?;
+        MockSettings::from_profile_json(&text).map_err(|e| ProfileError(format!("{arg}: {e}")))
     }
 }
 
@@ -164,8 +234,12 @@ impl MockUpstream {
             (None, None) => DefaultPlay::Fixed(Box::default()),
         };
         let log = Log::new(cfg.log_capacity);
+        let mut cache = CacheState::default();
+        cache.set(cfg.prefix_cache.clone());
         let shared = Arc::new(Shared {
             prefill: Mutex::new(cfg.prefill.clone()),
+            cache: Mutex::new(cache),
+            prices: Mutex::new(cfg.prices),
             cfg,
             log,
             scripts: Mutex::new(VecDeque::new()),
@@ -249,12 +323,69 @@ impl MockUpstream {
             .unwrap_or_else(|e| e.into_inner()) = policy;
     }
 
+    /// Turns the simulated prefix cache on with these settings (`None`: off). The
+    /// blocks held are kept unless `block_tokens` changes (turning it off and on
+    /// again with the same block size keeps them too; see
+    /// [`MockUpstream::clear_prefix_cache`]).
+    pub fn set_prefix_cache(&self, cache: impl Into<Option<PrefixCache>>) {
+        self.shared.cache_state().set(cache.into());
+    }
+
+    /// The prefix-cache settings in force (`None`: off).
+    pub fn prefix_cache(&self) -> Option<PrefixCache> {
+        self.shared.cache_state().cfg.clone()
+    }
+
+    /// Forgets every cached block (the settings stay).
+    pub fn clear_prefix_cache(&self) {
+        self.shared.cache_state().store.clear();
+    }
+
+    /// Blocks the prefix cache holds (expired ones may still count until the next
+    /// request purges them).
+    pub fn prefix_cache_blocks(&self) -> usize {
+        self.shared.cache_state().store.len()
+    }
+
+    /// Sets the prices of the billing log (`None`: costs unknown); applies to requests
+    /// accepted from now on.
+    pub fn set_prices(&self, prices: impl Into<Option<Prices>>) {
+        *self.shared.prices.lock().unwrap_or_else(|e| e.into_inner()) = prices.into();
+    }
+
+    /// The prices in force.
+    pub fn prices(&self) -> Option<Prices> {
+        self.shared.current_prices()
+    }
+
+    /// What a provider would bill: one entry per accepted chat request whose response
+    /// has ended, in the order they ended.
+    pub fn billing(&self) -> Vec<BillingEntry> {
+        self.shared.log.billing()
+    }
+
+    /// The billing log with each entry's cost and the total.
+    pub fn invoice(&self) -> Invoice {
+        Invoice::of(self.billing())
+    }
+
+    /// Waits (event-driven) until the billing log has at least `n` entries, or
+    /// `timeout` passes; returns it either way.
+    pub async fn wait_for_billed(&self, n: usize, timeout: Duration) -> Vec<BillingEntry> {
+        self.log().wait_for_billed(n, timeout).await
+    }
+
+    /// Forgets the billing log (the request log stays).
+    pub fn reset_billing(&self) {
+        self.shared.log.clear_billing();
+    }
+
     /// Every request received so far (since the last [`MockUpstream::reset_log`]).
     pub fn requests(&self) -> Vec<RecordedRequest> {
         self.shared.log.snapshot()
     }
 
-    /// Forgets the recorded requests.
+    /// Forgets the recorded requests (the billing log stays).
     pub fn reset_log(&self) {
         self.shared.log.clear();
     }
@@ -290,9 +421,44 @@ impl RequestLog {
         self.0.snapshot()
     }
 
-    /// Forgets the recorded requests.
+    /// Forgets the recorded requests (the billing log stays).
     pub fn reset(&self) {
         self.0.clear();
+    }
+
+    /// The billing log (see [`MockUpstream::billing`]).
+    pub fn billing(&self) -> Vec<BillingEntry> {
+        self.0.billing()
+    }
+
+    /// The billing log with costs and total (see [`MockUpstream::invoice`]).
+    pub fn invoice(&self) -> Invoice {
+        Invoice::of(self.0.billing())
+    }
+
+    /// Forgets the billing log.
+    pub fn reset_billing(&self) {
+        self.0.clear_billing();
+    }
+
+    /// Waits (event-driven) until the billing log has at least `n` entries, or
+    /// `timeout` passes; returns it either way.
+    pub async fn wait_for_billed(&self, n: usize, timeout: Duration) -> Vec<BillingEntry> {
+        let mut rx = self.0.subscribe();
+        let wait = async {
+            loop {
+                if self.0.bills_len() >= n {
+                    return self.0.billing();
+                }
+                if rx.changed().await.is_err() {
+                    return self.0.billing();
+                }
+            }
+        };
+        match tokio::time::timeout(timeout, wait).await {
+            Ok(v) => v,
+            Err(_) => self.0.billing(),
+        }
     }
 
     /// Waits (event-driven) until at least `n` recorded requests have ended, or

@@ -21,6 +21,7 @@ use tokio::sync::{mpsc, Notify};
 use tokio::time::Instant;
 
 use crate::behavior::{Behavior, Fault, ReasoningField, UsageMode};
+use crate::cache::{CacheDialect, CacheUse};
 use crate::record::{EndKind, Guard};
 
 type PlayerFuture = Pin<Box<dyn Future<Output = ()> + Send>>;
@@ -106,6 +107,8 @@ pub(crate) struct Ctx {
     pub(crate) prefill: Option<String>,
     /// The request's `max_tokens` / `max_completion_tokens` (the smaller when both).
     pub(crate) max_tokens: Option<u64>,
+    /// What the prefix cache read and wrote for the request, when one is on.
+    pub(crate) cache: Option<CacheUse>,
 }
 
 /// One incremental item of an answer.
@@ -124,6 +127,8 @@ pub(crate) struct Plan {
     pub(crate) usage: Usage,
     /// For a continued prefill: whether the planned content started with the prefix.
     pub(crate) prefill_matched: Option<bool>,
+    /// The dialect usage reports the prefix cache in (when one is on).
+    pub(crate) cache_dialect: Option<CacheDialect>,
 }
 
 /// Extends generated content (`chunk_count` words) with the next words of the request's
@@ -223,17 +228,22 @@ impl Plan {
             .iter()
             .filter(|i| matches!(i, Item::Reasoning(_)))
             .count() as u64;
-        let usage = Usage {
-            prompt_tokens: b.prompt_tokens.unwrap_or(ctx.prompt_tokens),
+        let prompt_tokens = b.prompt_tokens.unwrap_or(ctx.prompt_tokens);
+        let cache = ctx.cache.map(|c| c.clamped(prompt_tokens));
+        let mut usage = Usage {
+            prompt_tokens,
             completion_tokens: b.completion_tokens.unwrap_or(items.len() as u64),
             reasoning_tokens: (reasoning_n > 0).then_some(reasoning_n),
             ..Usage::default()
         };
+        usage.cached_prompt_tokens = cache.map(|c| c.cached);
+        usage.cache_write_tokens = cache.and_then(|c| c.reported_write());
         Plan {
             items,
             finish_reason,
             usage,
             prefill_matched,
+            cache_dialect: cache.map(|c| c.dialect),
         }
     }
 
@@ -269,7 +279,9 @@ impl Plan {
     }
 }
 
-fn usage_json(u: &Usage) -> Value {
+/// The usage object of a plan: OpenAI's fields, and the prefix cache's in its dialect
+/// (cached and written tokens are part of `prompt_tokens` in every dialect).
+pub(crate) fn usage_json(u: &Usage, dialect: Option<CacheDialect>) -> Value {
     let mut o = json!({
         "prompt_tokens": u.prompt_tokens,
         "completion_tokens": u.completion_tokens,
@@ -277,6 +289,22 @@ fn usage_json(u: &Usage) -> Value {
     });
     if let Some(r) = u.reasoning_tokens {
         o["completion_tokens_details"] = json!({ "reasoning_tokens": r });
+    }
+    let cached = u.cached_prompt_tokens.unwrap_or(0);
+    match dialect {
+        None => {}
+        Some(CacheDialect::Openai) => {
+            o["prompt_tokens_details"] = json!({ "cached_tokens": cached });
+        }
+        Some(CacheDialect::Deepseek) => {
+            o["prompt_cache_hit_tokens"] = json!(cached);
+            o["prompt_cache_miss_tokens"] = json!(u.prompt_tokens.saturating_sub(cached));
+            o["prompt_tokens_details"] = json!({ "cached_tokens": cached });
+        }
+        Some(CacheDialect::Anthropic) => {
+            o["cache_read_input_tokens"] = json!(cached);
+            o["cache_creation_input_tokens"] = json!(u.cache_write_tokens.unwrap_or(0));
+        }
     }
     o
 }
@@ -359,8 +387,10 @@ impl Stream<'_> {
     fn finish_frame(&self, plan: &Plan) -> Value {
         let mut v = self.chunk(json!({}), Some(&plan.finish_reason));
         match self.b.usage {
-            UsageMode::Inline => v["usage"] = usage_json(&plan.usage),
-            UsageMode::Choice => v["choices"][0]["usage"] = usage_json(&plan.usage),
+            UsageMode::Inline => v["usage"] = usage_json(&plan.usage, plan.cache_dialect),
+            UsageMode::Choice => {
+                v["choices"][0]["usage"] = usage_json(&plan.usage, plan.cache_dialect)
+            }
             UsageMode::FinalFrame | UsageMode::None => {}
         }
         v
@@ -414,6 +444,9 @@ impl Stream<'_> {
                 }
                 _ => {}
             }
+            // Its time has come: generated (billed) even if the client leaves before
+            // the write completes.
+            self.ctx.guard.generated += 1;
             let delta = match &plan.items[i] {
                 Item::Reasoning(s) => {
                     self.ctx.guard.reasoning.push_str(s);
@@ -455,7 +488,7 @@ impl Stream<'_> {
                 "created": self.ctx.created,
                 "model": self.ctx.model,
                 "choices": [],
-                "usage": usage_json(&plan.usage),
+                "usage": usage_json(&plan.usage, plan.cache_dialect),
             });
             self.frame(&v).await;
             self.ctx.guard.usage = Some(plan.usage);
@@ -539,14 +572,20 @@ pub(crate) fn completion_json(b: &Behavior, ctx: &Ctx, plan: &Plan) -> Value {
         "choices": [{"index": 0, "message": Value::Object(msg), "finish_reason": plan.finish_reason}],
     });
     if b.usage != UsageMode::None {
-        v["usage"] = usage_json(&plan.usage);
+        v["usage"] = usage_json(&plan.usage, plan.cache_dialect);
     }
     v
 }
 
 /// Plays a plain body with a fault (headers already sent): half the body then an abort
 /// or a clean end, an invalid body, or a body that never ends.
-pub(crate) async fn play_plain_fault(b: Behavior, mut ctx: Ctx, out: Out, body: Bytes) {
+pub(crate) async fn play_plain_fault(
+    b: Behavior,
+    mut ctx: Ctx,
+    out: Out,
+    body: Bytes,
+    plan_usage: Usage,
+) {
     let half = body.slice(..body.len() / 2);
     match b.fault {
         Some(Fault::ResetAfter { .. }) | Some(Fault::ResetAfterFinish) => {
@@ -568,6 +607,9 @@ pub(crate) async fn play_plain_fault(b: Behavior, mut ctx: Ctx, out: Out, body: 
             ctx.guard.finish(end);
         }
         Some(Fault::HangAfterFinish) => {
+            if b.usage != UsageMode::None {
+                ctx.guard.usage = Some(plan_usage);
+            }
             out.send(body).await;
             std::future::pending::<()>().await;
         }

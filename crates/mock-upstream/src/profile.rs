@@ -7,6 +7,8 @@ use std::path::Path;
 use serde::{Deserialize, Serialize};
 
 use crate::behavior::{Behavior, Fault, RetryAfter, Stall};
+use crate::billing::Prices;
+use crate::cache::PrefixCache;
 use crate::prefill::{PrefillDialect, PrefillMode, PrefillPolicy};
 
 /// The SPEC §12 long-tail shape, unscaled (seconds / milliseconds of real time).
@@ -153,6 +155,10 @@ pub struct ProfileFile {
     pub prefill: Option<PrefillMode>,
     /// The prefill dialects of every behavior that does not set its own.
     pub prefill_dialects: Option<Vec<PrefillDialect>>,
+    /// A server-wide prefix cache (read by [`crate::MockSettings`], not by the profile).
+    pub prefix_cache: Option<PrefixCache>,
+    /// Server-wide prices (read by [`crate::MockSettings`], not by the profile).
+    pub prices: Option<Prices>,
 }
 
 fn fast() -> LongTail {

@@ -11,6 +11,8 @@ use serde_json::Value;
 use tokio::sync::watch;
 
 use crate::behavior::Behavior;
+use crate::billing::{BillState, BillingEntry};
+use crate::cache::PromptCacheSeen;
 use crate::prefill::{PrefillOutcome, PrefillSeen};
 
 /// How a response ended.
@@ -95,6 +97,9 @@ pub struct RecordedRequest {
     pub prefill: Option<PrefillSeen>,
     /// Images of a vision request.
     pub images: Vec<ImageSeen>,
+    /// What the prefix cache did for the request (when one is on and the request was
+    /// accepted).
+    pub prompt_cache: Option<PromptCacheSeen>,
     /// The behavior played (for raw/profile debugging).
     pub behavior: Option<Behavior>,
 }
@@ -117,6 +122,7 @@ impl RecordedRequest {
 #[derive(Debug)]
 pub(crate) struct Log {
     entries: Mutex<VecDeque<RecordedRequest>>,
+    bills: Mutex<VecDeque<BillingEntry>>,
     capacity: usize,
     next_id: AtomicU64,
     version: watch::Sender<u64>,
@@ -128,6 +134,7 @@ impl Log {
     pub(crate) fn new(capacity: usize) -> Arc<Self> {
         Arc::new(Log {
             entries: Mutex::new(VecDeque::new()),
+            bills: Mutex::new(VecDeque::new()),
             capacity: capacity.max(1),
             next_id: AtomicU64::new(1),
             version: watch::channel(0).0,
@@ -177,6 +184,34 @@ impl Log {
         self.bump();
     }
 
+    fn bills(&self) -> std::sync::MutexGuard<'_, VecDeque<BillingEntry>> {
+        self.bills.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    pub(crate) fn push_bill(&self, e: BillingEntry) {
+        {
+            let mut g = self.bills();
+            while g.len() >= self.capacity {
+                g.pop_front();
+            }
+            g.push_back(e);
+        }
+        self.bump();
+    }
+
+    pub(crate) fn billing(&self) -> Vec<BillingEntry> {
+        self.bills().iter().cloned().collect()
+    }
+
+    pub(crate) fn bills_len(&self) -> usize {
+        self.bills().len()
+    }
+
+    pub(crate) fn clear_billing(&self) {
+        self.bills().clear();
+        self.bump();
+    }
+
     pub(crate) fn subscribe(&self) -> watch::Receiver<u64> {
         self.version.subscribe()
     }
@@ -194,6 +229,10 @@ pub(crate) struct Guard {
     pub(crate) usage: Option<Usage>,
     pub(crate) content: String,
     pub(crate) reasoning: String,
+    /// Incremental chunks generated (their time had come; written or about to be).
+    pub(crate) generated: u32,
+    /// Set once the mock accepted a chat request: billed when the response ends.
+    pub(crate) bill: Option<Box<BillState>>,
     done: bool,
 }
 
@@ -208,6 +247,8 @@ impl Guard {
             usage: None,
             content: String::new(),
             reasoning: String::new(),
+            generated: 0,
+            bill: None,
             done: false,
         }
     }
@@ -248,6 +289,11 @@ impl Guard {
             r.content = content;
             r.reasoning = reasoning;
         });
+        if let Some(bill) = self.bill.take() {
+            let usage_sent = self.usage.is_some();
+            self.log
+                .push_bill((*bill).entry(self.id, self.generated, usage_sent, end, at));
+        }
     }
 }
 

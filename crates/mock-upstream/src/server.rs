@@ -21,6 +21,8 @@ use tokio::sync::{watch, Notify};
 use tokio::task::JoinSet;
 
 use crate::behavior::{Behavior, Fault, UsageMode};
+use crate::billing::{BillState, Prices};
+use crate::cache::{self, CacheDialect, CacheUse, PrefixCache, PromptCacheSeen, Store};
 use crate::play::{self, Ctx, Plan, PlayerBody};
 use crate::prefill::{self, Decision, PrefillOutcome, PrefillPolicy, PrefillSeen};
 use crate::profile::Profile;
@@ -45,9 +47,72 @@ pub(crate) struct Shared {
     pub(crate) scripts: Mutex<VecDeque<Behavior>>,
     pub(crate) default: Mutex<DefaultPlay>,
     pub(crate) prefill: Mutex<PrefillPolicy>,
+    pub(crate) cache: Mutex<CacheState>,
+    pub(crate) prices: Mutex<Option<Prices>>,
+}
+
+/// The prefix cache of a mock: its settings (None = off) and the blocks it holds.
+#[derive(Debug, Default)]
+pub(crate) struct CacheState {
+    pub(crate) cfg: Option<PrefixCache>,
+    pub(crate) store: Store,
+    /// The block size the held blocks were cut with.
+    store_block: Option<u64>,
+}
+
+impl CacheState {
+    /// Sets the settings (sanitized); a new block size forgets the blocks held.
+    pub(crate) fn set(&mut self, cfg: Option<PrefixCache>) {
+        let cfg = cfg.map(|mut c| {
+            c.block_tokens = c.block_tokens.max(1);
+            c.max_entries = c.max_entries.max(1);
+            if !c.hit_ttft_factor.is_finite() || c.hit_ttft_factor < 0.0 {
+                c.hit_ttft_factor = 1.0;
+            }
+            c
+        });
+        if let Some(c) = &cfg {
+            if self.store_block.is_some_and(|b| b != c.block_tokens) {
+                self.store.clear();
+            }
+            self.store_block = Some(c.block_tokens);
+        }
+        self.cfg = cfg;
+    }
 }
 
 impl Shared {
+    pub(crate) fn cache_state(&self) -> std::sync::MutexGuard<'_, CacheState> {
+        self.cache.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    pub(crate) fn current_prices(&self) -> Option<Prices> {
+        *self.prices.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Reads then writes the prefix cache for an accepted chat request (None when the
+    /// cache is off). The prompt is hashed outside the lock.
+    fn prefix_lookup(&self, body: &Value) -> Option<(PrefixCache, PromptCacheSeen)> {
+        let block = self.cache_state().cfg.as_ref()?.block_tokens;
+        let blocks = cache::blocks(body, block);
+        let mut st = self.cache_state();
+        let cfg = st.cfg.clone()?;
+        if cfg.block_tokens != block {
+            return None; // reconfigured meanwhile: this request is not cached
+        }
+        let look = st
+            .store
+            .lookup_and_write(&cfg, &blocks, tokio::time::Instant::now());
+        let seen = PromptCacheSeen {
+            prompt_tokens: blocks.tokens,
+            cached_tokens: look.cached,
+            cache_write_tokens: look.written - look.cached,
+            written_tokens: look.written,
+            dialect: cfg.dialect,
+        };
+        Some((cfg, seen))
+    }
+
     fn prefill_policy(&self) -> PrefillPolicy {
         self.prefill
             .lock()
@@ -159,7 +224,22 @@ fn response(
             r.headers_mut().insert(RETRY_AFTER, v);
         }
     }
+    if let Some(b) = b {
+        extra_headers(&mut r, &b.headers);
+    }
     r
+}
+
+/// A behavior's extra response headers.
+fn extra_headers(r: &mut Response<RespBody>, headers: &std::collections::BTreeMap<String, String>) {
+    for (k, v) in headers {
+        if let (Ok(k), Ok(v)) = (
+            hyper::header::HeaderName::from_bytes(k.as_bytes()),
+            HeaderValue::from_str(v),
+        ) {
+            r.headers_mut().insert(k, v);
+        }
+    }
 }
 
 fn json_response(status: u16, v: &Value, b: Option<&Behavior>) -> Response<RespBody> {
@@ -257,7 +337,7 @@ async fn handle_request(
         } else {
             Value::Null
         },
-        call_id,
+        call_id: call_id.clone(),
         authorization: auth.is_some(),
         arrived_at: now(),
         headers_at: None,
@@ -273,6 +353,7 @@ async fn handle_request(
         full_content: String::new(),
         prefill: None,
         images: Vec::new(),
+        prompt_cache: None,
         behavior: None,
     });
     let guard = Guard::new(log, id);
@@ -322,7 +403,7 @@ async fn handle_request(
             if path.ends_with("/embeddings") {
                 embeddings(&shared, kill, guard, b, body).await
             } else {
-                chat(&shared, kill, guard, b, body).await
+                chat(&shared, kill, guard, b, body, call_id).await
             }
         }
         _ => simple(
@@ -430,8 +511,9 @@ async fn chat(
     shared: &Shared,
     kill: Arc<Notify>,
     guard: Guard,
-    b: Behavior,
+    mut b: Behavior,
     body: Value,
+    call_id: Option<String>,
 ) -> Response<RespBody> {
     let guard = match prelude(&kill, guard, &b).await {
         Ok(g) => g,
@@ -473,7 +555,23 @@ async fn chat(
             .collect();
         format!("[mock-ocr] {} image(s): {}", images.len(), parts.join(", "))
     });
-    let ctx = Ctx {
+    // The prefix cache: read, then write this prompt's blocks; a hit answers sooner.
+    let cache_use = match shared.prefix_lookup(&body) {
+        Some((cfg, seen)) => {
+            if seen.cached_tokens > 0 {
+                b.ttft_ms *= cfg.hit_ttft_factor;
+                guard_behavior(&guard, &b);
+            }
+            guard_log(&guard, move |r| r.prompt_cache = Some(seen));
+            Some(CacheUse {
+                dialect: cfg.dialect,
+                cached: seen.cached_tokens,
+                write: seen.cache_write_tokens,
+            })
+        }
+        None => None,
+    };
+    let mut ctx = Ctx {
         model: b
             .model
             .clone()
@@ -489,6 +587,7 @@ async fn chat(
         image_summary,
         prefill: prefix,
         max_tokens: max_tokens(&body),
+        cache: cache_use,
         kill,
         guard,
     };
@@ -514,15 +613,46 @@ async fn chat(
     }
 
     // Verbatim bodies.
-    match raw_bytes(&b).await {
-        Ok(Some((bytes, ct))) => return raw_response(b, ctx, bytes, ct),
-        Ok(None) => {}
+    let raw = match raw_bytes(&b).await {
+        Ok(raw) => raw,
         Err(e) => {
             let mut g = ctx.guard;
             g.headers_sent(500);
             g.finish(EndKind::Error { status: 500 });
             return json_response(500, &error_json(500, None, Some(&e)), None);
         }
+    };
+    // Accepted: from here on the answer is generated, and billed when it ends.
+    {
+        let verbatim = raw.is_some() || b.raw_body.is_some();
+        let prompt_tokens = plan.usage.prompt_tokens;
+        let cache = cache_use.map(|c| c.clamped(prompt_tokens));
+        let (planned_completion, planned_items) = if verbatim {
+            (b.completion_tokens.unwrap_or(0), 0)
+        } else {
+            (plan.usage.completion_tokens, plan.items.len() as u32)
+        };
+        ctx.guard.bill = Some(Box::new(BillState {
+            call_id,
+            model: body
+                .get("model")
+                .and_then(Value::as_str)
+                .map(str::to_string),
+            stream,
+            prompt_tokens,
+            cached_tokens: cache.map_or(0, |c| c.cached),
+            cache_write_tokens: cache
+                .filter(|c| c.dialect == CacheDialect::Anthropic)
+                .map_or(0, |c| c.write),
+            planned_completion,
+            planned_items,
+            verbatim,
+            cache_dialect: cache.map(|c| c.dialect),
+            prices: shared.current_prices(),
+        }));
+    }
+    if let Some((bytes, ct)) = raw {
+        return raw_response(b, ctx, bytes, ct);
     }
     if let Some(raw) = b.raw_body.clone() {
         let ct = b
@@ -535,26 +665,32 @@ async fn chat(
     if stream {
         ctx.guard.headers_sent(b.status);
         let status = b.status;
+        let headers = b.headers.clone();
         let body = PlayerBody::new(move |out| play::play_stream(b, ctx, out));
         let mut r = response(status, "text/event-stream", body.boxed_unsync(), None);
+        extra_headers(&mut r, &headers);
         r.headers_mut()
             .insert("cache-control", HeaderValue::from_static("no-cache"));
         return r;
     }
 
-    // Plain: the headers wait for the whole generation.
+    // Plain: the headers wait for the whole generation, chunk by chunk (a chunk
+    // is generated, and billed, when its time has come).
     let n = plan.items.len();
-    let mut wait = b.ttft_ms;
+    let mut at = tokio::time::Instant::now() + ms(b.ttft_ms);
     for i in 0..n {
         if i > 0 {
-            wait += b.gap_before(i);
+            at += ms(b.gap_before(i));
         }
-        wait += b.stall_before(i);
+        at += ms(b.stall_before(i));
+        if at > tokio::time::Instant::now() {
+            tokio::time::sleep_until(at).await;
+        }
+        ctx.guard.generated += 1;
     }
-    if wait > 0.0 {
-        tokio::time::sleep(ms(wait)).await;
+    if at > tokio::time::Instant::now() {
+        tokio::time::sleep_until(at).await;
     }
-    let mut ctx = ctx;
     if let Some(Fault::ErrorFrameAt { error, .. }) = &b.fault {
         let e = error.clone().unwrap_or_else(play::default_error_object);
         ctx.guard.headers_sent(b.status);
@@ -571,8 +707,13 @@ async fn chat(
         | Some(Fault::MalformedAt { .. })
         | Some(Fault::HangAfterFinish) => {
             let status = b.status;
-            let body = PlayerBody::new(move |out| play::play_plain_fault(b, ctx, out, bytes));
-            response(status, "application/json", body.boxed_unsync(), None)
+            let usage = plan.usage;
+            let headers = b.headers.clone();
+            let body =
+                PlayerBody::new(move |out| play::play_plain_fault(b, ctx, out, bytes, usage));
+            let mut r = response(status, "application/json", body.boxed_unsync(), None);
+            extra_headers(&mut r, &headers);
+            r
         }
         _ => {
             play::plain_sent(&mut ctx, &b, &plan);
@@ -590,8 +731,10 @@ fn raw_response_ct(b: Behavior, ctx: Ctx, bytes: Bytes, ct: String) -> Response<
     ctx.guard.headers_sent(b.status);
     let status = b.status;
     let retry = b.retry_after.clone();
+    let headers = b.headers.clone();
     let body = PlayerBody::new(move |out| play::play_raw(b, ctx, out, bytes));
     let mut r = response(status, &ct, body.boxed_unsync(), None);
+    extra_headers(&mut r, &headers);
     if let Some(ra) = retry {
         if let Ok(v) = HeaderValue::from_str(&ra.header_value()) {
             r.headers_mut().insert(RETRY_AFTER, v);

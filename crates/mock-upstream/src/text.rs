@@ -21,9 +21,16 @@ pub(crate) fn mix(mut x: u64) -> u64 {
     x ^ (x >> 31)
 }
 
+/// FNV-1a's offset basis.
+pub(crate) const FNV_OFFSET: u64 = 0xCBF2_9CE4_8422_2325;
+
 /// FNV-1a of some bytes.
 fn fnv1a(bytes: &[u8]) -> u64 {
-    let mut h: u64 = 0xCBF2_9CE4_8422_2325;
+    fnv1a_from(FNV_OFFSET, bytes)
+}
+
+/// FNV-1a continued from state `h`.
+pub(crate) fn fnv1a_from(mut h: u64, bytes: &[u8]) -> u64 {
     for b in bytes {
         h ^= u64::from(*b);
         h = h.wrapping_mul(0x0000_0100_0000_01B3);
@@ -127,9 +134,27 @@ pub fn embedding_of(text: &str, dim: usize) -> Vec<f32> {
 
 /// The embedding inputs of a body: a string or an array of strings.
 pub(crate) fn embedding_inputs(body: &Value) -> Option<Vec<String>> {
+    // Token ids stand for the text `tokens:1,2,3` (a deterministic vector per array).
+    let tokens = |a: &[Value]| -> Option<String> {
+        let ids: Option<Vec<String>> = a
+            .iter()
+            .map(|t| t.as_u64().map(|n| n.to_string()))
+            .collect();
+        ids.filter(|i| !i.is_empty())
+            .map(|i| format!("tokens:{}", i.join(",")))
+    };
     match body.get("input")? {
         Value::String(s) => Some(vec![s.clone()]),
-        Value::Array(a) => a.iter().map(|v| v.as_str().map(str::to_string)).collect(),
+        // One input as token ids, as OpenAI accepts it.
+        Value::Array(a) if a.first().is_some_and(Value::is_number) => Some(vec![tokens(a)?]),
+        Value::Array(a) => a
+            .iter()
+            .map(|v| match v {
+                Value::String(s) => Some(s.clone()),
+                Value::Array(t) => tokens(t),
+                _ => None,
+            })
+            .collect(),
         _ => None,
     }
 }
@@ -232,6 +257,15 @@ mod tests {
             embedding_inputs(&json!({"input":"x"})),
             Some(vec!["x".to_string()])
         );
-        assert_eq!(embedding_inputs(&json!({"input":[1]})), None);
+        // Token arrays (one, or several) stand for a text of their ids.
+        assert_eq!(
+            embedding_inputs(&json!({"input":[1, 2]})),
+            Some(vec!["tokens:1,2".to_string()])
+        );
+        assert_eq!(
+            embedding_inputs(&json!({"input":[[1], "x"]})),
+            Some(vec!["tokens:1".to_string(), "x".to_string()])
+        );
+        assert_eq!(embedding_inputs(&json!({"input":[true]})), None);
     }
 }

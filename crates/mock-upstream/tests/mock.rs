@@ -1,7 +1,8 @@
 //! Integration tests of the mock upstream over real loopback HTTP (reqwest as the
 //! client, raw TCP where the wire itself matters): routes, the SSE it writes, delays,
 //! keepalives, every fault, the request log, profiles and shutdown; prefill in
-//! `mock/prefill.rs`.
+//! `mock/prefill.rs`, the prefix cache in `mock/cache.rs`, the billing log in
+//! `mock/billing.rs`.
 
 use std::io::{Read, Write};
 use std::time::Duration;
@@ -12,6 +13,10 @@ use polygw_mock_upstream::{
 };
 use serde_json::{json, Value};
 
+#[path = "mock/billing.rs"]
+mod billing;
+#[path = "mock/cache.rs"]
+mod cache;
 #[path = "mock/prefill.rs"]
 mod prefill;
 

@@ -6,8 +6,8 @@ use std::sync::Arc;
 
 use polygw_core::config::guards;
 use polygw_core::ports::{
-    BreakerStore, Clock, EmbeddingTransport, OcrTransport, RateLimiter, ResponseCache, Rng,
-    TelemetryRecorder, Transport,
+    BreakerStore, Clock, EmbeddingTransport, OcrTransport, RateLimiter, ResponseCache,
+    ResponseStore, Rng, TelemetryRecorder, Transport,
 };
 use polygw_core::{ConfigWarning, GatewayError, ScopeKind, ScopeSettings};
 
@@ -40,6 +40,7 @@ pub struct GatewayBuilder {
     breakers: Option<Arc<dyn BreakerStore>>,
     telemetry: Option<Arc<dyn TelemetryRecorder>>,
     cache: Option<Arc<dyn ResponseCache>>,
+    responses: Option<Arc<dyn ResponseStore>>,
     clock: Option<Arc<dyn Clock>>,
     rng: Option<Arc<dyn Rng>>,
     metrics: Option<Arc<Metrics>>,
@@ -58,6 +59,7 @@ impl GatewayBuilder {
             breakers: None,
             telemetry: None,
             cache: None,
+            responses: None,
             clock: None,
             rng: None,
             metrics: None,
@@ -102,6 +104,13 @@ impl GatewayBuilder {
     /// The response cache.
     pub fn cache(mut self, c: Arc<dyn ResponseCache>) -> Self {
         self.cache = Some(c);
+        self
+    }
+    /// The store of OpenAI Responses answers (`polygw serve`'s `/v1/responses` with
+    /// `store`; default: the scope's telemetry database, else a bounded in-process
+    /// store shared by the process's clients of the scope).
+    pub fn responses(mut self, r: Arc<dyn ResponseStore>) -> Self {
+        self.responses = Some(r);
         self
     }
     /// The clock (must agree with tokio's timer; the default reads it).
@@ -199,9 +208,14 @@ impl GatewayBuilder {
                 (l.unwrap_or(dl), b.unwrap_or(db))
             }
         };
-        let telemetry = match self.telemetry {
-            Some(t) => t,
+        let (telemetry, sql_store) = match self.telemetry {
+            Some(t) => (t, None),
             None => wiring::telemetry(s).await?,
+        };
+        let responses = match (self.responses, sql_store) {
+            (Some(r), _) => r,
+            (None, Some(r)) => r,
+            (None, None) => wiring::memory_responses(s)?,
         };
         let cache = match self.cache {
             Some(c) => c,
@@ -215,6 +229,7 @@ impl GatewayBuilder {
             breakers,
             telemetry,
             cache,
+            responses,
             clock,
             rng,
         };

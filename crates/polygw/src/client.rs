@@ -43,6 +43,12 @@ pub struct CallOptions {
     /// starts (`polygw serve` answers with it in `x-request-id`, also when it sends its
     /// headers before the first chunk). Default: a new UUIDv7. It must be unique.
     pub logical_call_id: Option<String>,
+    /// The API route the call came by (`chat`, `responses`, `messages`: the telemetry
+    /// `api` column, SPEC §18.4); `None` for a library call.
+    pub api: Option<&'static str>,
+    /// The call's affinity key (the client's `prompt_cache_key`, session id or user:
+    /// SPEC §20.2).
+    pub affinity_key: Option<String>,
 }
 
 impl CallOptions {
@@ -140,6 +146,15 @@ impl Leg for ChatLeg<'_> {
         estimate_prompt_tokens(self.request)
     }
 
+    fn single_choice(&self) -> bool {
+        self.request
+            .overlay
+            .as_ref()
+            .and_then(|o| o.get("n"))
+            .and_then(serde_json::Value::as_u64)
+            .is_none_or(|n| n <= 1)
+    }
+
     fn max_output_tokens(&self) -> u64 {
         let overlay = self.request.overlay.as_ref().and_then(|o| {
             ["max_completion_tokens", "max_tokens"]
@@ -204,6 +219,12 @@ impl GatewayClient {
     /// The client's metrics.
     pub fn metrics(&self) -> Arc<Metrics> {
         self.engine.metrics.clone()
+    }
+
+    /// The store of OpenAI Responses answers of this scope (`polygw serve`'s
+    /// `/v1/responses` with `store`).
+    pub fn response_store(&self) -> Arc<dyn polygw_core::ports::ResponseStore> {
+        self.engine.ports.responses.clone()
     }
 
     /// Telemetry rows dropped so far (queue overflow).
@@ -313,6 +334,7 @@ impl GatewayClient {
         let engine = &self.engine;
         let (call, span) = self.new_call_with_id(request.stream, options.logical_call_id);
         call.set_max_wait(options.max_wait, options.max_wait_name);
+        call.set_api(options.api);
         if let Some(m) = request.max_tokens {
             span.record("gen_ai.request.max_tokens", m);
         }
@@ -348,6 +370,7 @@ impl GatewayClient {
             if r.call_stats.hedge_won {
                 self.engine.scope_metrics.hedge_win();
             }
+            self.engine.log_rescue(call, r);
         }
         self.engine.conclude(call, span, result.as_ref().err());
     }
@@ -378,8 +401,13 @@ impl GatewayClient {
         if call.count_in_budget() {
             engine.budget().record_call(engine.ports.clock.now());
         }
-        let policy = HedgePolicy::for_request(&engine.scope.hedge, request.stream);
+        let mut policy = HedgePolicy::for_request(&engine.scope.hedge, request.stream);
         let leg = ChatLeg { request };
+        if !leg.single_choice() {
+            // n > 1 (SPEC §17.5): the choices are the upstream's, passed through; no
+            // other leg can join or continue them.
+            policy.max_extra = 0;
+        }
         let won = engine.run_call(&leg, call, policy, sink).await?;
         let response = self.response(won, call);
         if let (Some(k), Some(ttl)) = (&key, engine.scope.cache.ttl) {
@@ -387,6 +415,7 @@ impl GatewayClient {
                 // The cached copy holds the answer, not the upstream's own object.
                 let cached = LlmResponse {
                     upstream: None,
+                    upstream_headers: Vec::new(),
                     ..response.clone()
                 };
                 if let Err(e) = engine.ports.cache.put(k, &cached, ttl).await {
@@ -479,6 +508,7 @@ impl GatewayClient {
                 stall_ms,
                 stall_count: figures.and_then(|f| f.stall_count),
             },
+            upstream_headers: tr.upstream_headers,
         }
     }
 }

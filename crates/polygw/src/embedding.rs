@@ -11,8 +11,8 @@ use polygw_core::round::LegKind;
 use polygw_core::stall::ms;
 use polygw_core::telemetry::{cost, CostBasis};
 use polygw_core::{
-    AttemptError, CallStats, ConfigWarning, ErrorClass, ErrorLabel, GatewayError, ScopeKind,
-    SourceConfig, Usage, UsageSource,
+    AttemptError, CallStats, ConfigWarning, EmbeddingInput, ErrorClass, ErrorLabel, GatewayError,
+    ScopeKind, SourceConfig, Usage, UsageSource,
 };
 use serde::Serialize;
 use tracing::Instrument;
@@ -54,7 +54,7 @@ pub struct EmbeddingClient {
 crate::scope_client::scope_client!(EmbeddingClient, ScopeKind::Embedding, build_embedding);
 
 struct EmbedLeg<'t> {
-    texts: &'t [String],
+    inputs: &'t [EmbeddingInput],
 }
 
 impl Leg for EmbedLeg<'_> {
@@ -72,7 +72,7 @@ impl Leg for EmbedLeg<'_> {
         _observer: &'a dyn ChunkObserver,
         _kind: &'a LegKind,
     ) -> BoxFuture<'a, Result<EmbeddingResult, AttemptError>> {
-        let n = self.texts.len();
+        let n = self.inputs.len();
         async move {
             let Some(t) = engine.ports.embedder.as_ref() else {
                 return Err(AttemptError::new(
@@ -81,7 +81,7 @@ impl Leg for EmbedLeg<'_> {
                     "no embedding transport configured",
                 ));
             };
-            let r = t.embed(source, self.texts, call_id).await?;
+            let r = t.embed_inputs(source, self.inputs, call_id).await?;
             if r.vectors.len() != n {
                 return Err(AttemptError::new(
                     ErrorClass::Invalid,
@@ -144,11 +144,23 @@ impl EmbeddingClient {
         texts: &[String],
         options: CallOptions,
     ) -> Result<Embeddings, GatewayError> {
+        let inputs: Vec<EmbeddingInput> = texts.iter().cloned().map(EmbeddingInput::Text).collect();
+        self.embed_inputs_with(&inputs, options).await
+    }
+
+    /// Embeds inputs that may be token arrays (passed through as sent: SPEC §17.5),
+    /// with per-call options.
+    pub async fn embed_inputs_with(
+        &self,
+        texts: &[EmbeddingInput],
+        options: CallOptions,
+    ) -> Result<Embeddings, GatewayError> {
         let engine = &self.engine;
         let started = engine.ports.clock.now();
         let id = options.logical_call_id.unwrap_or_else(new_id);
         let call = Arc::new(CallShared::new(id, started, false));
         call.set_max_wait(options.max_wait, options.max_wait_name.clone());
+        call.set_api(options.api);
         let span = tracing::info_span!(
             "polygw.embed",
             gen_ai.operation.name = "embeddings",
@@ -170,7 +182,7 @@ impl EmbeddingClient {
 
     async fn run(
         &self,
-        texts: &[String],
+        texts: &[EmbeddingInput],
         call: &Arc<CallShared>,
     ) -> Result<Embeddings, GatewayError> {
         let engine = &self.engine;
@@ -191,7 +203,7 @@ impl EmbeddingClient {
         };
         let mut generation = 0u64;
         for batch in texts.chunks(self.batch_size()) {
-            let leg = EmbedLeg { texts: batch };
+            let leg = EmbedLeg { inputs: batch };
             let won = engine.run_call(&leg, call, off, None).await?;
             let src = &engine.scope.sources[won.info.source_idx];
             generation += ms(won.wall);

@@ -59,7 +59,7 @@ pub mod telemetry {
 pub use polygw_core as core;
 pub use polygw_core::ports::{FlushReport, StreamDelta, ToolCallDelta};
 pub use polygw_core::{
-    AttemptError, CallStats, ChatRequest, ConfigError, ConfigWarning, ErrorClass, ErrorLabel,
-    GatewayError, LlmResponse, Message, RetryPrefer, ScopeKind, ScopeSettings, SourceConfig,
-    TerminalReason, ToolCall, Usage, UsageSource,
+    AttemptError, CallStats, ChatRequest, ConfigError, ConfigWarning, EmbeddingInput, ErrorClass,
+    ErrorLabel, GatewayError, LlmResponse, Message, RetryPrefer, ScopeKind, ScopeSettings,
+    SourceConfig, TerminalReason, ToolCall, Usage, UsageSource,
 };

@@ -9,6 +9,7 @@
 use std::collections::VecDeque;
 use std::future::Future;
 use std::pin::Pin;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll};
 
@@ -36,9 +37,10 @@ pub enum ChatEvent {
 
 type CallFuture = Pin<Box<dyn Future<Output = Result<LlmResponse, GatewayError>> + Send>>;
 
-/// The sink the round forwards into: a queue the stream drains.
+/// The sink the round forwards into: a queue the stream drains, and the number of
+/// attempts running.
 #[derive(Default)]
-pub(crate) struct QueueSink(Mutex<VecDeque<ChatEvent>>);
+pub(crate) struct QueueSink(Mutex<VecDeque<ChatEvent>>, AtomicUsize);
 
 impl QueueSink {
     fn pop(&self) -> Option<ChatEvent> {
@@ -59,6 +61,10 @@ impl DeltaSink for QueueSink {
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .push_back(ChatEvent::Delta(delta));
+    }
+
+    fn attempts_running(&self, n: usize) {
+        self.1.store(n, Ordering::Relaxed);
     }
 }
 
@@ -92,6 +98,13 @@ impl ChatStream {
             outcome: None,
             finished: false,
         }
+    }
+
+    /// How many of the call's attempts are running now: 0 while it waits for admission,
+    /// backs off between rounds, or before it started (a proxy keeps a client's
+    /// connection alive only while an attempt actually runs, SPEC §17.2).
+    pub fn attempts_running(&self) -> usize {
+        self.queue.1.load(Ordering::Relaxed)
     }
 
     /// Drains every event already available without waiting (a proxy writes them in

@@ -7,7 +7,7 @@ use std::sync::Arc;
 
 use polygw_core::ports::{
     BreakerStore, Clock, EmbeddingTransport, NullCache, NullRecorder, OcrTransport, RateLimiter,
-    ResponseCache, TelemetryRecorder, Transport,
+    ResponseCache, ResponseStore, TelemetryRecorder, Transport,
 };
 use polygw_core::secret::redact_url;
 use polygw_core::{ConfigError, GatewayError, ScopeSettings};
@@ -138,12 +138,13 @@ pub(crate) async fn governance(
     ))
 }
 
-/// The telemetry recorder of `{S}__TELEMETRY__URL` (off when unset).
+/// The telemetry recorder of `{S}__TELEMETRY__URL` (off when unset), and the store of
+/// Responses answers in the same database.
 pub(crate) async fn telemetry(
     s: &ScopeSettings,
-) -> Result<Arc<dyn TelemetryRecorder>, GatewayError> {
+) -> Result<(Arc<dyn TelemetryRecorder>, Option<Arc<dyn ResponseStore>>), GatewayError> {
     let Some(url) = &s.telemetry_url else {
-        return Ok(Arc::new(NullRecorder));
+        return Ok((Arc::new(NullRecorder), None));
     };
     let key = format!("{}__TELEMETRY__URL", s.name);
     let raw = url.expose();
@@ -167,10 +168,25 @@ pub(crate) async fn telemetry(
         )
         .await
         .map_err(|e| needs(key, redact_url(raw), &format!("a reachable database ({e})")))?;
-        Ok(Arc::new(r))
+        let store: Arc<dyn ResponseStore> = Arc::new(r.response_store());
+        Ok((Arc::new(r), Some(store)))
     }
     #[cfg(not(any(feature = "sqlite", feature = "postgres")))]
     unreachable!("checked above")
+}
+
+/// The store of Responses answers when the scope has no telemetry database: a bounded
+/// in-process store shared by every client of the scope in this process.
+pub(crate) fn memory_responses(s: &ScopeSettings) -> Result<Arc<dyn ResponseStore>, GatewayError> {
+    #[cfg(feature = "memory")]
+    {
+        Ok(polygw_limiter_memory::shared_responses(&s.name))
+    }
+    #[cfg(not(feature = "memory"))]
+    {
+        let _ = s;
+        Ok(Arc::new(polygw_core::ports::NullStore))
+    }
 }
 
 /// The response cache of `{S}__CACHE__TTL_S` (off when unset).

@@ -699,6 +699,60 @@ async fn a_hedge_loser_settles_its_reservation_once_and_is_no_breaker_failure() 
     checkpoint(l, "limiter", |mut m| m.checkpoint());
 }
 
+/// Issue 22, item 6: the governance backend fails the hedge leg's admission. No leg
+/// is admitted blindly, and the running primary is not cut: it answers, its row is
+/// `ok` (nothing says `cancelled`), its permit settles once with its usage.
+#[tokio::test(start_paused = true)]
+async fn a_backend_error_on_the_hedge_admission_cuts_nothing() {
+    let ledger = Ledger::default();
+    let log = BreakerLog::default();
+    let rows = Rows::default();
+    let t = paced(
+        transport(&[("s-0", 1)], |_| Ok(ok_result())),
+        &[("s-0", ms(1000))],
+    );
+    let mut l = MockRateLimiter::new();
+    let granted = Arc::new(Mutex::new(0u32));
+    let l_ledger = ledger.clone();
+    l.expect_acquire().times(2).returning(move |req| {
+        let mut n = granted.lock().unwrap();
+        *n += 1;
+        if *n == 1 {
+            let backend = l_ledger.backend(req.source, req.est_tokens);
+            Ok(Admission::Admitted(Permit::new(
+                req.est_tokens,
+                Box::new(backend),
+            )))
+        } else {
+            Err(GovernanceError::new("redis", "connection refused"))
+        }
+    });
+    l.expect_in_flight().returning(|_, _| Ok(0));
+    l.expect_flush().returning(|| Ok(()));
+    let l = Arc::new(l);
+    let p = Ports {
+        transport: t.clone(),
+        limiter: l.clone(),
+        breakers: Arc::new(breakers(&log, allowed)),
+        telemetry: Arc::new(recorder(&rows, 1)),
+        cache: None,
+    };
+    let c = client(scope(2, hedged), &p).await;
+    let r = c
+        .chat(ChatRequest::user("hi"))
+        .await
+        .expect("the primary answers");
+    assert_eq!(r.source, "s-0");
+    assert_eq!((r.call_stats.attempts, r.call_stats.hedges), (1, 0));
+    settle_background().await;
+    ledger.assert_settled(|_| MEASURED);
+    let primary = rows.attempt_of("s-0");
+    assert_eq!(primary.len(), 1);
+    assert!(primary[0].ok, "{:?}", primary[0].error);
+    verify(c, p).await;
+    checkpoint(l, "limiter", |mut m| m.checkpoint());
+}
+
 /// Both legs answer in the same instant; the deadline passes while the round is
 /// still recording their outcomes (a slow breaker backend). Neither leg may be
 /// labelled `hedge_cancelled` (SPEC §7, §13.6: none on deadline or caller drop), and

@@ -36,8 +36,8 @@ use tokio::net::TcpStream;
 use tokio::sync::watch;
 use tokio::time::{Instant, Sleep};
 
+use crate::errors::ApiError;
 use crate::metrics::ProxyCounters;
-use crate::openai::ApiError;
 
 /// What the request handlers know of their connection (a request extension set by
 /// [`crate::serve`]; absent when the router is mounted in another server).

@@ -1,19 +1,124 @@
-//! A failed logical call as an HTTP answer (docs/SERVE.md, "Errors"): which terminal
-//! reasons are rate limits (429 with `Retry-After`), which are unavailability (503),
-//! the deadline (504, saying what happened), and rejections (the upstream's status).
+//! A failed call as an HTTP answer (docs/SERVE.md, "Errors"): [`ApiError`], the
+//! API-neutral description every route renders in its own shape (OpenAI's error object
+//! for chat completions and Responses, Anthropic's for Messages), and
+//! [`from_gateway`]: which terminal reasons are rate limits (429 with `Retry-After`),
+//! which are unavailability (503), which are a source's misconfiguration (502), the
+//! deadline (504, saying what happened), and rejections (the upstream's status).
 
 use std::time::Duration;
 
-use axum::http::StatusCode;
+use axum::http::{header, HeaderValue, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::Json;
 use polygw::core::{ErrorClass, RefusalReason, SourceReason};
 use polygw::{ErrorLabel, GatewayError, TerminalReason};
+use serde_json::{json, Value};
 
-use crate::openai::ApiError;
+/// An error as the proxy answers it: an HTTP status and OpenAI's error fields (every
+/// route renders these in its API's shape).
+#[derive(Debug, Clone, PartialEq)]
+pub struct ApiError {
+    /// The HTTP status.
+    pub status: StatusCode,
+    /// `error.message`.
+    pub message: String,
+    /// `error.type`.
+    pub kind: &'static str,
+    /// `error.param`: the request field at fault, when one is.
+    pub param: Option<String>,
+    /// `error.code`.
+    pub code: Option<String>,
+    /// `Retry-After` (seconds).
+    pub retry_after: Option<u64>,
+    /// `x-should-retry`: whether a client library's own retry can help (the OpenAI and
+    /// Anthropic SDKs obey it). `None`: the header is not sent.
+    pub should_retry: Option<bool>,
+}
+
+impl ApiError {
+    /// A 400 naming the field at fault.
+    pub fn bad_request(param: &str, message: impl Into<String>) -> Self {
+        ApiError {
+            status: StatusCode::BAD_REQUEST,
+            message: message.into(),
+            kind: "invalid_request_error",
+            param: Some(param.to_string()),
+            code: None,
+            retry_after: None,
+            should_retry: None,
+        }
+    }
+
+    /// An error with a status, a type and a code.
+    pub fn new(
+        status: StatusCode,
+        kind: &'static str,
+        code: &str,
+        message: impl Into<String>,
+    ) -> Self {
+        ApiError {
+            status,
+            message: message.into(),
+            kind,
+            param: None,
+            code: Some(code.to_string()),
+            retry_after: None,
+            should_retry: None,
+        }
+    }
+
+    /// With `Retry-After` (seconds).
+    pub fn with_retry_after(mut self, secs: u64) -> Self {
+        self.retry_after = Some(secs);
+        self
+    }
+
+    /// With `param`.
+    pub fn with_param(mut self, param: &str) -> Self {
+        self.param = Some(param.to_string());
+        self
+    }
+
+    /// OpenAI's error object.
+    pub fn body(&self) -> Value {
+        json!({"error": {
+            "message": self.message,
+            "type": self.kind,
+            "param": self.param,
+            "code": self.code,
+        }})
+    }
+
+    /// `Retry-After` and `x-should-retry` on an answer.
+    pub fn set_headers(&self, h: &mut axum::http::HeaderMap) {
+        if let Some(s) = self.retry_after {
+            h.insert(header::RETRY_AFTER, HeaderValue::from(s));
+        }
+        if let Some(r) = self.should_retry {
+            h.insert(
+                crate::names::X_SHOULD_RETRY,
+                HeaderValue::from_static(if r { "true" } else { "false" }),
+            );
+        }
+    }
+}
+
+/// An OpenAI error as a response (status, JSON body, `Retry-After`, `x-should-retry`).
+pub fn error_response(e: &ApiError) -> Response {
+    let mut resp = (e.status, Json(e.body())).into_response();
+    e.set_headers(resp.headers_mut());
+    resp
+}
 
 /// `Retry-After` seconds for a duration: rounded up, at least 1.
 pub fn retry_after_secs(d: Duration) -> u64 {
     (d.as_secs_f64().ceil() as u64).max(1)
 }
+
+/// The longest `Retry-After` a client library waits out on its own (the OpenAI SDKs
+/// retry a 429 after its `Retry-After` only up to 60 s); beyond it, retrying soon cannot
+/// help and the answer says so (`x-should-retry: false`).
+pub const CLIENT_RETRY_HORIZON_S: u64 = 60;
 
 /// Whether a source's reason says "busy, come back later" (a quota, a cooldown on an
 /// upstream's rate-limit hint) rather than "broken".
@@ -60,15 +165,56 @@ pub fn is_rate_limited(e: &GatewayError) -> bool {
     live.into_iter().all(is_rate_reason)
 }
 
-/// The answer to a failed call (SPEC §11, §15):
+/// SPEC §17.4: the call failed because the sources it could use are misconfigured —
+/// every source reason is a dead source (401/403/404/402 `BREAKER__DEAD_AFTER` times),
+/// or a source kept out of the call (a redirect, an answer over the size cap), and the
+/// last error is one of those: a 502 that names the source and the upstream status,
+/// not a retryable 503.
+fn source_fault(e: &GatewayError) -> Option<String> {
+    let ctx = e.context()?;
+    let last = ctx.last_error.as_deref()?;
+    let fault = last.class == ErrorClass::Dead || last.excludes_source;
+    let only_faults = ctx.reasons.values().all(|r| {
+        is_dead(r) || matches!(r, SourceReason::Failed(ErrorLabel::Invalid)) && last.excludes_source
+    });
+    if !fault || !only_faults {
+        return None;
+    }
+    let source = ctx.last_source.as_deref().unwrap_or("a source");
+    let status = last
+        .http_status
+        .map_or(String::new(), |s| format!(" HTTP {s}"));
+    let what = last
+        .provider_message
+        .as_deref()
+        .or(last.provider_code.as_deref())
+        .unwrap_or(last.detail.as_str());
+    let hint = if last.class == ErrorClass::Dead {
+        "check its API_KEY and MODEL"
+    } else if last.http_status.is_some_and(|s| (300..400).contains(&s)) {
+        "check its BASE_URL (polygw does not follow redirects)"
+    } else {
+        "its answer is over polygw's size cap"
+    };
+    Some(format!(
+        "The upstream source `{source}` cannot serve this call: it answered{status} ({what}); {hint}"
+    ))
+}
+
+/// The answer to a failed call (SPEC §11, §15, §17):
 ///
 /// | terminal reason | status |
 /// |---|---|
 /// | `rejected` | the upstream's 4xx status, code and message |
 /// | `stalled`, `no_runnable_source` that [`is_rate_limited`] | 429 `rate_limit_exceeded` + `Retry-After` |
+/// | a failure caused only by misconfigured sources (dead, redirecting, oversize) | 502 naming the source and the upstream status |
 /// | other `stalled`, `no_runnable_source`; `retry_exhausted`; `governance_backend` | 503, the reason as code (+ `Retry-After` when known) |
 /// | `deadline_exceeded` | 504, attempts made and the last error |
 /// | `structured_invalid` | 502 |
+///
+/// `x-should-retry: false` goes with answers a client's own retry cannot fix soon
+/// (a rejection, a misconfigured source, a `Retry-After` beyond
+/// [`CLIENT_RETRY_HORIZON_S`]).
 pub fn from_gateway(e: &GatewayError) -> ApiError {
     let ctx = e.context();
     let hint = ctx
@@ -93,7 +239,7 @@ pub fn from_gateway(e: &GatewayError) -> ApiError {
     };
     let last = e.last_error();
     let attempts = ctx.map_or(0, |c| c.attempts);
-    match reason {
+    let mut out = match reason {
         TerminalReason::Rejected => {
             let status = last
                 .and_then(|l| l.http_status)
@@ -109,6 +255,7 @@ pub fn from_gateway(e: &GatewayError) -> ApiError {
                 param: None,
                 code: last.and_then(|l| l.provider_code.clone()),
                 retry_after: None,
+                should_retry: Some(false),
             }
         }
         TerminalReason::Stalled | TerminalReason::NoRunnableSource if is_rate_limited(e) => {
@@ -124,6 +271,21 @@ pub fn from_gateway(e: &GatewayError) -> ApiError {
             );
             err.retry_after = Some(retry_after.unwrap_or(1));
             err
+        }
+        TerminalReason::RetryExhausted
+        | TerminalReason::Stalled
+        | TerminalReason::NoRunnableSource
+            if source_fault(e).is_some() =>
+        {
+            ApiError {
+                should_retry: Some(false),
+                ..ApiError::new(
+                    StatusCode::BAD_GATEWAY,
+                    "server_error",
+                    "upstream_misconfigured",
+                    source_fault(e).unwrap_or_default(),
+                )
+            }
         }
         TerminalReason::DeadlineExceeded => {
             let last_text = match last {
@@ -159,7 +321,11 @@ pub fn from_gateway(e: &GatewayError) -> ApiError {
                 e.to_string(),
             )
         },
+    };
+    if out.retry_after.is_some_and(|s| s > CLIENT_RETRY_HORIZON_S) {
+        out.should_retry = Some(false);
     }
+    out
 }
 
 #[cfg(test)]
@@ -172,6 +338,7 @@ mod tests {
         FailureContext {
             logical_call_id: "lc-1".into(),
             last_error: last.map(Box::new),
+            last_source: Some("a".into()),
             reasons: reasons
                 .iter()
                 .map(|(k, v)| (k.to_string(), *v))
@@ -274,11 +441,15 @@ mod tests {
                 None,
                 503,
             ),
+            // Only a dead source, and the last error its 401: a misconfiguration (502).
             (
                 TerminalReason::NoRunnableSource,
                 &[("a", Refused(R::Dead))],
-                None,
-                503,
+                Some(
+                    AttemptError::new(ErrorClass::Dead, ErrorLabel::Dead, "HTTP 401")
+                        .with_status(401),
+                ),
+                502,
             ),
             (TerminalReason::Stalled, &[], None, 503),
             // Whatever the sources say, these are never rate limits.
@@ -312,6 +483,15 @@ mod tests {
                 503 => {
                     assert_eq!(e.code.as_deref(), Some(reason.as_str()));
                     assert_eq!(e.retry_after, Some(2));
+                }
+                502 => {
+                    assert_eq!(e.code.as_deref(), Some("upstream_misconfigured"));
+                    assert!(
+                        e.message.contains("`a`") && e.message.contains("HTTP 401"),
+                        "{}",
+                        e.message
+                    );
+                    assert_eq!(e.should_retry, Some(false));
                 }
                 _ => {}
             }

@@ -7,44 +7,16 @@ use std::sync::Arc;
 
 use axum::body::{Body, HttpBody};
 use axum::extract::{Request, State};
-use axum::http::{header, HeaderMap, HeaderValue, Method, StatusCode};
+use axum::http::{header, HeaderValue, Method, StatusCode};
 use axum::middleware::Next;
-use axum::response::{IntoResponse, Response};
-use axum::Json;
+use axum::response::Response;
 use subtle::ConstantTimeEq;
 
 use crate::conn::{status_error, ConnCtx};
+use crate::errors::{error_response, ApiError};
+use crate::http::ensure_request_id;
 use crate::names;
-use crate::openai::ApiError;
-use crate::proxy::State as AppState;
-
-/// An OpenAI error as a response (status, JSON body, `Retry-After`).
-pub fn error_response(e: &ApiError) -> Response {
-    let mut resp = (e.status, Json(e.body())).into_response();
-    if let Some(s) = e.retry_after {
-        if let Ok(v) = HeaderValue::from_str(&s.to_string()) {
-            resp.headers_mut().insert(header::RETRY_AFTER, v);
-        }
-    }
-    resp
-}
-
-/// Sets `x-request-id` (and `x-polygw-logical-call-id`, the same id) on a response.
-pub fn set_request_id(h: &mut HeaderMap, id: &str) {
-    if let Ok(v) = HeaderValue::from_str(id) {
-        h.insert(names::X_REQUEST_ID, v.clone());
-        h.insert(names::X_LOGICAL_CALL_ID, v);
-    }
-}
-
-/// Sets `x-request-id` to `id` unless the response already has one.
-pub fn ensure_request_id(h: &mut HeaderMap, id: &str) {
-    if !h.contains_key(names::X_REQUEST_ID) {
-        if let Ok(v) = HeaderValue::from_str(id) {
-            h.insert(names::X_REQUEST_ID, v);
-        }
-    }
-}
+use crate::state::State as AppState;
 
 fn peer(req: &Request) -> Option<std::net::SocketAddr> {
     req.extensions().get::<Arc<ConnCtx>>().map(|c| c.peer)
@@ -215,15 +187,20 @@ pub async fn auth(State(st): State<Arc<AppState>>, req: Request, next: Next) -> 
     if st.keys.is_empty() {
         return next.run(req).await;
     }
-    let header_value = req
+    // `Authorization: Bearer <key>` (OpenAI's SDKs), or `x-api-key: <key>`
+    // (Anthropic's: SPEC §18.2); either names the same client key.
+    let bearer = req
         .headers()
         .get(header::AUTHORIZATION)
         .and_then(|v| v.to_str().ok());
-    let given = header_value
+    let x_api_key = req.headers().get("x-api-key").and_then(|v| v.to_str().ok());
+    let header_value = bearer.or(x_api_key);
+    let given = bearer
         .and_then(|v| {
             v.strip_prefix("Bearer ")
                 .or_else(|| v.strip_prefix("bearer "))
         })
+        .or(x_api_key)
         .map(|s| s.trim().as_bytes())
         .unwrap_or_default();
     let mut ok = subtle::Choice::from(0u8);
@@ -243,7 +220,8 @@ pub async fn auth(State(st): State<Arc<AppState>>, req: Request, next: Next) -> 
         StatusCode::UNAUTHORIZED,
         "invalid_request_error",
         "invalid_api_key",
-        "Missing or invalid API key: send Authorization: Bearer <key> (one of POLYGW_PROXY_KEYS)",
+        "Missing or invalid API key: send Authorization: Bearer <key> or x-api-key: <key> (one \
+         of POLYGW_PROXY_KEYS)",
     ))
 }
 

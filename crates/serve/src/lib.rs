@@ -2,8 +2,11 @@
 //!
 //! - [`router`] (or [`Proxy::router`]) builds an axum [`Router`](axum::Router) over
 //!   [`Scope`]s: `POST /v1/chat/completions` (plain and streamed passthrough),
-//!   `POST /v1/embeddings` (float and base64), `GET /v1/models`, `GET /v1/models/{id}`,
-//!   `GET /healthz`, `GET /metrics`. Mount it in any axum or hyper server.
+//!   `POST /v1/responses` (OpenAI's Responses API, with `GET`/`DELETE
+//!   /v1/responses/{id}`), `POST /v1/messages` and `/v1/messages/count_tokens`
+//!   (Anthropic's Messages API), `POST /v1/embeddings` (float and base64),
+//!   `GET /v1/models`, `GET /v1/models/{id}`, `GET /healthz`, `GET /metrics`. Mount it
+//!   in any axum or hyper server.
 //! - [`serve`] runs it on a listener as a hardened HTTP/1.1 server: header, idle and
 //!   write timeouts, a header-size limit, total and per-client connection caps,
 //!   OpenAI-format bodies on every error (the server's own included), and a shutdown
@@ -36,21 +39,23 @@ mod config;
 mod conn;
 mod errors;
 mod guard;
-mod handlers;
+mod http;
 mod metrics;
 mod names;
 mod openai;
 mod proxy;
+mod route;
 mod scope;
 mod server;
+mod state;
 mod stream;
 
 pub use config::{default_max_connections, ProxyConfig, ServerLimits};
-pub use errors::{from_gateway, is_rate_limited, retry_after_secs};
+pub use errors::{error_response, from_gateway, is_rate_limited, retry_after_secs, ApiError};
 pub use metrics::ProxyCounters;
 pub use openai::{
     base64_vector, completion_json, count_json_values, json_value_budget, parse_chat,
-    parse_embeddings, ApiError, Encoding, ParsedChat, ParsedEmbeddings,
+    parse_embeddings, Encoding, ParsedChat, ParsedEmbeddings,
 };
 pub use proxy::Proxy;
 pub use scope::{Scope, ScopeClient};

@@ -12,3 +12,9 @@ pub const X_HEDGES: HeaderName = HeaderName::from_static("x-polygw-hedges");
 pub const X_ATTEMPTS: HeaderName = HeaderName::from_static("x-polygw-attempts");
 pub const X_USAGE_SOURCE: HeaderName = HeaderName::from_static("x-polygw-usage-source");
 pub const X_TERMINAL_REASON: HeaderName = HeaderName::from_static("x-polygw-terminal-reason");
+pub const X_SHOULD_RETRY: HeaderName = HeaderName::from_static("x-should-retry");
+pub const X_UPSTREAM_REQUEST_ID: HeaderName =
+    HeaderName::from_static("x-polygw-upstream-request-id");
+pub const X_UNSUPPORTED_TOOLS: HeaderName = HeaderName::from_static("x-polygw-unsupported-tools");
+pub const X_IGNORED_PARAMS: HeaderName = HeaderName::from_static("x-polygw-ignored-params");
+pub const X_RESUMES: HeaderName = HeaderName::from_static("x-polygw-resumes");

@@ -5,78 +5,10 @@
 
 use axum::http::StatusCode;
 use base64::Engine as _;
+
+use crate::errors::ApiError;
 use polygw::{ChatRequest, Embeddings, LlmResponse, Message, StreamDelta, Usage, UsageSource};
 use serde_json::{json, Map, Value};
-
-/// An error as the proxy answers it (OpenAI's error object and an HTTP status).
-#[derive(Debug, Clone, PartialEq)]
-pub struct ApiError {
-    /// The HTTP status.
-    pub status: StatusCode,
-    /// `error.message`.
-    pub message: String,
-    /// `error.type`.
-    pub kind: &'static str,
-    /// `error.param`: the request field at fault, when one is.
-    pub param: Option<String>,
-    /// `error.code`.
-    pub code: Option<String>,
-    /// `Retry-After` (seconds).
-    pub retry_after: Option<u64>,
-}
-
-impl ApiError {
-    /// A 400 naming the field at fault.
-    pub fn bad_request(param: &str, message: impl Into<String>) -> Self {
-        ApiError {
-            status: StatusCode::BAD_REQUEST,
-            message: message.into(),
-            kind: "invalid_request_error",
-            param: Some(param.to_string()),
-            code: None,
-            retry_after: None,
-        }
-    }
-
-    /// An error with a status, a type and a code.
-    pub fn new(
-        status: StatusCode,
-        kind: &'static str,
-        code: &str,
-        message: impl Into<String>,
-    ) -> Self {
-        ApiError {
-            status,
-            message: message.into(),
-            kind,
-            param: None,
-            code: Some(code.to_string()),
-            retry_after: None,
-        }
-    }
-
-    /// With `Retry-After` (seconds).
-    pub fn with_retry_after(mut self, secs: u64) -> Self {
-        self.retry_after = Some(secs);
-        self
-    }
-
-    /// With `param`.
-    pub fn with_param(mut self, param: &str) -> Self {
-        self.param = Some(param.to_string());
-        self
-    }
-
-    /// OpenAI's error object.
-    pub fn body(&self) -> Value {
-        json!({"error": {
-            "message": self.message,
-            "type": self.kind,
-            "param": self.param,
-            "code": self.code,
-        }})
-    }
-}
 
 /// A chat request read from an OpenAI body.
 #[derive(Debug, Clone, PartialEq)]
@@ -106,12 +38,15 @@ const READ_FIELDS: [&str; 8] = [
 pub const MIN_JSON_VALUES: usize = 65_536;
 
 /// Bytes of body per JSON value allowed beyond [`MIN_JSON_VALUES`].
-pub const BYTES_PER_JSON_VALUE: usize = 32;
+pub const BYTES_PER_JSON_VALUE: usize = 5;
 
 /// How many JSON values (every scalar, array, object and object key) a body of `len`
-/// bytes may hold: parsed, each costs tens of bytes, so a body of tiny values
-/// (`[1,1,1,…]`) would cost ~20× its size; real requests are mostly strings (text,
-/// images as data URLs) and stay far below one value per 32 bytes.
+/// bytes may hold. A valid conversation's densest shape — short messages like
+/// `{"role":"user","content":"hi"}`, 5 values in 30 bytes — stays under one value per 5
+/// bytes, so no chat request of up to 100 000 messages under the byte cap is refused
+/// for its value count (SPEC §17.5); a body of tiny values (`[1,1,1,…]`, a value per 2
+/// bytes) is. Parsed, a value costs ≈ 32 bytes: a body's tree stays within ≈ 6× its
+/// size. Deep nesting is refused by the parser (128 levels).
 pub fn json_value_budget(len: usize) -> usize {
     MIN_JSON_VALUES.max(len / BYTES_PER_JSON_VALUE)
 }
@@ -224,10 +159,16 @@ pub fn parse_chat(body: &[u8]) -> Result<ParsedChat, ApiError> {
         Some(Value::Bool(b)) => b,
         Some(_) => return Err(ApiError::bad_request("stream", "stream must be a boolean")),
     };
+    // n > 1 is served as the upstream answers it (SPEC §17.5); only checked here.
     match o.get("n") {
         None | Some(Value::Null) => {}
-        Some(n) if n.as_u64() == Some(1) => {}
-        Some(_) => return Err(ApiError::bad_request("n", "only n = 1 is supported")),
+        Some(n) if n.as_u64().is_some_and(|n| (1..=128).contains(&n)) => {}
+        Some(_) => {
+            return Err(ApiError::bad_request(
+                "n",
+                "n must be an integer from 1 to 128",
+            ))
+        }
     }
     let include_usage = match o.get("stream_options") {
         None | Some(Value::Null) => false,
@@ -453,8 +394,8 @@ pub enum Encoding {
 pub struct ParsedEmbeddings {
     /// `model`: selects the scope.
     pub model: String,
-    /// The texts.
-    pub input: Vec<String>,
+    /// The inputs: texts, or token arrays (passed through as sent).
+    pub input: Vec<polygw::EmbeddingInput>,
     /// How vectors are written back.
     pub encoding: Encoding,
 }
@@ -465,19 +406,40 @@ pub struct ParsedEmbeddings {
 pub fn parse_embeddings(body: &[u8]) -> Result<ParsedEmbeddings, ApiError> {
     let mut o = parse_object(body)?;
     let model = model_of(&mut o)?;
+    use polygw::EmbeddingInput as In;
+    let token = |x: &Value| x.as_u64().filter(|t| *t <= u64::from(u32::MAX));
+    let tokens = |param: &str, a: &[Value]| -> Result<Vec<u64>, ApiError> {
+        if a.is_empty() {
+            return Err(ApiError::bad_request(
+                param,
+                format!("{param}: an empty token array"),
+            ));
+        }
+        a.iter()
+            .map(|x| {
+                token(x).ok_or_else(|| {
+                    ApiError::bad_request(param, format!("{param}: token ids are integers ≥ 0"))
+                })
+            })
+            .collect()
+    };
     let input = match o.remove("input") {
-        Some(Value::String(s)) => vec![s],
+        Some(Value::String(s)) => vec![In::Text(s)],
+        // One input as token ids (OpenAI: an array of integers).
+        Some(Value::Array(a)) if !a.is_empty() && a[0].is_number() => {
+            vec![In::Tokens(tokens("input", &a)?)]
+        }
         Some(Value::Array(a)) if !a.is_empty() => {
             let mut out = Vec::with_capacity(a.len());
             for (i, x) in a.into_iter().enumerate() {
+                let param = format!("input[{i}]");
                 match x {
-                    Value::String(s) => out.push(s),
+                    Value::String(s) => out.push(In::Text(s)),
+                    Value::Array(t) => out.push(In::Tokens(tokens(&param, &t)?)),
                     _ => {
                         return Err(ApiError::bad_request(
-                            &format!("input[{i}]"),
-                            format!(
-                                "input[{i}]: only string inputs are supported (no token arrays)"
-                            ),
+                            &param,
+                            format!("{param}: a string or an array of token ids"),
                         ))
                     }
                 }
@@ -594,7 +556,7 @@ mod tests {
                 "stream",
             ),
             (
-                br#"{"model":"m","messages":[{"role":"user","content":"x"}],"n":2}"#,
+                br#"{"model":"m","messages":[{"role":"user","content":"x"}],"n":0}"#,
                 "n",
             ),
             (
@@ -680,6 +642,7 @@ mod tests {
             logical_call_id: "lc".into(),
             call_stats: Default::default(),
             upstream: upstream.as_object().cloned(),
+            upstream_headers: Vec::new(),
         };
         assert_eq!(completion_json(&mut r.clone(), 1), upstream);
         // Unknown usage is null, never zeros.
@@ -711,15 +674,24 @@ mod tests {
         let p = parse_embeddings(br#"{"model":"e","input":"a"}"#).unwrap();
         assert_eq!(
             (p.input.as_slice(), p.encoding),
-            (&["a".to_string()][..], Encoding::Float)
+            (
+                &[polygw::EmbeddingInput::Text("a".into())][..],
+                Encoding::Float
+            )
         );
+        // Token arrays (issue 22, item 17): one, or several.
+        let p = parse_embeddings(br#"{"model":"e","input":[1,2,3]}"#).unwrap();
+        assert_eq!(p.input, vec![polygw::EmbeddingInput::Tokens(vec![1, 2, 3])]);
+        let p = parse_embeddings(br#"{"model":"e","input":[[1,2],[3]]}"#).unwrap();
+        assert_eq!(p.input.len(), 2);
         let p = parse_embeddings(
             br#"{"model":"e","input":["a","b"],"encoding_format":"base64","user":"u"}"#,
         )
         .unwrap();
         assert_eq!(p.encoding, Encoding::Base64);
         for (body, param) in [
-            (&br#"{"model":"e","input":[1]}"#[..], "input[0]"),
+            (&br#"{"model":"e","input":[true]}"#[..], "input[0]"),
+            (br#"{"model":"e","input":[[1,-2]]}"#, "input[0]"),
             (br#"{"input":"a"}"#, "model"),
             (br#"{"model":"e","input":[]}"#, "input"),
             (

@@ -1,6 +1,6 @@
-//! [`Proxy`]: the served scopes, their gates, the client keys, the metrics, and the
-//! signal that ends open streams when a shutdown's grace period is over; its
-//! [`Proxy::router`] is the axum `Router` of every route.
+//! [`Proxy`]: the proxy over its scopes ([`crate::state::State`]); its
+//! [`Proxy::router`] is the axum `Router` of every route: server and connection →
+//! guard (keys, loopback checks, request ids) → one route module per API → engine.
 
 use std::sync::Arc;
 
@@ -8,114 +8,15 @@ use axum::middleware;
 use axum::routing::{get, post};
 use axum::Router;
 use polygw::core::ports::TelemetryRecorder;
-use polygw::{Metrics, ScopeKind};
+use polygw::Metrics;
 use tokio::sync::watch;
 
 use crate::config::ProxyConfig;
+use crate::guard;
 use crate::metrics::ProxyCounters;
-use crate::openai::ApiError;
+use crate::route::{chat, embeddings, messages, meta, responses};
 use crate::scope::{Gate, Scope, ScopeClient};
-use crate::{guard, handlers};
-
-/// A scope and its gate.
-#[derive(Debug)]
-pub(crate) struct Served {
-    pub scope: Scope,
-    pub gate: Gate,
-}
-
-/// Shared by every request.
-pub(crate) struct State {
-    pub cfg: ProxyConfig,
-    pub scopes: Vec<Served>,
-    pub keys: Vec<Vec<u8>>,
-    pub metrics: Arc<Metrics>,
-    pub recorders: Vec<Arc<dyn TelemetryRecorder>>,
-    pub counters: Arc<ProxyCounters>,
-    pub cut: watch::Sender<bool>,
-}
-
-impl std::fmt::Debug for State {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("State")
-            .field("scopes", &self.scopes)
-            .field("keys", &self.keys.len())
-            .finish_non_exhaustive()
-    }
-}
-
-impl State {
-    /// The served scope `model` names, of any kind.
-    pub fn scope_for(&self, model: &str) -> Option<&Served> {
-        self.scopes.iter().find(|s| s.scope.answers_to(model))
-    }
-
-    /// Every model name served (scope names and aliases).
-    pub fn known_models(&self) -> Vec<String> {
-        self.scopes
-            .iter()
-            .flat_map(|s| {
-                std::iter::once(s.scope.name.clone()).chain(s.scope.aliases.iter().cloned())
-            })
-            .collect()
-    }
-
-    /// The 404 of an unknown model, listing the known ones.
-    pub fn unknown_model(&self, model: &str) -> ApiError {
-        ApiError::new(
-            axum::http::StatusCode::NOT_FOUND,
-            "invalid_request_error",
-            "model_not_found",
-            format!(
-                "The model `{model}` does not exist. Known models: {}",
-                self.known_models().join(", ")
-            ),
-        )
-        .with_param("model")
-    }
-
-    /// The 404 of a model served on another endpoint.
-    pub fn wrong_kind(&self, model: &str, kind: ScopeKind) -> ApiError {
-        let endpoint = match kind {
-            ScopeKind::Chat => "/v1/chat/completions",
-            _ => "/v1/embeddings",
-        };
-        ApiError::new(
-            axum::http::StatusCode::NOT_FOUND,
-            "invalid_request_error",
-            "model_not_found",
-            format!(
-                "The model `{model}` is a {kind} model: it is served on {endpoint} ({{S}}__KIND={kind})"
-            ),
-        )
-        .with_param("model")
-    }
-
-    /// Telemetry rows dropped: the recorders given, else every scope's own count.
-    pub fn telemetry_dropped(&self) -> u64 {
-        if !self.recorders.is_empty() {
-            return self.recorders.iter().map(|r| r.dropped()).sum();
-        }
-        self.scopes
-            .iter()
-            .map(|s| match &s.scope.client {
-                ScopeClient::Chat(c) => c.telemetry_dropped(),
-                ScopeClient::Embedding(c) => c.telemetry_dropped(),
-            })
-            .sum()
-    }
-
-    /// A receiver of the end-of-grace signal.
-    pub fn cut_signal(&self) -> watch::Receiver<bool> {
-        self.cut.subscribe()
-    }
-}
-
-/// Resolves once the grace period is over ([`Proxy::cut`]).
-pub(crate) async fn cut_done(mut rx: watch::Receiver<bool>) {
-    // A dropped sender (the proxy is gone) counts as the end too.
-    let _ = rx.wait_for(|cut| *cut).await;
-}
+use crate::state::{Served, State};
 
 /// The OpenAI-compatible proxy over a set of scopes. Cheap to clone.
 #[derive(Debug, Clone)]
@@ -178,17 +79,29 @@ impl Proxy {
     pub fn router(&self) -> Router {
         let st = self.state.clone();
         let api = Router::new()
-            .route("/v1/chat/completions", post(handlers::chat))
-            .route("/v1/embeddings", post(handlers::embeddings))
-            .route("/v1/models", get(handlers::models))
-            .route("/v1/models/{id}", get(handlers::model))
+            .route("/v1/chat/completions", post(chat::handle))
+            .route("/v1/responses", post(responses::create))
+            .route(
+                "/v1/responses/{id}",
+                get(responses::get).delete(responses::delete),
+            )
+            .route(
+                "/v1/responses/{id}/input_items",
+                get(responses::input_items),
+            )
+            .route("/v1/messages", post(messages::create))
+            .route("/v1/messages/count_tokens", post(messages::count_tokens))
+            .route("/v1/embeddings", post(embeddings::handle))
+            .route("/v1/models", get(meta::models))
+            .route("/v1/models/{id}", get(meta::model))
             .route_layer(middleware::from_fn_with_state(st.clone(), guard::auth));
         Router::new()
             .merge(api)
-            .route("/healthz", get(handlers::healthz))
-            .route("/metrics", get(handlers::metrics))
-            .fallback(handlers::not_found)
-            .method_not_allowed_fallback(handlers::method_not_allowed)
+            .route("/", get(meta::root).head(meta::root))
+            .route("/healthz", get(meta::healthz))
+            .route("/metrics", get(meta::metrics))
+            .fallback(meta::not_found)
+            .method_not_allowed_fallback(meta::method_not_allowed)
             .layer(middleware::from_fn_with_state(st.clone(), guard::keyless))
             .layer(middleware::from_fn_with_state(st.clone(), guard::outer))
             .with_state(st)

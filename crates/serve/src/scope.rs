@@ -77,11 +77,54 @@ impl Scope {
         s.sources.iter().map(|x| x.name.clone()).collect()
     }
 
-    /// Whether `model` names this scope.
+    /// Whether `model` names this scope: its name, an exact alias, or a `*` glob alias
+    /// (SPEC §18.3).
     pub fn answers_to(&self, model: &str) -> bool {
-        self.name.eq_ignore_ascii_case(model)
-            || self.aliases.iter().any(|a| a.eq_ignore_ascii_case(model))
+        self.names_exactly(model) || self.glob_match(model).is_some()
     }
+
+    /// Whether `model` is the scope's name or one of its aliases without `*`
+    /// (case-insensitive).
+    pub fn names_exactly(&self, model: &str) -> bool {
+        self.name.eq_ignore_ascii_case(model)
+            || self
+                .aliases
+                .iter()
+                .any(|a| !a.contains('*') && a.eq_ignore_ascii_case(model))
+    }
+
+    /// The length of the longest `*` glob alias that matches `model` (a more specific
+    /// pattern wins over a shorter one when several scopes match).
+    pub fn glob_match(&self, model: &str) -> Option<usize> {
+        self.aliases
+            .iter()
+            .filter(|a| a.contains('*') && glob_matches(a, model))
+            .map(|a| a.len())
+            .max()
+    }
+}
+
+/// Whether `name` matches `pattern`, where `*` stands for any run of characters
+/// (ASCII case-insensitive): `claude-*`, `gpt-5*`, `*-mini`, `*`.
+pub fn glob_matches(pattern: &str, name: &str) -> bool {
+    let p = pattern.to_ascii_lowercase();
+    let n = name.to_ascii_lowercase();
+    let parts: Vec<&str> = p.split('*').collect();
+    let (first, last) = (parts[0], parts[parts.len() - 1]);
+    if parts.len() == 1 {
+        return p == n;
+    }
+    if !n.starts_with(first) || n.len() < first.len() + last.len() || !n.ends_with(last) {
+        return false;
+    }
+    let mut rest = &n[first.len()..n.len() - last.len()];
+    for mid in &parts[1..parts.len() - 1] {
+        match rest.find(mid) {
+            Some(i) => rest = &rest[i + mid.len()..],
+            None => return false,
+        }
+    }
+    true
 }
 
 /// Why the gate turned a call away.
@@ -161,6 +204,25 @@ impl Gate {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn glob_aliases() {
+        for (p, n, want) in [
+            ("claude-*", "claude-sonnet-4-5", true),
+            ("claude-*", "Claude-Opus", true),
+            ("claude-*", "claude", false),
+            ("gpt-5*", "gpt-5", true),
+            ("gpt-5*", "gpt-5.1-codex", true),
+            ("gpt-5*", "gpt-4o", false),
+            ("*-mini", "o4-mini", true),
+            ("a*b*c", "aXbYc", true),
+            ("a*b*c", "aXcYb", false),
+            ("*", "anything", true),
+            ("exact", "EXACT", true),
+        ] {
+            assert_eq!(glob_matches(p, n), want, "{p} {n}");
+        }
+    }
 
     #[tokio::test(start_paused = true)]
     async fn the_gate_caps_running_calls_and_bounds_its_queue() {

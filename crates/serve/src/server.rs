@@ -33,8 +33,8 @@ use tower::Service;
 
 use crate::config::ServerLimits;
 use crate::conn::{raw_error_response, ConnIo, InFlight, IoLimits};
+use crate::errors::ApiError;
 use crate::metrics::ProxyCounters;
-use crate::openai::ApiError;
 use crate::proxy::Proxy;
 
 /// After the grace period, how long the last answers (error events, 503s) get to go

@@ -61,6 +61,11 @@ pub(crate) async fn read_prefix(mut resp: reqwest::Response, cap: usize) -> Vec<
 }
 
 /// The failure of a non-2xx response (reads a bounded prefix of the error body).
+/// The response headers a proxy passes on (SPEC §17.4).
+fn passed(h: &reqwest::header::HeaderMap) -> Vec<(String, String)> {
+    polygw_core::ports::passed_headers(h.iter().map(|(n, v)| (n.as_str(), v.as_bytes())))
+}
+
 pub(crate) async fn status_failure(resp: reqwest::Response, cfg: &TransportConfig) -> Failure {
     let status = resp.status().as_u16();
     let ra = retry_after(resp.headers());
@@ -188,6 +193,7 @@ fn result_of(a: Aggregate, http_status: u16, salvaged: bool) -> TransportResult 
         stream: None,
         salvaged,
         raw: None,
+        upstream_headers: Vec::new(),
     }
 }
 
@@ -200,17 +206,18 @@ impl OpenAiTransport {
         path: &str,
         body: &Value,
         call_id: &str,
-    ) -> Result<(u16, bool, Vec<u8>), AttemptError> {
+    ) -> Result<(u16, bool, Vec<u8>, Vec<(String, String)>), AttemptError> {
         let key = source.api_key.expose();
         let cfg = &self.inner.cfg;
         let bytes = serde_json::to_vec(body).unwrap_or_default();
         let rb = self.post(source, path, bytes, call_id, false);
         let work = async {
-            let resp = rb.send().await.map_err(|e| send_failure(&e, key))?;
+            let resp = rb.send().await.map_err(|e| (send_failure(&e, key), None))?;
             let status = resp.status().as_u16();
             if !resp.status().is_success() {
-                return Err(status_failure(resp, cfg).await);
+                return Err((status_failure(resp, cfg).await, None));
             }
+            let headers = passed(resp.headers());
             let is_sse = resp
                 .headers()
                 .get(reqwest::header::CONTENT_TYPE)
@@ -219,21 +226,35 @@ impl OpenAiTransport {
             let body = read_capped(resp, cfg.max_body_bytes)
                 .await
                 .map_err(|e| match e {
-                    ReadError::TooLarge => Failure::TooLarge {
-                        limit: cfg.max_body_bytes,
-                    },
-                    ReadError::Broken(e) => Failure::Connect {
-                        detail: format!(
-                            "the body broke off: {}",
-                            crate::failure::describe(&e, key)
-                        ),
-                    },
+                    ReadError::TooLarge => (
+                        Failure::TooLarge {
+                            limit: cfg.max_body_bytes,
+                        },
+                        Some(status),
+                    ),
+                    // A 200 whose body broke off: the request was answered, the answer
+                    // cut (issue 22, item 16: not a connection failure).
+                    ReadError::Broken(e) => (
+                        Failure::Truncated {
+                            detail: format!(
+                                "the body broke off: {}",
+                                crate::failure::describe(&e, key)
+                            ),
+                        },
+                        Some(status),
+                    ),
                 })?;
-            Ok((status, is_sse, body))
+            Ok((status, is_sse, body, headers))
         };
         match tokio::time::timeout(source.timeout, work).await {
             Ok(Ok(v)) => Ok(v),
-            Ok(Err(f)) => Err(fail(f, key)),
+            Ok(Err((f, status))) => {
+                let e = fail(f, key);
+                Err(match status {
+                    Some(s) => e.with_status(s),
+                    None => e,
+                })
+            }
             Err(_) => Err(fail(Failure::Timeout, key)),
         }
     }
@@ -246,7 +267,7 @@ impl OpenAiTransport {
         body: &Value,
         call_id: &str,
     ) -> Result<(u16, Map<String, Value>), AttemptError> {
-        let (status, _, bytes) = self.plain_bytes(source, path, body, call_id).await?;
+        let (status, _, bytes, _) = self.plain_bytes(source, path, body, call_id).await?;
         let obj = parse_object(&bytes).map_err(|f| fail(f, source.api_key.expose()))?;
         Ok((status, obj))
     }
@@ -260,16 +281,19 @@ impl OpenAiTransport {
         call_id: &str,
     ) -> Result<TransportResult, AttemptError> {
         let key = source.api_key.expose();
-        let (status, is_sse, bytes) = self
+        let (status, is_sse, bytes, headers) = self
             .plain_bytes(source, "chat/completions", body, call_id)
             .await?;
         if is_sse {
-            return self.sse_as_plain(source, &bytes, status);
+            let mut r = self.sse_as_plain(source, &bytes, status)?;
+            r.upstream_headers = headers;
+            return Ok(r);
         }
         let obj = parse_object(&bytes).map_err(|f| fail(f, key))?;
         let a = plain_aggregate(&obj, &self.inner.cfg).map_err(|e| e.into_error(key))?;
         let mut r = result_of(a, status, false);
         r.raw = Some(obj);
+        r.upstream_headers = headers;
         Ok(r)
     }
 
@@ -374,6 +398,8 @@ impl OpenAiTransport {
             return Err(fail(f, key));
         }
 
+        let headers = passed(resp.headers());
+        attempt.observer.on_headers(&headers);
         let mut st = StreamState {
             agg: StreamAggregator::new(),
             meter: StallMeter::new(start, attempt.stall_threshold),
@@ -419,6 +445,7 @@ impl OpenAiTransport {
             let a = plain_aggregate(&obj, cfg).map_err(|e| e.into_error(key))?;
             st.plain_as_chunk(&a);
             let mut r = result_of(a, status, false);
+            r.upstream_headers = headers.clone();
             r.stream = Some(st.meter.figures());
             return Ok(r);
         }
@@ -499,7 +526,9 @@ impl OpenAiTransport {
             }
         };
         drop(resp);
-        st.finalize(end, status, ttft_budget, itb, key)
+        let mut r = st.finalize(end, status, ttft_budget, itb, key)?;
+        r.upstream_headers = headers;
+        Ok(r)
     }
 
     async fn recognize_impl(
@@ -727,7 +756,8 @@ impl StreamState<'_> {
                     detail: format!("the stream broke off: {d}"),
                 },
             };
-            return Err(fail(f, key));
+            // The answer had started: its status was a 2xx (item 16).
+            return Err(fail(f, key).with_status(status));
         }
         let salvaged = matches!(end, End::Broken(_) | End::Watchdog | End::Bound);
         let a = self.agg.finish();

@@ -122,6 +122,22 @@ impl EmbeddingTransport for OpenAiTransport {
         r.http_status = status;
         Ok(r)
     }
+
+    async fn embed_inputs(
+        &self,
+        source: &SourceConfig,
+        inputs: &[polygw_core::EmbeddingInput],
+        call_id: &str,
+    ) -> Result<EmbeddingResult, AttemptError> {
+        let key = source.api_key.expose();
+        let body = polygw_core::body::embedding_body_inputs(source, inputs);
+        let (status, obj) = self
+            .plain_object(source, "embeddings", &body, call_id)
+            .await?;
+        let mut r = parse_embeddings(&obj, inputs.len()).map_err(|f| fail(f, key))?;
+        r.http_status = status;
+        Ok(r)
+    }
 }
 
 #[cfg(test)]

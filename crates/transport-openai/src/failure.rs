@@ -60,14 +60,40 @@ pub fn retry_after(headers: &HeaderMap) -> Option<Duration> {
     parse_retry_after(raw, now)
 }
 
-/// Removes the API key from a text: the whole key and any run of 8 or more of its
-/// characters (an upstream that echoes `key sk-abc12*** is bad` gives part of it away);
-/// keys shorter than 4 bytes are not secrets worth garbling messages for.
+/// Removes the API key from a text (issue 22, item 18): the key and any run of 12 or
+/// more of its characters, whatever their case (`polygw_core::secret::redact_fragments`),
+/// and its base64 forms (standard and URL-safe, with and without padding, as a Basic
+/// credential or an echoed header carries it); keys shorter than 4 bytes are not secrets
+/// worth garbling messages for.
 pub fn redact(text: String, key: &str) -> String {
+    use base64::Engine as _;
     if key.len() < 4 {
         return text;
     }
-    let out = polygw_core::secret::redact_fragments(&text, key);
+    let mut out = polygw_core::secret::redact_fragments(&text, key);
+    let engines = [
+        &base64::engine::general_purpose::STANDARD,
+        &base64::engine::general_purpose::STANDARD_NO_PAD,
+        &base64::engine::general_purpose::URL_SAFE,
+        &base64::engine::general_purpose::URL_SAFE_NO_PAD,
+    ];
+    for e in engines {
+        // The key at each of the three byte alignments it can have inside a longer
+        // encoded value (`user:key`, `Bearer key`): the characters that depend on the
+        // key's bytes alone are all but the first group (when shifted) and the last.
+        for shift in 0..3usize {
+            let mut bytes = vec![0u8; shift];
+            bytes.extend_from_slice(key.as_bytes());
+            let encoded = e.encode(&bytes);
+            let start = if shift == 0 { 0 } else { 4 };
+            let end = encoded.len().saturating_sub(4);
+            if let Some(stable) = encoded.get(start..end).filter(|t| t.len() >= 8) {
+                if out.contains(stable) {
+                    out = out.replace(stable, REDACTED);
+                }
+            }
+        }
+    }
     debug_assert!(!out.contains(key) || key.contains(REDACTED));
     out
 }
@@ -169,16 +195,54 @@ pub fn strip_urls(text: String) -> String {
     out
 }
 
-/// A send error (before any response) as a failure: the connection layer's detail.
+/// A send error (before any response) as a failure: `connect` when no connection could
+/// be made (refused, DNS, TLS, the connect timeout), a `timeout` when reqwest timed
+/// out, and otherwise — the request was sent and the upstream closed or reset the
+/// connection before any response — a server fault (`server_error`), never `connect`
+/// (issue 22, item 16).
 pub fn send_failure(e: &reqwest::Error, key: &str) -> Failure {
-    Failure::Connect {
-        detail: describe(e, key),
+    if e.is_connect() {
+        Failure::Connect {
+            detail: describe(e, key),
+        }
+    } else if e.is_timeout() {
+        Failure::Timeout
+    } else {
+        Failure::NoResponse {
+            detail: describe(e, key),
+        }
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Issue 22, item 18: the key's case and base64 forms are redacted (also inside a
+    /// Basic credential), a word it shares with the message is not.
+    #[test]
+    fn the_key_and_its_common_forms_are_redacted() {
+        use base64::Engine as _;
+        let key = "sk-Upstream-Key-0123456789abcdefXYZ";
+        assert_eq!(redact("upstream says 400".into(), key), "upstream says 400");
+        let lower = redact(format!("bad key {}", key.to_ascii_lowercase()), key);
+        assert!(
+            !lower.to_ascii_lowercase().contains("0123456789abcdef"),
+            "{lower}"
+        );
+        for text in [
+            base64::engine::general_purpose::STANDARD.encode(key),
+            base64::engine::general_purpose::URL_SAFE_NO_PAD.encode(key),
+            base64::engine::general_purpose::STANDARD.encode(format!("user:{key}")),
+            base64::engine::general_purpose::STANDARD.encode(format!("ab:{key}")),
+            base64::engine::general_purpose::STANDARD.encode(format!("a:{key}")),
+        ] {
+            let r = redact(format!("echo {text} end"), key);
+            assert!(r.contains(REDACTED), "{r}");
+            let b64 = &text[8..text.len() - 8];
+            assert!(!r.contains(b64), "{r}");
+        }
+    }
 
     #[test]
     fn retry_after_seconds_floats_and_dates() {

@@ -605,14 +605,17 @@ mod classification {
         }
     }
 
+    /// Issue 22, item 16: the request was sent, the upstream reset the connection
+    /// before any response: a server fault, not a connection failure.
     #[tokio::test]
-    async fn reset_before_headers_is_a_connection_failure() {
+    async fn reset_before_headers_is_a_server_fault() {
         let m = mock().await;
         let t = transport();
         for req in [plain_req(), stream_req()] {
             m.push_script(Behavior::fault(Fault::ResetBeforeHeaders));
             let e = chat(&t, &source(&m), &req).await.unwrap_err();
-            assert_eq!((e.class, e.label), (C::Transient, L::Connect), "{e}");
+            assert_eq!((e.class, e.label), (C::Transient, L::ServerError), "{e}");
+            assert_eq!(e.http_status, None);
         }
         let log = m.wait_for_ended(2, Duration::from_secs(5)).await;
         assert!(log
@@ -732,10 +735,12 @@ mod classification {
         });
         let e = chat(&t, &source(&m), &stream_req()).await.unwrap_err();
         assert_eq!(e.label, L::Truncated, "{e}");
-        // A plain body cut off mid-way (reset) is a connection failure.
+        // A plain 200 whose body is cut off mid-way (reset) is a truncated answer, with
+        // its status (issue 22, item 16: the request was sent and answered).
         m.push_script(Behavior::fault(Fault::ResetAfter { chunks: 0 }));
         let e = chat(&t, &source(&m), &plain_req()).await.unwrap_err();
-        assert_eq!((e.class, e.label), (C::Transient, L::Connect), "{e}");
+        assert_eq!((e.class, e.label), (C::Transient, L::Truncated), "{e}");
+        assert_eq!(e.http_status, Some(200));
         let log = m.wait_for_ended(5, Duration::from_secs(5)).await;
         use polygw_mock_upstream::EndKind;
         let ends: Vec<EndKind> = log.iter().map(|r| r.end).collect();

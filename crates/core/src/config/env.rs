@@ -16,7 +16,7 @@ use crate::settings::{OnNoRunnable, RetryPrefer, ScopeKind, ScopeSettings};
 use crate::source::SourceConfig;
 
 /// Segment names that belong to scope keys and can never be a provider name.
-pub const RESERVED_SEGMENTS: [&str; 13] = [
+pub const RESERVED_SEGMENTS: [&str; 14] = [
     "HEDGE",
     "STREAM",
     "RETRY",
@@ -30,6 +30,7 @@ pub const RESERVED_SEGMENTS: [&str; 13] = [
     "OCR",
     "MODEL_ALIASES",
     "KIND",
+    "RESPONSES",
 ];
 
 /// The FIELDs a source accepts.
@@ -56,7 +57,7 @@ pub const SOURCE_FIELDS: [&str; 19] = [
 ];
 
 /// Scope keys: (group or "" for two-segment keys, field).
-pub const SCOPE_KEYS: [(&str, &str); 30] = [
+pub const SCOPE_KEYS: [(&str, &str); 31] = [
     ("", "CALL_DEADLINE_S"),
     ("", "MODEL_ALIASES"),
     ("", "KIND"),
@@ -87,6 +88,7 @@ pub const SCOPE_KEYS: [(&str, &str); 30] = [
     ("REDIS", "URL"),
     ("TLS", "CA_FILE"),
     ("STRUCTURED", "MAX_REASKS"),
+    ("RESPONSES", "TTL_S"),
 ];
 
 /// `OCR__PROMPT` is the one scope key outside the table above (it is free text).
@@ -500,6 +502,7 @@ fn apply_scope_keys(
                 s.tls_ca_file = Some(v.to_string());
                 Ok(())
             }),
+            ("RESPONSES", "TTL_S") => run(parse_secs(k, v).map(|x| s.responses_ttl = x)),
             ("STRUCTURED", "MAX_REASKS") => run(parse_int::<u32>(k, v)
                 .and_then(|x| guards::int_in(k, x, &guards::MAX_REASKS_RANGE))
                 .map(|x| s.max_reasks = x)),
@@ -583,11 +586,14 @@ fn parse_object(key: &str, v: &str) -> Result<Map<String, Value>, ConfigError> {
 
 fn parse_aliases(key: &str, v: &str) -> Result<Vec<String>, ConfigError> {
     let list: Vec<String> = v.split(',').map(|a| a.trim().to_string()).collect();
-    if list.iter().any(|a| a.is_empty()) {
+    if list
+        .iter()
+        .any(|a| a.is_empty() || a.contains(char::is_whitespace))
+    {
         return Err(invalid(
             key,
             v,
-            "a comma-separated list of non-empty model names",
+            "a comma-separated list of non-empty model names or `*` globs (`claude-*`)",
         ));
     }
     Ok(list)

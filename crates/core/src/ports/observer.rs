@@ -124,6 +124,20 @@ impl StreamDelta {
         if frame_other {
             return false;
         }
+        // Another choice of an `n > 1` answer is for the client too (SPEC §17.5).
+        let other_choice = raw
+            .get("choices")
+            .and_then(Value::as_array)
+            .is_some_and(|cs| {
+                cs.iter().any(|c| {
+                    c.get("index")
+                        .and_then(Value::as_u64)
+                        .is_some_and(|i| i != 0)
+                })
+            });
+        if other_choice {
+            return false;
+        }
         match choice0_ref(raw) {
             None => true,
             Some(c) => {
@@ -367,6 +381,34 @@ pub trait ChunkObserver: Send + Sync {
     /// Every parsed chunk (incremental or not), in order, when `wants_deltas()`; `at`
     /// is the arrival time of the read that carried it.
     fn on_delta(&self, _at: Instant, _delta: StreamDelta) {}
+
+    /// A 2xx answer's headers arrived: those a proxy passes on ([`passed_headers`]),
+    /// before any chunk.
+    fn on_headers(&self, _headers: &[(String, String)]) {}
+}
+
+/// Whether an upstream response header is one a proxy passes on to its client (SPEC
+/// §17.4): the upstream's `x-request-id`, and the `x-ratelimit-*` family.
+pub fn passed_header(name: &str) -> bool {
+    name.eq_ignore_ascii_case("x-request-id")
+        || name
+            .get(..12)
+            .is_some_and(|p| p.eq_ignore_ascii_case("x-ratelimit-"))
+}
+
+/// The passed headers of a response, in order (at most 32, values at most 256 bytes:
+/// an upstream cannot make the proxy carry more).
+pub fn passed_headers<'a>(
+    headers: impl Iterator<Item = (&'a str, &'a [u8])>,
+) -> Vec<(String, String)> {
+    headers
+        .filter(|(n, _)| passed_header(n))
+        .filter_map(|(n, v)| {
+            let v = std::str::from_utf8(v).ok()?;
+            (v.len() <= 256).then(|| (n.to_ascii_lowercase(), v.to_string()))
+        })
+        .take(32)
+        .collect()
 }
 
 /// An observer that ignores everything.

@@ -70,6 +70,9 @@ pub struct TransportResult {
     /// A plain answer: the upstream's completion object as received.
     #[serde(skip)]
     pub raw: Option<serde_json::Map<String, serde_json::Value>>,
+    /// The response headers a proxy passes on ([`crate::ports::passed_headers`]).
+    #[serde(skip)]
+    pub upstream_headers: Vec<(String, String)>,
 }
 
 /// Chat over an OpenAI-compatible `/chat/completions`.
@@ -108,6 +111,31 @@ pub trait EmbeddingTransport: Send + Sync + std::fmt::Debug {
         texts: &[String],
         call_id: &str,
     ) -> Result<EmbeddingResult, AttemptError>;
+
+    /// Embeds one batch of inputs that may be token arrays. The default serves texts
+    /// through [`EmbeddingTransport::embed`] and refuses token arrays (a transport that
+    /// sends them, as the OpenAI-compatible one does, overrides it).
+    async fn embed_inputs(
+        &self,
+        source: &SourceConfig,
+        inputs: &[crate::EmbeddingInput],
+        call_id: &str,
+    ) -> Result<EmbeddingResult, AttemptError> {
+        let mut texts = Vec::with_capacity(inputs.len());
+        for i in inputs {
+            match i {
+                crate::EmbeddingInput::Text(t) => texts.push(t.clone()),
+                crate::EmbeddingInput::Tokens(_) => {
+                    return Err(AttemptError::new(
+                        crate::ErrorClass::Rejected,
+                        crate::ErrorLabel::Rejected,
+                        "this embedding transport does not take token arrays",
+                    ))
+                }
+            }
+        }
+        self.embed(source, &texts, call_id).await
+    }
 }
 
 /// What an OCR attempt produced.

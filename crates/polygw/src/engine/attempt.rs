@@ -69,6 +69,11 @@ pub(crate) trait Leg: Send + Sync {
     fn estimate_prompt_tokens(&self) -> u64 {
         0
     }
+    /// Whether the request asks for one choice (`n` ≤ 1): only then may hedge and
+    /// resume legs join it.
+    fn single_choice(&self) -> bool {
+        true
+    }
     /// The most tokens the request asks to generate (`max_tokens` /
     /// `max_completion_tokens`; 0 when not set), for context-window routing.
     fn max_output_tokens(&self) -> u64 {
@@ -88,6 +93,8 @@ pub(crate) struct LegControl {
     /// Set by the round when it cancels the leg: the usage its row records when the
     /// answer holds its text (SPEC §17.8), and its time to first token.
     ended: Mutex<Ended>,
+    /// The upstream's headers a proxy passes on, once its answer started.
+    headers: Mutex<Vec<(String, String)>>,
 }
 
 /// What the round knows of a leg that ends without a success of its own.
@@ -113,6 +120,17 @@ impl LegControl {
             0 => None,
             i => ErrorLabel::ALL.get(i as usize - 1).copied(),
         }
+    }
+
+    pub(crate) fn set_headers(&self, h: &[(String, String)]) {
+        *self.headers.lock().unwrap_or_else(|p| p.into_inner()) = h.to_vec();
+    }
+
+    pub(crate) fn headers(&self) -> Vec<(String, String)> {
+        self.headers
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
     }
 
     pub(crate) fn set_ended(&self, e: Ended) {
@@ -218,6 +236,7 @@ impl AttemptGuard {
         base.attempt_index = Some(info.attempt_index);
         base.is_hedge = info.is_hedge;
         base.stream = stream;
+        base.api = call.api().map(str::to_string);
         let mut resume_mode = None;
         if let LegKind::Resume { mode, prefix, .. } = &info.kind {
             base.resume_of = info.resume_of.clone();

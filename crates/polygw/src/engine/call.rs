@@ -26,6 +26,8 @@ pub(crate) struct Progress {
     pub reasons: SourceReasons,
     /// The last attempt error.
     pub last_error: Option<AttemptError>,
+    /// The source of the last attempt error.
+    pub last_source: Option<String>,
     /// Sources that failed in this call (retry rounds prefer the others).
     pub failed: BTreeSet<String>,
     /// Sources an attempt of this call was sent to.
@@ -44,6 +46,8 @@ pub(crate) struct CallShared {
     pub logical_call_id: String,
     pub started: Instant,
     pub stream: bool,
+    /// The API route the call came by (telemetry `api`).
+    api: Mutex<Option<&'static str>>,
     deadline_hit: AtomicBool,
     budget_counted: AtomicBool,
     max_wait: Mutex<Option<(Duration, Option<String>)>>,
@@ -56,6 +60,7 @@ impl CallShared {
             logical_call_id,
             started,
             stream,
+            api: Mutex::new(None),
             deadline_hit: AtomicBool::new(false),
             budget_counted: AtomicBool::new(false),
             max_wait: Mutex::new(None),
@@ -65,6 +70,15 @@ impl CallShared {
 
     pub(crate) fn progress(&self) -> std::sync::MutexGuard<'_, Progress> {
         self.progress.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    pub(crate) fn set_api(&self, api: Option<&'static str>) {
+        *self.api.lock().unwrap_or_else(|e| e.into_inner()) = api;
+    }
+
+    /// The API route the call came by (`None`: a library call).
+    pub(crate) fn api(&self) -> Option<&'static str> {
+        *self.api.lock().unwrap_or_else(|e| e.into_inner())
     }
 
     pub(crate) fn mark_deadline(&self) {
@@ -150,6 +164,7 @@ impl CallShared {
             p.excluded.insert(source.to_string());
         }
         p.last_error = Some(error.clone());
+        p.last_source = Some(source.to_string());
         if let Some(ra) = error.retry_after {
             p.retry_after = Some(p.retry_after.map_or(ra, |x| x.min(ra)));
         }
@@ -195,6 +210,7 @@ impl CallShared {
             FailureContext {
                 logical_call_id: self.logical_call_id.clone(),
                 last_error: p.last_error.clone().map(Box::new),
+                last_source: p.last_source.clone(),
                 reasons: p.reasons.clone(),
                 attempts: p.attempts,
                 retry_after: p.retry_after,

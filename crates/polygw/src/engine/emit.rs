@@ -38,6 +38,50 @@ impl Engine {
         }
     }
 
+    /// One info line for a call that succeeded only thanks to a failover, a hedge or a
+    /// resume (issue 22, item 16), saying what happened; nothing for a call whose first
+    /// attempt answered.
+    pub(crate) fn log_rescue(&self, call: &CallShared, r: &polygw_core::LlmResponse) {
+        let s = &r.call_stats;
+        if s.attempts <= 1 && s.hedges == 0 && s.resumes == 0 {
+            return;
+        }
+        let p = call.progress();
+        let failed: Vec<String> = p
+            .reasons
+            .iter()
+            .filter_map(|(src, why)| match why {
+                polygw_core::SourceReason::Failed(l) => Some(format!("{src}: {l}")),
+                polygw_core::SourceReason::Refused(_) => None,
+            })
+            .collect();
+        let mut what = Vec::new();
+        if !failed.is_empty() && s.resumes == 0 {
+            what.push(format!("a failover (failed: {})", failed.join(", ")));
+        }
+        if s.hedge_won {
+            what.push(format!("a hedge ({} extra leg(s), one won)", s.hedges));
+        } else if s.hedges > 0 {
+            what.push(format!("{} hedge leg(s) that lost", s.hedges));
+        }
+        if s.resumes > 0 {
+            what.push(format!("{} resume(s) of its stream", s.resumes));
+        }
+        if what.is_empty() {
+            what.push(format!("{} attempts", s.attempts));
+        }
+        tracing::info!(
+            scope = %self.scope.name,
+            logical_call_id = %call.logical_call_id,
+            source = %r.source,
+            attempts = s.attempts,
+            hedges = s.hedges,
+            resumes = s.resumes,
+            "call succeeded thanks to {}",
+            what.join(" and ")
+        );
+    }
+
     fn call_row(&self, kind: RowKind, call: &CallShared) -> TelemetryRow {
         let mut r = TelemetryRow::new(
             kind,
@@ -48,6 +92,7 @@ impl Engine {
             self.ports.clock.unix_ms(),
         );
         r.stream = call.stream;
+        r.api = call.api().map(str::to_string);
         r.latency_ms = Some(ms(self
             .ports
             .clock

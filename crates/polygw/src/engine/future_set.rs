@@ -38,6 +38,10 @@ impl<F: Future + Unpin> FutureSet<F> {
     pub(crate) fn is_empty(&self) -> bool {
         self.futures.is_empty()
     }
+
+    pub(crate) fn len(&self) -> usize {
+        self.futures.len()
+    }
 }
 
 impl<F: Future + Unpin> Stream for FutureSet<F> {

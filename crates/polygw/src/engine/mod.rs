@@ -20,8 +20,8 @@ use std::sync::{Arc, Mutex};
 
 use polygw_core::hedge::HedgeBudget;
 use polygw_core::ports::{
-    BreakerStore, Clock, EmbeddingTransport, OcrTransport, RateLimiter, ResponseCache, Rng,
-    TelemetryRecorder, Transport,
+    BreakerStore, Clock, EmbeddingTransport, OcrTransport, RateLimiter, ResponseCache,
+    ResponseStore, Rng, TelemetryRecorder, Transport,
 };
 use polygw_core::{ScopeKind, ScopeSettings};
 
@@ -44,6 +44,8 @@ pub struct Ports {
     pub telemetry: Arc<dyn TelemetryRecorder>,
     /// Response cache.
     pub cache: Arc<dyn ResponseCache>,
+    /// Stored OpenAI Responses answers (`polygw serve`).
+    pub responses: Arc<dyn ResponseStore>,
     /// Monotonic and wall time.
     pub clock: Arc<dyn Clock>,
     /// Randomness (weighted choice, jitter).

@@ -177,7 +177,8 @@ impl Engine {
     ) -> Result<Won<L::Output>, GatewayError> {
         let mut retry = RetryState::new(&call.retry_settings(&self.scope.retry));
         let stream_settings = self.scope.stream;
-        let resume_setting = if leg.stream() && self.kind == ScopeKind::Chat {
+        let resume_setting = if leg.stream() && self.kind == ScopeKind::Chat && leg.single_choice()
+        {
             stream_settings.resume
         } else {
             ResumeSetting::Off
@@ -413,8 +414,12 @@ impl Engine {
                     ) {
                         RoundVerdict::Retry { backoff } => {
                             let mut wait = backoff;
+                            // A stream that broke after its first chunk resumes on
+                            // another source, prefill-capable first (docs/HEDGING.md),
+                            // never first on the one that cut it (issue 22, item 16).
                             if let Some(src) = source.filter(|s| {
                                 self.scope.retry.prefer == RetryPrefer::Same
+                                    && cont.is_none()
                                     && !retried_same.contains(s)
                                     && self.retries_same(&error)
                             }) {

@@ -66,6 +66,9 @@ pub struct Commit {
     pub first: bool,
     /// The committed leg continues the stream by this mode, when it is a resume leg.
     pub resume_mode: Option<ResumeMode>,
+    /// The committed attempt's upstream headers a proxy passes on (`x-request-id`,
+    /// `x-ratelimit-*`: SPEC §17.4).
+    pub upstream_headers: Vec<(String, String)>,
 }
 
 /// Receives a passthrough stream (`polygw serve`, `chat_streaming`, `chat_stream`):
@@ -75,6 +78,9 @@ pub trait DeltaSink: Send + Sync {
     fn committed(&self, _commit: &Commit) {}
     /// The next chunk for the caller, in order (role once, text never repeated).
     fn send(&self, delta: StreamDelta);
+    /// How many attempts of the call are running now (0 while it waits for admission
+    /// or backs off: a proxy sends keepalives only while one runs, SPEC §17.2).
+    fn attempts_running(&self, _n: usize) {}
 }
 
 /// A leg whose transport phase ended.
@@ -309,6 +315,10 @@ impl ChunkObserver for LegObserver {
         self.raw
     }
 
+    fn on_headers(&self, headers: &[(String, String)]) {
+        self.control.set_headers(headers);
+    }
+
     fn on_delta(&self, at: Instant, delta: StreamDelta) {
         let incremental = delta.is_incremental();
         // Passthrough (`raw`) forwards every chunk; otherwise only a chunk that arms
@@ -444,6 +454,11 @@ impl<'a, L: Leg> Exec<'a, L> {
                         is_hedge: info.is_hedge,
                         first,
                         resume_mode: info.kind.resume_mode(),
+                        upstream_headers: self
+                            .controls
+                            .get(leg)
+                            .map(|(c, _)| c.headers())
+                            .unwrap_or_default(),
                     });
                 }
             }
@@ -565,6 +580,14 @@ impl<'a, L: Leg> Exec<'a, L> {
         self.controls.push((control, handle));
         self.infos.push(info_copy);
         self.usage.push(None);
+        self.report_running();
+    }
+
+    /// Tells the sink how many legs run now.
+    fn report_running(&self) {
+        if let Some(sink) = &self.sink {
+            sink.attempts_running(self.legs.len());
+        }
     }
 
     /// The estimated prompt of a leg (a prefill leg sends its prefix too).
@@ -810,6 +833,7 @@ impl<'a, L: Leg> Exec<'a, L> {
         }
         // Anything the machine did not decide (never expected) records as cancelled.
         self.ended.clear();
+        self.report_running();
     }
 
     fn on_timer(&mut self) {
@@ -1002,6 +1026,9 @@ fn guard_label(
 
 impl<L: Leg> Drop for Exec<'_, L> {
     fn drop(&mut self) {
+        if let Some(sink) = &self.sink {
+            sink.attempts_running(0);
+        }
         if self.machine.result().is_none() {
             // The round's future is dropped: the deadline (the wrapper marked it) or
             // the caller. The machine labels every running leg.

@@ -5,4 +5,5 @@
 mod api;
 mod conformance;
 mod hardening;
+mod honest;
 mod support;

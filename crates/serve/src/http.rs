@@ -1,0 +1,367 @@
+//! The machinery every API route shares (the phases of a proxied call that do not
+//! depend on the API's wire format): reading the body under its limits, resolving the
+//! request's `model` to a chat scope, the scope's gate, running a plain call while
+//! watching the client and the shutdown, and the `x-request-id` / `x-polygw-*` /
+//! passed-through upstream headers of an answer. Routes (`crate::route`) parse, call
+//! these, and render in their own API's shape.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::body::{Body, Bytes};
+use axum::http::{header, HeaderMap, HeaderName, HeaderValue, StatusCode};
+use axum::Extension;
+use http_body_util::BodyExt;
+use polygw::{CallOptions, ChatRequest, Commit, GatewayClient, GatewayError, LlmResponse};
+
+use crate::conn::ConnCtx;
+use crate::errors::{from_gateway, ApiError};
+use crate::names;
+use crate::scope::{GateRefusal, ScopeClient, Slot};
+use crate::state::{cut_done, Served, State};
+
+/// The connection of a request, when served by [`crate::serve`].
+pub type Conn = Option<Extension<Arc<ConnCtx>>>;
+
+/// Seconds since the Unix epoch (`created` of a synthesized answer).
+pub fn unix_now() -> u64 {
+    // The proxy's only wall-clock reading: the `created` fields of answers it writes.
+    #[allow(clippy::disallowed_methods)]
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_secs())
+        .unwrap_or(0)
+}
+
+/// Resolves when the client ends its side of the connection (never without one).
+pub async fn client_gone(ctx: &Option<Arc<ConnCtx>>) {
+    match ctx {
+        Some(c) => c.closed().await,
+        None => std::future::pending().await,
+    }
+}
+
+/// The error of a client that ended its side of the connection before its answer:
+/// the call is cancelled (or was never made). Written in case it only half-closed.
+pub fn client_closed() -> ApiError {
+    ApiError::new(
+        StatusCode::from_u16(499).unwrap_or(StatusCode::BAD_REQUEST),
+        "invalid_request_error",
+        "client_closed_request",
+        "the client closed its side of the connection before the answer: polygw cancelled \
+         the call (keep the connection open until the answer arrives)",
+    )
+}
+
+/// The 503 of a call still running when the shutdown's grace period ended.
+pub fn shutting_down() -> ApiError {
+    ApiError::new(
+        StatusCode::SERVICE_UNAVAILABLE,
+        "server_error",
+        "server_shutdown",
+        "polygw is shutting down: the call was cancelled at the end of the grace period",
+    )
+}
+
+/// A request that ends before its call: the error to render, and whether the
+/// connection must close after the answer (its body was not read whole).
+#[derive(Debug)]
+pub struct Early {
+    /// What to answer.
+    pub error: ApiError,
+    /// Close the connection after the answer.
+    pub close: bool,
+}
+
+impl From<ApiError> for Early {
+    fn from(error: ApiError) -> Self {
+        Early {
+            error,
+            close: false,
+        }
+    }
+}
+
+/// Marks an answer as the connection's last (its request body was not read whole).
+pub fn close_after(ctx: &Option<Arc<ConnCtx>>, h: &mut HeaderMap) {
+    if let Some(c) = ctx {
+        c.close_after_answer();
+    }
+    h.insert(header::CONNECTION, HeaderValue::from_static("close"));
+}
+
+/// Reads a request body under the size limit and the body timeout, into one buffer
+/// sized by `Content-Length` (no intermediate copies).
+pub async fn read_body(
+    st: &State,
+    headers: &HeaderMap,
+    body: Body,
+    ctx: &Option<Arc<ConnCtx>>,
+) -> Result<Bytes, Early> {
+    let limit = st.cfg.max_body_bytes;
+    let too_large = |st: &State| {
+        st.counters.refused("body_too_large");
+        Early {
+            error: ApiError {
+                status: StatusCode::PAYLOAD_TOO_LARGE,
+                ..ApiError::bad_request(
+                    "body",
+                    format!("the request body exceeds {limit} bytes (--max-body-bytes)"),
+                )
+            },
+            close: true,
+        }
+    };
+    let declared = headers
+        .get(header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<usize>().ok());
+    if declared.is_some_and(|n| n > limit) {
+        return Err(too_large(st));
+    }
+    let mut buf = Vec::with_capacity(declared.unwrap_or(0).min(limit));
+    let mut body = body;
+    let read = async {
+        while let Some(frame) = body.frame().await {
+            let frame = frame.map_err(|e| format!("the request body could not be read: {e}"))?;
+            if let Ok(data) = frame.into_data() {
+                if buf.len() + data.len() > limit {
+                    return Err(String::new());
+                }
+                buf.extend_from_slice(&data);
+            }
+        }
+        Ok(())
+    };
+    match tokio::time::timeout(st.cfg.body_timeout, read).await {
+        Ok(Ok(())) => {
+            if let Some(c) = ctx {
+                c.body_finished();
+            }
+            Ok(Bytes::from(buf))
+        }
+        Ok(Err(msg)) if msg.is_empty() => Err(too_large(st)),
+        Ok(Err(msg)) => Err(Early {
+            error: ApiError::bad_request("body", msg),
+            close: true,
+        }),
+        Err(_) => {
+            st.counters.closed("body_timeout");
+            Err(Early {
+                error: ApiError::new(
+                    StatusCode::REQUEST_TIMEOUT,
+                    "invalid_request_error",
+                    "request_timeout",
+                    format!(
+                        "the request body did not arrive within {} s",
+                        st.cfg.body_timeout.as_secs_f64()
+                    ),
+                ),
+                close: true,
+            })
+        }
+    }
+}
+
+/// The chat scope a request's `model` selects.
+pub fn chat_scope<'a>(
+    st: &'a State,
+    model: &str,
+) -> Result<(&'a Served, &'a GatewayClient), ApiError> {
+    let Some(served) = st.scope_for(model) else {
+        return Err(st.unknown_model(model));
+    };
+    match &served.scope.client {
+        ScopeClient::Chat(c) => Ok((served, c)),
+        ScopeClient::Embedding(_) => Err(st.wrong_kind(model, served.scope.kind())),
+    }
+}
+
+/// The 429 of a call turned away by its scope's cap and queue.
+fn gate_refusal(scope: &str, why: GateRefusal, wait: Duration) -> ApiError {
+    let message = match why {
+        GateRefusal::QueueFull => format!(
+            "Rate limit reached: scope {scope} has as many calls running and waiting as polygw \
+             serve allows (--max-calls-per-scope, --max-queued-per-scope); retry shortly"
+        ),
+        GateRefusal::Waited => format!(
+            "Rate limit reached: scope {scope} had no free call slot within {} s (--max-wait-s); \
+             retry shortly",
+            wait.as_secs_f64()
+        ),
+    };
+    ApiError::new(
+        StatusCode::TOO_MANY_REQUESTS,
+        "requests",
+        "rate_limit_exceeded",
+        message,
+    )
+    .with_retry_after(1)
+}
+
+/// A call slot of the scope, unless the client leaves first (or already left: a
+/// half-close right after its request makes no call at all).
+pub async fn enter_gate(
+    st: &State,
+    served: &Served,
+    ctx: &Option<Arc<ConnCtx>>,
+) -> Result<Slot, Early> {
+    if ctx.as_ref().is_some_and(|c| c.client_gone_now()) {
+        return Err(client_closed().into());
+    }
+    tokio::select! {
+        biased;
+        () = client_gone(ctx) => Err(client_closed().into()),
+        r = served.gate.enter(st.cfg.max_wait) => r.map_err(|why| {
+            gate_refusal(&served.scope.name, why, st.cfg.max_wait).into()
+        }),
+    }
+}
+
+/// The options of a proxied call: the proxy's wait bound, named as its flag, and the
+/// call's id (known before the call, for `x-request-id`).
+pub fn call_options(st: &State, id: &str) -> CallOptions {
+    CallOptions::default()
+        .with_max_wait_named(st.cfg.max_wait, "--max-wait-s")
+        .with_logical_call_id(id)
+}
+
+/// How a plain call ended, besides its answer.
+#[derive(Debug)]
+pub enum Stopped {
+    /// The call failed.
+    Failed(GatewayError),
+    /// The client left (the call was cancelled).
+    ClientGone,
+    /// The shutdown's grace period ended (the call was cancelled).
+    Cut,
+}
+
+impl Stopped {
+    /// The error to answer with.
+    pub fn error(&self) -> ApiError {
+        match self {
+            Stopped::Failed(e) => from_gateway(e),
+            Stopped::ClientGone => client_closed(),
+            Stopped::Cut => shutting_down(),
+        }
+    }
+}
+
+/// Runs a plain chat call while watching the client and the shutdown; frees the gate's
+/// slot when it ends.
+pub async fn run_plain(
+    st: &State,
+    ctx: &Option<Arc<ConnCtx>>,
+    client: &GatewayClient,
+    request: ChatRequest,
+    options: CallOptions,
+    slot: Slot,
+) -> Result<LlmResponse, Stopped> {
+    let call = client.chat_with(request, options);
+    let r = tokio::select! {
+        biased;
+        r = call => r,
+        () = client_gone(ctx) => return Err(Stopped::ClientGone),
+        () = cut_done(st.cut_signal()) => return Err(Stopped::Cut),
+    };
+    drop(slot);
+    r.map_err(Stopped::Failed)
+}
+
+/// Sets `x-request-id` (and `x-polygw-logical-call-id`, the same id) on a response.
+pub fn set_request_id(h: &mut HeaderMap, id: &str) {
+    if let Ok(v) = HeaderValue::from_str(id) {
+        h.insert(names::X_REQUEST_ID, v.clone());
+        h.insert(names::X_LOGICAL_CALL_ID, v);
+    }
+}
+
+/// Sets `x-request-id` to `id` unless the response already has one.
+pub fn ensure_request_id(h: &mut HeaderMap, id: &str) {
+    if !h.contains_key(names::X_REQUEST_ID) {
+        if let Ok(v) = HeaderValue::from_str(id) {
+            h.insert(names::X_REQUEST_ID, v);
+        }
+    }
+}
+
+/// The upstream headers of the committed attempt (SPEC §17.4): its `x-request-id` as
+/// `x-polygw-upstream-request-id`, `x-ratelimit-*` unchanged.
+pub fn upstream_headers(h: &mut HeaderMap, passed: &[(String, String)]) {
+    for (n, v) in passed {
+        let Ok(value) = HeaderValue::from_str(v) else {
+            continue;
+        };
+        if n == "x-request-id" {
+            h.insert(names::X_UPSTREAM_REQUEST_ID, value);
+        } else if let Ok(name) = HeaderName::from_bytes(n.as_bytes()) {
+            h.insert(name, value);
+        }
+    }
+}
+
+/// Response headers of a call that answered.
+pub fn answer_headers(h: &mut HeaderMap, r: &LlmResponse) {
+    set_request_id(h, &r.logical_call_id);
+    if let Ok(v) = HeaderValue::from_str(&r.source) {
+        h.insert(names::X_SOURCE, v);
+    }
+    h.insert(
+        names::X_HEDGED,
+        HeaderValue::from_static(if r.call_stats.hedge_won {
+            "true"
+        } else {
+            "false"
+        }),
+    );
+    h.insert(names::X_HEDGES, HeaderValue::from(r.call_stats.hedges));
+    h.insert(names::X_ATTEMPTS, HeaderValue::from(r.call_stats.attempts));
+    if r.call_stats.resumes > 0 {
+        h.insert(names::X_RESUMES, HeaderValue::from(r.call_stats.resumes));
+    }
+    h.insert(
+        names::X_USAGE_SOURCE,
+        HeaderValue::from_static(r.usage_source.as_str()),
+    );
+    upstream_headers(h, &r.upstream_headers);
+}
+
+/// Response headers of a stream whose first leg committed.
+pub fn commit_headers(h: &mut HeaderMap, c: &Commit) {
+    if let Ok(v) = HeaderValue::from_str(&c.source) {
+        h.insert(names::X_SOURCE, v);
+    }
+    h.insert(
+        names::X_HEDGED,
+        HeaderValue::from_static(if c.is_hedge { "true" } else { "false" }),
+    );
+    upstream_headers(h, &c.upstream_headers);
+}
+
+/// The `x-polygw-*` headers known on a failed call (`logical-call-id`, `attempts`,
+/// `terminal-reason`).
+pub fn failure_headers(h: &mut HeaderMap, e: &GatewayError, id: &str) {
+    let id = e.context().map_or(id, |c| c.logical_call_id.as_str());
+    set_request_id(h, id);
+    if let Some(ctx) = e.context() {
+        h.insert(names::X_ATTEMPTS, HeaderValue::from(ctx.attempts));
+    }
+    if let Some(r) = e.terminal_reason() {
+        h.insert(
+            names::X_TERMINAL_REASON,
+            HeaderValue::from_static(r.as_str()),
+        );
+    }
+}
+
+/// A comma-separated header of names (tools not sent upstream, parameters ignored),
+/// when there are any.
+pub fn list_header(h: &mut HeaderMap, name: HeaderName, items: &[String]) {
+    if items.is_empty() {
+        return;
+    }
+    if let Ok(v) = HeaderValue::from_str(&items.join(", ")) {
+        h.insert(name, v);
+    }
+}

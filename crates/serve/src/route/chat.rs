@@ -1,0 +1,384 @@
+//! `POST /v1/chat/completions` (SPEC §11, §15, §17): the OpenAI chat-completions API,
+//! the dialect polygw's sources speak — so plain answers and stream frames are the
+//! upstream's own, passed through with the few edits a gateway must make.
+//!
+//! Stream frames: `id` and `created` are the first delivered frame's for the whole
+//! stream (a resumed stream stays one stream), a frame without a `model` gets the
+//! committed source's, and usage is sent once, at the end, when the client asked for it
+//! (`include_usage`): the upstream's own usage object when one leg delivered the answer,
+//! else the sum over the legs, marked `"polygw": {"usage_source": …}` when not
+//! measured, `null` when unknown; the final usage chunk carries the stream's
+//! `system_fingerprint` and `service_tier`. Frames carry `"usage": null` where the
+//! upstream sent usage mid-stream.
+
+use std::sync::Arc;
+
+use axum::body::Body;
+use axum::extract::State;
+use axum::http::HeaderMap;
+use axum::response::{IntoResponse, Response};
+use axum::{Extension, Json};
+use polygw::{CallOptions, Commit, LlmResponse, StreamDelta, UsageSource};
+use serde_json::{json, Map, Value};
+
+use crate::errors::{error_response, ApiError};
+use crate::http::{
+    answer_headers, call_options, chat_scope, close_after, ensure_request_id, enter_gate,
+    failure_headers, read_body, run_plain, set_request_id, unix_now, Conn, Stopped,
+};
+use crate::openai::{chunk_json, completion_json, parse_chat, usage_json};
+use crate::state::State as AppState;
+use crate::stream::{respond, Encoder};
+
+/// Frame-level keys every chunk has; anything else is information for the client.
+const ENVELOPE: [&str; 9] = [
+    "id",
+    "object",
+    "created",
+    "model",
+    "system_fingerprint",
+    "service_tier",
+    "obfuscation",
+    "choices",
+    "usage",
+];
+
+/// `POST /v1/chat/completions`.
+pub async fn handle(
+    State(st): State<Arc<AppState>>,
+    conn: Conn,
+    headers: HeaderMap,
+    body: Body,
+) -> Response {
+    let ctx = conn.map(|Extension(c)| c);
+    let id = CallOptions::new_logical_call_id();
+    let mut resp = inner(&st, &ctx, &headers, body, &id).await;
+    ensure_request_id(resp.headers_mut(), &id);
+    resp
+}
+
+async fn inner(
+    st: &Arc<AppState>,
+    ctx: &Option<Arc<crate::conn::ConnCtx>>,
+    headers: &HeaderMap,
+    body: Body,
+    id: &str,
+) -> Response {
+    let early = |e: crate::http::Early| {
+        let mut r = error_response(&e.error);
+        if e.close {
+            close_after(ctx, r.headers_mut());
+        }
+        r
+    };
+    let bytes = match read_body(st, headers, body, ctx).await {
+        Ok(b) => b,
+        Err(e) => return early(e),
+    };
+    let parsed = match parse_chat(&bytes) {
+        Ok(p) => p,
+        Err(e) => return error_response(&e),
+    };
+    // Parsed once; the raw body is not kept for the call.
+    drop(bytes);
+    let (served, client) = match chat_scope(st, &parsed.model) {
+        Ok(x) => x,
+        Err(e) => return error_response(&e),
+    };
+    let slot = match enter_gate(st, served, ctx).await {
+        Ok(s) => s,
+        Err(e) => return early(e),
+    };
+    let mut options = call_options(st, id);
+    options.api = Some("chat");
+    if parsed.request.stream {
+        let enc = ChatEncoder::new(id, parsed.include_usage);
+        return respond(
+            st.clone(),
+            client.clone(),
+            parsed.request,
+            options,
+            slot,
+            ctx.clone(),
+            enc,
+            error_response,
+        )
+        .await;
+    }
+    match run_plain(st, ctx, client, parsed.request, options, slot).await {
+        Ok(mut r) => {
+            let mut resp = Json(completion_json(&mut r, unix_now())).into_response();
+            answer_headers(resp.headers_mut(), &r);
+            resp
+        }
+        Err(Stopped::Failed(e)) => {
+            let api = crate::errors::from_gateway(&e);
+            log_failure(&api, &e);
+            let mut resp = error_response(&api);
+            failure_headers(resp.headers_mut(), &e, id);
+            resp
+        }
+        Err(s) => {
+            let mut resp = error_response(&s.error());
+            set_request_id(resp.headers_mut(), id);
+            resp
+        }
+    }
+}
+
+/// A failed call's log line (server-side errors and rate limits only).
+pub fn log_failure(api: &ApiError, e: &polygw::GatewayError) {
+    if api.status.is_server_error() || api.status.as_u16() == 429 {
+        tracing::warn!(status = api.status.as_u16(), error = %e, "call failed");
+    }
+}
+
+/// The chat-completions stream (see the module documentation).
+pub(crate) struct ChatEncoder {
+    /// The committed leg.
+    commit: Option<Commit>,
+    /// `id` and `created` of the stream: the first delivered frame's.
+    id: Option<String>,
+    created: Option<Value>,
+    /// The stream's `system_fingerprint` and `service_tier`, as the upstream sent them.
+    fingerprint: Option<Value>,
+    service_tier: Option<Value>,
+    logical_call_id: String,
+    include_usage: bool,
+    /// The last usage object an upstream sent, as sent.
+    upstream_usage: Option<Value>,
+    /// Legs whose chunks reached the client.
+    legs: u32,
+    /// Chunks written.
+    chunks: u64,
+}
+
+impl ChatEncoder {
+    pub(crate) fn new(logical_call_id: &str, include_usage: bool) -> Self {
+        ChatEncoder {
+            commit: None,
+            id: None,
+            created: None,
+            fingerprint: None,
+            service_tier: None,
+            logical_call_id: logical_call_id.to_string(),
+            include_usage,
+            upstream_usage: None,
+            legs: 0,
+            chunks: 0,
+        }
+    }
+
+    fn id(&self) -> String {
+        self.id
+            .clone()
+            .unwrap_or_else(|| format!("chatcmpl-{}", self.logical_call_id))
+    }
+
+    fn created(&self) -> Value {
+        self.created.clone().unwrap_or_else(|| json!(unix_now()))
+    }
+
+    fn model(&self) -> String {
+        self.commit
+            .as_ref()
+            .map(|c| c.model.clone())
+            .unwrap_or_default()
+    }
+
+    /// The upstream's frame text when it can go to the client exactly as received:
+    /// kept as text by the transport (no usage, no error, one line), after the frame
+    /// that named the stream, with the stream's id and created, an `object`, a model
+    /// and choices — everything [`ChatEncoder::chunk`] would otherwise set or check.
+    fn verbatim<'d>(&self, d: &'d StreamDelta) -> Option<&'d str> {
+        let t = d.raw_text.as_ref().filter(|_| d.raw.is_none())?;
+        let id = self.id.as_deref()?;
+        let created = self.created.as_ref().and_then(Value::as_u64);
+        let same = t.id.as_deref() == Some(id)
+            && t.created.is_some()
+            && t.created == created
+            && t.has_object
+            && t.choices > 0
+            && d.model.is_some();
+        same.then_some(t.json.as_str())
+    }
+
+    /// One upstream chunk as the client sees it, or `None` when nothing is left to send
+    /// (a frame that carried only usage).
+    fn chunk(&mut self, mut d: StreamDelta) -> Option<Value> {
+        let raw = match d.raw.take() {
+            Some(o) => Some(o),
+            None => d.raw_object().map(std::borrow::Cow::into_owned),
+        };
+        let mut obj: Map<String, Value> = match raw {
+            Some(o) => o,
+            None => match chunk_json(&self.id(), &self.model(), 0, &d) {
+                Some(Value::Object(o)) => o,
+                _ => return None,
+            },
+        };
+        // Usage goes out once, at the end: a frame keeps its `usage` key, as null.
+        if let Some(u) = obj.get_mut("usage").filter(|u| u.is_object()) {
+            self.upstream_usage = Some(u.take());
+        }
+        if let Some(choices) = obj.get_mut("choices").and_then(Value::as_array_mut) {
+            for c in choices.iter_mut() {
+                if let Some(u) = c.get_mut("usage").filter(|u| u.is_object()) {
+                    self.upstream_usage = Some(u.take());
+                }
+            }
+        }
+        for (key, slot) in [
+            ("system_fingerprint", &mut self.fingerprint),
+            ("service_tier", &mut self.service_tier),
+        ] {
+            if let Some(v) = obj.get(key).filter(|v| !v.is_null()) {
+                *slot = Some(v.clone());
+            }
+        }
+        let has_choices = obj
+            .get("choices")
+            .and_then(Value::as_array)
+            .is_some_and(|c| !c.is_empty());
+        let extras = obj
+            .iter()
+            .any(|(k, v)| !ENVELOPE.contains(&k.as_str()) && !v.is_null());
+        if !has_choices && !extras {
+            return None;
+        }
+        if self.id.is_none() {
+            // The first delivered frame names the stream.
+            self.id = Some(
+                obj.get("id")
+                    .and_then(Value::as_str)
+                    .filter(|s| !s.is_empty())
+                    .map(str::to_string)
+                    .unwrap_or_else(|| format!("chatcmpl-{}", self.logical_call_id)),
+            );
+            self.created = Some(
+                obj.get("created")
+                    .filter(|c| c.as_u64().is_some_and(|t| t > 0))
+                    .cloned()
+                    .unwrap_or_else(|| json!(unix_now())),
+            );
+        }
+        // Every frame carries the stream's id and created (a resumed stream's later
+        // legs have their own); most already do, and are left as they are.
+        if obj.get("id").and_then(Value::as_str) != self.id.as_deref() {
+            obj.insert("id".into(), json!(self.id()));
+        }
+        if obj.get("created") != self.created.as_ref() {
+            obj.insert("created".into(), self.created());
+        }
+        obj.entry("object")
+            .or_insert_with(|| json!("chat.completion.chunk"));
+        let named = obj
+            .get("model")
+            .and_then(Value::as_str)
+            .is_some_and(|s| !s.is_empty());
+        if !named {
+            obj.insert("model".into(), json!(self.model()));
+        }
+        Some(Value::Object(obj))
+    }
+
+    /// The final usage chunk (SPEC §15: measured as reported, an estimate marked,
+    /// unknown as null), with the stream's fingerprint and tier (issue 22, item 18).
+    fn usage_chunk(&self, r: &LlmResponse) -> Value {
+        let usage = match r.usage_source {
+            UsageSource::Unavailable => Value::Null,
+            UsageSource::Measured if self.legs <= 1 && self.upstream_usage.is_some() => {
+                self.upstream_usage.clone().unwrap_or(Value::Null)
+            }
+            _ => usage_json(&r.usage),
+        };
+        let mut c = json!({
+            "id": self.id(),
+            "object": "chat.completion.chunk",
+            "created": self.created(),
+            "model": r.model,
+            "choices": [],
+            "usage": usage,
+        });
+        if let Some(f) = &self.fingerprint {
+            c["system_fingerprint"] = f.clone();
+        }
+        if let Some(t) = &self.service_tier {
+            c["service_tier"] = t.clone();
+        }
+        if r.usage_source != UsageSource::Measured {
+            c["polygw"] = json!({"usage_source": r.usage_source.as_str()});
+        }
+        c
+    }
+}
+
+fn sse(out: &mut Vec<u8>, v: &Value) {
+    out.extend_from_slice(b"data: ");
+    // Serializing a Value into a Vec cannot fail.
+    let _ = serde_json::to_writer(&mut *out, v);
+    out.extend_from_slice(b"\n\n");
+}
+
+/// An answer that was never streamed, as chunks (role and text, then finish).
+fn whole_answer_chunks(r: &LlmResponse, id: &str) -> Vec<Value> {
+    let created = unix_now();
+    let d = StreamDelta {
+        role: Some("assistant".into()),
+        content: (!r.content.is_empty() || r.tool_calls.is_empty()).then(|| r.content.clone()),
+        reasoning: r.reasoning_content.clone(),
+        tool_calls: r
+            .tool_calls
+            .iter()
+            .map(|t| polygw::ToolCallDelta {
+                index: t.index,
+                id: t.id.clone(),
+                name: t.name.clone(),
+                arguments: t.arguments.clone(),
+            })
+            .collect(),
+        finish_reason: r.finish_reason.clone(),
+        ..Default::default()
+    };
+    chunk_json(id, &r.model, created, &d).into_iter().collect()
+}
+
+impl Encoder for ChatEncoder {
+    fn open(&mut self, _out: &mut Vec<u8>) {}
+
+    fn committed(&mut self, c: &Commit) {
+        self.legs += 1;
+        self.commit = Some(c.clone());
+    }
+
+    fn delta(&mut self, d: StreamDelta, out: &mut Vec<u8>) {
+        if let Some(text) = self.verbatim(&d) {
+            self.chunks += 1;
+            out.extend_from_slice(b"data: ");
+            out.extend_from_slice(text.as_bytes());
+            out.extend_from_slice(b"\n\n");
+        } else if let Some(v) = self.chunk(d) {
+            self.chunks += 1;
+            sse(out, &v);
+        }
+    }
+
+    fn done(&mut self, r: &LlmResponse, out: &mut Vec<u8>) {
+        if self.chunks == 0 {
+            // Nothing was streamed (an answer from the cache): the whole answer as one
+            // chunk.
+            for c in whole_answer_chunks(r, &self.id()) {
+                sse(out, &c);
+            }
+        }
+        if self.include_usage {
+            let u = self.usage_chunk(r);
+            sse(out, &u);
+        }
+        out.extend_from_slice(b"data: [DONE]\n\n");
+    }
+
+    fn fail(&mut self, e: &ApiError, out: &mut Vec<u8>) {
+        sse(out, &e.body());
+    }
+}

@@ -1,0 +1,207 @@
+//! `POST /v1/messages` and `POST /v1/messages/count_tokens` (SPEC §18.2): the Anthropic
+//! Messages API over the same engine. The translation is `polygw_dialects::messages`;
+//! this module runs its phases (parse, translate, call, answer a `message` or its event
+//! stream) and answers every error in Anthropic's shape and statuses.
+
+use std::sync::Arc;
+
+use axum::body::Body;
+use axum::extract::State;
+use axum::http::{HeaderMap, HeaderValue, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::{Extension, Json};
+use polygw::{CallOptions, LlmResponse, StreamDelta};
+use polygw_dialects::messages::{self as wire, MessagesStream};
+use polygw_dialects::SseEvent;
+use serde_json::json;
+
+use crate::errors::{from_gateway, ApiError};
+use crate::http::{
+    answer_headers, call_options, chat_scope, close_after, ensure_request_id, enter_gate,
+    failure_headers, list_header, read_body, run_plain, set_request_id, Conn, Stopped,
+};
+use crate::names;
+use crate::route::responses::dialect_error;
+use crate::state::State as AppState;
+use crate::stream::{respond, Encoder};
+
+/// An error in Anthropic's shape (`{"type":"error","error":{"type","message"}}`) and
+/// status (a 503 of polygw is Anthropic's 529 `overloaded_error`), with `Retry-After`
+/// and `x-should-retry`.
+pub(crate) fn anthropic_error(e: &ApiError) -> Response {
+    let (status, body) = wire::error_body(e.status.as_u16(), &e.message);
+    let status = StatusCode::from_u16(status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
+    let mut resp = (status, Json(body)).into_response();
+    e.set_headers(resp.headers_mut());
+    resp
+}
+
+/// `POST /v1/messages` (also with `?beta=true`).
+pub async fn create(
+    State(st): State<Arc<AppState>>,
+    conn: Conn,
+    headers: HeaderMap,
+    body: Body,
+) -> Response {
+    let ctx = conn.map(|Extension(c)| c);
+    let id = CallOptions::new_logical_call_id();
+    let mut resp = create_inner(&st, &ctx, &headers, body, &id).await;
+    ensure_request_id(resp.headers_mut(), &id);
+    // Anthropic's SDKs read `request-id`.
+    if let Some(v) = resp.headers().get(names::X_REQUEST_ID).cloned() {
+        resp.headers_mut().insert("request-id", v);
+    }
+    resp
+}
+
+async fn create_inner(
+    st: &Arc<AppState>,
+    ctx: &Option<Arc<crate::conn::ConnCtx>>,
+    headers: &HeaderMap,
+    body: Body,
+    id: &str,
+) -> Response {
+    let early = |e: crate::http::Early| {
+        let mut r = anthropic_error(&e.error);
+        if e.close {
+            close_after(ctx, r.headers_mut());
+        }
+        r
+    };
+    let bytes = match read_body(st, headers, body, ctx).await {
+        Ok(b) => b,
+        Err(e) => return early(e),
+    };
+    let req = match wire::parse_request(&bytes) {
+        Ok(r) => r,
+        Err(e) => return anthropic_error(&dialect_error(e)),
+    };
+    drop(bytes);
+    let t = match wire::to_chat(&req) {
+        Ok(t) => t,
+        Err(e) => return anthropic_error(&dialect_error(e)),
+    };
+    let (served, client) = match chat_scope(st, req.model()) {
+        Ok(x) => x,
+        Err(e) => return anthropic_error(&e),
+    };
+    if !req.unsupported_tools().is_empty() {
+        tracing::info!(tools = %req.unsupported_tools().join(", "), "server tools not sent upstream");
+    }
+    let slot = match enter_gate(st, served, ctx).await {
+        Ok(s) => s,
+        Err(e) => return early(e),
+    };
+    let message_id = format!("msg_{id}");
+    let mut options = call_options(st, id);
+    options.api = Some("messages");
+    options.affinity_key = req.affinity_key().map(str::to_string);
+    let mut resp = if t.request.stream {
+        let estimate = t.meta.prompt_estimate();
+        let enc = MessagesEncoder {
+            stream: MessagesStream::new(&message_id, t.meta, estimate),
+        };
+        respond(
+            st.clone(),
+            client.clone(),
+            t.request,
+            options,
+            slot,
+            ctx.clone(),
+            enc,
+            anthropic_error,
+        )
+        .await
+    } else {
+        match run_plain(st, ctx, client, t.request, options, slot).await {
+            Ok(r) => {
+                let mut resp = Json(wire::message_object(&message_id, &t.meta, &r)).into_response();
+                answer_headers(resp.headers_mut(), &r);
+                resp
+            }
+            Err(Stopped::Failed(e)) => {
+                let api = from_gateway(&e);
+                crate::route::chat::log_failure(&api, &e);
+                let mut resp = anthropic_error(&api);
+                failure_headers(resp.headers_mut(), &e, id);
+                resp
+            }
+            Err(s) => {
+                let mut resp = anthropic_error(&s.error());
+                set_request_id(resp.headers_mut(), id);
+                resp
+            }
+        }
+    };
+    let h = resp.headers_mut();
+    list_header(h, names::X_UNSUPPORTED_TOOLS, req.unsupported_tools());
+    list_header(h, names::X_IGNORED_PARAMS, req.ignored());
+    resp
+}
+
+/// `POST /v1/messages/count_tokens`: the estimate polygw reserves for TPM.
+pub async fn count_tokens(
+    State(st): State<Arc<AppState>>,
+    conn: Conn,
+    headers: HeaderMap,
+    body: Body,
+) -> Response {
+    let ctx = conn.map(|Extension(c)| c);
+    let bytes = match read_body(&st, &headers, body, &ctx).await {
+        Ok(b) => b,
+        Err(e) => {
+            let mut r = anthropic_error(&e.error);
+            if e.close {
+                close_after(&ctx, r.headers_mut());
+            }
+            return r;
+        }
+    };
+    match wire::count_tokens(&bytes) {
+        Ok(n) => {
+            let mut r = Json(json!({"input_tokens": n})).into_response();
+            r.headers_mut()
+                .insert(names::X_USAGE_SOURCE, HeaderValue::from_static("estimated"));
+            r
+        }
+        Err(e) => anthropic_error(&dialect_error(e)),
+    }
+}
+
+/// The Messages event stream, over [`MessagesStream`]; `ping` as the keepalive.
+struct MessagesEncoder {
+    stream: MessagesStream,
+}
+
+fn write(out: &mut Vec<u8>, events: Vec<SseEvent>) {
+    for e in events {
+        e.write_to(out);
+    }
+}
+
+impl Encoder for MessagesEncoder {
+    fn open(&mut self, out: &mut Vec<u8>) {
+        write(out, self.stream.start());
+    }
+
+    fn delta(&mut self, d: StreamDelta, out: &mut Vec<u8>) {
+        write(out, self.stream.delta(&d));
+    }
+
+    fn done(&mut self, r: &LlmResponse, out: &mut Vec<u8>) {
+        write(out, self.stream.finish(r));
+    }
+
+    fn fail(&mut self, e: &ApiError, out: &mut Vec<u8>) {
+        let (_, body) = wire::error_body(e.status.as_u16(), &e.message);
+        let kind = body["error"]["type"]
+            .as_str()
+            .unwrap_or("overloaded_error")
+            .to_string();
+        write(out, self.stream.fail(&kind, &e.message));
+    }
+
+    fn keepalive(&mut self, out: &mut Vec<u8>) {
+        self.stream.ping().write_to(out);
+    }
+}

@@ -1,0 +1,334 @@
+//! `POST /v1/responses`, `GET` and `DELETE /v1/responses/{id}` (SPEC §18.1): the
+//! OpenAI Responses API over the same engine as chat completions. The translation is
+//! `polygw_dialects::responses`; this module only runs its phases: parse, load the
+//! stored conversation of `previous_response_id`, translate, call, answer (a `response`
+//! object or its typed event stream), store.
+
+use std::sync::Arc;
+
+use axum::body::Body;
+use axum::extract::{Path, State};
+use axum::http::{HeaderMap, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::{Extension, Json};
+use futures_util::future::BoxFuture;
+use polygw::core::ports::{ResponseStore, StoredResponse};
+use polygw::{CallOptions, GatewayClient, LlmResponse, StreamDelta};
+use polygw_dialects::responses::{self as wire, ResponsesStream};
+use polygw_dialects::{DialectError, SseEvent};
+use serde_json::{json, Value};
+
+use crate::errors::{error_response, from_gateway, ApiError};
+use crate::http::{
+    answer_headers, call_options, chat_scope, close_after, ensure_request_id, enter_gate,
+    failure_headers, list_header, read_body, run_plain, set_request_id, unix_now, Conn, Stopped,
+};
+use crate::names;
+use crate::scope::ScopeClient;
+use crate::state::State as AppState;
+use crate::stream::{respond, Encoder};
+
+/// A dialect error as OpenAI's error (400 naming the field).
+pub(crate) fn dialect_error(e: DialectError) -> ApiError {
+    let status = StatusCode::from_u16(e.status).unwrap_or(StatusCode::BAD_REQUEST);
+    ApiError {
+        status,
+        param: e.param,
+        ..ApiError::new(
+            status,
+            "invalid_request_error",
+            "invalid_request",
+            e.message,
+        )
+    }
+}
+
+fn not_found(id: &str) -> ApiError {
+    ApiError::new(
+        StatusCode::NOT_FOUND,
+        "invalid_request_error",
+        "not_found",
+        format!("No response with id '{id}' found (it was not stored, expired, or was deleted)."),
+    )
+    .with_param("previous_response_id")
+}
+
+fn store_error(e: impl std::fmt::Display) -> ApiError {
+    ApiError::new(
+        StatusCode::SERVICE_UNAVAILABLE,
+        "server_error",
+        "response_store",
+        format!("the response store failed: {e}"),
+    )
+}
+
+/// `POST /v1/responses`.
+pub async fn create(
+    State(st): State<Arc<AppState>>,
+    conn: Conn,
+    headers: HeaderMap,
+    body: Body,
+) -> Response {
+    let ctx = conn.map(|Extension(c)| c);
+    let id = CallOptions::new_logical_call_id();
+    let mut resp = create_inner(&st, &ctx, &headers, body, &id).await;
+    ensure_request_id(resp.headers_mut(), &id);
+    resp
+}
+
+async fn create_inner(
+    st: &Arc<AppState>,
+    ctx: &Option<Arc<crate::conn::ConnCtx>>,
+    headers: &HeaderMap,
+    body: Body,
+    id: &str,
+) -> Response {
+    let early = |e: crate::http::Early| {
+        let mut r = error_response(&e.error);
+        if e.close {
+            close_after(ctx, r.headers_mut());
+        }
+        r
+    };
+    let bytes = match read_body(st, headers, body, ctx).await {
+        Ok(b) => b,
+        Err(e) => return early(e),
+    };
+    let req = match wire::parse_request(&bytes) {
+        Ok(r) => r,
+        Err(e) => return error_response(&dialect_error(e)),
+    };
+    drop(bytes);
+    let (served, client) = match chat_scope(st, req.model()) {
+        Ok(x) => x,
+        Err(e) => return error_response(&e),
+    };
+    let store = client.response_store();
+    let scope = served.scope.name.clone();
+    // The conversation so far, when the request continues a stored response.
+    let history: Vec<Value> = match req.previous_response_id() {
+        None => Vec::new(),
+        Some(prev) => match store.get(&scope, prev, now_ms()).await {
+            Ok(Some(s)) => {
+                let mut h = s.input_items;
+                if let Some(out) = s.response.get("output").and_then(Value::as_array) {
+                    h.extend(out.iter().cloned());
+                }
+                h
+            }
+            Ok(None) => return error_response(&not_found(prev)),
+            Err(e) => return error_response(&store_error(e)),
+        },
+    };
+    let t = match wire::to_chat(&req, &history) {
+        Ok(t) => t,
+        Err(e) => return error_response(&dialect_error(e)),
+    };
+    if !req.unsupported_tools().is_empty() {
+        tracing::info!(tools = %req.unsupported_tools().join(", "), "hosted tools not sent upstream");
+    }
+    let slot = match enter_gate(st, served, ctx).await {
+        Ok(s) => s,
+        Err(e) => return early(e),
+    };
+    let response_id = format!("resp_{id}");
+    let created_at = unix_now();
+    let mut options = call_options(st, id);
+    options.api = Some("responses");
+    options.affinity_key = req.affinity_key().map(str::to_string);
+    let saving = Saving {
+        store: req.store().then(|| store.clone()),
+        scope,
+        ttl_ms: ttl_ms(client),
+        input_items: history
+            .into_iter()
+            .chain(t.meta.input_items().iter().cloned())
+            .collect(),
+    };
+    let mut resp = if t.request.stream {
+        let enc = ResponsesEncoder {
+            stream: ResponsesStream::new(&response_id, created_at, t.meta),
+            saving: Some(saving),
+        };
+        respond(
+            st.clone(),
+            client.clone(),
+            t.request,
+            options,
+            slot,
+            ctx.clone(),
+            enc,
+            error_response,
+        )
+        .await
+    } else {
+        match run_plain(st, ctx, client, t.request, options, slot).await {
+            Ok(r) => {
+                let obj = wire::response_object(&response_id, created_at, &t.meta, &r);
+                if let Some(f) = saving.save(&obj) {
+                    f.await;
+                }
+                let mut resp = Json(obj).into_response();
+                answer_headers(resp.headers_mut(), &r);
+                resp
+            }
+            Err(Stopped::Failed(e)) => {
+                let api = from_gateway(&e);
+                crate::route::chat::log_failure(&api, &e);
+                let mut resp = error_response(&api);
+                failure_headers(resp.headers_mut(), &e, id);
+                resp
+            }
+            Err(s) => {
+                let mut resp = error_response(&s.error());
+                set_request_id(resp.headers_mut(), id);
+                resp
+            }
+        }
+    };
+    let h = resp.headers_mut();
+    list_header(h, names::X_UNSUPPORTED_TOOLS, req.unsupported_tools());
+    list_header(h, names::X_IGNORED_PARAMS, req.ignored());
+    resp
+}
+
+fn now_ms() -> i64 {
+    i64::try_from(unix_now()).unwrap_or(i64::MAX / 1000) * 1000
+}
+
+/// `RESPONSES__TTL_S` of the client's scope, in ms.
+fn ttl_ms(client: &GatewayClient) -> i64 {
+    i64::try_from(client.settings().responses_ttl.as_millis()).unwrap_or(i64::MAX)
+}
+
+/// What storing an answered response needs.
+struct Saving {
+    /// `None`: `store: false`.
+    store: Option<Arc<dyn ResponseStore>>,
+    scope: String,
+    ttl_ms: i64,
+    /// The conversation's input items up to this response.
+    input_items: Vec<Value>,
+}
+
+impl Saving {
+    /// Stores the response (bounded: a store that does not answer within 5 s is
+    /// logged, the answer goes out anyway).
+    fn save(self, response: &Value) -> Option<BoxFuture<'static, ()>> {
+        let store = self.store?;
+        let id = response.get("id").and_then(Value::as_str)?.to_string();
+        let now = now_ms();
+        let entry = StoredResponse {
+            id,
+            scope: self.scope,
+            response: response.clone(),
+            input_items: self.input_items,
+            created_at_ms: now,
+            expires_at_ms: now.saturating_add(self.ttl_ms),
+        };
+        Some(Box::pin(async move {
+            match tokio::time::timeout(std::time::Duration::from_secs(5), store.put(entry)).await {
+                Ok(Ok(())) => {}
+                Ok(Err(e)) => tracing::warn!(error = %e, "storing a response failed"),
+                Err(_) => tracing::warn!("storing a response took more than 5 s; given up"),
+            }
+        }))
+    }
+}
+
+/// The Responses event stream, over [`ResponsesStream`].
+struct ResponsesEncoder {
+    stream: ResponsesStream,
+    saving: Option<Saving>,
+}
+
+fn write(out: &mut Vec<u8>, events: Vec<SseEvent>) {
+    for e in events {
+        e.write_to(out);
+    }
+}
+
+impl Encoder for ResponsesEncoder {
+    fn open(&mut self, out: &mut Vec<u8>) {
+        write(out, self.stream.start());
+    }
+
+    fn delta(&mut self, d: StreamDelta, out: &mut Vec<u8>) {
+        write(out, self.stream.delta(&d));
+    }
+
+    fn done(&mut self, r: &LlmResponse, out: &mut Vec<u8>) {
+        write(out, self.stream.finish(r));
+    }
+
+    fn finished(&mut self) -> Option<BoxFuture<'static, ()>> {
+        let response = self.stream.response()?.clone();
+        self.saving.take()?.save(&response)
+    }
+
+    fn fail(&mut self, e: &ApiError, out: &mut Vec<u8>) {
+        let code = e.code.clone().unwrap_or_else(|| "server_error".into());
+        write(out, self.stream.fail(&code, &e.message));
+    }
+}
+
+/// The chat clients' stores, each once (scopes may share one).
+fn stores(st: &AppState) -> Vec<(String, Arc<dyn ResponseStore>)> {
+    st.scopes
+        .iter()
+        .filter_map(|s| match &s.scope.client {
+            ScopeClient::Chat(c) => Some((s.scope.name.clone(), c.response_store())),
+            ScopeClient::Embedding(_) => None,
+        })
+        .collect()
+}
+
+/// `GET /v1/responses/{id}`: a stored response, from whichever scope stored it.
+pub async fn get(State(st): State<Arc<AppState>>, Path(id): Path<String>) -> Response {
+    for (scope, store) in stores(&st) {
+        match store.get(&scope, &id, now_ms()).await {
+            Ok(Some(s)) => return Json(s.response).into_response(),
+            Ok(None) => {}
+            Err(e) => return error_response(&store_error(e)),
+        }
+    }
+    error_response(&not_found(&id).with_param("response_id"))
+}
+
+/// `GET /v1/responses/{id}/input_items`: the input items a stored response answered.
+pub async fn input_items(State(st): State<Arc<AppState>>, Path(id): Path<String>) -> Response {
+    for (scope, store) in stores(&st) {
+        match store.get(&scope, &id, now_ms()).await {
+            Ok(Some(s)) => {
+                let first = s.input_items.first().and_then(|i| i.get("id")).cloned();
+                let last = s.input_items.last().and_then(|i| i.get("id")).cloned();
+                return Json(json!({
+                    "object": "list",
+                    "data": s.input_items,
+                    "first_id": first,
+                    "last_id": last,
+                    "has_more": false,
+                }))
+                .into_response();
+            }
+            Ok(None) => {}
+            Err(e) => return error_response(&store_error(e)),
+        }
+    }
+    error_response(&not_found(&id).with_param("response_id"))
+}
+
+/// `DELETE /v1/responses/{id}`.
+pub async fn delete(State(st): State<Arc<AppState>>, Path(id): Path<String>) -> Response {
+    for (scope, store) in stores(&st) {
+        match store.delete(&scope, &id).await {
+            Ok(true) => {
+                return Json(json!({"id": id, "object": "response", "deleted": true}))
+                    .into_response()
+            }
+            Ok(false) => {}
+            Err(e) => return error_response(&store_error(e)),
+        }
+    }
+    error_response(&not_found(&id).with_param("response_id"))
+}
