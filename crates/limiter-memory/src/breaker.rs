@@ -46,7 +46,17 @@ pub(crate) struct States {
 }
 
 impl States {
-    fn at(&mut self, now: u64) -> u64 {
+    /// Whether a probe lease is held (the store's ticker keeps running).
+    pub(crate) fn holds_leases(&self) -> bool {
+        !self.probes.is_empty()
+    }
+
+    /// How often the held probes are renewed.
+    pub(crate) fn renew_every_ms(&self) -> Option<u64> {
+        self.renew_every_ms
+    }
+
+    pub(crate) fn at(&mut self, now: u64) -> u64 {
         if let Some(every) = self.renew_every_ms {
             if now >= self.last_renew_ms.saturating_add(every) {
                 let states = &mut self.states;
@@ -127,7 +137,7 @@ impl BreakerStore for MemoryBreakerStore {
         let lease_ms = u64::try_from(probe_lease.as_millis())
             .unwrap_or(u64::MAX)
             .max(1);
-        Ok(self.with(|st, now| {
+        let a = self.with(|st, now| {
             // A source that never failed needs no entry: its default state always admits.
             let Some(state) = get_mut(&mut st.states, scope, source) else {
                 return BreakerState::default().admit(now, lease_ms);
@@ -140,7 +150,11 @@ impl BreakerStore for MemoryBreakerStore {
                 st.renew_every_ms = Some(st.renew_every_ms.map_or(third, |e| e.min(third)));
             }
             a
-        }))
+        });
+        if let BreakerAdmit::Allowed { probe: true, .. } = a {
+            crate::ensure_ticker(&self.store);
+        }
+        Ok(a)
     }
 
     async fn record(
@@ -159,6 +173,9 @@ impl BreakerStore for MemoryBreakerStore {
             get_or_default(&mut st.states, scope, source)
                 .record(now, outcome, epoch, probe, settings);
         });
+        if probe {
+            crate::lease_gone(&self.store);
+        }
         Ok(())
     }
 
@@ -174,7 +191,8 @@ impl BreakerStore for MemoryBreakerStore {
                     &BreakerSettings::default(),
                 );
             }
-        })
+        });
+        crate::lease_gone(&self.store);
     }
 
     async fn state(&self, scope: &str, source: &str) -> Result<BreakerState, GovernanceError> {

@@ -17,12 +17,15 @@
 //! the process (the facade's wiring uses it), so two clients of one scope cannot double
 //! its quota. [`MemoryLimiter::new`] / [`MemoryBreakerStore::new`] make a private state.
 //!
-//! **Leases and their heartbeat** (SPEC §14.4): every live permit and half-open probe is
-//! registered with the handle that granted it and renewed while that handle's heartbeat
-//! runs — lazily: before any operation looks at a lease, every registered lease is
-//! renewed if a third of the shortest lease has passed since the last renewal, which is
-//! what a background heartbeat would have done. [`MemoryLimiter::stop_heartbeat`] (what
-//! a crashed process looks like) lets the handle's leases end.
+//! **Leases and their heartbeat** (SPEC §14.4, §17.7): every live permit and half-open
+//! probe is registered with the handle that granted it and renewed while that handle's
+//! heartbeat runs: before any operation looks at a lease, every registered lease is
+//! renewed if a third of the shortest lease has passed since the last renewal; and while
+//! leases are held, a ticker task of the store (spawned on the runtime of the first
+//! acquire, ended when no lease is left or the store is gone) does the same every third
+//! of the shortest lease, so a long call keeps its slot and its reservation in an idle
+//! scope too. [`MemoryLimiter::stop_heartbeat`] (what a crashed process looks like) lets
+//! the handle's leases end.
 
 mod breaker;
 mod cache;
@@ -78,6 +81,65 @@ pub(crate) struct Store {
     base: Instant,
     pub(crate) limiter: Mutex<limiter::State>,
     pub(crate) breakers: Mutex<breaker::States>,
+    /// The lease ticker, while one runs.
+    ticker: Mutex<Option<tokio::task::AbortHandle>>,
+}
+
+/// Starts the store's lease ticker unless it runs (or no tokio runtime is current: then
+/// the lazy renewal inside operations is what renews). The task holds the store weakly;
+/// it is aborted when the last lease goes ([`lease_gone`]) and ends by itself when no
+/// lease is held or the store is gone, so no task outlives the leases.
+pub(crate) fn ensure_ticker(store: &Arc<Store>) {
+    let mut slot = lock(&store.ticker);
+    if slot.as_ref().is_some_and(|h| !h.is_finished()) {
+        return;
+    }
+    let Ok(rt) = tokio::runtime::Handle::try_current() else {
+        return;
+    };
+    let weak = Arc::downgrade(store);
+    let task = rt.spawn(async move {
+        loop {
+            let every = {
+                let Some(s) = weak.upgrade() else { return };
+                let l = lock(&s.limiter).renew_every_ms();
+                let b = lock(&s.breakers).renew_every_ms();
+                l.into_iter().chain(b).min().unwrap_or(10_000).max(1)
+            };
+            tokio::time::sleep(std::time::Duration::from_millis(every)).await;
+            let Some(s) = weak.upgrade() else { return };
+            // Under the slot's lock: an acquire registers its lease before it looks at
+            // the slot, so either this sees the lease or that acquire starts a ticker.
+            let mut slot = lock(&s.ticker);
+            let held = {
+                let mut l = lock(&s.limiter);
+                let now = s.now_ms();
+                l.at(now);
+                let mut b = lock(&s.breakers);
+                b.at(now);
+                l.holds_leases() || b.holds_leases()
+            };
+            if !held {
+                *slot = None;
+                return;
+            }
+        }
+    });
+    *slot = Some(task.abort_handle());
+}
+
+/// A lease was removed: with none left, the ticker is aborted (not left to its next tick).
+pub(crate) fn lease_gone(store: &Store) {
+    let mut slot = lock(&store.ticker);
+    if slot.is_none() {
+        return;
+    }
+    let held = lock(&store.limiter).holds_leases() || lock(&store.breakers).holds_leases();
+    if !held {
+        if let Some(h) = slot.take() {
+            h.abort();
+        }
+    }
 }
 
 impl Store {
@@ -88,6 +150,7 @@ impl Store {
             base,
             limiter: Mutex::new(limiter::State::default()),
             breakers: Mutex::new(breaker::States::default()),
+            ticker: Mutex::new(None),
         })
     }
 

@@ -33,10 +33,21 @@ pub(crate) struct State {
 }
 
 impl State {
+    /// Whether a lease is held (the store's ticker keeps running).
+    pub(crate) fn holds_leases(&self) -> bool {
+        !self.leases.is_empty()
+    }
+
+    /// How often the held leases are renewed.
+    pub(crate) fn renew_every_ms(&self) -> Option<u64> {
+        self.renew_every_ms
+    }
+
     /// Brings the model to `now`: renews the leases whose handle's heartbeat beats (if a
     /// third of the shortest lease has passed since the last renewal), compacts now and
-    /// then. Every operation calls it first, under the lock, with a time read under it.
-    fn at(&mut self, now: u64) -> u64 {
+    /// then. Every operation calls it first, under the lock, with a time read under it;
+    /// the store's ticker calls it while leases are held and nothing else happens.
+    pub(crate) fn at(&mut self, now: u64) -> u64 {
         if let Some(every) = self.renew_every_ms {
             if now >= self.last_renew_ms.saturating_add(every) {
                 for (id, (heart, lease)) in &self.leases {
@@ -146,15 +157,18 @@ impl RateLimiter for MemoryLimiter {
             r
         });
         Ok(match admitted {
-            Ok(id) => Admission::Admitted(Permit::new(
-                req.est_tokens,
-                Box::new(MemoryPermit {
-                    store: self.store.clone(),
-                    id,
-                    settled: AtomicBool::new(false),
-                    released: AtomicBool::new(false),
-                }),
-            )),
+            Ok(id) => Admission::Admitted({
+                crate::ensure_ticker(&self.store);
+                Permit::new(
+                    req.est_tokens,
+                    Box::new(MemoryPermit {
+                        store: self.store.clone(),
+                        id,
+                        settled: AtomicBool::new(false),
+                        released: AtomicBool::new(false),
+                    }),
+                )
+            }),
             Err(refusal) => Admission::Refused(refusal),
         })
     }
@@ -202,6 +216,8 @@ impl MemoryPermit {
         }
         if self.settled.load(Ordering::Acquire) && self.released.load(Ordering::Acquire) {
             st.leases.remove(&self.id);
+            drop(st);
+            crate::lease_gone(&self.store);
         }
     }
 }
@@ -236,5 +252,6 @@ impl Drop for MemoryPermit {
             return;
         }
         lock(&self.store.limiter).leases.remove(&self.id);
+        crate::lease_gone(&self.store);
     }
 }

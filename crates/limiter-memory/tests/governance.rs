@@ -231,6 +231,43 @@ mod memory_specific {
     use polygw_core::ports::Admission;
     use polygw_testkit::limiter_contract::Req;
 
+    /// Issue 22, item 11 (SPEC §17.7): a held lease is renewed by the store's ticker in
+    /// an idle scope. With MAX_CONCURRENCY=1 and the holder still running, 31 s of no
+    /// other operation (leases of 30 s) admit no second call; a 100 s call's reservation
+    /// stays in the TPM window until it settles, and its settlement is counted then.
+    #[tokio::test(start_paused = true)]
+    async fn held_leases_are_renewed_in_an_idle_scope() {
+        let l = MemoryLimiter::new(Arc::new(polygw_testkit::clock::TokioClock));
+        let r = Req::new("IDLE", "a")
+            .source_limits(0, 10_000, 1)
+            .est(500)
+            .lease(Duration::from_secs(30));
+        let mut holder = lc::admit(&l, &r).await;
+        tokio::time::sleep(Duration::from_secs(31)).await;
+        let f = lc::refuse(&l, &r).await;
+        assert_eq!(f.reason.as_str(), "concurrency", "the slot is still held");
+        assert_eq!(
+            l.source_window("IDLE", "a").1,
+            500,
+            "the reservation is held"
+        );
+        tokio::time::sleep(Duration::from_secs(69)).await;
+        assert_eq!(l.source_window("IDLE", "a").1, 500, "100 s in, still held");
+        holder.finish(900).await.unwrap();
+        assert_eq!(l.source_window("IDLE", "a").1, 900, "settled at 900 tokens");
+        let _next = lc::admit(&l, &r).await;
+        // A crashed holder's lease still ends: the ticker renews beating handles only.
+        let crashed = l.client();
+        let r2 = Req::new("IDLE2", "a")
+            .source_limits(0, 0, 1)
+            .lease(Duration::from_secs(30));
+        let p = lc::admit(&crashed, &r2).await;
+        crashed.stop_heartbeat();
+        tokio::time::sleep(Duration::from_secs(31)).await;
+        let _again = lc::admit(&l, &r2).await;
+        drop(p);
+    }
+
     /// Drop-time settlement applies directly, also on a thread with no runtime.
     #[tokio::test]
     async fn drop_applies_directly_without_a_runtime() {
