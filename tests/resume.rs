@@ -723,3 +723,193 @@ async fn chat_stream_yields_one_uninterrupted_answer() {
     assert_eq!(commits[1].source, "b-0");
     assert_eq!(r.call_stats.resumes, 1);
 }
+
+// ------------------------------------------------- SPEC §17.1, §17.8: honest answers
+
+/// Fixed words (the same text whatever the request), so a source that ignores the
+/// prefill and answers from scratch says exactly what the primary had begun.
+fn fixed_words(n: usize) -> Vec<String> {
+    (0..n)
+        .map(|i| {
+            if i == 0 {
+                "Mock".to_string()
+            } else {
+                format!(" response{i}")
+            }
+        })
+        .collect()
+}
+
+/// Issue 22, item 1: `PREFILL=assistant` on a fallback that ignores prefill (it reads
+/// the trailing assistant message as history and answers from the start) must not
+/// duplicate the delivered text: the repeat is recognised as a replay and only the
+/// remainder is forwarded.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_fallback_that_ignores_prefill_duplicates_nothing() {
+    let text = fixed_words(30);
+    let a = mock(with_fault(
+        Behavior {
+            chunks: text.clone(),
+            ..Behavior::default()
+        },
+        Fault::ResetAfter { chunks: 2 },
+    ))
+    .await;
+    let b = mock(
+        Behavior {
+            chunks: text.clone(),
+            ..Behavior::default()
+        }
+        .with_prefill(PrefillPolicy::ignore()),
+    )
+    .await;
+    let s = serve(&env(&a, &b, &[("PREFILL", "assistant")], &[]));
+    let seen = stream_through(&s.base, "say it once").await;
+    assert_eq!(seen.error, None);
+    assert_eq!(seen.content, text.concat(), "the answer once, exactly");
+    assert_eq!(seen.finish.as_deref(), Some("Stop"));
+    let rb = b.wait_for_ended(1, Duration::from_secs(5)).await;
+    let p = rb[0]
+        .prefill
+        .clone()
+        .expect("the fallback was sent a prefill");
+    assert_eq!(p.outcome, PrefillOutcome::Ignored, "the mock ignored it");
+}
+
+/// Issue 22, item 2: `MAX_RESUMES` bounds resumes over every continuation round: with
+/// every leg cut and `MAX_RESUMES=2`, the first leg and two resumes are sent, no more.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn max_resumes_holds_across_rounds() {
+    let a = mock(with_fault(words(60), Fault::ResetAfter { chunks: 10 })).await;
+    let b = mock(with_fault(words(60), Fault::ResetAfter { chunks: 5 })).await;
+    let dir = tempfile::tempdir().unwrap();
+    let db = format!("sqlite://{}", dir.path().join("t.db").display());
+    let mut vars = lib_vars(&a, &b, Some("prefix"));
+    vars.push(("LLM__A__0__PREFILL".into(), "prefix".into()));
+    vars.push(("LLM__STREAM__MAX_RESUMES".into(), "2".into()));
+    vars.push(("LLM__RETRY__MAX_ATTEMPTS".into(), "8".into()));
+    vars.push(("LLM__TELEMETRY__URL".into(), db.clone()));
+    let c = GatewayClient::from_vars(vars, "LLM").await.unwrap();
+    let e = c
+        .chat(ChatRequest::user("cut every time").with_stream(true))
+        .await
+        .expect_err("every leg is cut");
+    c.shutdown().await;
+    // Nothing reached a client yet, so once the resumes are spent the call may start
+    // over (fresh attempts, within MAX_ATTEMPTS) — never resume a third time.
+    let total = a.requests().len() + b.requests().len();
+    assert!(total <= 8, "{e}");
+    let rows = polygw_telemetry_sql::read_rows(&db, None).await.unwrap();
+    let resumes = rows.iter().filter(|x| x.resume_of.is_some()).count();
+    assert_eq!(
+        resumes,
+        2,
+        "{:?}",
+        rows.iter()
+            .map(|x| (&x.source, &x.resume_of, &x.error))
+            .collect::<Vec<_>>()
+    );
+}
+
+/// Issue 22, item 2, through the proxy: the client has the text, so nothing starts
+/// over: with every leg cut and `MAX_RESUMES=2`, three requests in all.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn max_resumes_bounds_a_streamed_answer_across_rounds() {
+    let a = mock(with_fault(words(60), Fault::ResetAfter { chunks: 20 })).await;
+    let b = mock(with_fault(words(60), Fault::ResetAfter { chunks: 10 })).await;
+    let s = serve(&env(
+        &a,
+        &b,
+        &[("PREFILL", "prefix")],
+        &[
+            ("LLM__A__0__PREFILL", "prefix"),
+            ("LLM__STREAM__MAX_RESUMES", "2"),
+            ("LLM__RETRY__MAX_ATTEMPTS", "8"),
+        ],
+    ));
+    let seen = stream_through(&s.base, "cut thrice").await;
+    assert!(seen.error.is_some(), "{seen:?}");
+    let total = a.requests().len() + b.requests().len();
+    assert_eq!(total, 3, "the first leg and two resumes");
+}
+
+/// Issue 22, items 4 and 5 (SPEC §17.8): the cut leg's row carries the estimate the
+/// answer counts for it (and its time to first token), and the answer's usage is
+/// exactly the resume's measured usage plus that estimate — telemetry and the answer
+/// agree to the token.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_answer_usage_is_the_sum_of_the_rows() {
+    let a = mock(with_fault(words(60), Fault::ResetAfter { chunks: 40 })).await;
+    let b = mock(words(60)).await;
+    let dir = tempfile::tempdir().unwrap();
+    let db = format!("sqlite://{}", dir.path().join("t.db").display());
+    let mut vars = lib_vars(&a, &b, Some("prefix"));
+    vars.push(("LLM__TELEMETRY__URL".into(), db.clone()));
+    let c = GatewayClient::from_vars(vars, "LLM").await.unwrap();
+    let r = c
+        .chat(ChatRequest::user("sum my rows").with_stream(true))
+        .await
+        .unwrap();
+    c.shutdown().await;
+    let rows = polygw_telemetry_sql::read_rows(&db, None).await.unwrap();
+    let row = |s: &str| {
+        rows.iter()
+            .find(|x| x.source.as_deref() == Some(s))
+            .unwrap()
+            .clone()
+    };
+    let (cut, resume) = (row("a-0"), row("b-0"));
+    assert_eq!(cut.usage_source, UsageSource::Estimated, "{cut:?}");
+    assert!(cut.ttft_ms.is_some(), "the cut leg streamed: {cut:?}");
+    assert!(cut.completion_tokens.unwrap() > 0);
+    assert_eq!(resume.usage_source, UsageSource::Measured);
+    assert_eq!(
+        u64::from(r.usage.completion_tokens),
+        cut.completion_tokens.unwrap() + resume.completion_tokens.unwrap(),
+        "{:?} = {cut:?} + {resume:?}",
+        r.usage
+    );
+    assert_eq!(
+        u64::from(r.usage.prompt_tokens),
+        cut.prompt_tokens.unwrap() + resume.prompt_tokens.unwrap(),
+    );
+    assert_eq!(r.usage_source, UsageSource::Estimated);
+}
+
+/// Issue 22, item 7: an aggregated answer continued by prefill holds the reasoning the
+/// cut leg streamed (the continuation does not think again), not only the winner's.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_aggregated_continuation_keeps_the_cut_legs_reasoning() {
+    let thought: Vec<String> = ["Let", " me", " think", " first."]
+        .iter()
+        .map(|s| s.to_string())
+        .collect();
+    let a = mock(with_fault(
+        Behavior {
+            reasoning: thought.clone(),
+            ..words(60)
+        },
+        Fault::ResetAfter { chunks: 20 },
+    ))
+    .await;
+    let b = mock(Behavior {
+        reasoning: thought.clone(),
+        ..words(60)
+    })
+    .await;
+    let c = GatewayClient::from_vars(lib_vars(&a, &b, Some("prefix")), "LLM")
+        .await
+        .unwrap();
+    let r = c
+        .chat(ChatRequest::user("think, then answer").with_stream(true))
+        .await
+        .unwrap();
+    let full = planned(&a).await;
+    assert_eq!(r.content, full);
+    assert_eq!(r.call_stats.resumes, 1);
+    assert_eq!(
+        r.reasoning_content.as_deref(),
+        Some(thought.concat().as_str())
+    );
+    c.shutdown().await;
+}

@@ -54,7 +54,7 @@ pub fn layer_of(name: &str) -> Option<Layer> {
         "polygw-cli" => Layer::Binary,
         "polygw-mock-upstream" => Layer::Simulator,
         "xtask" => Layer::Tooling,
-        "polygw-testkit" => Layer::TestSupport,
+        "polygw-testkit" | "polygw-heap-meter" => Layer::TestSupport,
         "polygw-tests" => Layer::Tests,
         _ => return None,
     })

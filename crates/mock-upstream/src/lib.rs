@@ -490,3 +490,73 @@ impl Drop for MockUpstream {
         }
     }
 }
+
+/// A mock upstream served by a tokio runtime on a thread of its own (see
+/// [`MockUpstream::start_on_own_thread`]); it dereferences to the [`MockUpstream`], and
+/// dropping it stops the server and joins the thread.
+#[derive(Debug)]
+pub struct MockThread {
+    mock: Option<MockUpstream>,
+    stop: Option<tokio::sync::oneshot::Sender<()>>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl MockUpstream {
+    /// Starts a mock on a thread of its own with its own runtime: what it does then
+    /// (allocations, CPU time) stays off the caller's threads — a memory test counts
+    /// only the code under test.
+    pub fn start_on_own_thread(cfg: MockConfig) -> io::Result<MockThread> {
+        let (tx, rx) = std::sync::mpsc::channel();
+        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+        let thread = std::thread::Builder::new()
+            .name("mock-upstream".into())
+            .spawn(move || {
+                let rt = match tokio::runtime::Builder::new_current_thread()
+                    .enable_all()
+                    .build()
+                {
+                    Ok(rt) => rt,
+                    Err(e) => {
+                        let _ = tx.send(Err(e));
+                        return;
+                    }
+                };
+                rt.block_on(async move {
+                    let started = MockUpstream::start(cfg).await;
+                    let ok = started.is_ok();
+                    let _ = tx.send(started);
+                    if ok {
+                        let _ = stopped.await;
+                    }
+                });
+            })?;
+        let mock = rx
+            .recv()
+            .map_err(|_| io::Error::other("the mock's thread ended before it started"))??;
+        Ok(MockThread {
+            mock: Some(mock),
+            stop: Some(stop),
+            thread: Some(thread),
+        })
+    }
+}
+
+impl std::ops::Deref for MockThread {
+    type Target = MockUpstream;
+
+    fn deref(&self) -> &MockUpstream {
+        self.mock.as_ref().expect("present until dropped")
+    }
+}
+
+impl Drop for MockThread {
+    fn drop(&mut self) {
+        drop(self.mock.take());
+        if let Some(s) = self.stop.take() {
+            let _ = s.send(());
+        }
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
