@@ -4,7 +4,6 @@
 //! is tested in `crates/serve/tests`.
 
 use std::io::{BufRead, BufReader};
-use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::Duration;
 
@@ -276,72 +275,12 @@ async fn a_10_mib_body_costs_a_small_multiple_of_itself() {
     );
 }
 
-/// A Python with the `openai` package: the system's, else a venv under the target
-/// directory (created once, `pip install openai`). `Err` says why there is none.
-fn python_with_openai() -> Result<PathBuf, String> {
-    let has_openai = |py: &Path| {
-        Command::new(py)
-            .args(["-c", "import openai"])
-            .output()
-            .is_ok_and(|o| o.status.success())
-    };
-    let system = PathBuf::from("python3");
-    if Command::new(&system).arg("--version").output().is_err() {
-        return Err("python3 is not installed".into());
-    }
-    if has_openai(&system) {
-        return Ok(system);
-    }
-    let venv = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("py-openai");
-    let py = venv.join("bin/python");
-    if has_openai(&py) {
-        return Ok(py);
-    }
-    // Built aside, then renamed: concurrent runs never see a half-made venv.
-    let tmp = venv.with_extension(format!("tmp-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&tmp);
-    let made = Command::new(&system)
-        .args(["-m", "venv"])
-        .arg(&tmp)
-        .output()
-        .map_err(|e| format!("python3 -m venv: {e}"))?;
-    if !made.status.success() {
-        return Err(format!(
-            "python3 -m venv failed: {}",
-            String::from_utf8_lossy(&made.stderr)
-        ));
-    }
-    let pip = Command::new(tmp.join("bin/python"))
-        .args(["-m", "pip", "install", "--quiet", "openai"])
-        .output()
-        .map_err(|e| format!("pip: {e}"))?;
-    if !pip.status.success() {
-        let _ = std::fs::remove_dir_all(&tmp);
-        return Err(format!(
-            "pip install openai failed: {}",
-            String::from_utf8_lossy(&pip.stderr)
-        ));
-    }
-    if std::fs::rename(&tmp, &venv).is_err() {
-        // Another run made it first.
-        let _ = std::fs::remove_dir_all(&tmp);
-    }
-    if has_openai(&py) {
-        Ok(py)
-    } else {
-        Err("the venv has no openai package".into())
-    }
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_openai_python_sdk_works_against_serve() {
-    let python = match python_with_openai() {
-        Ok(p) => p,
-        Err(why) if std::env::var("CI").as_deref() != Ok("true") => {
-            eprintln!("skipping the OpenAI Python SDK smoke test: {why}");
-            return;
-        }
-        Err(why) => panic!("CI=true and no OpenAI Python SDK: {why}"),
+    // The pinned SDK in the project's venv (tests/python/requirements.txt, installed
+    // by .ci/run); missing, the test prints why and skips (a failure under CI=true).
+    let Some(python) = support::sdk::python_sdks("the OpenAI Python SDK smoke test") else {
+        return;
     };
     let chat = mock(Behavior::text(&["Hello", " from", " polygw"])).await;
     let limited = mock(Behavior {
@@ -356,26 +295,20 @@ async fn the_openai_python_sdk_works_against_serve() {
     env.extend(source("LIMITED", "l", &limited));
     env.push(("POLYGW_PROXY_KEYS".into(), "py-key".into()));
     let s = serve(&["--max-wait-s", "1"], &env);
-    let script = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("python/smoke.py");
-    let out = tokio::task::spawn_blocking({
-        let base = format!("{}/v1", s.base);
-        move || {
-            Command::new(python)
-                .arg(script)
-                .env("POLYGW_BASE", base)
-                .env("POLYGW_KEY", "py-key")
-                .output()
-                .unwrap()
-        }
-    })
-    .await
-    .unwrap();
-    let (stdout, stderr) = (
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr),
-    );
-    assert!(out.status.success(), "{stdout}\n{stderr}");
-    assert_eq!(stdout.trim(), "ok", "{stderr}");
+    let out = support::sdk::run(
+        python,
+        vec![support::sdk::python_script("smoke.py")
+            .display()
+            .to_string()],
+        vec![
+            ("POLYGW_BASE".into(), format!("{}/v1", s.base)),
+            ("POLYGW_KEY".into(), "py-key".into()),
+        ],
+        Duration::from_secs(60),
+    )
+    .await;
+    assert!(out.ok, "{}\n{}", out.stdout, out.stderr);
+    assert_eq!(out.stdout.trim(), "ok", "{}", out.stderr);
     assert!(
         limited.requests().len() <= 2,
         "the 429 was answered, not polled"

@@ -299,7 +299,12 @@ impl GatewayClient {
     ) -> (Arc<CallShared>, tracing::Span) {
         let engine = &self.engine;
         let id = id.unwrap_or_else(new_id);
-        let call = Arc::new(CallShared::new(id, engine.ports.clock.now(), stream));
+        let call = Arc::new(CallShared::new(
+            id,
+            engine.ports.clock.now(),
+            stream,
+            engine.ports.clock.clone(),
+        ));
         let span = tracing::info_span!(
             "polygw.chat",
             gen_ai.operation.name = "chat",

@@ -56,6 +56,14 @@ pub mod telemetry {
     };
 }
 
+/// The in-process governance adapter, for [`GatewayBuilder::limiter`] and
+/// [`GatewayBuilder::breakers`] with a clock of the caller's (the default wiring shares
+/// one per scope name: [`polygw_limiter_memory::shared`]).
+#[cfg(feature = "memory")]
+pub mod memory {
+    pub use polygw_limiter_memory::{MemoryBreakerStore, MemoryLimiter};
+}
+
 pub use polygw_core as core;
 pub use polygw_core::ports::{FlushReport, StreamDelta, ToolCallDelta};
 pub use polygw_core::{

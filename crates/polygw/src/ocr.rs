@@ -128,7 +128,7 @@ impl OcrClient {
         }
         let engine = &self.engine;
         let started = engine.ports.clock.now();
-        let call = Arc::new(CallShared::new(new_id(), started, false));
+        let call = Arc::new(CallShared::new(new_id(), started, false, self.engine.ports.clock.clone()));
         let span = tracing::info_span!(
             "polygw.ocr",
             gen_ai.operation.name = "ocr",

@@ -13,7 +13,7 @@ use std::time::Instant;
 use futures_util::StreamExt;
 use polygw::core::ports::ManualClock;
 use polygw::{GatewayClient, ScopeKind, ScopeSettings, SourceConfig};
-use polygw_limiter_memory::{MemoryBreakerStore, MemoryLimiter};
+use polygw::memory::{MemoryBreakerStore, MemoryLimiter};
 use polygw_mock_upstream::{MockConfig, MockUpstream};
 use polygw_serve::{Proxy, ProxyConfig, Scope, ServerLimits};
 

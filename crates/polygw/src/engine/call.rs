@@ -4,10 +4,10 @@
 
 use std::collections::BTreeSet;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use polygw_core::ports::Refusal;
+use polygw_core::ports::{Clock, Refusal};
 use polygw_core::{
     AttemptError, FailureContext, GatewayError, RetrySettings, SourceReason, SourceReasons,
     TerminalReason,
@@ -36,8 +36,11 @@ pub(crate) struct Progress {
     /// over the size cap: SPEC §17.4), or never sends it to at all (a context window
     /// known to be too small: §17.9).
     pub excluded: BTreeSet<String>,
-    /// The earliest known moment a refusal passes (for 503 Retry-After).
-    pub retry_after: Option<Duration>,
+    /// When each source's latest refusal or failure passes, by its hint: the earliest
+    /// still ahead is the answer's Retry-After. Per source, the latest hint replaces
+    /// the one before (a 429 waited out and answered again with a longer hint says the
+    /// longer one; a hint that has run out says nothing).
+    pub hints: std::collections::BTreeMap<String, Instant>,
 }
 
 /// Shared by the call's future, its legs' guards and the deadline wrapper.
@@ -52,11 +55,18 @@ pub(crate) struct CallShared {
     budget_counted: AtomicBool,
     max_wait: Mutex<Option<(Duration, Option<String>)>>,
     progress: Mutex<Progress>,
+    clock: Arc<dyn Clock>,
 }
 
 impl CallShared {
-    pub(crate) fn new(logical_call_id: String, started: Instant, stream: bool) -> Self {
+    pub(crate) fn new(
+        logical_call_id: String,
+        started: Instant,
+        stream: bool,
+        clock: Arc<dyn Clock>,
+    ) -> Self {
         CallShared {
+            clock,
             logical_call_id,
             started,
             stream,
@@ -149,7 +159,7 @@ impl CallShared {
                 .insert(name.clone(), SourceReason::Refused(r.reason));
             if r.reason.passes_with_time() {
                 if let Some(ra) = r.retry_after {
-                    p.retry_after = Some(p.retry_after.map_or(ra, |x| x.min(ra)));
+                    p.hints.insert(name.clone(), self.clock.now() + ra);
                 }
             }
         }
@@ -165,8 +175,13 @@ impl CallShared {
         }
         p.last_error = Some(error.clone());
         p.last_source = Some(source.to_string());
-        if let Some(ra) = error.retry_after {
-            p.retry_after = Some(p.retry_after.map_or(ra, |x| x.min(ra)));
+        match error.retry_after {
+            Some(ra) => {
+                p.hints.insert(source.to_string(), self.clock.now() + ra);
+            }
+            None => {
+                p.hints.remove(source);
+            }
         }
     }
 
@@ -213,7 +228,14 @@ impl CallShared {
                 last_source: p.last_source.clone(),
                 reasons: p.reasons.clone(),
                 attempts: p.attempts,
-                retry_after: p.retry_after,
+                retry_after: {
+                    let now = self.clock.now();
+                    p.hints
+                        .values()
+                        .filter(|at| **at > now)
+                        .min()
+                        .map(|at| *at - now)
+                },
                 detail,
             },
         )

@@ -6,4 +6,5 @@ mod api;
 mod conformance;
 mod hardening;
 mod honest;
+mod recorded;
 mod support;

@@ -1,0 +1,511 @@
+//! The official client SDKs against `polygw serve` (the spawned program), as real
+//! clients (SPEC §18, issue 23): openai-python's Responses API, anthropic-python's
+//! Messages API, both against faulty upstreams (a cut, a stall, a malformed event, a
+//! 429 with Retry-After, 500 everywhere), and a smaller set with openai-node and
+//! anthropic-node. The SDKs are the pinned ones `.ci/run` installs
+//! (tests/python/requirements.txt into target/sdk-venv, tests/node/package-lock.json
+//! into tests/node/node_modules); without them a test prints why and skips, and under
+//! `CI=true` it fails.
+//!
+//! Each test starts its mock upstreams and one `polygw serve`, runs one script
+//! (tests/python/*.py, tests/node/sdk.mjs) that asserts what the SDK sees and prints a
+//! JSON summary, and checks that summary against the mocks' request logs: what reached
+//! the upstream, and the exact answer the faulty primary had planned.
+//!
+//! Faults are decided by the scripts, never by a race: stalls are 30 s against a 0.3 s
+//! `STALL_AFTER_S`; a 429's Retry-After is either beyond `--max-wait-s` (answered at
+//! once) or 4 s within it (waited out by polygw, then answered).
+
+mod support;
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use polygw_mock_upstream::{
+    Behavior, EndKind, Fault, MockUpstream, RecordedRequest, RetryAfter, Stall, ToolCallSpec,
+};
+use serde_json::{json, Value};
+use support::sdk::{self, ScriptRun};
+use support::{mock, serve_args, source, Serve};
+
+const KEY: &str = "sdk-client-key";
+/// The most one script may take (they take seconds).
+const SCRIPT_LIMIT: Duration = Duration::from_secs(90);
+
+fn var(k: &str, v: &str) -> (String, String) {
+    (k.to_string(), v.to_string())
+}
+
+/// `polygw serve ARGS…` over this environment, with the client key.
+fn start(args: &[&str], mut env: Vec<(String, String)>) -> Serve {
+    env.push(var("POLYGW_PROXY_KEYS", KEY));
+    let mut all = vec!["--grace-s", "5"];
+    all.extend_from_slice(args);
+    serve_args(&all, &env)
+}
+
+/// Runs `tests/python/SCRIPT ARGS…` with the venv's Python against `s`.
+async fn python(py: PathBuf, test: &str, script: &str, args: &[&str], s: &Serve) -> ScriptRun {
+    let mut argv = vec![sdk::python_script(script).display().to_string()];
+    argv.extend(args.iter().map(|a| a.to_string()));
+    let run = sdk::run(
+        py,
+        argv,
+        vec![
+            var("POLYGW_BASE", &format!("{}/v1", s.base)),
+            var("POLYGW_ROOT", &s.base),
+            var("POLYGW_KEY", KEY),
+        ],
+        SCRIPT_LIMIT,
+    )
+    .await;
+    eprintln!("{test}: {script} {args:?} took {:?}", run.took);
+    run
+}
+
+/// The text the SDK scripts' `plain` scope answers.
+fn hello() -> Behavior {
+    Behavior::text(&["Hello", " from", " polygw"])
+}
+
+/// A `tools` mock: get_weather({"city": "Paris"}) in 3 fragments for the next request,
+/// then the answer.
+async fn tools_mock() -> MockUpstream {
+    let m = mock(Behavior::text(&["It is 21 °C", " in Paris."])).await;
+    m.push_script(Behavior {
+        chunk_count: Some(0),
+        tool_call: Some(ToolCallSpec {
+            id: "call_weather_1".into(),
+            name: "get_weather".into(),
+            arguments: r#"{"city":"Paris"}"#.into(),
+            fragments: 3,
+        }),
+        ..Behavior::default()
+    });
+    m
+}
+
+fn messages(r: &RecordedRequest) -> Vec<Value> {
+    r.body["messages"].as_array().cloned().unwrap_or_default()
+}
+
+fn roles(r: &RecordedRequest) -> Vec<String> {
+    messages(r)
+        .iter()
+        .map(|m| m["role"].as_str().unwrap_or("?").to_string())
+        .collect()
+}
+
+/// The text of a chat message (a string, or text parts).
+fn text_of(m: &Value) -> String {
+    match &m["content"] {
+        Value::String(s) => s.clone(),
+        Value::Array(parts) => parts
+            .iter()
+            .filter_map(|p| p["text"].as_str())
+            .collect::<Vec<_>>()
+            .join(""),
+        _ => String::new(),
+    }
+}
+
+/// The tool loop's second upstream request: the question, the assistant's call, the
+/// tool's result under the same id.
+fn assert_tool_round_trip(second: &RecordedRequest, call_id: &str) {
+    let msgs = messages(second);
+    assert_eq!(roles(second), ["user", "assistant", "tool"], "{msgs:#?}");
+    let call = &msgs[1]["tool_calls"][0];
+    assert_eq!(call["id"], call_id, "{msgs:#?}");
+    assert_eq!(call["function"]["name"], "get_weather");
+    let args: Value =
+        serde_json::from_str(call["function"]["arguments"].as_str().unwrap()).unwrap();
+    assert_eq!(args, json!({"city": "Paris"}));
+    assert_eq!(msgs[2]["tool_call_id"], call_id);
+    assert_eq!(text_of(&msgs[2]), r#"{"temp_c": 21}"#);
+    let tools = second.body["tools"]
+        .as_array()
+        .expect("tools sent upstream");
+    assert_eq!(tools[0]["function"]["name"], "get_weather");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn openai_python_responses_api() {
+    let test = "openai_python_responses_api";
+    let Some(py) = sdk::python_sdks(test) else {
+        return;
+    };
+    let plain = mock(hello()).await;
+    let tools = tools_mock().await;
+    let json_mock = mock(Behavior::text(&[
+        r#"{"city": "Paris", "#,
+        r#""temp_c": 21}"#,
+    ]))
+    .await;
+    let mut env = source("PLAIN", "p", &plain, &[]);
+    env.extend(source("TOOLS", "t", &tools, &[]));
+    env.extend(source("JSON", "j", &json_mock, &[]));
+    let s = start(&[], env);
+    let run = python(py, test, "responses.py", &[], &s).await;
+    let out = run.json();
+
+    // Plain, streamed, then the two turns of previous_response_id: 4 requests.
+    let log = plain.wait_for_ended(4, Duration::from_secs(10)).await;
+    assert_eq!(log.len(), 4, "{log:#?}");
+    assert!(!log[0].stream && log[1].stream);
+    assert_eq!(roles(&log[0]), ["system", "user"], "instructions → system");
+    assert_eq!(text_of(&messages(&log[0])[0]), "Be brief.");
+    // previous_response_id: the stored first turn (question and answer), then the
+    // new question.
+    let second = &log[3];
+    let msgs = messages(second);
+    assert_eq!(roles(second), ["user", "assistant", "user"], "{msgs:#?}");
+    assert_eq!(text_of(&msgs[0]), "My name is Ann.");
+    assert_eq!(text_of(&msgs[1]), "Hello from polygw");
+    assert_eq!(text_of(&msgs[2]), "What is my name?");
+    assert!(out["first_id"].as_str().unwrap().starts_with("resp_"));
+
+    // The tool loop.
+    let tlog = tools.wait_for_ended(2, Duration::from_secs(10)).await;
+    assert_eq!(tlog.len(), 2);
+    assert_eq!(out["tool_call_id"], "call_weather_1");
+    assert_tool_round_trip(&tlog[1], "call_weather_1");
+
+    // responses.parse: the Pydantic model's schema went upstream as json_schema.
+    let jlog = json_mock.wait_for_ended(1, Duration::from_secs(10)).await;
+    let rf = &jlog[0].body["response_format"];
+    assert_eq!(rf["type"], "json_schema", "{:#}", jlog[0].body);
+    assert_eq!(rf["json_schema"]["name"], "Weather");
+    let props = &rf["json_schema"]["schema"]["properties"];
+    assert!(
+        props["city"].is_object() && props["temp_c"].is_object(),
+        "{rf:#}"
+    );
+    assert_eq!(out["parsed"], json!({"city": "Paris", "temp_c": 21}));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn anthropic_python_messages_api() {
+    let test = "anthropic_python_messages_api";
+    let Some(py) = sdk::python_sdks(test) else {
+        return;
+    };
+    let plain = mock(hello()).await;
+    let tools = tools_mock().await;
+    let mut env = source("PLAIN", "p", &plain, &[]);
+    env.extend(source("TOOLS", "t", &tools, &[]));
+    let s = start(&[], env);
+    let run = python(py, test, "messages.py", &[], &s).await;
+    let out = run.json();
+
+    let log = plain.wait_for_ended(2, Duration::from_secs(10)).await;
+    assert_eq!(
+        log.len(),
+        2,
+        "count_tokens makes no upstream call: {log:#?}"
+    );
+    assert_eq!(roles(&log[0]), ["system", "user"]);
+    assert_eq!(text_of(&messages(&log[0])[0]), "You are terse.");
+    assert_eq!(log[0].body["max_tokens"], 64, "{:#}", log[0].body);
+    assert!(!log[0].stream && log[1].stream);
+
+    let tlog = tools.wait_for_ended(2, Duration::from_secs(10)).await;
+    assert_eq!(tlog.len(), 2);
+    assert_eq!(out["tool_use_id"], "call_weather_1");
+    assert_tool_round_trip(&tlog[1], "call_weather_1");
+    assert!(out["count_tokens"].as_u64().unwrap() > 0);
+}
+
+/// 60 generated words.
+fn words() -> Behavior {
+    Behavior {
+        chunk_count: Some(60),
+        ..Behavior::default()
+    }
+}
+
+fn faulty(f: Fault) -> Behavior {
+    Behavior {
+        fault: Some(f),
+        ..words()
+    }
+}
+
+/// The mocks of the fault scopes.
+struct Faults {
+    cut: (MockUpstream, MockUpstream),
+    stall: (MockUpstream, MockUpstream),
+    malformed: (MockUpstream, MockUpstream),
+    limited: MockUpstream,
+    broken: (MockUpstream, MockUpstream),
+}
+
+/// Five scopes: `cut`, `stall`, `malformed` (a faulty primary `a`, a healthy fallback
+/// `b`, so polygw resumes), `limited` (429 with Retry-After: 30, beyond
+/// `--max-wait-s` 10), `broken` (500 on both sources).
+async fn fault_scopes() -> (Faults, Vec<(String, String)>) {
+    let f = Faults {
+        cut: (
+            mock(faulty(Fault::ResetAfter { chunks: 25 })).await,
+            mock(words()).await,
+        ),
+        stall: (
+            mock(Behavior {
+                stalls: vec![Stall {
+                    before_chunk: 20,
+                    ms: 30_000.0,
+                }],
+                ..words()
+            })
+            .await,
+            mock(words()).await,
+        ),
+        malformed: (
+            mock(faulty(Fault::MalformedAt { chunk: 30 })).await,
+            mock(words()).await,
+        ),
+        limited: mock(Behavior {
+            retry_after: Some(RetryAfter::Seconds(30.0)),
+            ..Behavior::status(429)
+        })
+        .await,
+        broken: (
+            mock(Behavior::status(500)).await,
+            mock(Behavior::status(500)).await,
+        ),
+    };
+    let mut env = Vec::new();
+    for (scope, (a, b), b_extra) in [
+        ("CUT", &f.cut, &[][..]),
+        // The stall is rescued by a prefill continuation, the others by a replay.
+        ("STALL", &f.stall, &[("PREFILL", "prefix")][..]),
+        ("MALFORMED", &f.malformed, &[][..]),
+        ("BROKEN", &f.broken, &[][..]),
+    ] {
+        env.extend(source(scope, "a", a, &[("PRIORITY", "0")]));
+        let mut bx = vec![("PRIORITY", "1")];
+        bx.extend_from_slice(b_extra);
+        env.extend(source(scope, "b", b, &bx));
+        env.push(var(&format!("{scope}__RETRY__BACKOFF_BASE_S"), "0.01"));
+        env.push(var(&format!("{scope}__RETRY__BACKOFF_MAX_S"), "0.02"));
+    }
+    env.push(var("STALL__HEDGE__STALL_AFTER_S", "0.3"));
+    env.push(var("STALL__HEDGE__BUDGET_PCT", "0"));
+    env.extend(source("LIMITED", "l", &f.limited, &[]));
+    (f, env)
+}
+
+/// The whole answer the primary planned (what the client must see, exactly).
+async fn planned(primary: &MockUpstream) -> String {
+    let log = primary.wait_for_ended(1, Duration::from_secs(10)).await;
+    assert!(!log[0].full_content.is_empty());
+    log[0].full_content.clone()
+}
+
+/// The resumed streams and the errors, as `faults.py SDK` reported them.
+async fn check_faults(f: &Faults, out: &Value, rate_limit: &str, server_error: &str) {
+    for (scope, (a, b), ends) in [
+        ("cut", &f.cut, &[EndKind::ResetMidStream][..]),
+        // The silent leg was cancelled when the resume leg took over.
+        ("stall", &f.stall, &[EndKind::ClientDisconnected][..]),
+        // (a fast primary may have sent all of it before polygw left)
+        (
+            "malformed",
+            &f.malformed,
+            &[EndKind::ClientDisconnected, EndKind::Completed][..],
+        ),
+    ] {
+        let full = planned(a).await;
+        let seen = &out[scope];
+        assert_eq!(
+            seen["deltas"],
+            full.as_str(),
+            "{scope}: the deltas, exactly"
+        );
+        assert_eq!(
+            seen["final"],
+            full.as_str(),
+            "{scope}: the SDK's final text"
+        );
+        let ra = a.wait_for_ended(1, Duration::from_secs(10)).await;
+        assert_eq!(ra.len(), 1, "{scope}: one request to the primary");
+        assert!(
+            ends.contains(&ra[0].end),
+            "{scope}: how the primary's leg ended: {:?}",
+            ra[0].end
+        );
+        let rb = b.wait_for_ended(1, Duration::from_secs(10)).await;
+        assert_eq!(rb.len(), 1, "{scope}: one resume leg on the fallback");
+    }
+    // The stall was resumed by prefill: the fallback continued the delivered prefix.
+    let rb = f.stall.1.requests();
+    let p = rb[0].prefill.as_ref().expect("a prefill request");
+    assert!(p.matched && p.prefix_chars > 0, "{p:?}");
+    for how in ["plain", "stream"] {
+        let e = &out[format!("limited_{how}")];
+        assert_eq!(e["class"], "RateLimitError", "{how}: {e:#}");
+        assert_eq!(e["status"], 429, "{how}: HTTP 429 even for a stream: {e:#}");
+        // The upstream's hint (the later call: what is left of it, rounded up).
+        let ra: u64 = e["retry_after"].as_str().unwrap().parse().unwrap();
+        assert!((28..=30).contains(&ra), "{how}: {e:#}");
+        assert_eq!(e["kind"], rate_limit, "{how}: {e:#}");
+        assert!(
+            e["content_type"]
+                .as_str()
+                .unwrap()
+                .starts_with("application/json"),
+            "{how}: {e:#}"
+        );
+        assert!(e["request_id"].is_string(), "{how}: {e:#}");
+        let e = &out[format!("broken_{how}")];
+        let mro: Vec<&str> = e["mro"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|c| c.as_str().unwrap())
+            .collect();
+        assert!(
+            mro.contains(&"InternalServerError"),
+            "{how}: the SDK's server error: {e:#}"
+        );
+        assert!(e["status"].as_u64().unwrap() >= 500, "{how}: {e:#}");
+        assert_eq!(e["class"], server_error, "{how}: {e:#}");
+    }
+    assert_eq!(out["limited_plain"]["retry_after"], "30");
+    // One upstream request: the later call was answered from the source's cooldown
+    // at once (SPEC §17.2), not by polling it.
+    assert_eq!(f.limited.requests().len(), 1, "{:#?}", f.limited.requests());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn openai_python_through_faulty_upstreams() {
+    let test = "openai_python_through_faulty_upstreams";
+    let Some(py) = sdk::python_sdks(test) else {
+        return;
+    };
+    let (f, env) = fault_scopes().await;
+    let s = start(&["--max-wait-s", "10"], env);
+    let run = python(py, test, "faults.py", &["openai"], &s).await;
+    let out = run.json();
+    assert!(
+        run.took < Duration::from_secs(20),
+        "the 30 s stall was not waited out"
+    );
+    check_faults(&f, &out, "rate_limit_exceeded", "InternalServerError").await;
+    assert_eq!(out["broken_plain"]["status"], 503, "{out:#}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn anthropic_python_through_faulty_upstreams() {
+    let test = "anthropic_python_through_faulty_upstreams";
+    let Some(py) = sdk::python_sdks(test) else {
+        return;
+    };
+    let (f, env) = fault_scopes().await;
+    let s = start(&["--max-wait-s", "10"], env);
+    let run = python(py, test, "faults.py", &["anthropic"], &s).await;
+    let out = run.json();
+    assert!(
+        run.took < Duration::from_secs(20),
+        "the 30 s stall was not waited out"
+    );
+    // Anthropic's shape: polygw's 503 is its 529 overloaded_error.
+    check_faults(&f, &out, "rate_limit_error", "OverloadedError").await;
+    assert_eq!(out["broken_plain"]["status"], 529, "{out:#}");
+    assert_eq!(out["broken_plain"]["kind"], "overloaded_error", "{out:#}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn node_sdks_stream_and_raise_rate_limits() {
+    let test = "node_sdks_stream_and_raise_rate_limits";
+    let Some(node) = sdk::node_sdks(test) else {
+        return;
+    };
+    let plain = mock(hello()).await;
+    let limited = mock(Behavior {
+        retry_after: Some(RetryAfter::Seconds(30.0)),
+        ..Behavior::status(429)
+    })
+    .await;
+    // The first 429 says 4 s: within --max-wait-s, so polygw waits it out (no attempt
+    // running: no 200, no keepalive) and retries; the second says 30 s: beyond it.
+    limited.push_script(Behavior {
+        retry_after: Some(RetryAfter::Seconds(4.0)),
+        ..Behavior::status(429)
+    });
+    let mut env = source("PLAIN", "p", &plain, &[]);
+    env.extend(source("LIMITED", "l", &limited, &[]));
+    let s = start(&["--keepalive-s", "1", "--max-wait-s", "10"], env);
+    let run = sdk::run(
+        node,
+        vec![sdk::node_dir().join("sdk.mjs").display().to_string()],
+        vec![var("POLYGW_ROOT", &s.base), var("POLYGW_KEY", KEY)],
+        SCRIPT_LIMIT,
+    )
+    .await;
+    eprintln!("{test}: sdk.mjs took {:?}", run.took);
+    let out = run.json();
+    assert_eq!(out["chat_text"], "Hello from polygw");
+    assert_eq!(out["responses_text"], "Hello from polygw");
+    assert_eq!(out["messages_text"], "Hello from polygw");
+    for what in [
+        "limited_chat_stream",
+        "limited_responses_stream",
+        "limited_messages_stream",
+    ] {
+        let e = &out[what];
+        assert_eq!(e["class"], "RateLimitError", "{what}: {e:#}");
+        assert_eq!(e["status"], 429, "{what}: {e:#}");
+        let ra: u64 = e["retry_after"].as_str().unwrap().parse().unwrap();
+        assert!(ra >= 1, "{what}: {e:#}");
+        // The hint of the attempt that ended the call, or what is left of the source's
+        // 30 s cooldown after it.
+        assert!((20..=30).contains(&ra), "{what}: {e:#}");
+    }
+    // (The first one's Retry-After is the 30 s hint of the attempt that ended the call,
+    // not the 4 s one it waited out: `a_hint_waited_out_is_not_the_retry_after`.)
+    // The first one waited out the 4 s hint (while keepalive-s 1 passed four times)
+    // and still got its status.
+    let waited = out["limited_chat_stream"]["ms"].as_u64().unwrap();
+    assert!(waited >= 3_500, "{waited} ms");
+    // Two upstream requests (the 4 s hint, then the 30 s one); the later calls were
+    // answered from the cooldown.
+    let log = limited.requests();
+    assert_eq!(log.len(), 2, "{log:#?}");
+    assert_eq!(plain.requests().len(), 3);
+}
+
+/// An upstream 429 whose Retry-After (4 s) polygw waits out, then one whose hint (30 s)
+/// is beyond `--max-wait-s`: the answer's Retry-After must be the earliest admission
+/// (30 s), not the hint already waited out.
+///
+/// Found by `node_sdks_stream_and_raise_rate_limits`: the answer said `Retry-After: 4`
+/// (the call kept the smallest hint it had seen, as a duration). Each source's latest
+/// hint is now kept as a moment, and only those still ahead count.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_hint_waited_out_is_not_the_retry_after() {
+    let limited = mock(Behavior {
+        retry_after: Some(RetryAfter::Seconds(30.0)),
+        ..Behavior::status(429)
+    })
+    .await;
+    limited.push_script(Behavior {
+        retry_after: Some(RetryAfter::Seconds(4.0)),
+        ..Behavior::status(429)
+    });
+    let s = start(
+        &["--keepalive-s", "1", "--max-wait-s", "10"],
+        source("LIMITED", "l", &limited, &[]),
+    );
+    let r = reqwest::Client::new()
+        .post(format!("{}/v1/chat/completions", s.base))
+        .bearer_auth(KEY)
+        .json(&json!({"model": "limited", "stream": true,
+            "messages": [{"role": "user", "content": "hi"}]}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 429);
+    assert_eq!(limited.requests().len(), 2);
+    let ra = r.headers()["retry-after"].to_str().unwrap().to_string();
+    assert_eq!(ra, "30", "{}", r.text().await.unwrap());
+}
