@@ -2065,6 +2065,10 @@ fn env_vars(
         put(s("HEDGE__STALL_AFTER_S"), budget::HEDGE_AFTER_S.into());
         put(s("HEDGE__MAX_EXTRA"), extra.to_string());
         put(s("HEDGE__BUDGET_PCT"), pct.to_string());
+    } else {
+        // Unhedged means off: the default (`auto`) hedges a scope of several sources.
+        put(s("HEDGE__AFTER_S"), "off".into());
+        put(s("HEDGE__STALL_AFTER_S"), "off".into());
     }
     if sc.deadline {
         put(s("CALL_DEADLINE_S"), budget::DEADLINE_S.into());

@@ -115,7 +115,13 @@ async fn with_hedging_off_the_slow_source_is_simply_waited_for() {
     a.set_default(slow_first_token(600.0));
     b.set_default(Behavior::text(&["never"]));
     let c = GatewayClient::from_vars(
-        vars(vec![source_vars("a", &a, 0), source_vars("b", &b, 1)], &[]),
+        vars(
+            vec![source_vars("a", &a, 0), source_vars("b", &b, 1)],
+            &[
+                ("LLM__HEDGE__AFTER_S", "off"),
+                ("LLM__HEDGE__STALL_AFTER_S", "off"),
+            ],
+        ),
         "LLM",
     )
     .await
@@ -448,5 +454,69 @@ mod features_over_http {
         assert_eq!(r.usage_source, UsageSource::Measured);
         assert_eq!((r.prompt_tokens, r.completion_tokens), (Some(0), Some(0)));
         assert_eq!(r.cost, Some(0.003));
+    }
+}
+
+/// SPEC §19.2: processes sharing Redis governance merge their latency distributions and
+/// so hedge on one threshold. Three clients (each its own connection and engine, as
+/// three processes have) see 20 answers each of a source whose latency differs per
+/// client; alone, none has the 50 samples `auto` needs; after an exchange each, all three
+/// hold the same 60-sample distribution and the same threshold from it.
+#[tokio::test]
+async fn processes_sharing_redis_converge_on_one_threshold() {
+    let Some(url) = polygw_testkit::services::redis_url() else {
+        return;
+    };
+    let (a, b) = (mock().await, mock().await);
+    b.set_default(Behavior::text(&["b"]));
+    let scope = polygw_testkit::services::unique_name("LAT").to_uppercase();
+    let mut v: Vec<(String, String)> = [source_vars("a", &a, 0), source_vars("b", &b, 1)]
+        .concat()
+        .into_iter()
+        .map(|(k, x)| (k.replacen("LLM", &scope, 1), x))
+        .collect();
+    v.push((format!("{scope}__REDIS__URL"), url));
+    v.push((format!("{scope}__HEDGE__MIN_S"), "0.001".into()));
+    let mut clients = Vec::new();
+    for _ in 0..3 {
+        clients.push(GatewayClient::from_vars(v.clone(), &scope).await.unwrap());
+    }
+    for (i, c) in clients.iter().enumerate() {
+        for k in 0..20u32 {
+            a.push_script(Behavior {
+                ttft_ms: f64::from(10 + 20 * i as u32 + k),
+                ..Behavior::text(&["a"])
+            });
+            c.chat(ChatRequest::user("time me")).await.unwrap();
+        }
+    }
+    let origin = |c: &GatewayClient| {
+        let t = c.hedge_thresholds(false);
+        serde_json::to_value(t[0].1.after).unwrap()
+    };
+    for c in &clients {
+        assert_eq!(
+            origin(c)["origin"],
+            "not_yet",
+            "20 samples alone: {}",
+            origin(c)
+        );
+    }
+    for _ in 0..2 {
+        for c in &clients {
+            c.exchange_latency().await.unwrap();
+        }
+    }
+    let seen: Vec<serde_json::Value> = clients.iter().map(origin).collect();
+    assert_eq!(seen[0]["origin"], "source", "{seen:?}");
+    assert!(
+        seen.iter().all(|t| *t == seen[0]),
+        "one threshold: {seen:?}"
+    );
+    // The merge's 90th percentile: above every client's own range but the last's.
+    let ms = seen[0]["ms"].as_u64().unwrap();
+    assert!((50..=110).contains(&ms), "{ms} ms");
+    for c in clients {
+        c.shutdown().await;
     }
 }

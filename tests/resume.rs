@@ -864,13 +864,13 @@ async fn the_answer_usage_is_the_sum_of_the_rows() {
     assert!(cut.completion_tokens.unwrap() > 0);
     assert_eq!(resume.usage_source, UsageSource::Measured);
     assert_eq!(
-        u64::from(r.usage.completion_tokens),
+        r.usage.completion_tokens,
         cut.completion_tokens.unwrap() + resume.completion_tokens.unwrap(),
         "{:?} = {cut:?} + {resume:?}",
         r.usage
     );
     assert_eq!(
-        u64::from(r.usage.prompt_tokens),
+        r.usage.prompt_tokens,
         cut.prompt_tokens.unwrap() + resume.prompt_tokens.unwrap(),
     );
     assert_eq!(r.usage_source, UsageSource::Estimated);

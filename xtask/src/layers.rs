@@ -101,6 +101,7 @@ pub fn edge_allowed(from: Layer, to: Layer, kind: Kind) -> bool {
 pub const CORE_ALLOW: &[&str] = &[
     "async-trait",
     "block-buffer",
+    "byteorder",
     "cfg-if",
     "cpufeatures",
     "crypto-common",
@@ -108,6 +109,7 @@ pub const CORE_ALLOW: &[&str] = &[
     "displaydoc",
     "form_urlencoded",
     "generic-array",
+    "hdrhistogram",
     "icu_collections",
     "icu_locale_core",
     "icu_normalizer",
@@ -120,6 +122,7 @@ pub const CORE_ALLOW: &[&str] = &[
     "itoa",
     "litemap",
     "memchr",
+    "num-traits",
     "once_cell",
     "percent-encoding",
     "pin-project-lite",

@@ -37,6 +37,14 @@ pub async fn run(args: CheckArgs) -> Result<ExitCode> {
         match env::load(scope, kind) {
             Ok(loaded) => {
                 println!("# scope {scope} ({}): ok", kind.operation());
+                println!(
+                    "{}",
+                    polygw::core::hedge::describe(
+                        &loaded.settings.hedge,
+                        kind == polygw::ScopeKind::Chat,
+                        loaded.settings.sources.len()
+                    )
+                );
                 println!("{}", serde_json::to_string_pretty(&loaded.settings)?);
                 for w in &loaded.warnings {
                     println!("warning: {w}");

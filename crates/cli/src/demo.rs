@@ -46,19 +46,24 @@ struct Run {
     responses: Vec<LlmResponse>,
     failures: usize,
     rows: Vec<TelemetryRow>,
+    /// The hedge thresholds in force per source at the end (streamed calls).
+    thresholds: Vec<(String, polygw::core::hedge::Thresholds)>,
 }
 
 fn scaled(s: f64, scale: f64) -> String {
     format!("{}", s * scale)
 }
 
-/// The hedging-on column's keys (times in real seconds, scaled when set): on the
-/// frontier measured by the hedging benchmark (docs/BENCHMARKS.md, "Hedging efficacy").
-const HEDGE_ON_SECONDS: [(&str, f64); 2] = [("HEDGE__AFTER_S", 8.0), ("HEDGE__STALL_AFTER_S", 5.0)];
-const HEDGE_ON: [(&str, &str); 3] = [
-    ("HEDGE__MAX_EXTRA", "2"),
-    ("HEDGE__BUDGET_PCT", "30"),
-    ("STREAM__RESUME", "auto"),
+/// The hedging-on column sets no hedge key: it runs the defaults (SPEC §19.3: both
+/// triggers `auto`, budget 10 %, burst 3, resume `auto`). Only the defaults' own times
+/// are scaled with the simulation — the `auto` thresholds' bounds and decay window, in
+/// real seconds here (unscaled, a 0.5 s bound would be 50 s of the simulated workload).
+const AUTO_TIMES: [(&str, f64); 5] = [
+    ("HEDGE__MIN_S", 0.5),
+    ("HEDGE__MAX_S", 60.0),
+    ("HEDGE__STALL_MIN_S", 1.0),
+    ("HEDGE__STALL_MAX_S", 60.0),
+    ("HEDGE__WINDOW_S", 600.0),
 ];
 
 /// The environment-style configuration of one run: the same keys a user would set.
@@ -97,15 +102,19 @@ fn vars(
         set(format!("{scope}__SIM__{i}__PREFILL"), "assistant".into());
     }
     if hedged {
-        // The frontier settings of docs/HEDGING.md ("Choosing the settings"): a second
-        // leg when the first token is later than 8 s, a resume when a stream is silent
-        // for 5 s, at most 2 extra legs per call, 30 % of the calls at most.
-        for (k, x) in HEDGE_ON_SECONDS {
-            set(format!("{scope}__{k}"), scaled(x, scale));
+        for (k, x) in AUTO_TIMES {
+            // The decay window has a floor of 10 s (ten slots of a second).
+            let x = if k == "HEDGE__WINDOW_S" {
+                (x * scale).max(10.0)
+            } else {
+                x * scale
+            };
+            set(format!("{scope}__{k}"), format!("{x}"));
         }
-        for (k, x) in HEDGE_ON {
-            set(format!("{scope}__{k}"), x.to_string());
-        }
+    } else {
+        set(format!("{scope}__HEDGE__AFTER_S"), "off".into());
+        set(format!("{scope}__HEDGE__STALL_AFTER_S"), "off".into());
+        set(format!("{scope}__STREAM__RESUME"), "off".into());
     }
     v
 }
@@ -178,6 +187,7 @@ async fn run_once(
         .buffer_unordered(args.concurrency.max(1))
         .collect()
         .await;
+    let thresholds = client.hedge_thresholds(true);
     let report = client.shutdown().await;
     for m in mocks {
         m.shutdown().await;
@@ -210,6 +220,7 @@ async fn run_once(
         responses,
         failures,
         rows,
+        thresholds,
     })
 }
 
@@ -327,13 +338,9 @@ pub async fn run(args: DemoArgs) -> Result<ExitCode> {
         args.concurrency
     );
     println!(
-        "hedging on: {}",
-        HEDGE_ON_SECONDS
-            .iter()
-            .map(|(k, v)| format!("{k}={v} (real s)"))
-            .chain(HEDGE_ON.iter().map(|(k, v)| format!("{k}={v}")))
-            .collect::<Vec<_>>()
-            .join(" ")
+        "hedging off: HEDGE__AFTER_S=off HEDGE__STALL_AFTER_S=off STREAM__RESUME=off; \
+         hedging on: the defaults (auto thresholds from live latency, budget 10 %, burst 3, \
+         resume auto), their bounds and window scaled with the simulation"
     );
     let bar = ProgressBar::new((2 * args.calls) as u64);
     bar.set_style(
@@ -374,6 +381,19 @@ pub async fn run(args: DemoArgs) -> Result<ExitCode> {
          usage is unknown: they make the accounting gap and the \"unknown\" costs (an \
          upstream may still bill them)."
     );
+    for (src, t) in &on.thresholds {
+        let show = |t: &polygw::core::hedge::ThresholdInForce| match t.value {
+            Some(d) => format!("{:.1} s", d.as_secs_f64() / args.time_scale),
+            None => "none".to_string(),
+        };
+        println!(
+            "auto thresholds at the end, {src}: first token {} ({:?}), stall {} ({:?}) (real s)",
+            show(&t.after),
+            t.after.origin,
+            show(&t.stall_after),
+            t.stall_after.origin
+        );
+    }
     println!(
         "Latencies are measured at the demo's time scale (×{}); at real scale multiply by {}.",
         args.time_scale,

@@ -113,6 +113,8 @@ pub(crate) struct Context {
     pub generated_ms: i64,
     /// The SPEC §8 accounting-gap query over the whole database.
     pub db_gap: u64,
+    /// Where the prices came from (one line).
+    pub prices: String,
 }
 
 impl Context {
@@ -312,6 +314,104 @@ pub(crate) fn sections(sum: &Summary) -> Vec<Section> {
     });
 
     out.push(Section {
+        title: "Prompt cache",
+        note: "Attempt rows with known usage: prompt tokens, those read from the provider's \
+               prompt cache (cached) and written to it (written); hit share = cached / prompt. \
+               Saved: cached × (INPUT_PRICE − CACHED_INPUT_PRICE) + written × (INPUT_PRICE − \
+               CACHE_WRITE_PRICE), / 1e6, at the prices of the configuration in the \
+               environment — 'prices unknown' for a source not configured there (rows hold \
+               costs, not prices). Negative when cache writes cost more than reads saved.",
+        headers: vec![
+            "source",
+            "reporting rows",
+            "prompt",
+            "cached",
+            "written",
+            "hit share",
+            "saved",
+        ],
+        rows: sum
+            .sources
+            .iter()
+            .filter(|s| s.tokens.rows > 0)
+            .map(|s| {
+                vec![
+                    name(&s.scope, &s.source),
+                    format!("{}/{}", s.cache.reporting_rows, s.tokens.rows),
+                    s.cache.prompt.to_string(),
+                    s.cache.cached.to_string(),
+                    s.cache.written.to_string(),
+                    pct(s.cache.hit_share()),
+                    priced_money(s.priced, s.cache.saving),
+                ]
+            })
+            .collect(),
+        empty: "no attempt with known usage",
+        as_lines: false,
+    });
+
+    out.push(Section {
+        title: "Accounting gap",
+        note: "Attempts the provider may have billed without reporting usage (SPEC §20.4): \
+               usage unavailable (a cancelled hedge loser, a leg cut or failed after sending) \
+               or estimated from the text received (a cut leg the answer counts). est. prompt \
+               / est. received: the gateway's estimates. Gap cost: at least what was received \
+               × OUTPUT_PRICE; at most the prompt at its dearest price plus (received + the \
+               source's EST_TOKENS) × OUTPUT_PRICE ('≥' when EST_TOKENS is 0: no upper \
+               bound). Reported: the cost of the rows billed as the provider reported them. \
+               Invoice: reported + gap, where the provider's bill lies. Not billed: unavailable \
+               attempts without an estimate (answered with an error status, or never sent).",
+        headers: vec![
+            "source",
+            "gap rows",
+            "unavailable",
+            "est. prompt",
+            "est. received",
+            "gap cost",
+            "reported",
+            "invoice",
+            "not billed",
+        ],
+        rows: sum
+            .sources
+            .iter()
+            .map(|s| {
+                let a = &s.accounts;
+                let unpriced = if s.priced {
+                    "unknown (a price is missing)"
+                } else {
+                    "prices unknown"
+                };
+                vec![
+                    name(&s.scope, &s.source),
+                    a.gap_rows.to_string(),
+                    a.gap_unavailable.to_string(),
+                    a.est_prompt_tokens.to_string(),
+                    a.est_received_tokens.to_string(),
+                    if a.gap_rows == 0 {
+                        money(Some(0.0))
+                    } else {
+                        a.gap.map_or(unpriced.to_string(), range)
+                    },
+                    if a.unpriced_rows > 0 {
+                        format!(
+                            "{} (+{} unpriced rows)",
+                            money(Some(a.reported_cost)),
+                            a.unpriced_rows
+                        )
+                    } else {
+                        money(Some(a.reported_cost))
+                    },
+                    a.invoice_range().map_or(unpriced.to_string(), range),
+                    a.not_billed_rows.to_string(),
+                ]
+            })
+            .collect(),
+        empty: "no attempt rows",
+        as_lines: false,
+    });
+
+    out.push(Section {
         title: "Calls per scope",
         note: "Logical calls. ok: an ok attempt or a cache hit; failed: a terminal_failure \
                row; no outcome: neither (cancelled by the caller, or cut by --since). Call \
@@ -437,6 +537,25 @@ pub(crate) fn sections(sum: &Summary) -> Vec<Section> {
     out
 }
 
+/// A cost that needs prices: "prices unknown" for a source the configuration does not
+/// price, "unknown" for a cost that could not be computed.
+fn priced_money(priced: bool, v: Option<f64>) -> String {
+    if priced {
+        money(v)
+    } else {
+        "prices unknown".into()
+    }
+}
+
+/// A cost range: `low–high`, or `≥ low` without an upper bound.
+fn range(r: polygw::core::telemetry::CostRange) -> String {
+    match r.high {
+        Some(h) if h == r.low => money(Some(h)),
+        Some(h) => format!("{}–{}", money(Some(r.low)), money(Some(h))),
+        None => format!("≥ {}", money(Some(r.low))),
+    }
+}
+
 /// Control characters (terminal escapes, newlines in details) shown as `?` in text.
 fn clean(s: &str) -> String {
     s.chars()
@@ -458,6 +577,7 @@ pub(crate) fn heading_lines(sum: &Summary, ctx: &Context) -> Vec<String> {
             sum.rows, sum.kinds[0], sum.kinds[1], sum.kinds[2]
         ),
         format!("Time range covered (created_at, UTC): {range}"),
+        format!("Prices: {}", ctx.prices),
     ]
 }
 
@@ -510,6 +630,57 @@ fn empty_message(ctx: &Context, scopes_present: &BTreeSet<String>) -> String {
     clean(&m)
 }
 
+/// The prices of the scopes in `scopes`, from the configuration in the environment
+/// (the same keys `polygw serve` reads), and a line saying where they came from. A scope
+/// the environment does not configure (or configures wrongly) has none; nothing of the
+/// configuration is printed but scope names.
+fn price_book(scopes: &BTreeSet<String>) -> (stats::PriceBook, String) {
+    let mut book = stats::PriceBook::new();
+    let (mut from_env, mut missing) = (Vec::new(), Vec::new());
+    for scope in scopes {
+        let loaded = crate::env::kind_of(scope).and_then(|k| crate::env::load(scope, k));
+        match loaded {
+            Ok(l) => {
+                for src in &l.settings.sources {
+                    book.insert(
+                        (scope.clone(), src.name.clone()),
+                        stats::SourcePrices {
+                            prices: polygw::core::telemetry::TokenPrices::of(src),
+                            allowance: src.effective_est_tokens(l.settings.limits.tpm),
+                        },
+                    );
+                }
+                from_env.push(scope.as_str());
+            }
+            Err(_) => missing.push(scope.as_str()),
+        }
+    }
+    (book, prices_line(&from_env, &missing))
+}
+
+/// The heading's prices line.
+fn prices_line(from_env: &[&str], missing: &[&str]) -> String {
+    let mut parts = Vec::new();
+    if !from_env.is_empty() {
+        parts.push(format!(
+            "from the configuration in the environment for {}",
+            from_env.join(", ")
+        ));
+    }
+    if !missing.is_empty() {
+        parts.push(format!(
+            "unknown for {} (not configured in the environment: savings and gap costs not \
+             computed)",
+            missing.join(", ")
+        ));
+    }
+    if parts.is_empty() {
+        "none".into()
+    } else {
+        parts.join("; ")
+    }
+}
+
 pub async fn run(args: ReportArgs) -> anyhow::Result<ExitCode> {
     let db = redact_url(&args.db);
     let now = now_unix_ms();
@@ -528,12 +699,15 @@ pub async fn run(args: ReportArgs) -> anyhow::Result<ExitCode> {
             .collect(),
         None => rows,
     };
+    let row_scopes: BTreeSet<String> = rows.iter().map(|r| r.scope.clone()).collect();
+    let (book, prices) = price_book(&row_scopes);
     let mut ctx = Context {
         db,
         since,
         scope: args.scope.clone(),
         generated_ms: now,
         db_gap: 0,
+        prices,
     };
 
     let body = if rows.is_empty() {
@@ -544,7 +718,7 @@ pub async fn run(args: ReportArgs) -> anyhow::Result<ExitCode> {
         ctx.db_gap = polygw::telemetry::accounting_gap(&args.db)
             .await
             .with_context(|| format!("cannot count the accounting gap in {}", ctx.db))?;
-        let sum = stats::summarize(&rows);
+        let sum = stats::summarize_priced(&rows, &book);
         print!("{}", render_text(&sum, &ctx));
         let scatter = stats::scatter(&rows, MAX_SCATTER_POINTS);
         html::render(&sum, &scatter, &ctx)
@@ -640,6 +814,7 @@ mod tests {
             scope: scope.map(str::to_string),
             generated_ms: 100_000,
             db_gap,
+            prices: "none".into(),
         }
     }
 
@@ -722,6 +897,59 @@ mod tests {
         let failed = line("Failed calls by terminal reason", "LLM ");
         assert_eq!(failed[1..], ["retry_exhausted", "1", "1500 ms", "1500 ms"]);
         assert!(text.ends_with("(SPEC §8 query, whole database).\n"));
+    }
+
+    #[test]
+    fn text_report_shows_the_prompt_cache_and_the_gap() {
+        let (rows, book) = stats::tests::cache_rows();
+        let sum = stats::summarize_priced(&rows, &book);
+        let mut c = ctx(None, None, 1);
+        c.prices = prices_line(&["LLM"], &["OTHER"]);
+        let text = render_text(&sum, &c);
+        let line = |title: &str, prefix: &str| -> Vec<String> {
+            text.lines()
+                .skip_while(|l| *l != title)
+                .find(|l| l.starts_with(prefix))
+                .unwrap_or_else(|| panic!("no line {prefix:?} under {title:?} in\n{text}"))
+                .split("  ")
+                .map(str::trim)
+                .filter(|c| !c.is_empty())
+                .map(str::to_string)
+                .collect()
+        };
+        assert!(text.contains(
+            "Prices: from the configuration in the environment for LLM; unknown for OTHER"
+        ));
+        assert_eq!(
+            line("Prompt cache", "LLM/a-0 ")[1..],
+            ["1/3", "3000", "600", "300", "20.0 %", "0.000750"]
+        );
+        assert_eq!(
+            line("Prompt cache", "LLM/b-0 ")[1..],
+            ["1/1", "500", "250", "0", "50.0 %", "prices unknown"]
+        );
+        assert_eq!(
+            line("Accounting gap", "LLM/a-0 ")[1..],
+            [
+                "2",
+                "1",
+                "2000",
+                "25",
+                "0.000200–0.006800",
+                "0.003410",
+                "0.003610–0.010210",
+                "1"
+            ]
+        );
+        let b = line("Accounting gap", "LLM/b-0 ");
+        assert_eq!(b[5], "0.000000");
+        assert!(b[6].contains("+1 unpriced rows"), "{b:?}");
+        assert_eq!(b[7], "prices unknown");
+        assert_eq!(
+            prices_line(&[], &[]),
+            "none",
+            "no scope: nothing to say but that"
+        );
     }
 
     #[test]

@@ -2,8 +2,10 @@
 //! configured in the environment (SPEC §11, §15; docs/SERVE.md). This command only
 //! loads the scopes (each as its declared `{S}__KIND`), shares one metrics registry and
 //! one telemetry recorder per database, reads the client keys, checks where it may
-//! listen, and handles the signals: the first starts a graceful shutdown, a second
-//! stops at once.
+//! listen, and handles the signals: the first starts a drain (`/readyz` 503, the
+//! listener closed, in-flight calls and streams finish within `--grace-s`, telemetry
+//! and settlements flushed, exit 0), a second stops at once (exit 130); the grace's end
+//! or a second signal cuts what is left and says so in one line.
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
@@ -42,8 +44,9 @@ pub struct ServeArgs {
     /// (repeatable; `scheme://host[:port]`).
     #[arg(long = "allowed-origin")]
     pub allowed_origins: Vec<String>,
-    /// On SIGTERM/Ctrl-C, how long in-flight calls may take to finish (seconds); a
-    /// second signal stops at once.
+    /// On SIGTERM/Ctrl-C the proxy drains (/readyz answers 503, new connections are
+    /// refused): how long in-flight calls and streams may take to finish (seconds);
+    /// then what is left is cut. A second signal stops at once.
     #[arg(long, default_value_t = 30.0)]
     pub grace_s: f64,
     /// Largest request body accepted (bytes).
@@ -294,17 +297,24 @@ pub async fn run(args: ServeArgs) -> Result<ExitCode> {
     );
     let shutdown = {
         let sig = sig.clone();
+        let proxy = proxy.clone();
         async move {
             nth_signal(sig, 1).await;
             eprintln!(
-                "shutting down: finishing in-flight calls (up to {} s; a second signal stops at once)",
+                "shutting down: draining (/readyz answers 503, new connections refused); \
+                 finishing {} call(s) in flight (up to {} s; a second signal stops at once)",
+                proxy.calls_running(),
                 grace.as_secs_f64()
             );
         }
     };
     let second = || async {
         nth_signal(sig.clone(), 2).await;
-        eprintln!("second signal: stopping now (telemetry and settlements not flushed)");
+        eprintln!(
+            "second signal: stopping now, cutting {} call(s) still running (telemetry and \
+             settlements not flushed)",
+            proxy.calls_running()
+        );
         std::process::exit(130);
     };
     let report = tokio::select! {
@@ -313,9 +323,12 @@ pub async fn run(args: ServeArgs) -> Result<ExitCode> {
     };
     if report.cut {
         eprintln!(
-            "grace period over: the calls still running were ended (streams with an error event){}",
+            "grace period over ({} s): cut {} connection(s) with calls still running (streams \
+             ended with an error event, plain calls a 503){}",
+            grace.as_secs_f64(),
+            report.cut_connections,
             if report.dropped > 0 {
-                format!("; {} connection(s) dropped", report.dropped)
+                format!("; {} dropped after the final flush", report.dropped)
             } else {
                 String::new()
             }

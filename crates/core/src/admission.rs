@@ -196,8 +196,22 @@ impl NoRunnable {
 pub fn is_firm(r: &Refusal) -> bool {
     use crate::error::RefusalReason as R;
     match r.reason {
-        R::Cooldown | R::CircuitOpen | R::Dead | R::Rpm | R::ScopeRpm => true,
-        R::Tpm | R::ScopeTpm | R::Concurrency => false,
+        R::Cooldown
+        | R::CircuitOpen
+        | R::Dead
+        | R::Rpm
+        | R::ScopeRpm
+        | R::KeyRpm
+        | R::KeyBudgetUnpriced => true,
+        // A key's budget can clear before the period ends: reservations in flight may
+        // settle below what they reserved.
+        R::Tpm
+        | R::ScopeTpm
+        | R::Concurrency
+        | R::KeyTpm
+        | R::KeyConcurrency
+        | R::KeyBudgetDay
+        | R::KeyBudgetMonth => false,
     }
 }
 

@@ -30,6 +30,12 @@ pub enum BreakerOutcome {
     Success,
     /// A breaker-feeding failure (transient, not 429).
     Failure,
+    /// A breaker-feeding failure answered quickly (within `BREAKER__OPEN_S`: a 5xx, a
+    /// refused connection): it counts like [`BreakerOutcome::Failure`], but a half-open
+    /// probe that fails so re-opens for `OPEN_S` again instead of doubling — a probe
+    /// that costs its caller a few ms need not back off, and a recovered source is then
+    /// found within `OPEN_S` of its recovery (SPEC §19.3; issue 24, item 6).
+    FastFailure,
     /// Counts for nothing (rejected, invalid, cancelled, hedge loser).
     Neutral,
     /// 401/403/404: the source is out for `DEAD_S`.
@@ -42,6 +48,20 @@ pub enum BreakerOutcome {
 }
 
 impl BreakerOutcome {
+    /// The outcome of a failed attempt: its class's, a transient failure that took
+    /// at most `BREAKER__OPEN_S` (`s.open`) being a [`BreakerOutcome::FastFailure`].
+    pub fn of_failure(
+        class: ErrorClass,
+        cooldown: Duration,
+        took: Duration,
+        s: &BreakerSettings,
+    ) -> Self {
+        match Self::of_class(class, cooldown) {
+            BreakerOutcome::Failure if took <= s.open => BreakerOutcome::FastFailure,
+            o => o,
+        }
+    }
+
     /// The outcome of a failure class (`cooldown` is used for 429).
     pub fn of_class(class: ErrorClass, cooldown: Duration) -> Self {
         match class {
@@ -170,11 +190,15 @@ impl BreakerState {
                 self.reopens = 0;
                 self.probe_until = 0;
             }
-            BreakerOutcome::Failure if current => {
+            BreakerOutcome::Failure | BreakerOutcome::FastFailure if current => {
                 self.consecutive_failures = self.consecutive_failures.saturating_add(1);
                 let half_open = self.open_until > 0 && self.open_until <= now;
                 if probe && half_open {
-                    self.reopens = self.reopens.saturating_add(1);
+                    if outcome == BreakerOutcome::FastFailure {
+                        self.reopens = 0;
+                    } else {
+                        self.reopens = self.reopens.saturating_add(1);
+                    }
                     self.open_until = now + open_ms(s, self.reopens);
                     self.epoch += 1;
                 } else if self.open_until == 0 && self.consecutive_failures >= s.failures {
@@ -183,7 +207,7 @@ impl BreakerState {
                 }
             }
             BreakerOutcome::Success => self.consecutive_dead = 0,
-            BreakerOutcome::Failure | BreakerOutcome::Neutral => {}
+            BreakerOutcome::Failure | BreakerOutcome::FastFailure | BreakerOutcome::Neutral => {}
             BreakerOutcome::Dead => {
                 self.consecutive_dead = self.consecutive_dead.saturating_add(1);
                 if self.consecutive_dead >= s.dead_after.max(1) {
@@ -376,6 +400,55 @@ mod tests {
                 reason: RefusalReason::Cooldown,
                 retry_after_ms: crate::classify::millis(crate::classify::MAX_RETRY_HINT)
             }
+        );
+    }
+
+    #[test]
+    fn a_probe_that_fails_fast_does_not_back_off() {
+        let s = BreakerSettings {
+            failures: 1,
+            open: Duration::from_secs(2),
+            open_max: Duration::from_secs(30),
+            ..BreakerSettings::default()
+        };
+        let mut b = BreakerState::default();
+        let ep = |b: &BreakerState| b.epoch;
+        b.record(0, BreakerOutcome::Failure, ep(&b), false, &s);
+        assert_eq!(b.open_until, 2_000);
+        // Slow failed probes double the open time; a fast one goes back to OPEN_S.
+        let mut now = 2_000;
+        for want in [4_000, 8_000] {
+            let BreakerAdmit::Allowed { probe: true, epoch } = b.admit(now, 1_000) else {
+                panic!("probe");
+            };
+            b.record(now, BreakerOutcome::Failure, epoch, true, &s);
+            assert_eq!(b.open_until - now, want);
+            now = b.open_until;
+        }
+        let BreakerAdmit::Allowed { probe: true, epoch } = b.admit(now, 1_000) else {
+            panic!("probe");
+        };
+        b.record(now, BreakerOutcome::FastFailure, epoch, true, &s);
+        assert_eq!(b.open_until - now, 2_000, "back to OPEN_S");
+        assert_eq!(b.reopens, 0);
+        // As a failure outside a probe it counts like any other.
+        assert_eq!(
+            BreakerOutcome::of_failure(
+                ErrorClass::Transient,
+                Duration::ZERO,
+                Duration::from_millis(5),
+                &s
+            ),
+            BreakerOutcome::FastFailure
+        );
+        assert_eq!(
+            BreakerOutcome::of_failure(
+                ErrorClass::Transient,
+                Duration::ZERO,
+                Duration::from_secs(3),
+                &s
+            ),
+            BreakerOutcome::Failure
         );
     }
 

@@ -382,6 +382,19 @@ pub enum RefusalReason {
     ScopeRpm,
     /// Scope-wide tokens-per-minute quota.
     ScopeTpm,
+    /// The client key's requests-per-minute limit (SPEC §21.1).
+    KeyRpm,
+    /// The client key's tokens-per-minute limit.
+    KeyTpm,
+    /// The client key's in-flight cap (its calls in flight).
+    KeyConcurrency,
+    /// The client key's spend budget of the current UTC day.
+    KeyBudgetDay,
+    /// The client key's spend budget of the current UTC month.
+    KeyBudgetMonth,
+    /// The client key has a budget but the scope has no prices: what a call costs cannot
+    /// be known, so it is not admitted (never passes with time).
+    KeyBudgetUnpriced,
 }
 
 impl RefusalReason {
@@ -396,12 +409,50 @@ impl RefusalReason {
             RefusalReason::Concurrency => "concurrency",
             RefusalReason::ScopeRpm => "scope_rpm",
             RefusalReason::ScopeTpm => "scope_tpm",
+            RefusalReason::KeyRpm => "key_rpm",
+            RefusalReason::KeyTpm => "key_tpm",
+            RefusalReason::KeyConcurrency => "key_concurrency",
+            RefusalReason::KeyBudgetDay => "key_budget_day",
+            RefusalReason::KeyBudgetMonth => "key_budget_month",
+            RefusalReason::KeyBudgetUnpriced => "key_budget_unpriced",
         }
     }
 
+    /// Every reason, in declaration order (tests, metrics label sets).
+    pub const ALL: [RefusalReason; 14] = [
+        RefusalReason::CircuitOpen,
+        RefusalReason::Dead,
+        RefusalReason::Cooldown,
+        RefusalReason::Rpm,
+        RefusalReason::Tpm,
+        RefusalReason::Concurrency,
+        RefusalReason::ScopeRpm,
+        RefusalReason::ScopeTpm,
+        RefusalReason::KeyRpm,
+        RefusalReason::KeyTpm,
+        RefusalReason::KeyConcurrency,
+        RefusalReason::KeyBudgetDay,
+        RefusalReason::KeyBudgetMonth,
+        RefusalReason::KeyBudgetUnpriced,
+    ];
+
     /// Whether the refusal passes with time (then `ON_NO_RUNNABLE=wait` may wait for it).
     pub fn passes_with_time(self) -> bool {
-        !matches!(self, RefusalReason::Dead)
+        !matches!(self, RefusalReason::Dead | RefusalReason::KeyBudgetUnpriced)
+    }
+
+    /// Whether this is a client key's refusal (SPEC §21.1: answered as the key's own 429,
+    /// never mixed with the sources' reasons).
+    pub fn is_key(self) -> bool {
+        matches!(
+            self,
+            RefusalReason::KeyRpm
+                | RefusalReason::KeyTpm
+                | RefusalReason::KeyConcurrency
+                | RefusalReason::KeyBudgetDay
+                | RefusalReason::KeyBudgetMonth
+                | RefusalReason::KeyBudgetUnpriced
+        )
     }
 }
 
@@ -667,6 +718,39 @@ mod tests {
             assert_eq!(class.feeds_breaker(), breaker, "{class:?} breaker");
             assert_eq!(class.is_terminal_for_call(), terminal, "{class:?} terminal");
         }
+    }
+
+    /// The stable names, and serde's, of every refusal reason (metrics labels, telemetry,
+    /// error bodies): a key's reasons say `key_…`.
+    #[test]
+    fn refusal_reasons_have_stable_names() {
+        let names: Vec<&str> = RefusalReason::ALL.iter().map(|r| r.as_str()).collect();
+        assert_eq!(
+            names,
+            [
+                "circuit_open",
+                "dead",
+                "cooldown",
+                "rpm",
+                "tpm",
+                "concurrency",
+                "scope_rpm",
+                "scope_tpm",
+                "key_rpm",
+                "key_tpm",
+                "key_concurrency",
+                "key_budget_day",
+                "key_budget_month",
+                "key_budget_unpriced"
+            ]
+        );
+        for r in RefusalReason::ALL {
+            let json = serde_json::to_string(&r).unwrap();
+            assert_eq!(json, format!("\"{}\"", r.as_str()));
+            assert_eq!(r.is_key(), r.as_str().starts_with("key_"), "{r}");
+        }
+        assert!(!RefusalReason::KeyBudgetUnpriced.passes_with_time());
+        assert!(RefusalReason::KeyBudgetMonth.passes_with_time());
     }
 
     #[test]

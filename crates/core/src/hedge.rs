@@ -1,8 +1,9 @@
-//! Hedging decisions (SPEC §7), pure: the policy that applies to a request
-//! ([`HedgePolicy`]), whether the scope's hedge budget allows an extra leg
-//! ([`HedgeBudget`]), and what a round whose legs all failed counts as
-//! ([`combine_failures`]). When triggers fire and which leg wins is the round state
-//! machine's ([`crate::round`]).
+//! Hedging decisions (SPEC §7, §19), pure: the policy that applies to a request
+//! ([`HedgePolicy`]), the thresholds in force (`off`, static or `auto` from the live
+//! distributions of [`crate::latency`]: [`threshold_in_force`], over [`HedgeSettings`]), whether
+//! the scope's hedge budget allows an extra leg ([`HedgeBudget`], a token bucket with a
+//! burst), and what a round whose legs all failed counts as ([`combine_failures`]). When
+//! triggers fire and which leg wins is the round state machine's ([`crate::round`]).
 //!
 //! Triggers, per running leg, each firing at most once:
 //! - first token (`HEDGE__AFTER_S`): the leg has produced no incremental chunk (plain:
@@ -12,10 +13,12 @@
 //!
 //! A trigger launches at most one extra leg; a new extra leg needs a new trigger.
 
-use std::collections::VecDeque;
 use std::time::{Duration, Instant};
 
+use serde::Serialize;
+
 use crate::error::{AttemptError, ErrorClass};
+use crate::latency::{LatencySketch, LatencySnapshot};
 use crate::settings::HedgeSettings;
 
 /// The hedge settings as they apply to one request.
@@ -30,13 +33,28 @@ pub struct HedgePolicy {
 }
 
 impl HedgePolicy {
-    /// The policy for a request: the stall trigger only applies to streams, so a plain
-    /// request with only `STALL_AFTER_S` set is exactly unhedged.
+    /// The policy of a request's static thresholds (`auto` ones are per source: see
+    /// [`HedgePolicy::with_thresholds`]): the stall trigger only applies to streams, so a
+    /// plain request with only `STALL_AFTER_S` set is exactly unhedged.
     pub fn for_request(h: &HedgeSettings, stream: bool) -> Self {
         HedgePolicy {
-            after: h.after,
-            stall_after: if stream { h.stall_after } else { None },
+            after: h.after.static_value(),
+            stall_after: if stream {
+                h.stall_after.static_value()
+            } else {
+                None
+            },
             max_extra: h.max_extra,
+        }
+    }
+
+    /// The policy for a request from the thresholds in force for its leg (see
+    /// [`crate::latency::ScopeLatency::thresholds`]): the stall trigger only for streams.
+    pub fn with_thresholds(t: &Thresholds, max_extra: u32, stream: bool) -> Self {
+        HedgePolicy {
+            after: t.after.value,
+            stall_after: if stream { t.stall_after.value } else { None },
+            max_extra,
         }
     }
 
@@ -46,16 +64,287 @@ impl HedgePolicy {
     }
 }
 
-/// The scope's hedge budget: extra legs over the last 60 s stay under `BUDGET_PCT` % of
-/// the calls over the same window, with a floor of 1 (the cap is never below one leg).
-/// One-second buckets keep memory constant whatever the call rate; buckets stay in
-/// time order whatever order the callers' instants come in (an instant older than the
-/// newest bucket counts in the newest one).
-#[derive(Debug, Clone, Default)]
+/// Default `HEDGE__BUDGET_PCT` for a scope that hedges by default (SPEC §19.3).
+pub const DEFAULT_BUDGET_PCT: u32 = 10;
+
+/// Default `HEDGE__BURST`: extra legs a quiet scope can spend back to back.
+pub const DEFAULT_BURST: u32 = 3;
+
+/// Default `HEDGE__MIN_SAMPLES`.
+pub const DEFAULT_MIN_SAMPLES: u64 = 50;
+
+/// Default bounds of the `auto` first-token threshold: 0.5 s to 60 s.
+pub const DEFAULT_AFTER_BOUNDS: Bounds = Bounds {
+    min: Duration::from_millis(500),
+    max: Duration::from_secs(60),
+};
+
+/// Default bounds of the `auto` stall threshold: 1 s to 60 s (an ordinary gap between
+/// chunks is tens of ms; a hedge earlier than 1 s into a gap rarely beats the wait).
+pub const DEFAULT_STALL_BOUNDS: Bounds = Bounds {
+    min: Duration::from_secs(1),
+    max: Duration::from_secs(60),
+};
+
+/// `HEDGE__AFTER_S` / `HEDGE__STALL_AFTER_S` (SPEC §19.1): off, a static threshold, or
+/// `auto` (from the live distributions). Serializes as `"off"`, seconds, or `"auto"`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum ThresholdSetting {
+    /// The trigger never fires.
+    Off,
+    /// A configured threshold: wins over the distributions.
+    Static(Duration),
+    /// The quantile the budget allows ([`auto_threshold`]).
+    #[default]
+    Auto,
+}
+
+impl ThresholdSetting {
+    /// The configured threshold of a `Static` setting.
+    pub fn static_value(self) -> Option<Duration> {
+        match self {
+            ThresholdSetting::Static(d) => Some(d),
+            _ => None,
+        }
+    }
+}
+
+impl Serialize for ThresholdSetting {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        match self {
+            ThresholdSetting::Off => s.serialize_str("off"),
+            ThresholdSetting::Static(d) => s.serialize_f64(d.as_secs_f64()),
+            ThresholdSetting::Auto => s.serialize_str("auto"),
+        }
+    }
+}
+
+/// Bounds of an `auto` threshold (`HEDGE__MIN_S` / `HEDGE__MAX_S`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+pub struct Bounds {
+    /// Never earlier than this.
+    #[serde(with = "crate::durations::secs")]
+    pub min: Duration,
+    /// Never later than this (wins if below `min`).
+    #[serde(with = "crate::durations::secs")]
+    pub max: Duration,
+}
+
+impl Bounds {
+    /// `d` within the bounds.
+    pub fn apply(&self, d: Duration) -> Duration {
+        d.max(self.min).min(self.max)
+    }
+}
+
+/// The hedge settings a scope runs with (SPEC §19.3): `auto` is off where it cannot
+/// fire — a scope that is not a chat scope, or one with a single source (no other
+/// source to take a leg). A static threshold stays (with one source it hedges to the
+/// same source again).
+pub fn effective(mut h: HedgeSettings, chat: bool, sources: usize) -> HedgeSettings {
+    if !chat || sources < 2 {
+        for t in [&mut h.after, &mut h.stall_after] {
+            if *t == ThresholdSetting::Auto {
+                *t = ThresholdSetting::Off;
+            }
+        }
+    }
+    h
+}
+
+/// One line saying how a scope hedges (`polygw config check`, the startup log).
+pub fn describe(h: &HedgeSettings, chat: bool, sources: usize) -> String {
+    let e = effective(*h, chat, sources);
+    let show = |t: ThresholdSetting| match t {
+        ThresholdSetting::Off => "off".to_string(),
+        ThresholdSetting::Auto => "auto".to_string(),
+        ThresholdSetting::Static(d) => format!("{} s", d.as_secs_f64()),
+    };
+    if !e.enabled() {
+        let why = if !chat {
+            "hedging is chat-only"
+        } else if sources < 2 && h.uses_auto() {
+            "auto needs a second source"
+        } else {
+            "HEDGE__AFTER_S and HEDGE__STALL_AFTER_S are off"
+        };
+        return format!("hedging: off ({why})");
+    }
+    let budget = if e.budget_pct == 0 {
+        "no budget cap".to_string()
+    } else {
+        format!("budget {} % of calls, burst {}", e.budget_pct, e.burst)
+    };
+    let auto = if e.uses_auto() {
+        format!(
+            "; auto from each source's last {} s once it has {} samples (the scope's pool before), first token within {}–{} s, stalls within {}–{} s",
+            e.window.as_secs(),
+            e.min_samples,
+            e.after_bounds.min.as_secs_f64(),
+            e.after_bounds.max.as_secs_f64(),
+            e.stall_bounds.min.as_secs_f64(),
+            e.stall_bounds.max.as_secs_f64()
+        )
+    } else {
+        String::new()
+    };
+    format!(
+        "hedging: first token {}, stalls {}, up to {} extra leg(s), {budget}{auto}",
+        show(e.after),
+        show(e.stall_after),
+        e.max_extra
+    )
+}
+
+/// Where a threshold in force comes from (for the decision trace, SPEC §19.4).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ThresholdOrigin {
+    /// The trigger is off.
+    Off,
+    /// A static threshold from the configuration.
+    Configured,
+    /// `auto`, from the source's own distribution.
+    Source,
+    /// `auto`, from the scope's pooled distribution (the source has too few samples).
+    Pooled,
+    /// `auto`, but not even the pool has enough samples yet: no hedge.
+    NotYet,
+}
+
+/// A threshold in force and its origin.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+pub struct ThresholdInForce {
+    /// The threshold (`None`: the trigger does not fire).
+    #[serde(rename = "ms", serialize_with = "opt_ms")]
+    pub value: Option<Duration>,
+    /// Where it comes from.
+    pub origin: ThresholdOrigin,
+}
+
+fn opt_ms<S: serde::Serializer>(d: &Option<Duration>, s: S) -> Result<S::Ok, S::Error> {
+    match d {
+        Some(d) => s.serialize_some(&(d.as_millis() as u64)),
+        None => s.serialize_none(),
+    }
+}
+
+/// Both thresholds in force for a leg.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+pub struct Thresholds {
+    /// First-token threshold.
+    pub after: ThresholdInForce,
+    /// Stall threshold.
+    pub stall_after: ThresholdInForce,
+}
+
+/// The `auto` threshold of one distribution: the quantile at which about `budget_pct` %
+/// of legs trigger, within `bounds`; `None` for an empty sketch.
+///
+/// A leg triggers once per sample above the threshold, so with `g` samples per leg
+/// ([`LatencySketch::samples_per_leg`]: 1 for TTFT, the gaps per streamed leg for
+/// stalls) the quantile is `1 − (budget_pct / 100) / g`. For TTFT that is the
+/// `(1 − BUDGET_PCT/100)` quantile; for gaps it keeps "about that share of calls"
+/// (the plain `(1 − BUDGET_PCT/100)` gap quantile would fire on nearly every stream).
+/// `budget_pct` 0 gives the largest value seen (then `bounds.max` caps it).
+pub fn auto_threshold(sketch: &LatencySketch, budget_pct: u32, bounds: Bounds) -> Option<Duration> {
+    auto_threshold_bp(sketch, budget_pct.saturating_mul(100), bounds)
+}
+
+/// [`auto_threshold`] for a budget in basis points (hundredths of a percent).
+pub fn auto_threshold_bp(
+    sketch: &LatencySketch,
+    budget_bp: u32,
+    bounds: Bounds,
+) -> Option<Duration> {
+    let share = f64::from(budget_bp) / 10_000.0 / sketch.samples_per_leg();
+    sketch.quantile(1.0 - share).map(|d| bounds.apply(d))
+}
+
+/// The threshold in force (SPEC §19.1): a configured one wins; `auto` uses the source's
+/// distribution once it has `min_samples` ([`LatencySketch::evidence`]), else the scope's
+/// pooled one once that has as many, else none (no hedge yet).
+pub fn threshold_in_force(
+    setting: ThresholdSetting,
+    source: &LatencySketch,
+    pool: &LatencySketch,
+    budget_bp: u32,
+    bounds: Bounds,
+    min_samples: u64,
+) -> ThresholdInForce {
+    let (value, origin) = match setting {
+        ThresholdSetting::Off => (None, ThresholdOrigin::Off),
+        ThresholdSetting::Static(d) => (Some(d), ThresholdOrigin::Configured),
+        ThresholdSetting::Auto => {
+            let from = |s: &LatencySketch, origin| {
+                (s.evidence() >= min_samples)
+                    .then(|| auto_threshold_bp(s, budget_bp, bounds))
+                    .flatten()
+                    .map(|d| (Some(d), origin))
+            };
+            from(source, ThresholdOrigin::Source)
+                .or_else(|| from(pool, ThresholdOrigin::Pooled))
+                .unwrap_or((None, ThresholdOrigin::NotYet))
+        }
+    };
+    ThresholdInForce { value, origin }
+}
+
+/// Both thresholds in force for a leg on a source, from its two distributions (`ttft`,
+/// `gap`) and the scope's pool (see [`crate::latency::ScopeLatency::thresholds`]).
+pub fn thresholds(
+    auto: &HedgeSettings,
+    ttft: &LatencySketch,
+    gap: &LatencySketch,
+    pool: &LatencySnapshot,
+    budget_pct: u32,
+) -> Thresholds {
+    // The triggers share the budget: with both `auto`, each hedges about half the share
+    // of calls the budget allows, so together they stay within it (a shared bucket
+    // drained by the first-token trigger alone would leave stalls unrescued).
+    let autos = [auto.after, auto.stall_after]
+        .iter()
+        .filter(|t| **t == ThresholdSetting::Auto)
+        .count()
+        .max(1) as u32;
+    let each_bp = budget_pct.saturating_mul(100) / autos;
+    Thresholds {
+        after: threshold_in_force(
+            auto.after,
+            ttft,
+            &pool.ttft,
+            each_bp,
+            auto.after_bounds,
+            auto.min_samples,
+        ),
+        stall_after: threshold_in_force(
+            auto.stall_after,
+            gap,
+            &pool.gap,
+            each_bp,
+            auto.stall_bounds,
+            auto.min_samples,
+        ),
+    }
+}
+
+/// The scope's hedge budget (SPEC §19.1): a token bucket. Each call adds `BUDGET_PCT`/100
+/// of a leg, up to a burst of `HEDGE__BURST` legs; each extra leg takes one. It starts
+/// full, so a quiet scope can rescue `burst` consecutive stalls; over any run the extra
+/// legs stay within `BUDGET_PCT` % of the calls plus the burst. `BUDGET_PCT` 0 = no cap
+/// (every leg is allowed and nothing is taken).
+///
+/// Exact: levels are counted in hundredths of a leg. Calls are credited lazily, with the
+/// `pct` of the next [`HedgeBudget::try_take`] (adding up to a cap commutes, so this is
+/// the same as crediting each call as it comes).
+#[derive(Debug, Clone)]
 pub struct HedgeBudget {
-    /// (second index, calls, extra legs), oldest first, strictly increasing seconds.
-    buckets: VecDeque<(u64, u64, u64)>,
-    origin: Option<Instant>,
+    /// Capacity, hundredths of a leg.
+    cap: u64,
+    /// Available, hundredths of a leg (≤ `cap`).
+    level: u64,
+    /// Calls not yet credited.
+    pending_calls: u64,
 }
 
 /// One extra leg taken from a [`HedgeBudget`]; give it back with
@@ -63,69 +352,75 @@ pub struct HedgeBudget {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 #[must_use = "a ticket not launched must be given back"]
 pub struct BudgetTicket {
-    sec: u64,
+    /// Hundredths of a leg taken (0 under no cap).
+    amount: u64,
 }
 
-const BUDGET_WINDOW_S: u64 = 60;
+/// One leg, in the bucket's units.
+const LEG: u64 = 100;
+
+impl Default for HedgeBudget {
+    fn default() -> Self {
+        Self::new()
+    }
+}
 
 impl HedgeBudget {
-    /// An empty budget.
+    /// A full budget with the default burst ([`DEFAULT_BURST`]).
     pub fn new() -> Self {
-        Self::default()
+        Self::with_burst(DEFAULT_BURST)
     }
 
-    fn bucket(&mut self, now: Instant) -> &mut (u64, u64, u64) {
-        let origin = *self.origin.get_or_insert(now);
-        let mut sec = now.saturating_duration_since(origin).as_secs();
-        if let Some(&(last, _, _)) = self.buckets.back() {
-            sec = sec.max(last);
+    /// A full budget holding `burst` legs (at least 1).
+    pub fn with_burst(burst: u32) -> Self {
+        let cap = u64::from(burst.max(1)) * LEG;
+        HedgeBudget {
+            cap,
+            level: cap,
+            pending_calls: 0,
         }
-        while let Some(&(s, _, _)) = self.buckets.front() {
-            if s + BUDGET_WINDOW_S <= sec {
-                self.buckets.pop_front();
-            } else {
-                break;
-            }
+    }
+
+    /// The burst, in legs.
+    pub fn burst(&self) -> u32 {
+        (self.cap / LEG) as u32
+    }
+
+    fn credit(&mut self, pct: u32) {
+        let add = self.pending_calls.saturating_mul(u64::from(pct));
+        self.level = self.level.saturating_add(add).min(self.cap);
+        self.pending_calls = 0;
+    }
+
+    /// A logical call started (`now` is not needed by the bucket; kept for the engine).
+    pub fn record_call(&mut self, _now: Instant) {
+        self.pending_calls = self.pending_calls.saturating_add(1);
+    }
+
+    /// Legs available now with `pct` (fractional; `burst` at most).
+    pub fn available(&mut self, pct: u32) -> f64 {
+        self.credit(pct);
+        self.level as f64 / LEG as f64
+    }
+
+    /// Takes one extra leg if a whole one is available (`pct` 0 = no cap: always, and
+    /// nothing is taken).
+    pub fn try_take(&mut self, _now: Instant, pct: u32) -> Option<BudgetTicket> {
+        if pct == 0 {
+            return Some(BudgetTicket { amount: 0 });
         }
-        if self.buckets.back().map(|b| b.0) != Some(sec) {
-            self.buckets.push_back((sec, 0, 0));
+        self.credit(pct);
+        if self.level < LEG {
+            return None;
         }
-        self.buckets.back_mut().expect("pushed")
+        self.level -= LEG;
+        Some(BudgetTicket { amount: LEG })
     }
 
-    /// A logical call started.
-    pub fn record_call(&mut self, now: Instant) {
-        self.bucket(now).1 += 1;
-    }
-
-    /// (calls, extra legs) in the window.
-    pub fn totals(&mut self, now: Instant) -> (u64, u64) {
-        self.bucket(now);
-        self.buckets
-            .iter()
-            .fold((0, 0), |(c, e), b| (c + b.1, e + b.2))
-    }
-
-    /// Takes one extra leg from the budget if allowed (`pct` 0 = no cap).
-    pub fn try_take(&mut self, now: Instant, pct: u32) -> Option<BudgetTicket> {
-        let (calls, extras) = self.totals(now);
-        if pct > 0 {
-            let cap = (calls * pct as u64 / 100).max(1);
-            if extras >= cap {
-                return None;
-            }
-        }
-        let b = self.bucket(now);
-        b.2 += 1;
-        Some(BudgetTicket { sec: b.0 })
-    }
-
-    /// Gives back a leg taken by [`HedgeBudget::try_take`] that was not launched: from
-    /// the bucket it was taken from (nothing if that bucket already left the window).
+    /// Gives back a leg taken by [`HedgeBudget::try_take`] that was not launched: the
+    /// bucket is then exactly as if it had never been taken.
     pub fn give_back(&mut self, ticket: BudgetTicket) {
-        if let Some(b) = self.buckets.iter_mut().find(|b| b.0 == ticket.sec) {
-            b.2 = b.2.saturating_sub(1);
-        }
+        self.level = self.level.saturating_add(ticket.amount).min(self.cap);
     }
 }
 
@@ -164,6 +459,26 @@ pub fn combine_failures(failures: &[(usize, &AttemptError)]) -> Option<CombinedF
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn auto_is_off_where_it_cannot_fire_and_static_stays() {
+        let d = HedgeSettings::default();
+        assert!(effective(d, true, 2).enabled());
+        assert!(!effective(d, true, 1).enabled(), "one source");
+        assert!(!effective(d, false, 3).enabled(), "not chat");
+        let st = HedgeSettings {
+            after: ThresholdSetting::Static(Duration::from_secs(2)),
+            ..d
+        };
+        let e = effective(st, true, 1);
+        assert_eq!(e.after, ThresholdSetting::Static(Duration::from_secs(2)));
+        assert_eq!(e.stall_after, ThresholdSetting::Off);
+        assert!(describe(&d, true, 2).contains("first token auto, stalls auto"));
+        assert!(describe(&d, true, 1).contains("auto needs a second source"));
+        assert!(describe(&d, false, 2).contains("chat-only"));
+        assert!(describe(&HedgeSettings::off(), true, 2).contains("are off"));
+        assert!(describe(&st, true, 1).contains("first token 2 s, stalls off"));
+    }
     use crate::error::ErrorLabel;
     use proptest::prelude::*;
 
@@ -179,8 +494,8 @@ mod tests {
     #[test]
     fn plain_request_with_only_stall_is_unhedged() {
         let h = HedgeSettings {
-            stall_after: Some(ms(100)),
-            ..Default::default()
+            stall_after: ThresholdSetting::Static(ms(100)),
+            ..HedgeSettings::off()
         };
         let p = HedgePolicy::for_request(&h, false);
         assert!(!p.enabled());
@@ -188,56 +503,127 @@ mod tests {
     }
 
     #[test]
-    fn budget_floor_and_percentage() {
+    fn budget_is_a_token_bucket() {
         let s = t0();
-        let mut b = HedgeBudget::new();
+        let mut b = HedgeBudget::with_burst(2);
         b.record_call(s);
-        assert!(b.try_take(s, 20).is_some(), "floor of one");
+        assert!(b.try_take(s, 20).is_some(), "starts full");
+        assert!(b.try_take(s, 20).is_some(), "a burst of 2");
         assert!(b.try_take(s, 20).is_none());
-        for _ in 0..9 {
+        for _ in 0..4 {
             b.record_call(s);
         }
-        // 10 calls × 20 % = 2
-        assert!(b.try_take(s, 20).is_some());
+        assert!(b.try_take(s, 20).is_none(), "4 calls × 20 % < 1 leg");
+        b.record_call(s);
+        assert!(b.try_take(s, 20).is_some(), "5 calls × 20 % = 1 leg");
         assert!(b.try_take(s, 20).is_none());
-        // the window slides
-        assert!(b.try_take(s + Duration::from_secs(61), 20).is_some());
         assert!(
             b.try_take(s, 0).is_some() && b.try_take(s, 0).is_some(),
             "0 = no cap"
         );
+        assert_eq!(HedgeBudget::new().burst(), DEFAULT_BURST);
+        assert_eq!(HedgeBudget::with_burst(0).burst(), 1, "at least one leg");
     }
 
-    /// A leg given back later than it was taken returns to its own bucket (it used to
-    /// decrement the current bucket, and the taken slot stayed used for 60 s).
     #[test]
-    fn give_back_returns_the_leg_to_its_bucket() {
+    fn give_back_refills_the_bucket() {
         let s = t0();
-        let mut b = HedgeBudget::new();
-        for _ in 0..10 {
-            b.record_call(s);
-        }
-        let t = b.try_take(s, 10).expect("1 of 10 calls");
-        assert!(b.try_take(s + Duration::from_secs(5), 10).is_none());
+        let mut b = HedgeBudget::with_burst(1);
+        let t = b.try_take(s, 10).expect("full");
+        assert!(b.try_take(s, 10).is_none());
         b.give_back(t);
-        assert_eq!(b.totals(s + Duration::from_secs(5)), (10, 0));
-        assert!(b.try_take(s + Duration::from_secs(5), 10).is_some());
+        assert_eq!(b.available(10), 1.0);
+        assert!(b.try_take(s, 10).is_some());
     }
 
-    /// Instants older than the newest bucket never create a bucket out of order (a
-    /// call counted at its start after later calls: it used to be counted twice once
-    /// the older bucket was evicted late).
     #[test]
-    fn out_of_order_instants_keep_buckets_in_order() {
-        let s = t0();
-        let mut b = HedgeBudget::new();
-        b.record_call(s + Duration::from_secs(10));
-        b.record_call(s + Duration::from_secs(3));
-        b.record_call(s + Duration::from_secs(12));
-        let secs: Vec<u64> = b.buckets.iter().map(|x| x.0).collect();
-        assert!(secs.windows(2).all(|w| w[0] < w[1]), "{secs:?}");
-        assert_eq!(b.totals(s + Duration::from_secs(12)), (3, 0));
-        assert_eq!(b.totals(s + Duration::from_secs(71)), (1, 0));
+    fn threshold_origins_table() {
+        let bounds = DEFAULT_AFTER_BOUNDS;
+        let mut few = LatencySketch::new();
+        let mut many = LatencySketch::new();
+        for i in 0..60u64 {
+            let d = Duration::from_millis(1000 + 100 * i);
+            if i < 10 {
+                few.observe(d);
+                few.add_legs(1);
+            }
+            many.observe(d);
+            many.add_legs(1);
+        }
+        let empty = LatencySketch::new();
+        let t = |setting, src: &LatencySketch, pool: &LatencySketch| {
+            threshold_in_force(setting, src, pool, 1_000, bounds, 50)
+        };
+        use ThresholdOrigin::{Configured, NotYet, Pooled, Source};
+        use ThresholdSetting::{Auto, Static};
+        assert_eq!(
+            t(ThresholdSetting::Off, &many, &many),
+            ThresholdInForce {
+                value: None,
+                origin: ThresholdOrigin::Off
+            }
+        );
+        assert_eq!(
+            t(Static(ms(7)), &many, &many),
+            ThresholdInForce {
+                value: Some(ms(7)),
+                origin: Configured
+            },
+            "a configured threshold wins, even outside the auto bounds"
+        );
+        assert_eq!(t(Auto, &many, &empty).origin, Source);
+        assert_eq!(t(Auto, &few, &many).origin, Pooled);
+        assert_eq!(
+            t(Auto, &few, &few),
+            ThresholdInForce {
+                value: None,
+                origin: NotYet
+            }
+        );
+        // 60 samples 1.0 s … 6.9 s: the 0.9 quantile is the 54th, 6.3 s (its bin's top)
+        let v = t(Auto, &many, &empty).value.unwrap();
+        assert!((ms(6300)..=ms(6340)).contains(&v), "{v:?}");
+        let json = serde_json::to_string(&t(Auto, &few, &many)).unwrap();
+        assert!(
+            json.starts_with(r#"{"ms":63"#) && json.ends_with(r#","origin":"pooled"}"#),
+            "{json}"
+        );
+        assert_eq!(serde_json::to_string(&Static(ms(1500))).unwrap(), "1.5");
+        assert_eq!(serde_json::to_string(&Auto).unwrap(), r#""auto""#);
+    }
+
+    #[test]
+    fn auto_hedge_defaults_match_the_spec() {
+        let a = HedgeSettings::default();
+        assert_eq!(
+            (a.after, a.stall_after),
+            (ThresholdSetting::Auto, ThresholdSetting::Auto)
+        );
+        assert_eq!(a.window, Duration::from_secs(600));
+        assert_eq!((a.min_samples, a.burst), (50, 3));
+        assert_eq!(DEFAULT_BUDGET_PCT, 10);
+        assert_eq!(
+            (a.after_bounds.min, a.after_bounds.max),
+            (ms(500), Duration::from_secs(60))
+        );
+    }
+
+    #[test]
+    fn policy_from_thresholds_keeps_stalls_to_streams() {
+        let t = Thresholds {
+            after: ThresholdInForce {
+                value: Some(ms(900)),
+                origin: ThresholdOrigin::Source,
+            },
+            stall_after: ThresholdInForce {
+                value: Some(ms(2000)),
+                origin: ThresholdOrigin::Pooled,
+            },
+        };
+        let plain = HedgePolicy::with_thresholds(&t, 1, false);
+        assert_eq!((plain.after, plain.stall_after), (Some(ms(900)), None));
+        let stream = HedgePolicy::with_thresholds(&t, 1, true);
+        assert_eq!(stream.stall_after, Some(ms(2000)));
     }
 
     fn err(class: ErrorClass) -> AttemptError {
@@ -276,6 +662,213 @@ mod tests {
             );
         }
         assert_eq!(combine_failures(&[]), None);
+    }
+
+    fn shuffle<T>(v: &mut [T], seed: u64) {
+        let mut x = seed;
+        for i in (1..v.len()).rev() {
+            x = x
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            v.swap(i, ((x >> 33) % (i as u64 + 1)) as usize);
+        }
+    }
+
+    /// A sketch from proptest values: observed and censored ms, extra streamed legs.
+    fn sketch(observed: &[u64], censored: &[u64], extra_legs: u64) -> LatencySketch {
+        let mut s = LatencySketch::new();
+        observed.iter().for_each(|&v| s.observe(ms(v)));
+        censored.iter().for_each(|&v| s.censor(ms(v)));
+        s.add_legs((observed.len() + censored.len()) as u64 / (1 + extra_legs) + 1);
+        s
+    }
+
+    fn values() -> impl Strategy<Value = Vec<u64>> {
+        proptest::collection::vec(prop_oneof![0u64..300, 0u64..10_000, 0u64..200_000], 0..80)
+    }
+
+    /// One step of a scope's budget: a call, a trigger, or giving back the oldest ticket.
+    #[derive(Debug, Clone, Copy)]
+    enum Op {
+        Call,
+        Take,
+        GiveBack,
+    }
+
+    fn ops() -> impl Strategy<Value = Vec<Op>> {
+        proptest::collection::vec(
+            prop_oneof![4 => Just(Op::Call), 3 => Just(Op::Take), 1 => Just(Op::GiveBack)],
+            0..300,
+        )
+    }
+
+    /// Runs `ops`; returns (calls, legs kept) after each step.
+    fn run(
+        b: &mut HedgeBudget,
+        ops: &[Op],
+        pct: u32,
+        mut tickets: Vec<BudgetTicket>,
+    ) -> Vec<(u64, u64)> {
+        let s = t0();
+        let (mut calls, mut kept) = (0u64, 0u64);
+        ops.iter()
+            .map(|op| {
+                match op {
+                    Op::Call => {
+                        b.record_call(s);
+                        calls += 1;
+                    }
+                    Op::Take => {
+                        if let Some(t) = b.try_take(s, pct) {
+                            tickets.push(t);
+                            kept += 1;
+                        }
+                    }
+                    Op::GiveBack => {
+                        if !tickets.is_empty() {
+                            b.give_back(tickets.remove(0));
+                            kept = kept.saturating_sub(1);
+                        }
+                    }
+                }
+                (calls, kept)
+            })
+            .collect()
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(256))]
+
+        /// A bigger budget never gives a later threshold (first token and stalls alike).
+        #[test]
+        fn auto_threshold_is_monotone_in_the_budget(o in values(), c in values(), legs in 0u64..300, p1 in 0u32..=100, p2 in 0u32..=100) {
+            let s = sketch(&o, &c, legs);
+            let (lo, hi) = (p1.min(p2), p1.max(p2));
+            let wide = Bounds { min: Duration::ZERO, max: Duration::from_secs(7200) };
+            for bounds in [wide, DEFAULT_AFTER_BOUNDS, DEFAULT_STALL_BOUNDS] {
+                prop_assert!(auto_threshold(&s, hi, bounds) <= auto_threshold(&s, lo, bounds),
+                    "{} % → {:?} later than {} % → {:?}", hi, auto_threshold(&s, hi, bounds), lo, auto_threshold(&s, lo, bounds));
+            }
+        }
+
+        /// An `auto` threshold is always within its bounds.
+        #[test]
+        fn auto_threshold_is_within_bounds(o in values(), c in values(), pct in 0u32..=150, a in 0u64..100_000, b in 0u64..100_000) {
+            let s = sketch(&o, &c, 0);
+            let bounds = Bounds { min: ms(a.min(b)), max: ms(a.max(b)) };
+            if let Some(t) = auto_threshold(&s, pct, bounds) {
+                prop_assert!(bounds.min <= t && t <= bounds.max, "{:?} outside {:?}", t, bounds);
+            } else {
+                prop_assert!(s.samples() == 0);
+            }
+        }
+
+        /// Merging per-process parts in any order gives the same thresholds in force.
+        #[test]
+        fn threshold_is_stable_under_merge_order(parts in proptest::collection::vec((values(), values()), 1..6), pct in 1u32..50, seed: u64) {
+            let sketches: Vec<LatencySketch> = parts.iter().map(|(o, c)| sketch(o, c, 3)).collect();
+            let mut forward = LatencySketch::new();
+            sketches.iter().for_each(|x| forward.merge(x));
+            let mut order: Vec<usize> = (0..sketches.len()).collect();
+            shuffle(&mut order, seed);
+            let mut shuffled = LatencySketch::new();
+            order.iter().for_each(|&i| shuffled.merge(&sketches[i]));
+            let empty = LatencySketch::new();
+            for setting in [ThresholdSetting::Auto, ThresholdSetting::Static(ms(3))] {
+                prop_assert_eq!(
+                    threshold_in_force(setting, &forward, &empty, pct * 100, DEFAULT_STALL_BOUNDS, 10),
+                    threshold_in_force(setting, &shuffled, &empty, pct * 100, DEFAULT_STALL_BOUNDS, 10)
+                );
+            }
+        }
+
+        /// The origin: off, configured (wins over any distribution), the source's own
+        /// from `min_samples` legs on, else the pool's, else none yet.
+        #[test]
+        fn threshold_origin_is_right(src_n in 0usize..40, pool_n in 0usize..40, min_samples in 0u64..30, kind in 0u8..3, d in 1u64..90_000) {
+            let own = sketch(&vec![1500; src_n], &[], 0);
+            let pool = sketch(&vec![2500; pool_n], &[], 0);
+            let setting = [ThresholdSetting::Off, ThresholdSetting::Static(ms(d)), ThresholdSetting::Auto][kind as usize];
+            let t = threshold_in_force(setting, &own, &pool, 1_000, DEFAULT_AFTER_BOUNDS, min_samples);
+            let expected = match setting {
+                ThresholdSetting::Off => ThresholdOrigin::Off,
+                ThresholdSetting::Static(_) => ThresholdOrigin::Configured,
+                ThresholdSetting::Auto if src_n > 0 && own.evidence() >= min_samples => ThresholdOrigin::Source,
+                ThresholdSetting::Auto if pool_n > 0 && pool.evidence() >= min_samples => ThresholdOrigin::Pooled,
+                ThresholdSetting::Auto => ThresholdOrigin::NotYet,
+            };
+            prop_assert_eq!(t.origin, expected);
+            prop_assert_eq!(t.value.is_some(), !matches!(expected, ThresholdOrigin::Off | ThresholdOrigin::NotYet));
+            match expected {
+                ThresholdOrigin::Configured => prop_assert_eq!(t.value, Some(ms(d))),
+                ThresholdOrigin::Source => prop_assert!(t.value.unwrap() >= ms(1500) && t.value.unwrap() < ms(1510)),
+                ThresholdOrigin::Pooled => prop_assert!(t.value.unwrap() >= ms(2500) && t.value.unwrap() < ms(2520)),
+                _ => {}
+            }
+        }
+
+        /// A quiet scope (a full bucket) serves `burst` consecutive stalls, whatever the
+        /// budget; the next one only once the calls since have refilled a leg.
+        #[test]
+        fn quiet_scope_serves_consecutive_stalls_up_to_the_burst(burst in 1u32..6, pct in 1u32..=100) {
+            let s = t0();
+            let mut b = HedgeBudget::with_burst(burst);
+            for i in 0..burst {
+                b.record_call(s);
+                prop_assert!(b.try_take(s, pct).is_some(), "stall {} of a burst of {}", i + 1, burst);
+            }
+            // the calls since the first stall may have refilled whole legs, no more
+            let mut more = 0u64;
+            while b.try_take(s, pct).is_some() {
+                more += 1;
+            }
+            prop_assert!(100 * more <= u64::from(burst - 1) * u64::from(pct));
+            // and ⌈100 / pct⌉ calls later the next stall is served again
+            for _ in 0..100_u32.div_ceil(pct) {
+                b.record_call(s);
+            }
+            prop_assert!(b.try_take(s, pct).is_some());
+        }
+
+        /// Over any run, extra legs kept ≤ BUDGET_PCT % of the calls + the burst.
+        #[test]
+        fn extra_legs_stay_within_the_budget(ops in ops(), burst in 1u32..6, pct in 1u32..=100) {
+            let mut b = HedgeBudget::with_burst(burst);
+            for (calls, kept) in run(&mut b, &ops, pct, Vec::new()) {
+                prop_assert!(100 * kept <= u64::from(pct) * calls + 100 * u64::from(burst),
+                    "{} legs for {} calls at {} % with a burst of {}", kept, calls, pct, burst);
+            }
+        }
+
+        /// A leg taken and given back leaves the bucket exactly as if never taken, however
+        /// many calls and takes happened in between.
+        #[test]
+        fn give_back_restores_exactly(before in ops(), between in ops(), after in ops(), burst in 1u32..6, pct in 1u32..=100) {
+            let s = t0();
+            let mut with = HedgeBudget::with_burst(burst);
+            let mut without = HedgeBudget::with_burst(burst);
+            run(&mut with, &before, pct, Vec::new());
+            run(&mut without, &before, pct, Vec::new());
+            let Some(ticket) = with.try_take(s, pct) else { return Ok(()); };
+            // between: both see the same calls; `with` is one leg short meanwhile
+            let calls: Vec<Op> = between.iter().copied().filter(|o| matches!(o, Op::Call)).collect();
+            run(&mut with, &calls, pct, Vec::new());
+            run(&mut without, &calls, pct, Vec::new());
+            with.give_back(ticket);
+            prop_assert_eq!(with.available(pct), without.available(pct));
+            prop_assert_eq!(run(&mut with, &after, pct, Vec::new()), run(&mut without, &after, pct, Vec::new()));
+        }
+
+        /// `BUDGET_PCT` 0 = no cap: every leg is allowed and none is counted.
+        #[test]
+        fn pct_zero_is_no_cap(takes in 0usize..50, burst in 1u32..6) {
+            let s = t0();
+            let mut b = HedgeBudget::with_burst(burst);
+            for _ in 0..takes {
+                prop_assert!(b.try_take(s, 0).is_some());
+            }
+            prop_assert_eq!(b.available(10), f64::from(burst));
+        }
     }
 
     proptest! {

@@ -6,12 +6,14 @@
 //! carries the decisions out.
 //!
 //! Map of the crate (one concept, one module):
-//! - types: [`request`], [`response`], [`source`], [`settings`], [`secret`], [`telemetry`]
+//! - types: [`request`], [`response`], [`source`], [`settings`], [`secret`], [`telemetry`],
+//!   [`client_key`], [`trace`] (a call's decision trace)
 //! - errors: [`error`]
 //! - configuration: [`config`] (environment loading, guards)
 //! - decisions: [`classify`], [`settlement`], [`stall`], [`backoff`], [`admission`],
-//!   [`hedge`], [`round`] (the round state machine), [`resume`], [`retry`],
-//!   [`breaker`], [`window`], [`body`], [`cache_key`], [`usage`]
+//!   [`hedge`], [`latency`] (live latency sketches), [`round`] (the round state machine),
+//!   [`resume`], [`retry`], [`breaker`], [`window`], [`key_quota`] (client keys' limits
+//!   and budgets), [`body`], [`cache_key`], [`usage`]
 //! - ports: [`ports`]
 
 pub mod admission;
@@ -20,10 +22,13 @@ pub mod body;
 pub mod breaker;
 pub mod cache_key;
 pub mod classify;
+pub mod client_key;
 pub mod config;
 mod durations;
 pub mod error;
 pub mod hedge;
+pub mod key_quota;
+pub mod latency;
 pub mod ports;
 pub mod request;
 pub mod response;
@@ -36,6 +41,7 @@ pub mod settlement;
 pub mod source;
 pub mod stall;
 pub mod telemetry;
+pub mod trace;
 pub mod usage;
 pub mod window;
 

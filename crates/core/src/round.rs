@@ -38,7 +38,7 @@
 //!    in bytes, and a leg over the bound fails (`invalid`).
 
 use std::collections::BTreeSet;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use crate::error::{AttemptError, ErrorClass, ErrorLabel};
 use crate::hedge::{combine_failures, HedgePolicy};
@@ -117,6 +117,9 @@ pub struct Carried {
 pub struct RoundSpec {
     /// Hedge triggers and `MAX_EXTRA`.
     pub policy: HedgePolicy,
+    /// Per source (by index): its own (first-token, stall) thresholds — the `auto` ones
+    /// in force for it (SPEC §19.1). A source past the end uses `policy`'s.
+    pub triggers: Vec<(Option<Duration>, Option<Duration>)>,
     /// Forward the committed leg's chunks (proxy, streaming API).
     pub passthrough: bool,
     /// `STREAM__RESUME`.
@@ -389,6 +392,8 @@ struct Leg {
     first_chunk: Option<Instant>,
     /// Some of its incremental text reached the caller.
     delivered_text: bool,
+    /// The trigger that launched it (an extra leg).
+    fired_by: Option<Trigger>,
 }
 
 /// The most a leg may hold, in bytes of chunks, before it is committed: far above what
@@ -447,6 +452,8 @@ struct Pending {
     /// The leg whose trigger asked, and its chunk count then (progress since makes the
     /// pick moot).
     trigger: Option<(LegId, u32)>,
+    /// The trigger that fired.
+    fired: Option<Trigger>,
 }
 
 fn overflow_error() -> AttemptError {
@@ -570,6 +577,22 @@ impl Round {
         self.legs.get(leg).and_then(|l| l.first_chunk)
     }
 
+    /// The trigger that launched a leg, when a trigger did: `first_token` or `stall`.
+    pub fn fired_by(&self, leg: LegId) -> Option<&'static str> {
+        self.legs
+            .get(leg)
+            .and_then(|l| l.fired_by)
+            .map(|t| match t {
+                Trigger::FirstToken => "first_token",
+                Trigger::Stall => "stall",
+            })
+    }
+
+    /// Arrival of a leg's latest incremental chunk.
+    pub fn last_chunk(&self, leg: LegId) -> Option<Instant> {
+        self.legs.get(leg).and_then(|l| l.last_chunk)
+    }
+
     /// Whether some of a leg's incremental text reached the caller (passthrough).
     pub fn delivered_text(&self, leg: LegId) -> bool {
         self.legs.get(leg).is_some_and(|l| l.delivered_text)
@@ -635,7 +658,7 @@ impl Round {
             return false;
         };
         l.state == LegState::Running
-            && self.spec.policy.stall_after.is_some()
+            && self.triggers_for(l.source).1.is_some()
             && self.extras < self.spec.policy.max_extra
             && (l.chunks == 0 || l.stall_fired_at == Some(l.chunks))
     }
@@ -739,6 +762,7 @@ impl Round {
             verify,
             first_chunk: None,
             delivered_text: false,
+            fired_by: None,
         });
         out.push(Action::Launch { leg, source, kind });
     }
@@ -1111,6 +1135,7 @@ impl Round {
                 self.pending = Some(Pending {
                     purpose: Purpose::AfterReject { source, of },
                     trigger: None,
+                    fired: None,
                 });
                 out.push(Action::Pick(PickRequest {
                     exclude: BTreeSet::new(),
@@ -1294,12 +1319,31 @@ impl Round {
         (trigger == Trigger::FirstToken && l.kind == LegKind::Fresh).then_some(Purpose::Hedge)
     }
 
+    /// A leg's (first-token, stall) thresholds: its source's, else the policy's.
+    fn triggers_for(&self, source: usize) -> (Option<Duration>, Option<Duration>) {
+        self.spec
+            .triggers
+            .get(source)
+            .copied()
+            .unwrap_or((self.spec.policy.after, self.spec.policy.stall_after))
+    }
+
+    /// Whether any trigger can fire in this round.
+    fn hedging_enabled(&self) -> bool {
+        self.spec.policy.max_extra > 0
+            && (self.spec.policy.enabled()
+                || self
+                    .spec
+                    .triggers
+                    .iter()
+                    .any(|(a, s)| a.is_some() || s.is_some()))
+    }
+
     /// The earliest trigger that can fire: (leg, trigger, due).
     fn next_trigger(&self) -> Option<(LegId, Trigger, Instant)> {
-        if self.pending.is_some() || self.result.is_some() || !self.spec.policy.enabled() {
+        if self.pending.is_some() || self.result.is_some() || !self.hedging_enabled() {
             return None;
         }
-        let p = self.spec.policy;
         let mut best: Option<(LegId, Trigger, Instant)> = None;
         let mut consider = |leg: LegId, t: Trigger, due: Instant| {
             if best.is_none_or(|(_, _, b)| due < b) {
@@ -1308,12 +1352,13 @@ impl Round {
         };
         for leg in self.running() {
             let l = &self.legs[leg];
-            if let (Some(after), 0, false) = (p.after, l.chunks, l.first_token_fired) {
+            let (after, stall_after) = self.triggers_for(l.source);
+            if let (Some(after), 0, false) = (after, l.chunks, l.first_token_fired) {
                 if self.trigger_purpose(leg, Trigger::FirstToken).is_some() {
                     consider(leg, Trigger::FirstToken, l.launched_at + after);
                 }
             }
-            if let (Some(stall), Some(last)) = (p.stall_after, l.last_chunk) {
+            if let (Some(stall), Some(last)) = (stall_after, l.last_chunk) {
                 if l.stall_fired_at != Some(l.chunks)
                     && self.trigger_purpose(leg, Trigger::Stall).is_some()
                 {
@@ -1346,6 +1391,7 @@ impl Round {
         self.pending = Some(Pending {
             purpose,
             trigger: Some((leg, chunks)),
+            fired: Some(trigger),
         });
         out.push(Action::Pick(request));
     }
@@ -1432,6 +1478,9 @@ impl Round {
                     _ => String::new(),
                 };
                 self.launch(p.source, kind, extra, base_reasoning, now, out);
+                if let Some(l) = self.legs.last_mut() {
+                    l.fired_by = pending.fired;
+                }
             }
         }
     }

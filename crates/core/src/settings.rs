@@ -5,6 +5,10 @@ use std::time::Duration;
 
 use serde::Serialize;
 
+use crate::hedge::{
+    Bounds, ThresholdSetting, DEFAULT_AFTER_BOUNDS, DEFAULT_BUDGET_PCT, DEFAULT_BURST,
+    DEFAULT_MIN_SAMPLES, DEFAULT_STALL_BOUNDS,
+};
 use crate::resume::ResumeSetting;
 use crate::secret::{redact_url, Secret};
 use crate::source::SourceConfig;
@@ -175,41 +179,73 @@ impl Default for BreakerSettings {
     }
 }
 
-/// `{S}__HEDGE__*`. Both triggers off by default.
+/// `{S}__HEDGE__*` (SPEC §7, §19): the two triggers — `off`, a static threshold, or
+/// `auto` from the live latency of the scope's sources — and what `auto` and the budget
+/// need. Both triggers default to `auto`, which hedges only in a chat scope with two or
+/// more sources (a static threshold hedges with one source too).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
 pub struct HedgeSettings {
-    /// First-token trigger.
-    #[serde(with = "crate::durations::opt_secs")]
-    pub after: Option<Duration>,
-    /// Mid-stream stall trigger (streams only).
-    #[serde(with = "crate::durations::opt_secs")]
-    pub stall_after: Option<Duration>,
+    /// First-token trigger (`HEDGE__AFTER_S`).
+    pub after: ThresholdSetting,
+    /// Mid-stream stall trigger, streams only (`HEDGE__STALL_AFTER_S`).
+    pub stall_after: ThresholdSetting,
     /// Extra legs per round, 1..=3.
     pub max_extra: u32,
-    /// Cap on extra legs as % of calls over the last 60 s (0 = no cap).
+    /// The budget's refill: extra legs as % of the scope's calls (0 = no cap).
     pub budget_pct: u32,
+    /// `HEDGE__BURST`: the budget's capacity, in legs.
+    pub burst: u32,
+    /// `HEDGE__WINDOW_S`: the live distributions decay over this.
+    #[serde(with = "crate::durations::secs")]
+    pub window: Duration,
+    /// `HEDGE__MIN_SAMPLES`: a source's own distribution from this many legs on (the
+    /// scope's pooled one before; no `auto` hedge before the pool has as many).
+    pub min_samples: u64,
+    /// Bounds of the `auto` first-token threshold (`HEDGE__MIN_S` / `HEDGE__MAX_S`).
+    pub after_bounds: Bounds,
+    /// Bounds of the `auto` stall threshold (`HEDGE__STALL_MIN_S` / `HEDGE__STALL_MAX_S`).
+    pub stall_bounds: Bounds,
 }
 
 impl Default for HedgeSettings {
     fn default() -> Self {
         HedgeSettings {
-            after: None,
-            stall_after: None,
+            after: ThresholdSetting::Auto,
+            stall_after: ThresholdSetting::Auto,
             max_extra: 1,
-            budget_pct: 20,
+            budget_pct: DEFAULT_BUDGET_PCT,
+            burst: DEFAULT_BURST,
+            window: crate::latency::DEFAULT_WINDOW,
+            min_samples: DEFAULT_MIN_SAMPLES,
+            after_bounds: DEFAULT_AFTER_BOUNDS,
+            stall_bounds: DEFAULT_STALL_BOUNDS,
         }
     }
 }
 
 impl HedgeSettings {
-    /// Whether any trigger is configured.
+    /// Hedging off (both triggers `off`).
+    pub fn off() -> Self {
+        HedgeSettings {
+            after: ThresholdSetting::Off,
+            stall_after: ThresholdSetting::Off,
+            ..HedgeSettings::default()
+        }
+    }
+
+    /// Whether any trigger is on (`auto` or static).
     pub fn enabled(&self) -> bool {
-        self.after.is_some() || self.stall_after.is_some()
+        self.after != ThresholdSetting::Off || self.stall_after != ThresholdSetting::Off
     }
 
     /// Whether hedging can fire for a request streamed (`stream`) or not.
     pub fn enabled_for(&self, stream: bool) -> bool {
-        self.after.is_some() || (stream && self.stall_after.is_some())
+        self.after != ThresholdSetting::Off || (stream && self.stall_after != ThresholdSetting::Off)
+    }
+
+    /// Whether a trigger is `auto` (the live distributions are consulted).
+    pub fn uses_auto(&self) -> bool {
+        self.after == ThresholdSetting::Auto || self.stall_after == ThresholdSetting::Auto
     }
 }
 
@@ -380,8 +416,8 @@ mod tests {
     #[test]
     fn hedge_enabled_for_plain_needs_first_token_trigger() {
         let h = HedgeSettings {
-            stall_after: Some(Duration::from_secs(1)),
-            ..Default::default()
+            stall_after: ThresholdSetting::Static(Duration::from_secs(1)),
+            ..HedgeSettings::off()
         };
         assert!(h.enabled());
         assert!(!h.enabled_for(false));

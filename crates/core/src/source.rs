@@ -54,8 +54,14 @@ pub struct SourceConfig {
     pub weight: u32,
     /// Currency units per 1M input tokens.
     pub input_price: Option<f64>,
-    /// Currency units per 1M output tokens.
+    /// Currency units per 1M output tokens (reasoning included).
     pub output_price: Option<f64>,
+    /// Currency units per 1M prompt tokens read from the provider's prompt cache
+    /// (`CACHED_INPUT_PRICE`; `None` = `input_price`: SPEC §20.1).
+    pub cached_input_price: Option<f64>,
+    /// Currency units per 1M prompt tokens written to the provider's prompt cache
+    /// (`CACHE_WRITE_PRICE`; `None` = `input_price`).
+    pub cache_write_price: Option<f64>,
     /// Price of one call (OCR sources).
     pub price_per_call: Option<f64>,
     /// Embedding batch size.
@@ -97,6 +103,8 @@ impl SourceConfig {
             weight: 1,
             input_price: None,
             output_price: None,
+            cached_input_price: None,
+            cache_write_price: None,
             price_per_call: None,
             batch_size: DEFAULT_BATCH_SIZE,
             extra_body: Map::new(),
@@ -168,6 +176,16 @@ impl SourceConfig {
         self.output_price = Some(output);
         self
     }
+    /// Sets CACHED_INPUT_PRICE (per 1M prompt tokens read from the provider's cache).
+    pub fn with_cached_input_price(mut self, p: f64) -> Self {
+        self.cached_input_price = Some(p);
+        self
+    }
+    /// Sets CACHE_WRITE_PRICE (per 1M prompt tokens written to the provider's cache).
+    pub fn with_cache_write_price(mut self, p: f64) -> Self {
+        self.cache_write_price = Some(p);
+        self
+    }
     /// Sets PRICE_PER_CALL.
     pub fn with_price_per_call(mut self, p: f64) -> Self {
         self.price_per_call = Some(p);
@@ -201,9 +219,23 @@ impl SourceConfig {
         self.inter_token_timeout.unwrap_or(self.timeout)
     }
 
-    /// Whether any price is configured.
+    /// Whether any token price is configured.
     pub fn has_token_prices(&self) -> bool {
-        self.input_price.is_some() || self.output_price.is_some()
+        self.input_price.is_some()
+            || self.output_price.is_some()
+            || self.cached_input_price.is_some()
+            || self.cache_write_price.is_some()
+    }
+
+    /// The price of a cached prompt token: `CACHED_INPUT_PRICE`, else `INPUT_PRICE`.
+    pub fn effective_cached_input_price(&self) -> Option<f64> {
+        self.cached_input_price.or(self.input_price)
+    }
+
+    /// The price of a prompt token written to the cache: `CACHE_WRITE_PRICE`, else
+    /// `INPUT_PRICE`.
+    pub fn effective_cache_write_price(&self) -> Option<f64> {
+        self.cache_write_price.or(self.input_price)
     }
 }
 
@@ -229,6 +261,8 @@ impl std::fmt::Debug for SourceConfig {
             .field("weight", &self.weight)
             .field("input_price", &self.input_price)
             .field("output_price", &self.output_price)
+            .field("cached_input_price", &self.cached_input_price)
+            .field("cache_write_price", &self.cache_write_price)
             .field("price_per_call", &self.price_per_call)
             .field("batch_size", &self.batch_size)
             .field(

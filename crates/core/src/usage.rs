@@ -49,14 +49,47 @@ pub fn leg_prompt_estimate(request_prompt: u64, prefill_prefix: &str) -> u64 {
     }
 }
 
+/// The gateway's own estimate of what a leg cost, for a row whose usage the provider did
+/// not report (SPEC §20.4): the prompt it sent ([`leg_prompt_estimate`]) and the text
+/// and reasoning it received before the end (a token per 4 bytes of
+/// [`received_bytes`]). Its row keeps the figures in `est_prompt_tokens` /
+/// `est_received_tokens`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct LegEstimate {
+    /// Estimated prompt tokens sent.
+    pub prompt_tokens: u64,
+    /// Estimated tokens received (content, reasoning, tool calls).
+    pub received_tokens: u64,
+}
+
+impl LegEstimate {
+    /// The estimate of a leg that sent a prompt of `prompt_estimate` tokens and received
+    /// `received`.
+    pub fn of(prompt_estimate: u64, received: &Transcript) -> Self {
+        LegEstimate::from_bytes(prompt_estimate, received_bytes(received))
+    }
+
+    /// The estimate of a leg that received `bytes` bytes of text.
+    pub fn from_bytes(prompt_estimate: u64, bytes: usize) -> Self {
+        LegEstimate {
+            prompt_tokens: prompt_estimate,
+            received_tokens: estimate_bytes(bytes),
+        }
+    }
+}
+
 /// The usage of a leg that produced text but whose usage is unknown (cut, stalled and
 /// displaced, or failed after its first chunk): its prompt and the text it received,
-/// estimated. `None` when it received nothing (then its usage is unavailable).
+/// estimated — exactly its [`LegEstimate`]. `None` when it received nothing (then its
+/// usage is unavailable).
 pub fn cut_leg_usage(prompt_estimate: u64, received: &Transcript) -> Option<LegUsage> {
     let bytes = received_bytes(received);
-    (bytes > 0).then(|| LegUsage {
-        usage: Usage::new(prompt_estimate, estimate_bytes(bytes)),
-        source: UsageSource::Estimated,
+    (bytes > 0).then(|| {
+        let e = LegEstimate::from_bytes(prompt_estimate, bytes);
+        LegUsage {
+            usage: Usage::new(e.prompt_tokens, e.received_tokens),
+            source: UsageSource::Estimated,
+        }
     })
 }
 
@@ -99,6 +132,18 @@ mod tests {
         let u = cut_leg_usage(10, &t).unwrap();
         assert_eq!(u.source, UsageSource::Estimated);
         assert_eq!(u.usage, Usage::new(10, 4), "16 bytes → 4 tokens");
+        assert_eq!(
+            LegEstimate::of(10, &t),
+            LegEstimate {
+                prompt_tokens: 10,
+                received_tokens: 4
+            },
+            "the estimate holds the same figures"
+        );
+        assert_eq!(
+            LegEstimate::of(7, &Transcript::default()).received_tokens,
+            0
+        );
         assert_eq!(leg_prompt_estimate(10, ""), 10);
         assert_eq!(leg_prompt_estimate(10, "abcdefgh"), 16);
     }

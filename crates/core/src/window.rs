@@ -65,14 +65,14 @@ pub type IdMap<V> = HashMap<u64, V, BuildHasherDefault<IdHasher>>;
 
 /// The requests of one window (RPM), in admission order.
 #[derive(Debug, Default, Clone)]
-struct Requests {
+pub(crate) struct Requests {
     /// (admission ms, requests admitted in that ms), strictly increasing times.
     at: VecDeque<(u64, u64)>,
     n: u64,
 }
 
 impl Requests {
-    fn prune(&mut self, now: u64) {
+    pub(crate) fn prune(&mut self, now: u64) {
         while let Some(&(t, c)) = self.at.front() {
             if t + WINDOW_MS > now {
                 break;
@@ -82,7 +82,7 @@ impl Requests {
         }
     }
 
-    fn push(&mut self, now: u64) {
+    pub(crate) fn push(&mut self, now: u64) {
         match self.at.back_mut() {
             Some((t, c)) if *t == now => *c += 1,
             _ => self.at.push_back((now, 1)),
@@ -90,12 +90,17 @@ impl Requests {
         self.n += 1;
     }
 
-    fn count(&self) -> u64 {
+    pub(crate) fn count(&self) -> u64 {
         self.n
     }
 
+    /// Whether no request is in the window's buffer.
+    pub(crate) fn is_empty(&self) -> bool {
+        self.at.is_empty()
+    }
+
     /// ms until `count - limit + 1` requests have left the window.
-    fn hint(&self, now: u64, limit: u64) -> Option<u64> {
+    pub(crate) fn hint(&self, now: u64, limit: u64) -> Option<u64> {
         let idx = (self.count() + 1).checked_sub(limit)?.checked_sub(1)?;
         let mut cum = 0;
         for &(t, c) in &self.at {
@@ -111,7 +116,7 @@ impl Requests {
 /// The tokens of one window (TPM): reservations (until settled or their lease ends, then
 /// one more window) and settlements (one window from settlement).
 #[derive(Debug, Default, Clone)]
-struct Tokens {
+pub(crate) struct Tokens {
     /// Unsettled reservations: id → (lease end, tokens).
     reserved: IdMap<(u64, u64)>,
     /// (lease end, id) of the reservations: they count until lease end + window.
@@ -119,11 +124,11 @@ struct Tokens {
     /// (settled at, id, tokens), in settlement order — which is time order, since the
     /// model's clock never goes back: they count until settled at + window.
     settled: VecDeque<(u64, u64)>,
-    total: u64,
+    pub(crate) total: u64,
 }
 
 impl Tokens {
-    fn prune(&mut self, now: u64) {
+    pub(crate) fn prune(&mut self, now: u64) {
         while let Some(&(end, id)) = self.reserved_by_end.first() {
             if end + WINDOW_MS > now {
                 break;
@@ -142,14 +147,14 @@ impl Tokens {
         }
     }
 
-    fn reserve(&mut self, id: u64, end: u64, tokens: u64) {
+    pub(crate) fn reserve(&mut self, id: u64, end: u64, tokens: u64) {
         self.reserved.insert(id, (end, tokens));
         self.reserved_by_end.insert((end, id));
         self.total += tokens;
     }
 
     /// Settles a reservation still in the window: it counts `tokens` from `now`.
-    fn settle(&mut self, now: u64, id: u64, tokens: u64) {
+    pub(crate) fn settle(&mut self, now: u64, id: u64, tokens: u64) {
         if let Some((end, old)) = self.reserved.remove(&id) {
             self.reserved_by_end.remove(&(end, id));
             self.total = self.total - old + tokens;
@@ -161,7 +166,7 @@ impl Tokens {
     }
 
     /// Extends a reservation whose lease has not ended.
-    fn renew(&mut self, now: u64, id: u64, until: u64) {
+    pub(crate) fn renew(&mut self, now: u64, id: u64, until: u64) {
         if let Some((end, _)) = self.reserved.get_mut(&id) {
             if *end > now && until > *end {
                 self.reserved_by_end.remove(&(*end, id));
@@ -173,7 +178,7 @@ impl Tokens {
 
     /// ms until `total + est ≤ limit`, assuming nothing is settled meanwhile and no lease
     /// is renewed (so an upper bound while reservations are alive), if that can happen.
-    fn hint(&self, now: u64, limit: u64, est: u64) -> Option<u64> {
+    pub(crate) fn hint(&self, now: u64, limit: u64, est: u64) -> Option<u64> {
         if est > limit {
             return None;
         }
@@ -204,11 +209,16 @@ impl Tokens {
         }
     }
 
+    /// Whether nothing is counted (no reservation, no settlement in the window).
+    pub(crate) fn is_empty(&self) -> bool {
+        self.reserved.is_empty() && self.settled.is_empty()
+    }
+
     fn ids(&self) -> impl Iterator<Item = u64> + '_ {
         self.reserved.keys().copied()
     }
 
-    fn holds(&self, id: u64) -> bool {
+    pub(crate) fn holds(&self, id: u64) -> bool {
         self.reserved.contains_key(&id)
     }
 }
@@ -436,7 +446,7 @@ pub struct WindowLimiter {
     clock: u64,
 }
 
-fn lease_ms(lease: Duration) -> u64 {
+pub(crate) fn lease_ms(lease: Duration) -> u64 {
     u64::try_from(lease.as_millis()).unwrap_or(u64::MAX).max(1)
 }
 

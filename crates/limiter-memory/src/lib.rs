@@ -17,6 +17,11 @@
 //! the process (the facade's wiring uses it), so two clients of one scope cannot double
 //! its quota. [`MemoryLimiter::new`] / [`MemoryBreakerStore::new`] make a private state.
 //!
+//! **Client keys** (SPEC §21.1): [`MemoryLimiter`] runs core's
+//! [`polygw_core::key_quota::KeyQuotas`] too, on one key state per process and clock that
+//! every scope's limiter shares (a key's limits span the scopes it calls); its leases are
+//! renewed like permits'.
+//!
 //! **Leases and their heartbeat** (SPEC §14.4, §17.7): every live permit and half-open
 //! probe is registered with the handle that granted it and renewed while that handle's
 //! heartbeat runs: before any operation looks at a lease, every registered lease is
@@ -29,6 +34,7 @@
 
 mod breaker;
 mod cache;
+mod keys;
 mod limiter;
 mod responses;
 
@@ -166,7 +172,9 @@ type Registry = Mutex<HashMap<(String, usize), Weak<Store>>>;
 static REGISTRY: LazyLock<Registry> = LazyLock::new(|| Mutex::new(HashMap::new()));
 
 /// A limiter and a breaker store on the process-wide state of scope `scope` (SPEC §14.11):
-/// every client of that scope in this process shares its windows, slots and breakers.
+/// every client of that scope in this process shares its windows, slots and breakers; and
+/// every scope of the process on the same clock shares one client-key state (SPEC §21.1:
+/// a key's limits span the scopes it calls).
 /// The state lives while some handle or permit of it does. Clients are told apart by
 /// their clock as well (`Arc` identity: clients built with the same clock share): a
 /// state is only ever driven by one clock. Each call returns handles with their own
@@ -179,15 +187,16 @@ pub fn shared(scope: &str, clock: Arc<dyn Clock>) -> (MemoryLimiter, MemoryBreak
         match reg.get(&key).and_then(Weak::upgrade) {
             Some(s) => s,
             None => {
-                let s = Store::new(clock);
+                let s = Store::new(clock.clone());
                 reg.insert(key, Arc::downgrade(&s));
                 s
             }
         }
     };
+    let keys = keys::shared(&clock);
     let heart = Arc::new(Heart::default());
     (
-        MemoryLimiter::over(store.clone(), heart.clone()),
+        MemoryLimiter::over(store.clone(), keys, heart.clone()),
         MemoryBreakerStore::over(store, heart),
     )
 }
@@ -200,6 +209,19 @@ mod tests {
     /// Any instant will do for a manual clock's base (clippy forbids `Instant::now`).
     fn tokio_free_now() -> Instant {
         tokio::time::Instant::now().into_std()
+    }
+
+    /// SPEC §21.1: a key's state spans the scopes of a process on one clock.
+    #[test]
+    fn one_key_state_per_process_and_clock() {
+        let clock: Arc<dyn Clock> = Arc::new(ManualClock::new(tokio_free_now(), 0));
+        let (a, _) = shared("KREG_A", clock.clone());
+        let (b, _) = shared("KREG_B", clock.clone());
+        assert!(a.same_keys(&b) && a.same_keys(&a.client()));
+        let other: Arc<dyn Clock> = Arc::new(ManualClock::new(tokio_free_now(), 0));
+        let (c, _) = shared("KREG_A", other.clone());
+        assert!(!a.same_keys(&c));
+        assert!(!MemoryLimiter::new(clock).same_keys(&a));
     }
 
     #[test]

@@ -9,9 +9,13 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use polygw_core::error::GovernanceError;
-use polygw_core::ports::{AcquireRequest, Admission, Clock, Permit, PermitBackend, RateLimiter};
+use polygw_core::ports::{
+    AcquireRequest, Admission, Clock, KeyAcquire, KeyAdmission, KeyUsage, Permit, PermitBackend,
+    RateLimiter,
+};
 use polygw_core::window::{IdMap, WindowLimiter, WINDOW_MS};
 
+use crate::keys::KeyStore;
 use crate::{lock, Heart, Store};
 
 /// Clock time between two compactions of the model's permit table. Nothing can be
@@ -69,12 +73,15 @@ impl State {
 }
 
 /// In-process [`RateLimiter`]: RPM, TPM (reserve then settle) and concurrency per source,
-/// scope-wide RPM/TPM atomically with them (SPEC §4.2, §14.3). Cheap to clone; clones
-/// share the state and the heartbeat ([`MemoryLimiter::client`] makes another handle on
-/// the same state with a heartbeat of its own).
+/// scope-wide RPM/TPM atomically with them (SPEC §4.2, §14.3), and client keys' limits and
+/// budgets (SPEC §21.1, `crate::keys`). Cheap to clone; clones share the state and the
+/// heartbeat ([`MemoryLimiter::client`] makes another handle on the same state with a
+/// heartbeat of its own).
 #[derive(Clone)]
 pub struct MemoryLimiter {
     store: Arc<Store>,
+    /// Client keys: one state per process and clock, whatever the scope.
+    keys: Arc<KeyStore>,
     heart: Arc<Heart>,
 }
 
@@ -85,20 +92,26 @@ impl fmt::Debug for MemoryLimiter {
 }
 
 impl MemoryLimiter {
-    /// A limiter with a state of its own on `clock`; its windows start at the clock's
-    /// current reading. (The facade shares one state per scope: [`crate::shared`].)
+    /// A limiter with a state of its own on `clock` (client keys included); its windows
+    /// start at the clock's current reading. (The facade shares one state per scope, and
+    /// one key state per process: [`crate::shared`].)
     pub fn new(clock: Arc<dyn Clock>) -> Self {
-        Self::over(Store::new(clock), Arc::new(Heart::default()))
+        let keys = KeyStore::new(clock.clone());
+        Self::over(Store::new(clock), keys, Arc::new(Heart::default()))
     }
 
-    pub(crate) fn over(store: Arc<Store>, heart: Arc<Heart>) -> Self {
-        MemoryLimiter { store, heart }
+    pub(crate) fn over(store: Arc<Store>, keys: Arc<KeyStore>, heart: Arc<Heart>) -> Self {
+        MemoryLimiter { store, keys, heart }
     }
 
     /// Another handle on the same state, with a heartbeat of its own (another client of
     /// the scope, as another process would be on a shared backend).
     pub fn client(&self) -> Self {
-        Self::over(self.store.clone(), Arc::new(Heart::default()))
+        Self::over(
+            self.store.clone(),
+            self.keys.clone(),
+            Arc::new(Heart::default()),
+        )
     }
 
     /// Stops renewing the leases of the permits this handle (and its clones) granted:
@@ -111,6 +124,11 @@ impl MemoryLimiter {
     #[cfg(test)]
     pub(crate) fn same_store(&self, other: &MemoryLimiter) -> bool {
         Arc::ptr_eq(&self.store, &other.store)
+    }
+
+    #[cfg(test)]
+    pub(crate) fn same_keys(&self, other: &MemoryLimiter) -> bool {
+        Arc::ptr_eq(&self.keys, &other.keys)
     }
 
     fn with<T>(&self, f: impl FnOnce(&mut State, u64) -> T) -> T {
@@ -175,6 +193,14 @@ impl RateLimiter for MemoryLimiter {
 
     async fn in_flight(&self, scope: &str, source: &str) -> Result<u32, GovernanceError> {
         Ok(self.with(|st, now| st.model.in_flight(now, scope, source)))
+    }
+
+    async fn acquire_key<'r>(&self, req: &KeyAcquire<'r>) -> Result<KeyAdmission, GovernanceError> {
+        self.keys.acquire(&self.heart, req).await
+    }
+
+    async fn key_usage(&self, key_id: &str) -> Result<KeyUsage, GovernanceError> {
+        self.keys.usage(key_id)
     }
 }
 

@@ -183,6 +183,46 @@ mod limiter_contract {
     }
 }
 
+/// The client-key half of the limiter contract (SPEC §21.1).
+mod key_contract {
+    use super::*;
+    use polygw_testkit::limiter_contract::keys as kc;
+
+    macro_rules! cases {
+        ($($name:ident),* $(,)?) => {$(
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn $name() {
+                kc::$name(&harness()).await;
+            }
+        )*};
+    }
+
+    cases!(
+        key_rpm_never_over_admitted,
+        key_rpm_window_rolls,
+        key_tpm_reserve_then_settle,
+        key_concurrency_cap_and_finish,
+        key_budget_reserve_then_settle,
+        key_drop_settles_at_the_reservation,
+        key_leases_renewed_while_held_and_settled_after_a_crash,
+        keys_are_independent,
+        key_unlimited_admits_everything,
+        concurrent_key_callers_never_over_admit,
+    );
+
+    /// Random acquire/finish/drop/background/advance sequences (across days) match
+    /// `KeyQuotas` exactly: admissions, refusal reasons and hints, every figure.
+    #[test]
+    fn matches_key_model() {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        let h = harness();
+        kc::key_model_proptest(&rt, &h, 256);
+    }
+}
+
 mod breaker_contract {
     use super::*;
 

@@ -28,6 +28,7 @@ use redis::Script;
 use tokio::sync::{mpsc, oneshot, Notify};
 use tokio::time::Instant;
 
+use crate::client_keys::{self, KeyFinish};
 use crate::keys::{self, SourceKeys};
 use crate::{exact, Conn, BACKEND};
 
@@ -60,6 +61,8 @@ pub(crate) struct Settlement {
 #[derive(Debug, Clone)]
 pub(crate) enum Work {
     Settle(Box<Settlement>),
+    /// Finishes a client key's permit (settle and release).
+    FinishKey(Box<KeyFinish>),
     /// Frees the probe an admission got if its answer was lost (by the admission's token).
     ReleaseProbeByToken {
         key: String,
@@ -98,6 +101,7 @@ struct Counters {
 /// One lease the heartbeat renews.
 #[derive(Debug, Clone)]
 pub(crate) struct Lease {
+    /// The scope, or the client key's id (`LeaseKind::Key`).
     pub scope: String,
     pub source: String,
     pub kind: LeaseKind,
@@ -111,6 +115,9 @@ pub(crate) enum LeaseKind {
     Permit { id: String, est: u64 },
     /// A half-open probe admitted under this epoch.
     Probe { epoch: u64 },
+    /// A client key's permit: its slot and its money (`nanos`) and token (`est`)
+    /// reservations.
+    Key { id: String, nanos: u64, est: u64 },
 }
 
 #[derive(Default)]
@@ -276,6 +283,7 @@ impl Background {
 async fn apply(conn: &Conn, work: &Work) -> Result<(), GovernanceError> {
     match work {
         Work::Settle(s) => settle(conn, s).await,
+        Work::FinishKey(f) => client_keys::finish(conn, f).await,
         Work::ReleaseProbeByToken { key, token } => {
             let mut inv = RELEASE.prepare_invoke();
             inv.key(key).arg(token);
@@ -400,32 +408,53 @@ async fn heartbeat(bg: Arc<Background>) {
             .iter()
             .map(|(k, l)| (*k, l.clone()))
             .collect();
+        // One script per scope, and one per client key (each in its own slot).
         let mut by_scope: BTreeMap<&str, Vec<&(u64, Lease)>> = BTreeMap::new();
+        let mut by_key: BTreeMap<&str, Vec<&(u64, Lease)>> = BTreeMap::new();
         for l in &leases {
-            by_scope.entry(l.1.scope.as_str()).or_default().push(l);
+            let group = match l.1.kind {
+                LeaseKind::Key { .. } => &mut by_key,
+                LeaseKind::Permit { .. } | LeaseKind::Probe { .. } => &mut by_scope,
+            };
+            group.entry(l.1.scope.as_str()).or_default().push(l);
         }
         for (scope, ls) in by_scope {
-            match renew(bg.conn(), scope, &ls).await {
-                Ok(ended) if ended.is_empty() => {}
-                Ok(ended) => {
-                    let mut b = lock(&bg.beat);
-                    for k in &ended {
-                        b.leases.remove(k);
-                    }
-                    drop(b);
-                    tracing::warn!(
-                        scope,
-                        ended = ended.len(),
-                        "leases ended before their heartbeat renewed them (Redis unreachable for a whole lease?): their slots may have been given to other calls"
-                    );
-                }
-                Err(e) => {
-                    let now = Instant::now();
-                    if last_warn.is_none_or(|t| now.duration_since(t) >= LOG_EVERY) {
-                        tracing::warn!(scope, error = %e, "lease heartbeat failed; retrying at the next beat");
-                        last_warn = Some(now);
-                    }
-                }
+            let r = renew(bg.conn(), scope, &ls).await;
+            renewed(&bg, scope, r, &mut last_warn);
+        }
+        for (key, ls) in by_key {
+            let r = client_keys::renew(bg.conn(), key, &ls).await;
+            renewed(&bg, key, r, &mut last_warn);
+        }
+    }
+}
+
+/// What one renewal script did: leases found ended leave the registry (logged).
+fn renewed(
+    bg: &Background,
+    scope: &str,
+    r: Result<Vec<u64>, GovernanceError>,
+    last_warn: &mut Option<Instant>,
+) {
+    match r {
+        Ok(ended) if ended.is_empty() => {}
+        Ok(ended) => {
+            let mut b = lock(&bg.beat);
+            for k in &ended {
+                b.leases.remove(k);
+            }
+            drop(b);
+            tracing::warn!(
+                scope,
+                ended = ended.len(),
+                "leases ended before their heartbeat renewed them (Redis unreachable for a whole lease?): their slots may have been given to other calls"
+            );
+        }
+        Err(e) => {
+            let now = Instant::now();
+            if last_warn.is_none_or(|t| now.duration_since(t) >= LOG_EVERY) {
+                tracing::warn!(scope, error = %e, "lease heartbeat failed; retrying at the next beat");
+                *last_warn = Some(now);
             }
         }
     }
@@ -443,6 +472,12 @@ async fn renew(
     let mut names: Vec<&str> = vec![];
     let mut group_keys: Vec<String> = vec![];
     let mut args: Vec<String> = vec![];
+    // A client key's leases are renewed by its own script (`client_keys::renew`).
+    let leases: Vec<&(u64, Lease)> = leases
+        .iter()
+        .copied()
+        .filter(|l| !matches!(l.1.kind, LeaseKind::Key { .. }))
+        .collect();
     for (_, l) in leases.iter().map(|x| (&x.0, &x.1)) {
         let next = groups.len() + 1;
         let g = *groups.entry(l.source.as_str()).or_insert_with(|| next);
@@ -466,6 +501,7 @@ async fn renew(
                 exact(l.lease_ms).to_string(),
                 String::new(),
             ]),
+            LeaseKind::Key { .. } => unreachable!("filtered out above"),
         }
     }
     let mut inv = RENEW.prepare_invoke();

@@ -154,6 +154,7 @@ impl BreakerStore for RedisBreakerStore {
         let (name, cooldown_ms) = match outcome {
             BreakerOutcome::Success => ("success", 0),
             BreakerOutcome::Failure => ("failure", 0),
+            BreakerOutcome::FastFailure => ("fast_failure", 0),
             BreakerOutcome::Neutral => ("neutral", 0),
             BreakerOutcome::Dead => ("dead", 0),
             BreakerOutcome::RateLimited { cooldown_ms } => (

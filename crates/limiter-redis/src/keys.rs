@@ -9,6 +9,16 @@
 //! | `polygw:{S}:scope:ledger` | zset | every token entry of the scope and its sources, by expiry (see `lua/acquire.lua`) |
 //! | `polygw:{S}:scope:totals` | hash | the ledger's totals (scope, per source), the keys' deadlines, when to prune next |
 //!
+//! A client key's keys share the key id's own hash tag (`{K}`: one cluster slot, apart
+//! from every scope's), so a key admission is one script of its own (SPEC §21.1):
+//!
+//! | key | type | holds |
+//! |---|---|---|
+//! | `polygw:key:{K}:win` | zset | permit id → admitted at (ms): the key's requests (RPM) |
+//! | `polygw:key:{K}:inflight` | zset | `<id>\|<nanos>` → lease end: calls in flight and their money reservations |
+//! | `polygw:key:{K}:ledger` | zset | token entries (TPM), as a scope's ledger without the source part |
+//! | `polygw:key:{K}:state` | hash | token and reserved totals, the day's and month's spend, deadlines (see `lua/key_lib.lua`) |
+//!
 //! The ledger and its totals replaced the `…:tokens` hashes and `…:reserved` /
 //! `…:settled` sets of each source and of the scope (two keys instead of eight: fewer
 //! Redis calls per script); those older keys are never read and expire by their TTL.
@@ -67,4 +77,36 @@ pub(crate) fn scope_keys(scope: &str) -> Result<[String; 3], GovernanceError> {
         format!("{p}:scope:ledger"),
         format!("{p}:scope:totals"),
     ])
+}
+
+/// A client key's keys (see the table above).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct KeyKeys {
+    pub win: String,
+    pub inflight: String,
+    pub ledger: String,
+    pub state: String,
+}
+
+impl KeyKeys {
+    pub(crate) fn new(key_id: &str) -> Result<Self, GovernanceError> {
+        if !polygw_core::key_quota::valid_key_id(key_id) {
+            return Err(GovernanceError::new(
+                BACKEND,
+                format!("client key id {key_id:?} cannot be used in a key (empty or has braces)"),
+            ));
+        }
+        let p = format!("polygw:key:{{{key_id}}}");
+        Ok(KeyKeys {
+            win: format!("{p}:win"),
+            inflight: format!("{p}:inflight"),
+            ledger: format!("{p}:ledger"),
+            state: format!("{p}:state"),
+        })
+    }
+
+    /// In the order the key scripts declare them (`lua/key_lib.lua`).
+    pub(crate) fn all(&self) -> [&String; 4] {
+        [&self.win, &self.inflight, &self.ledger, &self.state]
+    }
 }

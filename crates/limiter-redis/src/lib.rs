@@ -15,6 +15,12 @@
 //!   keys of a scope (or of a source) share a deadline covering the longest lease + the
 //!   window + [`RedisOptions::key_margin`], moved a margin further when it falls short,
 //!   so none outlives what it remembers by more than a lease and two margins.
+//! - Client keys (SPEC §21.1, [`RateLimiter::acquire_key`](polygw_core::ports::RateLimiter::acquire_key)):
+//!   `polygw:key:{K}:{win,inflight,ledger,state}` under the key id's own hash tag, one
+//!   script per admission, finish, heartbeat and reading (`lua/key_*.lua`, mirroring
+//!   [`polygw_core::key_quota::KeyQuotas`]). The window keys expire like a scope's; the
+//!   state and in-flight keys hold the day's and the month's spend and expire a margin
+//!   after the month's end (or the latest lease, if later).
 //! - Connections (`REDIS__URL`): `redis://` and `rediss://` (TLS through rustls with the
 //!   ring provider; a private CA with [`RedisOptions::ca_file`]) on one multiplexed
 //!   connection that reconnects by itself, and a Redis Cluster
@@ -41,7 +47,9 @@
 
 mod background;
 mod breaker;
+mod client_keys;
 mod keys;
+mod latency;
 mod limiter;
 
 use std::fmt;
@@ -57,6 +65,7 @@ use redis::cluster_async::ClusterConnection;
 use redis::{Cmd, FromRedisValue, Pipeline, RedisFuture, ScriptInvocation, Value};
 
 pub use breaker::RedisBreakerStore;
+pub use latency::RedisLatencyStore;
 pub use limiter::RedisLimiter;
 
 use background::Background;
@@ -178,6 +187,11 @@ impl RedisGovernance {
     /// The breaker store (cheap to clone).
     pub fn breakers(&self) -> RedisBreakerStore {
         self.breakers.clone()
+    }
+
+    /// The shared latency distributions (SPEC §19.2), on the same connection.
+    pub fn latency_store(&self) -> RedisLatencyStore {
+        RedisLatencyStore::new(self.limiter.background().conn().clone())
     }
 
     /// Stops renewing this governance's leases (what a crashed process looks like; the
@@ -442,6 +456,21 @@ impl Conn {
         let mut con = self.manager.clone();
         let limit = self.opts.operation_timeout;
         match tokio::time::timeout(limit, cmd.query_async(&mut con)).await {
+            Ok(Ok(v)) => Ok(v),
+            Ok(Err(e)) => Err(self.error(what, &e)),
+            Err(_) => Err(timeout_error(&format!("{what} on {}", self.shown), limit)),
+        }
+    }
+
+    /// Runs a pipeline within the operation timeout (its non-ignored replies).
+    async fn query_pipe<T: FromRedisValue>(
+        &self,
+        what: &str,
+        pipe: &Pipeline,
+    ) -> Result<T, GovernanceError> {
+        let mut con = self.manager.clone();
+        let limit = self.opts.operation_timeout;
+        match tokio::time::timeout(limit, pipe.query_async(&mut con)).await {
             Ok(Ok(v)) => Ok(v),
             Ok(Err(e)) => Err(self.error(what, &e)),
             Err(_) => Err(timeout_error(&format!("{what} on {}", self.shown), limit)),

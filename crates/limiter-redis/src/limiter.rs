@@ -8,7 +8,10 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use polygw_core::error::{GovernanceError, RefusalReason};
-use polygw_core::ports::{AcquireRequest, Admission, Permit, PermitBackend, RateLimiter, Refusal};
+use polygw_core::ports::{
+    AcquireRequest, Admission, KeyAcquire, KeyAdmission, KeyUsage, Permit, PermitBackend,
+    RateLimiter, Refusal,
+};
 use redis::Script;
 
 use crate::background::{settle, Background, Lease, LeaseKind, Settlement, Work};
@@ -103,6 +106,29 @@ impl RateLimiter for RedisLimiter {
         let mut inv = IN_FLIGHT.prepare_invoke();
         inv.key(&k.inflight);
         self.bg.conn().run("in_flight", &inv).await
+    }
+
+    async fn acquire_key<'r>(&self, req: &KeyAcquire<'r>) -> Result<KeyAdmission, GovernanceError> {
+        let id = uuid::Uuid::new_v4().simple().to_string();
+        crate::client_keys::acquire(&self.bg, req, id).await
+    }
+
+    async fn key_usage(&self, key_id: &str) -> Result<KeyUsage, GovernanceError> {
+        crate::client_keys::usage(self.bg.conn(), key_id).await
+    }
+
+    /// One `EXISTS` on the scope's totals key: a command routed like the scope's
+    /// scripts (on a cluster, to the node that holds the scope's slot), so it fails
+    /// when that node is down or the cluster refuses commands (`CLUSTERDOWN`), not only
+    /// when no node answers a `PING`. Bounded by the operation timeout.
+    async fn ping(&self, scope: &str) -> Result<(), GovernanceError> {
+        let [_, _, totals] = keys::scope_keys(scope)?;
+        let _: i64 = self
+            .bg
+            .conn()
+            .query("ping", redis::cmd("EXISTS").arg(&totals))
+            .await?;
+        Ok(())
     }
 
     /// Waits until every settlement queued so far has been applied (bounded by

@@ -233,6 +233,40 @@ macro_rules! limiter_cases {
     };
 }
 
+/// The client-key half of the limiter contract (SPEC §21.1): a key's keys live in the key
+/// id's own slot.
+macro_rules! key_cases {
+    ($url:path) => {
+        contract_cases!(
+            kc, $url;
+            key_rpm_never_over_admitted,
+            key_rpm_window_rolls,
+            key_tpm_reserve_then_settle,
+            key_concurrency_cap_and_finish,
+            key_budget_reserve_then_settle,
+            key_drop_settles_at_the_reservation,
+            key_leases_renewed_while_held_and_settled_after_a_crash,
+            keys_are_independent,
+            key_unlimited_admits_everything,
+            concurrent_key_callers_never_over_admit,
+        );
+
+        /// Random sequences (no time advance) match `KeyQuotas`: admissions, refusal
+        /// reasons, hints within the case's duration, every figure.
+        #[test]
+        fn matches_key_model() {
+            let Some(url) = $url() else { return };
+            let rt = tokio::runtime::Builder::new_multi_thread()
+                .worker_threads(2)
+                .enable_all()
+                .build()
+                .unwrap();
+            let h = rt.block_on(harness(&url));
+            kc::key_model_proptest(&rt, &h, 96);
+        }
+    };
+}
+
 macro_rules! breaker_cases {
     ($url:path) => {
         contract_cases!(
@@ -281,6 +315,12 @@ mod breaker_contract {
     breaker_cases!(redis_url);
 }
 
+mod key_contract {
+    use super::*;
+    use polygw_testkit::limiter_contract::keys as kc;
+    key_cases!(redis_url);
+}
+
 /// The same suites on the local 3-node Redis Cluster (SPEC §14.10): every scope's keys
 /// share one slot, the scripts declare their keys and the cluster connection routes them.
 mod cluster_limiter_contract {
@@ -291,6 +331,12 @@ mod cluster_limiter_contract {
 mod cluster_breaker_contract {
     use super::*;
     breaker_cases!(redis_cluster_url);
+}
+
+mod cluster_key_contract {
+    use super::*;
+    use polygw_testkit::limiter_contract::keys as kc;
+    key_cases!(redis_cluster_url);
 }
 
 /// A TCP proxy in front of the real server, to cut, kill or silence connections.
@@ -797,6 +843,86 @@ mod redis_specific {
         p.finish(5).await.unwrap();
     }
 
+    /// A client key's keys (SPEC §21.1) are namespaced under the key id's own hash tag and
+    /// expire: the window keys a lease + the window + two margins on; the state and
+    /// in-flight keys (the day's and the month's spend) at the month's end + the margin at
+    /// the latest, never before it. Finished and emptied, the in-flight set is gone, and
+    /// written again it gets its deadline back.
+    #[tokio::test]
+    async fn client_key_keys_are_namespaced_with_ttls() {
+        use polygw_core::client_key::BudgetPeriod;
+        use polygw_core::key_quota::period_end_ms;
+        use polygw_testkit::limiter_contract::keys::{admit_key, KeyReq};
+        let Some(url) = redis_url() else { return };
+        let h = harness(&url).await;
+        let l = h.gov.limiter();
+        let r = KeyReq {
+            rpm: 10,
+            tpm: 1000,
+            conc: 3,
+            day: Some(1_000_000),
+            month: Some(5_000_000),
+            est: 10,
+            nanos: 1_000,
+            lease: Duration::from_secs(30),
+            ..KeyReq::new()
+        };
+        admit_key(&l, &r).await.finish(5, 500).await.unwrap();
+        let mut held = admit_key(&l, &r).await;
+        let now = l.key_usage(&r.key).await.unwrap().now_unix_ms;
+        let mut con = raw(&url).await;
+        let pre = format!("polygw:key:{{{}}}", r.key);
+        let mut keys: Vec<String> = redis::cmd("KEYS")
+            .arg(format!("{pre}:*"))
+            .query_async(&mut con)
+            .await
+            .unwrap();
+        keys.sort();
+        let want: Vec<String> = ["inflight", "ledger", "state", "win"]
+            .iter()
+            .map(|k| format!("{pre}:{k}"))
+            .collect();
+        assert_eq!(keys, want);
+        let month_left = period_end_ms(BudgetPeriod::Month, now + 30_000) - now;
+        let probe = con.clone();
+        let pttl = |k: String| {
+            let mut con = probe.clone();
+            async move {
+                let t: i64 = redis::cmd("PTTL")
+                    .arg(&k)
+                    .query_async(&mut con)
+                    .await
+                    .unwrap();
+                t
+            }
+        };
+        for k in ["win", "ledger"] {
+            let ttl = pttl(format!("{pre}:{k}")).await;
+            assert!(
+                ttl > 0 && ttl <= 30_000 + 60_000 + 2 * 10_000,
+                "{k}: ttl {ttl}"
+            );
+        }
+        for k in ["inflight", "state"] {
+            let ttl = pttl(format!("{pre}:{k}")).await as u64;
+            let max = month_left.max(30_000 + 60_000) + 2 * 10_000;
+            assert!(
+                ttl + 1_000 >= month_left && ttl <= max,
+                "{k}: ttl {ttl}, month ends in {month_left}"
+            );
+        }
+        held.finish(5, 500).await.unwrap();
+        let n: i64 = redis::cmd("EXISTS")
+            .arg(format!("{pre}:inflight"))
+            .query_async(&mut con)
+            .await
+            .unwrap();
+        assert_eq!(n, 0, "an empty in-flight set is gone");
+        let _again = admit_key(&l, &r).await;
+        assert!(pttl(format!("{pre}:inflight")).await > 0);
+        assert_eq!(l.key_usage(&r.key).await.unwrap().month_nanos, 2_000);
+    }
+
     /// A key that emptied (Redis deletes it) and is written again gets its group's deadline
     /// back, although the ledger's bookkeeping says the deadline is set: no key is ever
     /// left without a TTL.
@@ -946,6 +1072,110 @@ mod redis_specific {
             b.admit(&sc, "a", Duration::from_secs(1)).await.unwrap(),
             polygw_core::breaker::BreakerAdmit::Allowed { probe: true, .. }
         ));
+    }
+
+    /// A key's window keys expire long before its state (which keeps the month's spend):
+    /// once they are gone, the state's token total reads 0 — not what the expired entries
+    /// held — while the spend stays.
+    #[tokio::test]
+    async fn a_keys_window_keys_expire_before_its_spend() {
+        use polygw_testkit::limiter_contract::keys::{admit_key, KeyReq};
+        let Some(url) = redis_url() else { return };
+        let opts = RedisOptions {
+            window: Duration::from_millis(300),
+            key_margin: Duration::from_millis(100),
+            ..RedisOptions::default()
+        };
+        let g = RedisGovernance::connect(&url, opts).await.unwrap();
+        let l = g.limiter();
+        let r = KeyReq {
+            tpm: 100,
+            est: 60,
+            nanos: 500,
+            lease: Duration::from_millis(200),
+            ..KeyReq::new()
+        };
+        admit_key(&l, &r).await.finish(60, 400).await.unwrap();
+        let pre = format!("polygw:key:{{{}}}", r.key);
+        let mut con = raw(&url).await;
+        // The window keys' deadline: lease + window + margin (+ a margin of hysteresis).
+        tokio::time::sleep(Duration::from_millis(200 + 300 + 2 * 100 + 300)).await;
+        let n: i64 = redis::cmd("EXISTS")
+            .arg(format!("{pre}:ledger"))
+            .arg(format!("{pre}:win"))
+            .query_async(&mut con)
+            .await
+            .unwrap();
+        assert_eq!(n, 0, "the window keys expired");
+        let u = l.key_usage(&r.key).await.unwrap();
+        assert_eq!((u.tokens, u.requests, u.month_nanos), (0, 0, 400));
+        admit_key(&l, &r).await.finish(60, 0).await.unwrap();
+        assert_eq!(l.key_usage(&r.key).await.unwrap().tokens, 60);
+    }
+
+    /// A key admission dropped while its script is in flight (the script admitted it,
+    /// nobody read the answer) is finished at 0 tokens and 0 cost through the queue: its
+    /// slot and its reservations do not stay out until its lease ends.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_key_admission_dropped_in_flight_is_finished() {
+        use polygw_testkit::limiter_contract::keys::KeyReq;
+        let Some(url) = redis_url() else { return };
+        let g = RedisGovernance::connect(&url, RedisOptions::default())
+            .await
+            .unwrap();
+        let l = g.limiter();
+        let r = KeyReq {
+            conc: 1,
+            day: Some(10_000),
+            nanos: 4_000,
+            est: 50,
+            ..KeyReq::new()
+        };
+        let mut admitted_and_dropped = false;
+        for _ in 0..50 {
+            let before = l.key_usage(&r.key).await.unwrap().requests;
+            let dropped = tokio::time::timeout(Duration::ZERO, l.acquire_key(&r.get())).await;
+            if let Ok(done) = dropped {
+                if let Ok(polygw_core::ports::KeyAdmission::Admitted(mut p)) = done {
+                    p.finish(0, 0).await.unwrap();
+                }
+                continue;
+            }
+            l.flush().await.unwrap();
+            let u = l.key_usage(&r.key).await.unwrap();
+            if u.requests > before {
+                admitted_and_dropped = true;
+                assert_eq!(
+                    (u.in_flight, u.reserved_nanos, u.day_nanos, u.tokens),
+                    (0, 0, 0, 0),
+                    "the dropped admission is finished at 0"
+                );
+                break;
+            }
+        }
+        assert!(
+            admitted_and_dropped,
+            "no admission was dropped after its script ran in 50 tries"
+        );
+    }
+
+    /// Nothing listening: a key admission and a key reading are errors (fail closed),
+    /// never an admission.
+    #[tokio::test]
+    async fn key_admission_fails_closed() {
+        use polygw_testkit::limiter_contract::keys::KeyReq;
+        let g = RedisGovernance::connect_lazy(
+            "redis://127.0.0.1:1",
+            RedisOptions {
+                operation_timeout: Duration::from_millis(500),
+                ..RedisOptions::default()
+            },
+        )
+        .unwrap();
+        let r = KeyReq::new();
+        let e = g.limiter().acquire_key(&r.get()).await.unwrap_err();
+        assert_eq!(e.backend, "redis");
+        assert!(g.limiter().key_usage(&r.key).await.is_err());
     }
 
     /// Scope names that would break the cluster hash tag are refused (an error, never an
@@ -1286,6 +1516,7 @@ mod tls {
         lc::rpm_never_over_admitted(&h).await;
         lc::concurrency_cap_and_release(&h).await;
         lc::leases_renewed_while_held_and_end_after_a_crash(&h).await;
+        lc::keys::key_budget_reserve_then_settle(&h).await;
         bc::opens_after_consecutive_failures(&h).await;
         bc::release_probe_frees_it(&h).await;
 

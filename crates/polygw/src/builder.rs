@@ -6,8 +6,8 @@ use std::sync::Arc;
 
 use polygw_core::config::guards;
 use polygw_core::ports::{
-    BreakerStore, Clock, EmbeddingTransport, OcrTransport, RateLimiter, ResponseCache,
-    ResponseStore, Rng, TelemetryRecorder, Transport,
+    BreakerStore, Clock, EmbeddingTransport, LatencyStore, OcrTransport, RateLimiter,
+    ResponseCache, ResponseStore, Rng, TelemetryRecorder, Transport,
 };
 use polygw_core::{ConfigWarning, GatewayError, ScopeKind, ScopeSettings};
 
@@ -42,6 +42,7 @@ pub struct GatewayBuilder {
     cache: Option<Arc<dyn ResponseCache>>,
     responses: Option<Arc<dyn ResponseStore>>,
     clock: Option<Arc<dyn Clock>>,
+    latency: Option<Arc<dyn LatencyStore>>,
     rng: Option<Arc<dyn Rng>>,
     metrics: Option<Arc<Metrics>>,
 }
@@ -61,6 +62,7 @@ impl GatewayBuilder {
             cache: None,
             responses: None,
             clock: None,
+            latency: None,
             rng: None,
             metrics: None,
         }
@@ -113,6 +115,13 @@ impl GatewayBuilder {
         self.responses = Some(r);
         self
     }
+    /// The store that shares the sources' latency distributions across processes
+    /// (SPEC §19.2; with Redis governance, the default is the Redis one).
+    pub fn latency_store(mut self, l: Arc<dyn LatencyStore>) -> Self {
+        self.latency = Some(l);
+        self
+    }
+
     /// The clock (must agree with tokio's timer; the default reads it).
     pub fn clock(mut self, c: Arc<dyn Clock>) -> Self {
         self.clock = Some(c);
@@ -201,11 +210,11 @@ impl GatewayBuilder {
             (None, None) if self.kind == ScopeKind::Ocr => Some(wiring::as_ocr(http.as_ref())?),
             (None, None) => None,
         };
-        let (limiter, breakers) = match (self.limiter, self.breakers) {
-            (Some(l), Some(b)) => (l, b),
+        let (limiter, breakers, latency) = match (self.limiter, self.breakers) {
+            (Some(l), Some(b)) => (l, b, self.latency),
             (l, b) => {
-                let (dl, db) = wiring::governance(s, clock.clone()).await?;
-                (l.unwrap_or(dl), b.unwrap_or(db))
+                let (dl, db, dlat) = wiring::governance(s, clock.clone()).await?;
+                (l.unwrap_or(dl), b.unwrap_or(db), self.latency.or(dlat))
             }
         };
         let (telemetry, sql_store) = match self.telemetry {
@@ -230,14 +239,18 @@ impl GatewayBuilder {
             telemetry,
             cache,
             responses,
+            latency,
             clock,
             rng,
         };
         let metrics: Arc<Metrics> = self.metrics.unwrap_or_default();
         metrics.watch_limiter(&s.name, &ports.limiter);
-        Ok((
-            Arc::new(Engine::new(self.settings, self.kind, ports, metrics)),
-            Arc::new(warnings),
-        ))
+        let engine = Arc::new(Engine::new(self.settings, self.kind, ports, metrics));
+        if engine.ports.latency.is_some() && engine.latency.keeps() {
+            tokio::spawn(crate::engine::latency::exchange_loop(Arc::downgrade(
+                &engine,
+            )));
+        }
+        Ok((engine, Arc::new(warnings)))
     }
 }

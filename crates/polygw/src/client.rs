@@ -49,6 +49,10 @@ pub struct CallOptions {
     /// The call's affinity key (the client's `prompt_cache_key`, session id or user:
     /// SPEC §20.2).
     pub affinity_key: Option<String>,
+    /// The client key the call is charged to (SPEC §21.1): admitted before the call
+    /// ([`GatewayClient::admit_key`]), settled with what all its attempts spent; its id is
+    /// every row's `client_key_id`.
+    pub client_key: Option<crate::client_keys::KeyGrant>,
 }
 
 impl CallOptions {
@@ -62,6 +66,12 @@ impl CallOptions {
     pub fn with_max_wait_named(mut self, d: std::time::Duration, name: impl Into<String>) -> Self {
         self.max_wait = Some(d);
         self.max_wait_name = Some(name.into());
+        self
+    }
+
+    /// Charges the call to a client key ([`CallOptions::client_key`]).
+    pub fn with_client_key(mut self, charge: Arc<crate::client_keys::KeyCharge>) -> Self {
+        self.client_key = Some(crate::client_keys::KeyGrant(charge));
         self
     }
 
@@ -166,6 +176,20 @@ impl Leg for ChatLeg<'_> {
             .unwrap_or(0)
     }
 
+    fn estimates_usage(&self) -> bool {
+        true
+    }
+
+    fn received_bytes(&self, out: &TransportResult) -> usize {
+        out.content.len()
+            + out.reasoning_content.as_deref().map_or(0, str::len)
+            + out
+                .tool_calls
+                .iter()
+                .map(|t| t.arguments.len() + t.name.as_ref().map_or(0, String::len))
+                .sum::<usize>()
+    }
+
     fn facts(&self, out: &TransportResult) -> SuccessFacts {
         SuccessFacts {
             usage: out.usage,
@@ -175,6 +199,7 @@ impl Leg for ChatLeg<'_> {
             model: out.model.clone(),
             per_call_cost: false,
             settle_override: None,
+            estimate: None,
         }
     }
 }
@@ -225,6 +250,61 @@ impl GatewayClient {
     /// `/v1/responses` with `store`).
     pub fn response_store(&self) -> Arc<dyn polygw_core::ports::ResponseStore> {
         self.engine.ports.responses.clone()
+    }
+
+    /// Admits a call of `request` against the client key `key` (SPEC §21.1), before the
+    /// call: the key's RPM, TPM, concurrency and budgets, reserved at the call's
+    /// estimate and this scope's highest prices, atomically in the governance backend.
+    /// The charge goes into [`CallOptions::with_client_key`]; it settles by itself when
+    /// the call and its attempts are done. `Err(Ok(refusal))`: over a limit (the
+    /// refusal names it and when it passes); `Err(Err(e))`: the backend failed (fail
+    /// closed).
+    pub async fn admit_key(
+        &self,
+        key: &polygw_core::client_key::ClientKey,
+        request: &ChatRequest,
+    ) -> Result<
+        Arc<crate::client_keys::KeyCharge>,
+        Result<polygw_core::ports::Refusal, polygw_core::GovernanceError>,
+    > {
+        self.engine
+            .admit_key(
+                key,
+                polygw_core::resume::estimate_prompt_tokens(request),
+                request.max_tokens,
+            )
+            .await
+    }
+
+    /// The hedge thresholds in force now for each source (SPEC §19), for requests
+    /// streamed or plain: the value and where it comes from (configured, the source's
+    /// distribution, the scope's pooled one, or not yet: too few samples).
+    pub fn hedge_thresholds(&self, stream: bool) -> Vec<(String, polygw_core::hedge::Thresholds)> {
+        let e = &self.engine;
+        let t = e.latency.thresholds(stream, e.ports.clock.now());
+        e.scope
+            .sources
+            .iter()
+            .map(|s| s.name.clone())
+            .zip(t)
+            .collect()
+    }
+
+    /// Exchanges the sources' latency distributions with the shared store now (with Redis
+    /// governance this happens every 5 s by itself): this process's samples out, every
+    /// process's merge in.
+    pub async fn exchange_latency(&self) -> Result<(), GatewayError> {
+        crate::engine::latency::exchange_once(&self.engine)
+            .await
+            .map_err(|e| {
+                GatewayError::terminal(
+                    polygw_core::TerminalReason::GovernanceBackend,
+                    polygw_core::FailureContext {
+                        detail: Some(e.to_string()),
+                        ..Default::default()
+                    },
+                )
+            })
     }
 
     /// Telemetry rows dropped so far (queue overflow).
@@ -340,6 +420,7 @@ impl GatewayClient {
         let (call, span) = self.new_call_with_id(request.stream, options.logical_call_id);
         call.set_max_wait(options.max_wait, options.max_wait_name);
         call.set_api(options.api);
+        call.set_key(options.client_key.map(|k| k.0));
         if let Some(m) = request.max_tokens {
             span.record("gen_ai.request.max_tokens", m);
         }

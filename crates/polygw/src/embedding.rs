@@ -104,6 +104,7 @@ impl Leg for EmbedLeg<'_> {
             model: out.model.clone(),
             per_call_cost: false,
             settle_override: None,
+            estimate: None,
         }
     }
 }
@@ -158,7 +159,12 @@ impl EmbeddingClient {
         let engine = &self.engine;
         let started = engine.ports.clock.now();
         let id = options.logical_call_id.unwrap_or_else(new_id);
-        let call = Arc::new(CallShared::new(id, started, false, self.engine.ports.clock.clone()));
+        let call = Arc::new(CallShared::new(
+            id,
+            started,
+            false,
+            self.engine.ports.clock.clone(),
+        ));
         call.set_max_wait(options.max_wait, options.max_wait_name.clone());
         call.set_api(options.api);
         let span = tracing::info_span!(

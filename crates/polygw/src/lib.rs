@@ -24,6 +24,7 @@
 
 mod builder;
 mod client;
+pub mod client_keys;
 pub mod clock;
 mod embedding;
 mod engine;

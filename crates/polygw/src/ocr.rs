@@ -101,6 +101,7 @@ impl Leg for OcrLeg<'_> {
             model: out.model.clone(),
             per_call_cost: true,
             settle_override: Some(0),
+            estimate: None,
         }
     }
 }
@@ -128,7 +129,12 @@ impl OcrClient {
         }
         let engine = &self.engine;
         let started = engine.ports.clock.now();
-        let call = Arc::new(CallShared::new(new_id(), started, false, self.engine.ports.clock.clone()));
+        let call = Arc::new(CallShared::new(
+            new_id(),
+            started,
+            false,
+            self.engine.ports.clock.clone(),
+        ));
         let span = tracing::info_span!(
             "polygw.ocr",
             gen_ai.operation.name = "ocr",

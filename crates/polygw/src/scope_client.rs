@@ -55,6 +55,27 @@ macro_rules! scope_client {
             pub async fn shutdown(&self) -> polygw_core::ports::FlushReport {
                 self.engine.shutdown().await
             }
+
+            /// Whether the scope's governance backend answers now (readiness, SPEC
+            /// §21.2): Redis — one round trip to where the scope's keys live (bounded
+            /// by its operation timeout); in memory — always `Ok`. Errors name the
+            /// backend with its password redacted.
+            pub async fn check_governance(&self) -> Result<(), polygw_core::GovernanceError> {
+                self.engine
+                    .ports
+                    .limiter
+                    .ping(&self.engine.scope.name)
+                    .await
+            }
+
+            /// The scope's telemetry recorder (shared by the clients built with it;
+            /// `NullRecorder` when telemetry is off): for readiness checks
+            /// (`check_writable`) made once per database.
+            pub fn telemetry_recorder(
+                &self,
+            ) -> std::sync::Arc<dyn polygw_core::ports::TelemetryRecorder> {
+                self.engine.ports.telemetry.clone()
+            }
         }
     };
 }

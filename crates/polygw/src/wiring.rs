@@ -6,8 +6,8 @@
 use std::sync::Arc;
 
 use polygw_core::ports::{
-    BreakerStore, Clock, EmbeddingTransport, NullCache, NullRecorder, OcrTransport, RateLimiter,
-    ResponseCache, ResponseStore, TelemetryRecorder, Transport,
+    BreakerStore, Clock, EmbeddingTransport, LatencyStore, NullCache, NullRecorder, OcrTransport,
+    RateLimiter, ResponseCache, ResponseStore, TelemetryRecorder, Transport,
 };
 use polygw_core::secret::redact_url;
 use polygw_core::{ConfigError, GatewayError, ScopeSettings};
@@ -91,13 +91,20 @@ pub(crate) fn as_ocr(h: Option<&Http>) -> Result<Arc<dyn OcrTransport>, GatewayE
     Ok(http(h)?)
 }
 
+/// A scope's governance: limiter, breaker store, and (Redis) the shared latency store.
+pub(crate) type Governance = (
+    Arc<dyn RateLimiter>,
+    Arc<dyn BreakerStore>,
+    Option<Arc<dyn LatencyStore>>,
+);
+
 /// Limiter and breaker store: Redis when `{S}__REDIS__URL` is set (TLS trusting
 /// `{S}__TLS__CA_FILE` when given), else the process's in-memory state of the scope —
 /// shared by every client of that scope built with the same clock (SPEC §14.11).
 pub(crate) async fn governance(
     s: &ScopeSettings,
     clock: Arc<dyn Clock>,
-) -> Result<(Arc<dyn RateLimiter>, Arc<dyn BreakerStore>), GatewayError> {
+) -> Result<Governance, GatewayError> {
     let _ = &clock;
     if let Some(url) = &s.redis_url {
         #[cfg(feature = "redis")]
@@ -116,7 +123,11 @@ pub(crate) async fn governance(
                         &format!("a reachable Redis ({e})"),
                     )
                 })?;
-            return Ok((Arc::new(g.limiter()), Arc::new(g.breakers())));
+            return Ok((
+                Arc::new(g.limiter()),
+                Arc::new(g.breakers()),
+                Some(Arc::new(g.latency_store())),
+            ));
         }
         #[cfg(not(feature = "redis"))]
         return Err(needs(
@@ -128,7 +139,7 @@ pub(crate) async fn governance(
     #[cfg(feature = "memory")]
     {
         let (limiter, breakers) = polygw_limiter_memory::shared(&s.name, clock);
-        Ok((Arc::new(limiter), Arc::new(breakers)))
+        Ok((Arc::new(limiter), Arc::new(breakers), None))
     }
     #[cfg(not(feature = "memory"))]
     Err(needs(

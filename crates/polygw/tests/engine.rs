@@ -510,7 +510,7 @@ mod hedge_first_token {
     fn hedged(n: usize) -> impl FnOnce(&mut ScopeSettings) {
         move |s: &mut ScopeSettings| {
             let _ = n;
-            s.hedge.after = Some(ms(500));
+            s.hedge.after = polygw_core::hedge::ThresholdSetting::Static(ms(500));
             s.hedge.budget_pct = 0;
             s.sources
                 .iter_mut()
@@ -611,7 +611,10 @@ mod hedge_first_token {
 
     #[tokio::test(start_paused = true)]
     async fn single_source_scope_behaves_unhedged() {
-        let h = harness(1, |s| s.hedge.after = Some(ms(500))).await;
+        let h = harness(1, |s| {
+            s.hedge.after = polygw_core::hedge::ThresholdSetting::Static(ms(500))
+        })
+        .await;
         assert!(!h.client.warnings().is_empty(), "one-source hedge warning");
         h.fake.push("s-0", Script::ok(secs(2), "x"));
         let r = h.client.chat(ChatRequest::user("hi")).await.unwrap();
@@ -878,21 +881,239 @@ mod hedge_first_token {
         );
     }
 
+    /// The budget is a token bucket (SPEC §19.1): full at the start (a burst of
+    /// `HEDGE__BURST` legs), refilled by `BUDGET_PCT` of a leg per call.
     #[tokio::test(start_paused = true)]
-    async fn hedge_budget_caps_extra_legs_with_a_floor_of_one() {
+    async fn hedge_budget_is_a_bucket_with_a_burst() {
         let h = harness(2, |s| {
             hedged(2)(s);
             s.hedge.budget_pct = 20;
+            s.hedge.burst = 2;
         })
         .await;
-        for _ in 0..2 {
+        for _ in 0..8 {
             h.fake.push("s-0", Script::ok(secs(1), "slow"));
             h.fake.push("s-1", Script::ok(secs(5), "slower"));
         }
-        let a = h.client.chat(ChatRequest::user("1")).await.unwrap();
-        let b = h.client.chat(ChatRequest::user("2")).await.unwrap();
-        assert_eq!(a.call_stats.hedges, 1, "floor of one");
-        assert_eq!(b.call_stats.hedges, 0, "2 calls × 20 % < 2 extra legs");
+        let mut hedges = vec![];
+        for i in 0..8 {
+            let r = h
+                .client
+                .chat(ChatRequest::user(format!("{i}")))
+                .await
+                .unwrap();
+            hedges.push(r.call_stats.hedges);
+        }
+        // Full (2 legs; the first call's credit is capped); the second call leaves 0.2
+        // of a leg; the sixth call's credit makes a whole one again.
+        assert_eq!(
+            hedges,
+            [1, 1, 0, 0, 0, 1, 0, 0],
+            "burst of 2, then one per 5 calls"
+        );
+    }
+}
+
+// ---------------------------------------------------------------- auto hedging (SPEC §19)
+
+mod hedge_auto {
+    use super::*;
+
+    fn prioritized(s: &mut ScopeSettings) {
+        s.sources
+            .iter_mut()
+            .enumerate()
+            .for_each(|(i, x)| x.priority = i as u32);
+    }
+
+    /// With the defaults (both triggers `auto`, 10 %, 50 samples), nothing hedges until
+    /// the scope has 50 legs; then the first-token threshold is the distribution's 90th
+    /// percentile (here the answers take 100..=2000 ms: about 1.81 s), within bounds.
+    #[tokio::test(start_paused = true)]
+    async fn the_first_token_threshold_follows_the_distribution() {
+        let h = harness(2, prioritized).await;
+        // Before 50 samples: a slow primary is not hedged.
+        h.fake.push("s-0", Script::ok(secs(10), "slow"));
+        let r = h.client.chat(ChatRequest::user("cold")).await.unwrap();
+        assert_eq!(
+            (r.call_stats.hedges, r.call_stats.total_latency_ms),
+            (0, 10_000)
+        );
+        // 100 answers of 100..=1981 ms in a scrambled order; a hedge leg, should one
+        // fire for the slowest, loses (the fallback is slower still).
+        h.fake.set_default("s-1", Script::ok(secs(60), "later"));
+        let mut hedged = 0;
+        for i in 0..100u64 {
+            h.fake
+                .push("s-0", Script::ok(ms(100 + 19 * (i * 37 % 100)), "ok"));
+            let r = h
+                .client
+                .chat(ChatRequest::user(format!("{i}")))
+                .await
+                .unwrap();
+            assert_eq!(r.content, "ok");
+            hedged += r.call_stats.hedges;
+        }
+        assert!(
+            hedged <= 12,
+            "about 10 % of the calls past the first 50: {hedged}"
+        );
+        // A fast answer is not hedged.
+        h.fake.push("s-0", Script::ok(ms(300), "fast"));
+        let r = h.client.chat(ChatRequest::user("fast")).await.unwrap();
+        assert_eq!(r.call_stats.hedges, 0);
+        // A slow primary now: hedged at about the 90th percentile.
+        h.fake.push("s-0", Script::ok(secs(30), "stuck"));
+        h.fake.push("s-1", Script::ok(ms(100), "rescued"));
+        let r = h.client.chat(ChatRequest::user("slow")).await.unwrap();
+        assert_eq!(r.content, "rescued");
+        assert_eq!(r.call_stats.hedges, 1);
+        let t = r.call_stats.total_latency_ms;
+        assert!(
+            (1_800..=2_050).contains(&t),
+            "hedged at ≈ p90 (1.81 s) + 100 ms: {t} ms"
+        );
+        // SPEC §19.4: the winner's row explains the call.
+        let rows = h.rows.rows_of(&r.logical_call_id);
+        let winner = rows.iter().find(|x| x.ok).unwrap();
+        let trace =
+            polygw_core::trace::CallTrace::from_json(winner.trace.as_deref().unwrap()).unwrap();
+        let lines = trace.timeline().join("\n");
+        for want in [
+            "round 1: hedge after first token",
+            "(from the source's latency)",
+            "leg 0 launched on s-0: primary",
+            "leg 1 launched on s-1: hedge on its first token trigger",
+            "leg 0 cancelled (hedge_cancelled)",
+            "leg 1 won",
+        ] {
+            assert!(lines.contains(want), "{want:?} in\n{lines}");
+        }
+        let loser = rows.iter().find(|x| !x.ok).unwrap();
+        assert_eq!(loser.trace, None, "only the call's last row carries it");
+    }
+
+    /// SPEC §19.1, item 3 of issue 24: a quiet scope rescues consecutive stalls, each at
+    /// the stall threshold (the bucket's burst), and the `auto` stall threshold is the
+    /// gap distribution's (ordinary gaps of 50 ms: the 1 s floor).
+    #[tokio::test(start_paused = true)]
+    async fn consecutive_stalls_in_a_quiet_scope_are_each_rescued() {
+        let h = harness(2, prioritized).await;
+        let gaps = [ms(50); 9];
+        for i in 0..60 {
+            h.fake
+                .push("s-0", Script::stream(ms(100), &gaps, "abcdefghij"));
+            let r = h
+                .client
+                .chat(ChatRequest::user(format!("{i}")).with_stream(true))
+                .await
+                .unwrap();
+            assert_eq!(r.call_stats.hedges + r.call_stats.resumes, 0, "call {i}");
+        }
+        for i in 0..3 {
+            let mut stall = vec![ms(50); 9];
+            stall[3] = secs(60);
+            h.fake
+                .push("s-0", Script::stream(ms(100), &stall, "abcdefghij"));
+            h.fake
+                .push("s-1", Script::stream(ms(100), &gaps, "abcdefghij"));
+            let r = h
+                .client
+                .chat(ChatRequest::user(format!("stall {i}")).with_stream(true))
+                .await
+                .unwrap();
+            let st = r.call_stats;
+            assert_eq!(st.hedges + st.resumes, 1, "stall {i} rescued: {st:?}");
+            // Last chunk at 250 ms, the stall hedge 1 s later, a 550 ms leg after it.
+            assert!(
+                st.total_latency_ms < 2_500,
+                "stall {i}: {} ms",
+                st.total_latency_ms
+            );
+        }
+    }
+
+    /// A single-source scope never hedges `auto` (no other source); `off` turns it off.
+    #[tokio::test(start_paused = true)]
+    async fn auto_needs_two_sources_and_off_turns_it_off() {
+        for (n, off) in [(1, false), (2, true)] {
+            let h = harness(n, |s| {
+                prioritized(s);
+                if off {
+                    s.hedge.after = polygw_core::hedge::ThresholdSetting::Off;
+                    s.hedge.stall_after = polygw_core::hedge::ThresholdSetting::Off;
+                }
+            })
+            .await;
+            for i in 0..60 {
+                h.fake.push("s-0", Script::ok(ms(100), "ok"));
+                h.client
+                    .chat(ChatRequest::user(format!("{i}")))
+                    .await
+                    .unwrap();
+            }
+            h.fake.push("s-0", Script::ok(secs(10), "slow"));
+            let r = h.client.chat(ChatRequest::user("slow")).await.unwrap();
+            assert_eq!(r.call_stats.hedges, 0, "{n} source(s), off: {off}");
+        }
+    }
+}
+
+// ---------------------------------------------------------------- recovery (SPEC §19.3)
+
+mod recovery {
+    use super::*;
+
+    /// Issue 24, item 6: after an outage of the primary (every request answered 500),
+    /// with the default breaker (open 2 s, doubling per failed probe up to 30 s) and a
+    /// call every 200 ms, how long after the outage's end the primary serves again.
+    async fn recovery_after(outage: Duration, failure: Script) -> Duration {
+        let h = harness(2, |s| {
+            s.sources
+                .iter_mut()
+                .enumerate()
+                .for_each(|(i, x)| x.priority = i as u32);
+        })
+        .await;
+        h.fake.set_default("s-1", Script::ok(ms(50), "fallback"));
+        let start = tokio::time::Instant::now();
+        let end = start + outage;
+        loop {
+            let now = tokio::time::Instant::now();
+            if now < end {
+                h.fake.set_default("s-0", failure.clone());
+            } else {
+                h.fake.set_default("s-0", Script::ok(ms(50), "primary"));
+            }
+            let r = h.client.chat(ChatRequest::user("tick")).await.unwrap();
+            if r.content == "primary" {
+                return now.saturating_duration_since(end);
+            }
+            assert!(now < end + secs(120), "the primary never came back");
+            tokio::time::sleep(ms(200)).await;
+        }
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn the_primary_serves_again_soon_after_an_outage() {
+        for outage in [secs(10), secs(60), secs(600)] {
+            let back = recovery_after(outage, Script::http(ms(5), 500)).await;
+            eprintln!("outage {outage:?} (500s): primary again {back:?} after its end");
+            assert!(back <= secs(3), "outage {outage:?}: back after {back:?}");
+        }
+    }
+
+    /// An outage whose requests time out (each probe costs its caller 5 s) backs off as
+    /// SPEC §19.3 says: open 2 s doubling up to 30 s, so the primary is back within
+    /// `BREAKER__OPEN_MAX_S` (and the probe's own 5 s) of the outage's end.
+    #[tokio::test(start_paused = true)]
+    async fn an_outage_of_timeouts_backs_off_up_to_open_max() {
+        let timeout = Script::fail(secs(5), ErrorClass::Transient, ErrorLabel::Timeout);
+        for outage in [secs(10), secs(60), secs(600)] {
+            let back = recovery_after(outage, timeout.clone()).await;
+            eprintln!("outage {outage:?} (timeouts): primary again {back:?} after its end");
+            assert!(back <= secs(36), "outage {outage:?}: back after {back:?}");
+        }
     }
 }
 
@@ -902,7 +1123,7 @@ mod hedge_stall {
     use super::*;
 
     fn stall_hedged(s: &mut ScopeSettings) {
-        s.hedge.stall_after = Some(secs(2));
+        s.hedge.stall_after = polygw_core::hedge::ThresholdSetting::Static(secs(2));
         s.hedge.budget_pct = 0;
         s.sources
             .iter_mut()
@@ -950,7 +1171,7 @@ mod hedge_stall {
     async fn triggers_are_independent() {
         // only AFTER_S: a mid-stream stall does not hedge
         let h = harness(2, |s| {
-            s.hedge.after = Some(secs(1));
+            s.hedge.after = polygw_core::hedge::ThresholdSetting::Static(secs(1));
             s.hedge.budget_pct = 0;
             s.sources[1].priority = 1;
         })
@@ -1058,8 +1279,8 @@ mod cancellation {
     async fn dropping_at_every_await_point_leaves_nothing_behind() {
         for drop_at in (0..4000).step_by(137) {
             let h = harness(3, |s| {
-                s.hedge.after = Some(ms(300));
-                s.hedge.stall_after = Some(ms(900));
+                s.hedge.after = polygw_core::hedge::ThresholdSetting::Static(ms(300));
+                s.hedge.stall_after = polygw_core::hedge::ThresholdSetting::Static(ms(900));
                 s.hedge.max_extra = 2;
                 s.hedge.budget_pct = 0;
                 s.retry.backoff_base = ms(400);

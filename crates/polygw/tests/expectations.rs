@@ -580,8 +580,8 @@ async fn a_failure_then_a_retry_settle_each_permit_once() {
     let outcomes: Vec<BreakerOutcome> = log.of("s-0").iter().map(|r| r.outcome).collect();
     assert_eq!(
         outcomes,
-        [BreakerOutcome::Failure],
-        "s-0 fed the breaker once"
+        [BreakerOutcome::FastFailure],
+        "s-0 fed the breaker once (a failure within BREAKER__OPEN_S)"
     );
     let outcomes: Vec<BreakerOutcome> = log.of("s-1").iter().map(|r| r.outcome).collect();
     assert_eq!(outcomes, [BreakerOutcome::Success]);
@@ -644,7 +644,7 @@ async fn a_rejection_settles_zero_and_writes_one_terminal_row() {
 // ------------------------------------------------------------------ hedging
 
 fn hedged(s: &mut ScopeSettings) {
-    s.hedge.after = Some(ms(100));
+    s.hedge.after = polygw_core::hedge::ThresholdSetting::Static(ms(100));
     s.hedge.max_extra = 1;
     s.hedge.budget_pct = 0;
 }
@@ -979,7 +979,7 @@ async fn a_probe_that_fails_is_released_once() {
         log.all(),
         vec![Recorded {
             source: "s-0".into(),
-            outcome: BreakerOutcome::Failure,
+            outcome: BreakerOutcome::FastFailure,
             probe: true
         }]
     );

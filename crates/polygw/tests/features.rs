@@ -125,7 +125,7 @@ mod embeddings {
     #[tokio::test(start_paused = true)]
     async fn hedge_keys_on_an_embedding_scope_warn_and_batch_size_is_the_smallest() {
         let mut s = scope(2);
-        s.hedge.after = Some(ms(500));
+        s.hedge.after = polygw_core::hedge::ThresholdSetting::Static(ms(500));
         s.sources[0].batch_size = 8;
         s.sources[1].batch_size = 3;
         let (c, _, _) = client(s).await;

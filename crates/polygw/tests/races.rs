@@ -183,7 +183,7 @@ fn attempt_labels(h: &H) -> Vec<(String, String)> {
 async fn passthrough_co_completion_returns_the_committed_leg() {
     for offset in [0u64, 1, 2] {
         let mut s = scope(2);
-        s.hedge.after = Some(ms(100));
+        s.hedge.after = polygw_core::hedge::ThresholdSetting::Static(ms(100));
         let h = harness(s, None, None).await;
         // Leg 0: one chunk and done at 300 ms; leg 1 (launched at 100 ms): the same
         // instant (offset 0) or just after.
@@ -216,7 +216,7 @@ async fn passthrough_co_completion_returns_the_committed_leg() {
 #[tokio::test(start_paused = true)]
 async fn a_deadline_while_finalizing_keeps_the_winners_row() {
     let mut s = scope(2);
-    s.hedge.after = Some(ms(100));
+    s.hedge.after = polygw_core::hedge::ThresholdSetting::Static(ms(100));
     s.call_deadline = Some(ms(1000));
     let clock = Arc::new(TokioClock);
     let slow = Arc::new(SlowBreakers {
@@ -250,8 +250,8 @@ async fn a_deadline_while_finalizing_keeps_the_winners_row() {
 #[tokio::test(start_paused = true)]
 async fn the_stall_hedge_fires_before_a_later_first_token_timer() {
     let mut s = scope(2);
-    s.hedge.after = Some(ms(5000));
-    s.hedge.stall_after = Some(ms(1000));
+    s.hedge.after = polygw_core::hedge::ThresholdSetting::Static(ms(5000));
+    s.hedge.stall_after = polygw_core::hedge::ThresholdSetting::Static(ms(1000));
     let h = harness(s, None, None).await;
     let t0 = Instant::now();
     h.fake
@@ -274,7 +274,7 @@ async fn the_stall_hedge_fires_before_a_later_first_token_timer() {
 #[tokio::test(start_paused = true)]
 async fn legs_run_while_the_round_awaits_an_admission() {
     let mut s = scope(2);
-    s.hedge.stall_after = Some(ms(150));
+    s.hedge.stall_after = polygw_core::hedge::ThresholdSetting::Static(ms(150));
     let clock = Arc::new(TokioClock);
     let slow = Arc::new(SlowAdmission {
         inner: MemoryLimiter::new(clock),
@@ -312,7 +312,7 @@ async fn legs_run_while_the_round_awaits_an_admission() {
 #[tokio::test(start_paused = true)]
 async fn a_committed_leg_failing_in_its_commit_poll() {
     let mut s = scope(2);
-    s.hedge.after = Some(ms(100));
+    s.hedge.after = polygw_core::hedge::ThresholdSetting::Static(ms(100));
     let h = harness(s, None, None).await;
     h.fake.push(
         "s-0",
@@ -348,7 +348,7 @@ async fn a_committed_leg_failing_in_its_commit_poll() {
 #[tokio::test(start_paused = true)]
 async fn a_dropped_call_labels_every_leg_cancelled() {
     let mut s = scope(2);
-    s.hedge.after = Some(ms(100));
+    s.hedge.after = polygw_core::hedge::ThresholdSetting::Static(ms(100));
     let h = harness(s, None, None).await;
     h.fake.push("s-0", Script::Hang);
     h.fake.push("s-1", Script::Hang);

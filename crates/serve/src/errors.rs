@@ -328,6 +328,98 @@ pub fn from_gateway(e: &GatewayError) -> ApiError {
     out
 }
 
+/// SPEC §21.1: a client key's refusal as the proxy answers it, before any source is
+/// asked: 429 with `Retry-After` (the refusal's hint: the window's expiry, the earliest
+/// lease end, the budget period's end) and a body whose `code` is the reason
+/// (`key_rpm`, `key_tpm`, `key_concurrency`, `key_budget_day`, `key_budget_month`) and
+/// whose message names the key, its limit and when it resets (UTC). `x-should-retry` is
+/// false beyond a client library's horizon (a budget waits for its period's end) and when
+/// the call can never pass (a reservation above the budget itself). `key_budget_unpriced`
+/// is a 403: a budgeted key on a scope without prices cannot be served until the
+/// operator sets prices; retrying cannot help. `now_unix_ms` is the proxy's clock.
+#[cfg_attr(
+    not(test),
+    expect(
+        dead_code,
+        reason = "the proxy's key admission (issue 26) is wired next"
+    )
+)]
+pub fn from_key_refusal(
+    r: &polygw::core::ports::Refusal,
+    key: &polygw::core::ports::KeyAcquire<'_>,
+    now_unix_ms: u64,
+) -> ApiError {
+    use polygw::core::client_key::format_nanos;
+    use polygw::core::key_quota::format_utc;
+    let id = key.key_id;
+    let reset = r.retry_after.map(|d| {
+        let at = now_unix_ms.saturating_add(u64::try_from(d.as_millis()).unwrap_or(u64::MAX));
+        format_utc(at)
+    });
+    let resets = reset.as_deref().map_or_else(
+        || "it cannot pass: retrying will not help".to_string(),
+        |t| format!("resets at {t}"),
+    );
+    let budget = |b: Option<u64>| b.map_or_else(|| "?".to_string(), format_nanos);
+    let (kind, message) = match r.reason {
+        RefusalReason::KeyRpm => (
+            "requests",
+            format!("client key {id} reached its limit of {} requests per minute; {resets}", key.rpm),
+        ),
+        RefusalReason::KeyTpm => (
+            "tokens",
+            format!("client key {id} reached its limit of {} tokens per minute; {resets}", key.tpm),
+        ),
+        RefusalReason::KeyConcurrency => (
+            "requests",
+            format!(
+                "client key {id} has {} calls in flight, its limit; {resets}",
+                key.max_concurrency
+            ),
+        ),
+        RefusalReason::KeyBudgetDay => (
+            "insufficient_quota",
+            format!(
+                "client key {id} reached its budget of {} per day (UTC; this call reserves {}); {resets}",
+                budget(key.budget_day_nanos),
+                format_nanos(key.reserve_nanos)
+            ),
+        ),
+        RefusalReason::KeyBudgetMonth => (
+            "insufficient_quota",
+            format!(
+                "client key {id} reached its budget of {} per month (UTC; this call reserves {}); {resets}",
+                budget(key.budget_month_nanos),
+                format_nanos(key.reserve_nanos)
+            ),
+        ),
+        RefusalReason::KeyBudgetUnpriced => {
+            let mut e = ApiError::new(
+                StatusCode::FORBIDDEN,
+                "permission_error",
+                r.reason.as_str(),
+                format!(
+                    "client key {id} has a spend budget but this model's sources have no prices: \
+                     what the call would cost cannot be known, so it is not served"
+                ),
+            );
+            e.should_retry = Some(false);
+            return e;
+        }
+        other => ("requests", format!("client key {id} refused: {other}")),
+    };
+    let mut e = ApiError::new(
+        StatusCode::TOO_MANY_REQUESTS,
+        kind,
+        r.reason.as_str(),
+        message,
+    );
+    let secs = r.retry_after.map(retry_after_secs);
+    e.retry_after = secs;
+    e.should_retry = Some(secs.is_some_and(|s| s <= CLIENT_RETRY_HORIZON_S));
+    e
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -374,6 +466,77 @@ mod tests {
                 Some("context_length_exceeded"),
                 "too long"
             )
+        );
+    }
+
+    /// SPEC §21.1: a key's refusal is a 429 naming the key, its limit and its reset, with
+    /// `Retry-After`; an unpriced budget a 403.
+    #[test]
+    fn key_refusals_are_429_naming_the_limit_and_reset() {
+        use polygw::core::ports::{KeyAcquire, Refusal};
+        let key = KeyAcquire {
+            key_id: "key_1",
+            rpm: 60,
+            tpm: 0,
+            max_concurrency: 0,
+            budget_day_nanos: Some(25_000_000_000),
+            budget_month_nanos: None,
+            est_tokens: 0,
+            reserve_nanos: 1_500_000,
+            lease: Duration::from_secs(60),
+        };
+        let now = 1_706_745_540_000; // 2024-01-31T23:59:00Z
+        let refusal = |reason, secs: Option<u64>| Refusal {
+            reason,
+            retry_after: secs.map(Duration::from_secs),
+        };
+        let e = from_key_refusal(&refusal(RefusalReason::KeyRpm, Some(12)), &key, now);
+        assert_eq!(
+            (e.status, e.code.as_deref()),
+            (StatusCode::TOO_MANY_REQUESTS, Some("key_rpm"))
+        );
+        assert_eq!((e.retry_after, e.should_retry), (Some(12), Some(true)));
+        assert!(
+            e.message.contains("key_1") && e.message.contains("60 requests per minute"),
+            "{}",
+            e.message
+        );
+        assert!(
+            e.message.contains("resets at 2024-01-31T23:59:12Z"),
+            "{}",
+            e.message
+        );
+        let e = from_key_refusal(&refusal(RefusalReason::KeyBudgetDay, Some(60)), &key, now);
+        assert_eq!(
+            (e.status, e.code.as_deref(), e.kind),
+            (
+                StatusCode::TOO_MANY_REQUESTS,
+                Some("key_budget_day"),
+                "insufficient_quota"
+            )
+        );
+        assert!(e.message.contains("budget of 25 per day"), "{}", e.message);
+        assert!(
+            e.message.contains("resets at 2024-02-01T00:00:00Z"),
+            "{}",
+            e.message
+        );
+        let mut h = axum::http::HeaderMap::new();
+        e.set_headers(&mut h);
+        assert_eq!(h[header::RETRY_AFTER], "60");
+        // beyond the client's horizon, or never: no client retry
+        let e = from_key_refusal(
+            &refusal(RefusalReason::KeyBudgetMonth, Some(86_400)),
+            &key,
+            now,
+        );
+        assert_eq!(e.should_retry, Some(false));
+        let e = from_key_refusal(&refusal(RefusalReason::KeyBudgetDay, None), &key, now);
+        assert_eq!((e.retry_after, e.should_retry), (None, Some(false)));
+        let e = from_key_refusal(&refusal(RefusalReason::KeyBudgetUnpriced, None), &key, now);
+        assert_eq!(
+            (e.status, e.code.as_deref()),
+            (StatusCode::FORBIDDEN, Some("key_budget_unpriced"))
         );
     }
 

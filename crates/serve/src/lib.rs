@@ -5,8 +5,9 @@
 //!   `POST /v1/responses` (OpenAI's Responses API, with `GET`/`DELETE
 //!   /v1/responses/{id}`), `POST /v1/messages` and `/v1/messages/count_tokens`
 //!   (Anthropic's Messages API), `POST /v1/embeddings` (float and base64),
-//!   `GET /v1/models`, `GET /v1/models/{id}`, `GET /healthz`, `GET /metrics`. Mount it
-//!   in any axum or hyper server.
+//!   `GET /v1/models`, `GET /v1/models/{id}`, `GET /healthz` (liveness), `GET /readyz`
+//!   (readiness: not draining, governance reachable, telemetry writable), `GET
+//!   /metrics`. Mount it in any axum or hyper server.
 //! - [`serve`] runs it on a listener as a hardened HTTP/1.1 server: header, idle and
 //!   write timeouts, a header-size limit, total and per-client connection caps,
 //!   OpenAI-format bodies on every error (the server's own included), and a shutdown
@@ -44,6 +45,7 @@ mod metrics;
 mod names;
 mod openai;
 mod proxy;
+mod ready;
 mod route;
 mod scope;
 mod server;
@@ -58,6 +60,7 @@ pub use openai::{
     parse_embeddings, Encoding, ParsedChat, ParsedEmbeddings,
 };
 pub use proxy::Proxy;
+pub use ready::{CHECK_TIMEOUT as READY_CHECK_TIMEOUT, REUSE as READY_REUSE};
 pub use scope::{Scope, ScopeClient};
 pub use server::{serve, ServeReport};
 

@@ -275,6 +275,15 @@ pub fn usage_json(u: &Usage) -> Value {
         "completion_tokens": u.completion_tokens,
         "total_tokens": u.total(),
     });
+    // Prompt-cache figures when known (SPEC §20.1), in OpenAI's field; cache writes in
+    // the Anthropic-style field OpenAI-compatible sources use (both part of
+    // `prompt_tokens`, as polygw counts them).
+    if let Some(c) = u.cached_prompt_tokens {
+        v["prompt_tokens_details"] = json!({"cached_tokens": c});
+    }
+    if let Some(w) = u.cache_write_tokens {
+        v["cache_creation_input_tokens"] = json!(w);
+    }
     if let Some(r) = u.reasoning_tokens {
         v["completion_tokens_details"] = json!({"reasoning_tokens": r});
     }
@@ -614,6 +623,28 @@ mod tests {
         body.resize(1024 * 1024, b'a');
         body.extend_from_slice(br#""}]}"#);
         assert!(parse_chat(&body).is_ok());
+    }
+
+    #[test]
+    fn synthesized_usage_carries_the_cache_figures() {
+        let u = Usage {
+            reasoning_tokens: Some(3),
+            cached_prompt_tokens: Some(640),
+            cache_write_tokens: Some(128),
+            ..Usage::new(1000, 10)
+        };
+        assert_eq!(
+            usage_json(&u),
+            json!({"prompt_tokens": 1000, "completion_tokens": 10, "total_tokens": 1010,
+                   "prompt_tokens_details": {"cached_tokens": 640},
+                   "cache_creation_input_tokens": 128,
+                   "completion_tokens_details": {"reasoning_tokens": 3}})
+        );
+        // Not reported: not invented.
+        assert_eq!(
+            usage_json(&Usage::new(5, 2)),
+            json!({"prompt_tokens": 5, "completion_tokens": 2, "total_tokens": 7})
+        );
     }
 
     #[test]

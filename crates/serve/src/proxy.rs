@@ -14,6 +14,7 @@ use tokio::sync::watch;
 use crate::config::ProxyConfig;
 use crate::guard;
 use crate::metrics::ProxyCounters;
+use crate::ready::Readiness;
 use crate::route::{chat, embeddings, messages, meta, responses};
 use crate::scope::{Gate, Scope, ScopeClient};
 use crate::state::{Served, State};
@@ -71,6 +72,7 @@ impl Proxy {
                 recorders,
                 counters: Arc::new(ProxyCounters::default()),
                 cut,
+                ready: Readiness::default(),
             }),
         }
     }
@@ -99,6 +101,7 @@ impl Proxy {
             .merge(api)
             .route("/", get(meta::root).head(meta::root))
             .route("/healthz", get(meta::healthz))
+            .route("/readyz", get(meta::readyz))
             .route("/metrics", get(meta::metrics))
             .fallback(meta::not_found)
             .method_not_allowed_fallback(meta::method_not_allowed)
@@ -125,6 +128,29 @@ impl Proxy {
     /// The proxy's counters (also in `/metrics`).
     pub fn counters(&self) -> &Arc<ProxyCounters> {
         &self.state.counters
+    }
+
+    /// A shutdown has begun: from now on `/readyz` answers 503 `draining`, so a load
+    /// balancer takes this replica out while its calls finish ([`crate::serve`] does
+    /// this when its `shutdown` future resolves; call it yourself when the router is
+    /// mounted in another server). `/healthz` stays 200. Irreversible.
+    pub fn start_draining(&self) {
+        self.state.ready.start_draining();
+    }
+
+    /// Whether [`Proxy::start_draining`] was called.
+    pub fn is_draining(&self) -> bool {
+        self.state.ready.is_draining()
+    }
+
+    /// Calls running now, over every scope (a shutdown says how many it waits for or
+    /// cuts).
+    pub fn calls_running(&self) -> usize {
+        self.state
+            .scopes
+            .iter()
+            .map(|s| s.gate.running(self.state.cfg.max_calls_per_scope))
+            .sum()
     }
 
     /// The shutdown's grace period is over: open streams end with an error event

@@ -6,8 +6,11 @@
 //!   beyond `max_connections_per_client` from one address a 429, both in OpenAI's
 //!   error format, then closed (never a silent accept queue that starves `/healthz`).
 //! - Per connection: the header, idle and blocked-write limits of [`crate::conn`].
-//! - Shutdown: stop accepting, let every in-flight call finish for `grace` (kept-alive
-//!   idle connections close at once), then [`Proxy::cut`] — open streams get an error
+//! - Shutdown (a drain, SPEC §21.2): `/readyz` answers 503 `draining` from the first
+//!   moment ([`Proxy::start_draining`]), the listener closes (new connections are
+//!   refused: a load balancer's check fails and it sends elsewhere), every in-flight
+//!   call and stream may finish for `grace` (kept-alive idle connections close at once,
+//!   a busy one after its answer), then [`Proxy::cut`] — open streams get an error
 //!   event, plain calls a 503 — and after a short flush whatever is left is dropped
 //!   (every remaining call is cancelled).
 
@@ -52,6 +55,9 @@ pub struct ServeReport {
     pub connections: u64,
     /// The grace period ended with calls still running (they were cut).
     pub cut: bool,
+    /// Connections still open when the grace period ended (each with a call running:
+    /// idle ones close at once): what was cut.
+    pub cut_connections: usize,
     /// Connections still open after the final flush, dropped.
     pub dropped: usize,
 }
@@ -279,6 +285,7 @@ pub async fn serve(
             }
         }
     }
+    proxy.start_draining();
     drop(listener);
     drain_tx.send_replace(true);
     refusing.abort_all();
@@ -287,7 +294,9 @@ pub async fn serve(
         .is_err()
     {
         report.cut = true;
-        tracing::warn!(
+        report.cut_connections = conns.len();
+        // The report says it to the caller (`polygw serve` prints one line of it).
+        tracing::info!(
             connections = conns.len(),
             "grace period over: ending the calls still running"
         );

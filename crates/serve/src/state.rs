@@ -1,6 +1,6 @@
 //! What every request shares ([`State`]): the served scopes and their gates, the client
-//! keys, the metrics, and the signal that ends open streams when a shutdown's grace
-//! period is over; and how a request's `model` selects a scope (SPEC §11, §18.3).
+//! keys, the metrics, the signal that ends open streams when a shutdown's grace period
+//! is over, and the readiness state (draining, the last checks); and how a request's `model` selects a scope (SPEC §11, §18.3).
 
 use std::sync::Arc;
 
@@ -12,6 +12,7 @@ use tokio::sync::watch;
 use crate::config::ProxyConfig;
 use crate::errors::ApiError;
 use crate::metrics::ProxyCounters;
+use crate::ready::Readiness;
 use crate::scope::{Gate, Scope, ScopeClient};
 
 /// A scope and its gate.
@@ -30,6 +31,8 @@ pub(crate) struct State {
     pub recorders: Vec<Arc<dyn TelemetryRecorder>>,
     pub counters: Arc<ProxyCounters>,
     pub cut: watch::Sender<bool>,
+    /// `/readyz`: the drain flag and the last run of the checks.
+    pub ready: Readiness,
 }
 
 impl std::fmt::Debug for State {

@@ -12,8 +12,8 @@ use std::time::Instant;
 
 use futures_util::StreamExt;
 use polygw::core::ports::ManualClock;
-use polygw::{GatewayClient, ScopeKind, ScopeSettings, SourceConfig};
 use polygw::memory::{MemoryBreakerStore, MemoryLimiter};
+use polygw::{GatewayClient, ScopeKind, ScopeSettings, SourceConfig};
 use polygw_mock_upstream::{MockConfig, MockUpstream};
 use polygw_serve::{Proxy, ProxyConfig, Scope, ServerLimits};
 
@@ -61,7 +61,9 @@ fn the_proxy_keeps_nothing_per_call() {
         .unwrap();
     polygw_heap_meter::track_this_thread();
     rt.block_on(async {
-        let still = Arc::new(ManualClock::new(Instant::now(), 1_700_000_000_000));
+        #[allow(clippy::disallowed_methods, reason = "the base of a clock held still")]
+        let base = Instant::now();
+        let still = Arc::new(ManualClock::new(base, 1_700_000_000_000));
         let settings = ScopeSettings::new(
             "LLM",
             vec![SourceConfig::new(

@@ -358,6 +358,32 @@ impl Db {
         }
     }
 
+    /// Whether rows can be written, checked without writing: PostgreSQL — one query
+    /// (a primary, transactions not read-only by default, and `INSERT` on `llm_calls`
+    /// through the search path); SQLite — the
+    /// write lock taken and released (`BEGIN IMMEDIATE`, rolled back when the
+    /// transaction is dropped, also if this future is).
+    pub(crate) async fn writable(&self) -> Result<bool, sqlx::Error> {
+        match self {
+            #[cfg(feature = "sqlite")]
+            Db::Sqlite(p) => {
+                let tx = p.begin_with("BEGIN IMMEDIATE").await?;
+                tx.rollback().await?;
+                Ok(true)
+            }
+            #[cfg(feature = "postgres")]
+            Db::Postgres(p) => {
+                sqlx::query_scalar(
+                    "SELECT NOT pg_is_in_recovery() \
+                     AND current_setting('transaction_read_only') = 'off' \
+                     AND has_table_privilege('llm_calls', 'INSERT')",
+                )
+                .fetch_one(p)
+                .await
+            }
+        }
+    }
+
     /// Closes the pool.
     pub(crate) async fn close(&self) {
         match self {

@@ -31,6 +31,7 @@
 
 mod config;
 mod db;
+mod keys;
 pub mod migrations;
 pub mod queries;
 mod reader;
@@ -42,6 +43,7 @@ pub use config::RecorderConfig;
 pub use db::{
     Backend, APPLICATION_NAME, COLUMNS, POSTGRES_MAX_BINDS, SQLITE_MAX_BINDS, STORE_PG_CONNECTIONS,
 };
+pub use keys::SqlKeyStore;
 pub use polygw_core::ports::telemetry::{FlushReport, NullRecorder, TelemetryRecorder};
 pub use reader::{accounting_gap, read_rows, TelemetryReader};
 pub use recorder::{RecorderMonitor, SqlRecorder};

@@ -72,6 +72,12 @@ pub const SQLITE: &[EmbeddedMigration] = &[
         file: "0004_polygw_responses.sql",
         sql: include_str!("../migrations/sqlite/0004_polygw_responses.sql"),
     },
+    EmbeddedMigration {
+        version: 5,
+        description: "polygw client keys",
+        file: "0005_polygw_client_keys.sql",
+        sql: include_str!("../migrations/sqlite/0005_polygw_client_keys.sql"),
+    },
 ];
 
 /// PostgreSQL migrations, in order (same versions and descriptions as [`SQLITE`]).
@@ -99,6 +105,12 @@ pub const POSTGRES: &[EmbeddedMigration] = &[
         description: "polygw responses",
         file: "0004_polygw_responses.sql",
         sql: include_str!("../migrations/postgres/0004_polygw_responses.sql"),
+    },
+    EmbeddedMigration {
+        version: 5,
+        description: "polygw client keys",
+        file: "0005_polygw_client_keys.sql",
+        sql: include_str!("../migrations/postgres/0005_polygw_client_keys.sql"),
     },
 ];
 

@@ -94,20 +94,25 @@ WHERE kind = 'attempt' AND prompt_tokens IS NOT NULL
 GROUP BY source
 ORDER BY source";
 
-/// What prompt caching saved per source: cached tokens × (`INPUT_PRICE` −
-/// `CACHED_INPUT_PRICE`) / 1e6. Prices are configuration, not columns: put each source's
-/// in the `prices` list (the values here are examples).
+/// What prompt caching saved per source (SPEC §20.1): cached tokens × (`INPUT_PRICE` −
+/// `CACHED_INPUT_PRICE`) plus written tokens × (`INPUT_PRICE` − `CACHE_WRITE_PRICE`)
+/// (negative where writes cost more), / 1e6. Prices are configuration, not columns: put
+/// each source's in the `prices` list (the values here are examples; an unset cache price
+/// is `INPUT_PRICE`).
 pub const CACHE_SAVING_PER_SOURCE: &str = "\
-WITH prices (source, input_price, cached_input_price) AS (
-    VALUES ('deepseek-0', 0.27, 0.07), ('qwen-0', 0.8, 0.2)
+WITH prices (source, input_price, cached_input_price, cache_write_price) AS (
+    VALUES ('deepseek-0', 0.27, 0.07, 0.27), ('qwen-0', 0.8, 0.2, 0.8)
 )
 SELECT c.source,
        CAST(SUM(COALESCE(c.cached_prompt_tokens, 0)) AS BIGINT) AS cached_prompt_tokens,
-       CAST(SUM(COALESCE(c.cached_prompt_tokens, 0)) AS DOUBLE PRECISION)
-           * CAST(p.input_price - p.cached_input_price AS DOUBLE PRECISION) / 1e6 AS saving
+       CAST(SUM(COALESCE(c.cache_write_tokens, 0)) AS BIGINT) AS cache_write_tokens,
+       (CAST(SUM(COALESCE(c.cached_prompt_tokens, 0)) AS DOUBLE PRECISION)
+           * CAST(p.input_price - p.cached_input_price AS DOUBLE PRECISION)
+        + CAST(SUM(COALESCE(c.cache_write_tokens, 0)) AS DOUBLE PRECISION)
+           * CAST(p.input_price - p.cache_write_price AS DOUBLE PRECISION)) / 1e6 AS saving
 FROM llm_calls c JOIN prices p ON p.source = c.source
 WHERE c.kind = 'attempt' AND c.prompt_tokens IS NOT NULL
-GROUP BY c.source, p.input_price, p.cached_input_price
+GROUP BY c.source, p.input_price, p.cached_input_price, p.cache_write_price
 ORDER BY c.source";
 
 /// The accounting gap in tokens (SPEC §20.4): per source, the attempts whose usage is

@@ -51,6 +51,8 @@ struct Shared {
     closed: Notify,
     /// A batch was committed or rows were dropped, or the writer stopped.
     progress: Notify,
+    /// The last write failed: why (URL redacted), until a write succeeds again.
+    failing: Mutex<Option<String>>,
 }
 
 impl Shared {
@@ -206,6 +208,11 @@ impl Writer {
     }
 
     fn on_success(&self, st: &mut WriterState) {
+        *self
+            .shared
+            .failing
+            .lock()
+            .unwrap_or_else(|e| e.into_inner()) = None;
         if let Some(since) = st.failing_since.take() {
             tracing::info!(
                 url = %self.label,
@@ -221,6 +228,11 @@ impl Writer {
     }
 
     fn on_failure(&self, st: &mut WriterState, error: &str) {
+        *self
+            .shared
+            .failing
+            .lock()
+            .unwrap_or_else(|e| e.into_inner()) = Some(error.to_string());
         let now = Instant::now();
         st.failing_since.get_or_insert(now);
         st.failures += 1;
@@ -430,6 +442,7 @@ impl SqlRecorder {
             urgent: Notify::new(),
             closed: Notify::new(),
             progress: Notify::new(),
+            failing: Mutex::new(None),
         });
         let writer = Writer {
             shared: shared.clone(),
@@ -615,5 +628,29 @@ impl TelemetryRecorder for SqlRecorder {
             )));
         }
         Ok(report)
+    }
+
+    /// Not writable when the writer has stopped or its last write failed (the rows
+    /// wait in the queue); else one cheap check on the store's connections, bounded by
+    /// `write_timeout`: PostgreSQL — a primary (not in recovery) where `llm_calls`
+    /// takes `INSERT`; SQLite — the write lock can be taken (`BEGIN IMMEDIATE`, rolled
+    /// back). Nothing is written.
+    async fn check_writable(&self) -> Result<(), TelemetryError> {
+        let s = &self.inner.shared;
+        if s.stopped.load(Ordering::SeqCst) {
+            return Err(TelemetryError(format!(
+                "telemetry writer for {} has stopped",
+                self.inner.label
+            )));
+        }
+        let failing = s.failing.lock().unwrap_or_else(|e| e.into_inner()).clone();
+        if let Some(e) = failing {
+            return Err(TelemetryError(format!(
+                "the last telemetry write to {} failed ({} rows pending): {e}",
+                self.inner.label,
+                s.report().pending
+            )));
+        }
+        self.inner.store.check_writable().await
     }
 }

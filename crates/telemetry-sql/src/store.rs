@@ -45,6 +45,44 @@ impl StoreBase {
             timeout,
         }
     }
+
+    /// Runs one database operation within the timeout, its error described without
+    /// the URL's password.
+    pub(crate) async fn bounded<T>(
+        &self,
+        what: &str,
+        f: impl std::future::Future<Output = Result<T, sqlx::Error>>,
+    ) -> Result<T, TelemetryError> {
+        let limit = self.timeout;
+        match tokio::time::timeout(limit, f).await {
+            Ok(Ok(v)) => Ok(v),
+            Ok(Err(sqlx::Error::PoolClosed)) => Err(TelemetryError(format!(
+                "cannot {what} ({}): the telemetry recorder was shut down",
+                self.label
+            ))),
+            Ok(Err(e)) => Err(err(&format!("cannot {what}"), &e, &self.url)),
+            Err(_) => Err(TelemetryError(format!(
+                "cannot {what} ({}): no answer within {limit:?}",
+                self.label
+            ))),
+        }
+    }
+
+    /// The readiness check of [`crate::SqlRecorder`]'s
+    /// `TelemetryRecorder::check_writable`, on these connections.
+    pub(crate) async fn check_writable(&self) -> Result<(), TelemetryError> {
+        match self
+            .bounded("check the telemetry database", self.db.writable())
+            .await?
+        {
+            true => Ok(()),
+            false => Err(TelemetryError(format!(
+                "the telemetry database {} is read-only (a standby, or no INSERT privilege \
+                 on llm_calls)",
+                self.label
+            ))),
+        }
+    }
 }
 
 /// The [`ResponseStore`] of a telemetry database: table `polygw_responses` (primary key
@@ -142,26 +180,13 @@ impl SqlResponseStore {
         .await
     }
 
-    /// Runs one database operation within the timeout, its error described without
-    /// the URL's password.
+    /// Runs one database operation within the timeout.
     async fn bounded<T>(
         &self,
         what: &str,
         f: impl std::future::Future<Output = Result<T, sqlx::Error>>,
     ) -> Result<T, TelemetryError> {
-        let limit = self.base.timeout;
-        match tokio::time::timeout(limit, f).await {
-            Ok(Ok(v)) => Ok(v),
-            Ok(Err(sqlx::Error::PoolClosed)) => Err(TelemetryError(format!(
-                "cannot {what} ({}): the telemetry recorder was shut down",
-                self.base.label
-            ))),
-            Ok(Err(e)) => Err(err(&format!("cannot {what}"), &e, &self.base.url)),
-            Err(_) => Err(TelemetryError(format!(
-                "cannot {what} ({}): no answer within {limit:?}",
-                self.base.label
-            ))),
-        }
+        self.base.bounded(what, f).await
     }
 }
 

@@ -1672,9 +1672,9 @@ mod schema {
 
     /// A later polygw's migration: one that adds a column and a table of its own.
     const NEXT: EmbeddedMigration = EmbeddedMigration {
-        version: 5,
+        version: 6,
         description: "polygw test region",
-        file: "0005_polygw_test_region.sql",
+        file: "0006_polygw_test_region.sql",
         sql: "ALTER TABLE llm_calls ADD COLUMN region TEXT;\nCREATE INDEX IF NOT EXISTS llm_calls_region ON llm_calls (region);\nCREATE TABLE IF NOT EXISTS polygw_test_regions (region TEXT NOT NULL PRIMARY KEY);",
     };
     /// A later polygw's migration list: this binary's, plus [`NEXT`].
@@ -1683,6 +1683,7 @@ mod schema {
         migrations::SQLITE[1],
         migrations::SQLITE[2],
         migrations::SQLITE[3],
+        migrations::SQLITE[4],
         NEXT,
     ];
     static POSTGRES_NEXT: &[EmbeddedMigration] = &[
@@ -1690,10 +1691,11 @@ mod schema {
         migrations::POSTGRES[1],
         migrations::POSTGRES[2],
         migrations::POSTGRES[3],
+        migrations::POSTGRES[4],
         NEXT,
     ];
     /// This binary's latest migration.
-    const LATEST: i64 = 4;
+    const LATEST: i64 = 5;
 
     #[test]
     fn the_lists_here_are_this_binarys_plus_one() {
@@ -2796,5 +2798,81 @@ mod logging {
             !text.contains("hunter2"),
             "a password reached the logs:\n{text}"
         );
+    }
+}
+
+/// Client keys (SPEC §21.1) in both databases: stored by hash, unique ids, names and
+/// hashes with errors that say which, updates in place, found by id before name.
+mod client_keys {
+    use std::time::Duration;
+
+    use polygw_core::client_key::{ClientKey, KeyLimits};
+    use polygw_core::ports::ClientKeyStore;
+    use polygw_telemetry_sql::SqlKeyStore;
+
+    use crate::common::TestDb;
+
+    fn key(id: &str, name: &str, hash: &str) -> ClientKey {
+        ClientKey {
+            id: id.into(),
+            name: name.into(),
+            hash: hash.into(),
+            prefix: "pgw-abcdef".into(),
+            scopes: vec!["LLM".into()],
+            models: vec![],
+            limits: KeyLimits {
+                rpm: 60,
+                tpm: 0,
+                max_concurrency: 4,
+                budget_day_nanos: Some(25_000_000_000),
+                budget_month_nanos: None,
+            },
+            created_at_ms: 1,
+            updated_at_ms: 1,
+            revoked_at_ms: None,
+        }
+    }
+
+    #[tokio::test]
+    async fn keys_round_trip_and_refuse_duplicates() {
+        for db in TestDb::all().await {
+            let s = SqlKeyStore::connect(db.url(), Duration::from_secs(10))
+                .await
+                .unwrap();
+            let a = key("key_a", "batch", "h1");
+            s.create(a.clone()).await.unwrap();
+            assert_eq!(s.list().await.unwrap(), vec![a.clone()], "{}", db.name());
+            for (dup, what) in [
+                (key("key_a", "other", "h2"), "the id"),
+                (key("key_b", "batch", "h2"), "the name"),
+                (key("key_b", "other", "h1"), "the key"),
+            ] {
+                let e = s.create(dup).await.unwrap_err().to_string();
+                assert!(e.contains(what), "{}: {e}", db.name());
+                assert!(!e.contains("h1"), "no hash in errors: {e}");
+            }
+            let mut b = key("key_b", "key_a", "h3");
+            b.created_at_ms = 2;
+            b.updated_at_ms = 2;
+            s.create(b.clone()).await.unwrap();
+            assert_eq!(
+                s.find("key_a").await.unwrap(),
+                Some(a.clone()),
+                "id before name"
+            );
+            assert_eq!(s.find("batch").await.unwrap(), Some(a.clone()));
+            assert_eq!(s.find("nope").await.unwrap(), None);
+            let mut a2 = a.clone();
+            a2.hash = "h4".into();
+            a2.limits.budget_month_nanos = Some(100_000_000_000);
+            a2.limits.budget_day_nanos = None;
+            a2.models = vec!["gpt".into()];
+            a2.revoked_at_ms = Some(9);
+            a2.updated_at_ms = 9;
+            assert!(s.update(a2.clone()).await.unwrap());
+            assert!(!s.update(key("key_z", "z", "hz")).await.unwrap());
+            assert_eq!(s.list().await.unwrap(), vec![a2, b], "{}", db.name());
+            s.close().await;
+        }
     }
 }

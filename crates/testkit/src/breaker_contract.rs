@@ -677,7 +677,8 @@ pub fn breaker_ops_strategy(manual: bool, len: usize) -> impl Strategy<Value = V
         (60_000u64..120_000).boxed()
     };
     let outcome = prop_oneof![
-        3 => Just(BreakerOutcome::Failure),
+        2 => Just(BreakerOutcome::Failure),
+        2 => Just(BreakerOutcome::FastFailure),
         2 => Just(BreakerOutcome::Success),
         1 => Just(BreakerOutcome::Neutral),
         1 => Just(BreakerOutcome::Dead),

@@ -17,6 +17,9 @@
 //! and only assert what is race-free — "refused right after saturating" and "admitted
 //! once the window plus a margin has passed" — and hints are compared within the time
 //! the case took. Every case works in a fresh, uniquely named scope.
+//!
+//! The client-key half of the port (SPEC §21.1) has its cases and its model proptest in
+//! [`keys`], on the same harness.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -30,6 +33,8 @@ use proptest::prelude::*;
 use proptest::test_runner::{Config, TestCaseError, TestRunner};
 
 use crate::services::unique_name;
+
+pub mod keys;
 
 /// Reads a backend's rolling windows (tests only; both backends expose these figures).
 #[async_trait]

@@ -153,8 +153,15 @@ fn tokens(v: Option<&Value>) -> Option<u64> {
 /// them; a source that reports Anthropic-style fields larger than its `prompt_tokens`
 /// counts them apart (Anthropic's own convention), and they are added to it. Cached
 /// figures are clamped to the prompt (docs/DECISIONS.md).
+///
+/// Reasoning tokens are part of `completion_tokens`, as OpenAI counts them. A source
+/// that reports them outside it — xAI: `total_tokens = prompt + completion + reasoning`
+/// — has them added to it, so `completion_tokens` is always every output token billed
+/// (docs/DECISIONS.md); so is a reasoning count larger than the completion, which cannot
+/// be part of it.
 pub fn parse_usage(u: &Map<String, Value>) -> Usage {
-    let mut prompt = tokens(u.get("prompt_tokens")).unwrap_or(0);
+    let reported_prompt = tokens(u.get("prompt_tokens")).unwrap_or(0);
+    let mut prompt = reported_prompt;
     let details = u.get("prompt_tokens_details").and_then(Value::as_object);
     let anthropic_read = tokens(u.get("cache_read_input_tokens"));
     let write = tokens(u.get("cache_creation_input_tokens"));
@@ -171,13 +178,26 @@ pub fn parse_usage(u: &Map<String, Value>) -> Usage {
     }
     let cached = cached.map(|c| c.min(prompt));
     let write = write.map(|w| w.min(prompt.saturating_sub(cached.unwrap_or(0))));
+    let completion = tokens(u.get("completion_tokens")).unwrap_or(0);
+    let reasoning = u
+        .get("completion_tokens_details")
+        .and_then(Value::as_object)
+        .and_then(|d| tokens(d.get("reasoning_tokens")));
+    let completion = match (reasoning, tokens(u.get("total_tokens"))) {
+        (Some(r), _) if r > completion => completion.saturating_add(r).min(MAX_TOKENS),
+        (Some(r), Some(total))
+            if r > 0
+                && total != reported_prompt.saturating_add(completion)
+                && total == reported_prompt.saturating_add(completion).saturating_add(r) =>
+        {
+            completion.saturating_add(r).min(MAX_TOKENS)
+        }
+        _ => completion,
+    };
     Usage {
         prompt_tokens: prompt,
-        completion_tokens: tokens(u.get("completion_tokens")).unwrap_or(0),
-        reasoning_tokens: u
-            .get("completion_tokens_details")
-            .and_then(Value::as_object)
-            .and_then(|d| tokens(d.get("reasoning_tokens"))),
+        completion_tokens: completion,
+        reasoning_tokens: reasoning,
         cached_prompt_tokens: cached,
         cache_write_tokens: write,
     }
@@ -889,6 +909,111 @@ pub fn error_body(body: &[u8]) -> Option<ProviderError> {
 mod tests {
     use super::*;
     use serde_json::json;
+
+    fn usage_of(v: Value) -> Usage {
+        parse_usage(v.as_object().unwrap())
+    }
+
+    /// (prompt, completion, reasoning, cached, write)
+    fn figures(u: Usage) -> (u64, u64, Option<u64>, Option<u64>, Option<u64>) {
+        (
+            u.prompt_tokens,
+            u.completion_tokens,
+            u.reasoning_tokens,
+            u.cached_prompt_tokens,
+            u.cache_write_tokens,
+        )
+    }
+
+    #[test]
+    fn cache_figures_in_every_dialect() {
+        let rows = [
+            // OpenAI, DashScope/Qwen, vLLM, xAI.
+            (
+                json!({"prompt_tokens": 322, "completion_tokens": 104,
+                       "prompt_tokens_details": {"cached_tokens": 256}}),
+                (322, 104, None, Some(256), None),
+            ),
+            // DeepSeek: hit + miss = prompt (the details too, in newer answers).
+            (
+                json!({"prompt_tokens": 374, "completion_tokens": 61,
+                       "prompt_cache_hit_tokens": 256, "prompt_cache_miss_tokens": 118}),
+                (374, 61, None, Some(256), None),
+            ),
+            // Anthropic-style inside the prompt (the OpenAI-compatible convention).
+            (
+                json!({"prompt_tokens": 110, "completion_tokens": 5,
+                       "cache_read_input_tokens": 64, "cache_creation_input_tokens": 32}),
+                (110, 5, None, Some(64), Some(32)),
+            ),
+            // Anthropic-style outside it (Anthropic's own convention): added.
+            (
+                json!({"prompt_tokens": 30, "completion_tokens": 7,
+                       "cache_read_input_tokens": 60, "cache_creation_input_tokens": 10}),
+                (100, 7, None, Some(60), Some(10)),
+            ),
+            // Moonshot: a top-level cached_tokens.
+            (
+                json!({"prompt_tokens": 90, "completion_tokens": 50, "cached_tokens": 90}),
+                (90, 50, None, Some(90), None),
+            ),
+            // No cache field: unknown, not 0.
+            (
+                json!({"prompt_tokens": 9, "completion_tokens": 1}),
+                (9, 1, None, None, None),
+            ),
+            // A cached figure above the prompt is clamped to it.
+            (
+                json!({"prompt_tokens": 10, "completion_tokens": 1,
+                       "prompt_tokens_details": {"cached_tokens": 50}}),
+                (10, 1, None, Some(10), None),
+            ),
+        ];
+        for (v, want) in rows {
+            assert_eq!(figures(usage_of(v.clone())), want, "{v}");
+        }
+    }
+
+    #[test]
+    fn reasoning_reported_outside_the_completion_is_added_to_it() {
+        let rows = [
+            // OpenAI: inside (total = prompt + completion).
+            (
+                json!({"prompt_tokens": 15, "completion_tokens": 78, "total_tokens": 93,
+                       "completion_tokens_details": {"reasoning_tokens": 64}}),
+                78,
+            ),
+            // xAI: outside (total = prompt + completion + reasoning).
+            (
+                json!({"prompt_tokens": 291, "completion_tokens": 26, "total_tokens": 513,
+                       "completion_tokens_details": {"reasoning_tokens": 196}}),
+                222,
+            ),
+            // More reasoning than completion, no total: it cannot be inside.
+            (
+                json!({"prompt_tokens": 12, "completion_tokens": 1,
+                       "completion_tokens_details": {"reasoning_tokens": 290}}),
+                291,
+            ),
+            // Less reasoning than completion, no total: inside.
+            (
+                json!({"prompt_tokens": 12, "completion_tokens": 100,
+                       "completion_tokens_details": {"reasoning_tokens": 40}}),
+                100,
+            ),
+            // A total that fits neither: the completion as reported.
+            (
+                json!({"prompt_tokens": 12, "completion_tokens": 100, "total_tokens": 7,
+                       "completion_tokens_details": {"reasoning_tokens": 40}}),
+                100,
+            ),
+        ];
+        for (v, want) in rows {
+            let u = usage_of(v.clone());
+            assert_eq!(u.completion_tokens, want, "{v}");
+            assert!(u.reasoning_tokens.is_some());
+        }
+    }
 
     #[test]
     fn a_frame_kept_as_text_carries_its_envelope_and_needs_no_edit() {

@@ -731,6 +731,7 @@ mod tests {
             scope: None,
             generated_ms: 0,
             db_gap: 5,
+            prices: "none".into(),
         }
     }
 

@@ -4,7 +4,8 @@
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 
-use polygw::core::{RowKind, TelemetryRow, UsageSource};
+use polygw::core::telemetry::{cache_saving, Accounts, BilledTokens, TokenPrices};
+use polygw::core::{RowKind, TelemetryRow, Usage, UsageSource};
 
 use crate::table::quantile;
 
@@ -96,6 +97,67 @@ impl TokenTally {
     }
 }
 
+/// A source's prices as the report knows them: from the configuration in the
+/// environment (telemetry rows hold costs, not prices).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct SourcePrices {
+    /// Its token prices.
+    pub prices: TokenPrices,
+    /// The most a leg could have generated unseen: the source's `EST_TOKENS` (as
+    /// admission derives it; 0 = no upper bound).
+    pub allowance: u64,
+}
+
+/// Prices per (scope, source).
+pub type PriceBook = BTreeMap<(String, String), SourcePrices>;
+
+/// Prompt-cache figures of a source (SPEC §20.1), over attempt rows with known usage.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct CacheTally {
+    /// Σ prompt_tokens.
+    pub prompt: u64,
+    /// Σ cached_prompt_tokens (a row that does not report it counts 0).
+    pub cached: u64,
+    /// Σ cache_write_tokens.
+    pub written: u64,
+    /// Rows that report a cache figure.
+    pub reporting_rows: u64,
+    /// What caching saved at the source's prices; `None` without prices.
+    pub saving: Option<f64>,
+}
+
+impl CacheTally {
+    fn add(&mut self, r: &TelemetryRow, prices: Option<&TokenPrices>) {
+        if r.usage_source == UsageSource::Unavailable {
+            return;
+        }
+        self.prompt += r.prompt_tokens.unwrap_or(0);
+        self.cached += r.cached_prompt_tokens.unwrap_or(0);
+        self.written += r.cache_write_tokens.unwrap_or(0);
+        self.reporting_rows +=
+            u64::from(r.cached_prompt_tokens.is_some() || r.cache_write_tokens.is_some());
+        let usage = Usage {
+            reasoning_tokens: r.reasoning_tokens,
+            cached_prompt_tokens: r.cached_prompt_tokens,
+            cache_write_tokens: r.cache_write_tokens,
+            ..Usage::new(
+                r.prompt_tokens.unwrap_or(0),
+                r.completion_tokens.unwrap_or(0),
+            )
+        };
+        let saved = prices.and_then(|p| cache_saving(&BilledTokens::of(&usage), p));
+        self.saving = match (self.saving, saved) {
+            (Some(a), Some(b)) => Some(a + b),
+            _ => None,
+        };
+    }
+
+    /// cached / prompt.
+    pub fn hit_share(&self) -> Option<f64> {
+        ratio(self.cached, self.prompt)
+    }
+}
+
 /// Figures of one source within one scope, over its `attempt` rows.
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct SourceStats {
@@ -131,6 +193,12 @@ pub struct SourceStats {
     pub cost: CostTally,
     /// Attempts with usage unavailable (the SPEC §8 accounting gap).
     pub gap: u64,
+    /// Prompt-cache figures.
+    pub cache: CacheTally,
+    /// Its books against the provider's invoice (SPEC §20.4).
+    pub accounts: Accounts,
+    /// Its prices were known (from the configuration in the environment).
+    pub priced: bool,
 }
 
 impl SourceStats {
@@ -285,8 +353,15 @@ struct ScopeAcc {
     terminal_latencies: BTreeMap<String, Vec<f64>>,
 }
 
-/// Summarizes rows (any order).
+/// Summarizes rows (any order), without prices.
+#[cfg(test)]
 pub fn summarize(rows: &[TelemetryRow]) -> Summary {
+    summarize_priced(rows, &PriceBook::new())
+}
+
+/// Summarizes rows (any order); money figures that need prices (what caching saved,
+/// the accounting gap's cost range) use `book`.
+pub fn summarize_priced(rows: &[TelemetryRow], book: &PriceBook) -> Summary {
     let mut sum = Summary::default();
     let mut sources: BTreeMap<(String, String), SourceAcc> = BTreeMap::new();
     let mut scopes: BTreeMap<String, ScopeAcc> = BTreeMap::new();
@@ -335,15 +410,31 @@ pub fn summarize(rows: &[TelemetryRow]) -> Summary {
                 let source = r.source.clone().unwrap_or_else(|| NO_SOURCE.to_string());
                 let acc = sources
                     .entry((r.scope.clone(), source.clone()))
-                    .or_insert_with(|| SourceAcc {
-                        stats: SourceStats {
-                            scope: r.scope.clone(),
-                            source: source.clone(),
-                            ..SourceStats::default()
-                        },
-                        ..SourceAcc::default()
+                    .or_insert_with(|| {
+                        let priced = book.contains_key(&(r.scope.clone(), source.clone()));
+                        SourceAcc {
+                            stats: SourceStats {
+                                scope: r.scope.clone(),
+                                source: source.clone(),
+                                cache: CacheTally {
+                                    saving: priced.then_some(0.0),
+                                    ..CacheTally::default()
+                                },
+                                accounts: Accounts::new(),
+                                priced,
+                                ..SourceStats::default()
+                            },
+                            ..SourceAcc::default()
+                        }
                     });
+                let prices = book.get(&(r.scope.clone(), source.clone()));
                 let s = &mut acc.stats;
+                s.cache.add(r, prices.map(|p| &p.prices));
+                s.accounts.add(
+                    r,
+                    prices.map(|p| &p.prices),
+                    prices.map_or(0, |p| p.allowance),
+                );
                 s.attempts += 1;
                 s.gap += u64::from(gap);
                 s.tokens.add(r);
@@ -875,5 +966,119 @@ pub(crate) mod tests {
         assert_eq!(sc.points.iter().filter(|p| !p.ok).count(), 50);
         let small = scatter(&rows[..10], 5_000);
         assert_eq!((small.points.len(), small.stride), (10, 1));
+    }
+
+    /// Rows of a priced source with cache figures and every class of the books: what
+    /// `polygw report` shows in "Prompt cache" and "Accounting gap".
+    pub(crate) fn cache_rows() -> (Vec<TelemetryRow>, PriceBook) {
+        let mut hit = ok(
+            attempt("LLM", "k1", "k1-a", "a-0", 1_000, 100),
+            1_000,
+            10,
+            None,
+        );
+        hit.cached_prompt_tokens = Some(600);
+        hit.cache_write_tokens = Some(300);
+        // 100·2 + 600·0.5 + 300·2.5 + 10·8 = 1330
+        hit.cost = Some(1330.0 / 1e6);
+        let plain = ok(
+            attempt("LLM", "k2", "k2-a", "a-0", 2_000, 100),
+            1_000,
+            10,
+            Some(2080.0 / 1e6),
+        );
+        // A cancelled loser: usage unavailable, the gateway's estimate.
+        let mut loser = failed(
+            attempt("LLM", "k3", "k3-a", "a-0", 3_000, 100),
+            "hedge_cancelled",
+            None,
+        );
+        loser.est_prompt_tokens = Some(1_000);
+        loser.est_received_tokens = Some(5);
+        // A cut leg the answer counts: estimated, its estimate in both column sets.
+        let mut cut = failed(
+            attempt("LLM", "k4", "k4-a", "a-0", 4_000, 100),
+            "truncated",
+            None,
+        );
+        cut.usage_source = UsageSource::Estimated;
+        (cut.prompt_tokens, cut.completion_tokens) = (Some(1_000), Some(20));
+        (cut.est_prompt_tokens, cut.est_received_tokens) = (Some(1_000), Some(20));
+        cut.cost = Some(2160.0 / 1e6);
+        // A 429: not billed.
+        let mut limited = failed(
+            attempt("LLM", "k5", "k5-a", "a-0", 5_000, 100),
+            "rate_limited",
+            None,
+        );
+        limited.http_status = Some(429);
+        // An unpriced source's row.
+        let mut other = ok(
+            attempt("LLM", "k6", "k6-b", "b-0", 6_000, 100),
+            500,
+            5,
+            None,
+        );
+        other.cached_prompt_tokens = Some(250);
+        let mut book = PriceBook::new();
+        book.insert(
+            ("LLM".into(), "a-0".into()),
+            SourcePrices {
+                prices: TokenPrices {
+                    input: Some(2.0),
+                    cached_input: Some(0.5),
+                    cache_write: Some(2.5),
+                    output: Some(8.0),
+                },
+                allowance: 100,
+            },
+        );
+        (vec![hit, plain, loser, cut, limited, other], book)
+    }
+
+    #[test]
+    fn cache_share_saving_and_the_gap_at_the_configured_prices() {
+        let (rows, book) = cache_rows();
+        let sum = summarize_priced(&rows, &book);
+        let a = &sum.sources[0];
+        assert_eq!((a.source.as_str(), a.priced), ("a-0", true));
+        // Known usage: hit, plain, cut (the cut's estimate reports no cache figure).
+        assert_eq!(
+            (
+                a.cache.prompt,
+                a.cache.cached,
+                a.cache.written,
+                a.cache.reporting_rows
+            ),
+            (3_000, 600, 300, 1)
+        );
+        assert_eq!(a.cache.hit_share(), Some(0.2));
+        // Saved: 600·(2 − 0.5) − 300·(2.5 − 2) = 900 − 150 = 750.
+        assert!((a.cache.saving.unwrap() - 750.0 / 1e6).abs() < 1e-15);
+        let b = &a.accounts;
+        assert_eq!(
+            (
+                b.attempts,
+                b.reported_rows,
+                b.gap_rows,
+                b.gap_unavailable,
+                b.not_billed_rows
+            ),
+            (5, 2, 2, 1, 1)
+        );
+        assert_eq!((b.est_prompt_tokens, b.est_received_tokens), (2_000, 25));
+        let g = b.gap.unwrap();
+        // Low: 25 received × 8. High: 2000 × 2.5 + (25 + 2 × 100) × 8.
+        assert!((g.low - 200.0 / 1e6).abs() < 1e-15);
+        assert!((g.high.unwrap() - (5_000.0 + 1_800.0) / 1e6).abs() < 1e-15);
+        let inv = b.invoice_range().unwrap();
+        assert!((inv.low - (3410.0 + 200.0) / 1e6).abs() < 1e-15);
+        // b-0 is not in the book: no money figure, but its tokens are counted.
+        let other = &sum.sources[1];
+        assert!(!other.priced);
+        assert_eq!((other.cache.cached, other.cache.saving), (250, None));
+        assert_eq!(other.accounts.reported_rows, 0);
+        assert_eq!(other.accounts.unpriced_rows, 1);
+        assert_eq!(other.accounts.invoice_range(), None);
     }
 }

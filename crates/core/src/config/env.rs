@@ -10,6 +10,7 @@ use serde_json::{Map, Value};
 use super::guards;
 use super::LoadedScope;
 use crate::error::ConfigError;
+use crate::hedge::ThresholdSetting;
 use crate::resume::{PrefillDialect, ResumeSetting};
 use crate::secret::{Secret, REDACTED};
 use crate::settings::{OnNoRunnable, RetryPrefer, ScopeKind, ScopeSettings};
@@ -34,7 +35,7 @@ pub const RESERVED_SEGMENTS: [&str; 14] = [
 ];
 
 /// The FIELDs a source accepts.
-pub const SOURCE_FIELDS: [&str; 19] = [
+pub const SOURCE_FIELDS: [&str; 21] = [
     "BASE_URL",
     "API_KEY",
     "MODEL",
@@ -49,6 +50,8 @@ pub const SOURCE_FIELDS: [&str; 19] = [
     "WEIGHT",
     "INPUT_PRICE",
     "OUTPUT_PRICE",
+    "CACHED_INPUT_PRICE",
+    "CACHE_WRITE_PRICE",
     "PRICE_PER_CALL",
     "BATCH_SIZE",
     "EXTRA_BODY",
@@ -57,7 +60,7 @@ pub const SOURCE_FIELDS: [&str; 19] = [
 ];
 
 /// Scope keys: (group or "" for two-segment keys, field).
-pub const SCOPE_KEYS: [(&str, &str); 31] = [
+pub const SCOPE_KEYS: [(&str, &str); 38] = [
     ("", "CALL_DEADLINE_S"),
     ("", "MODEL_ALIASES"),
     ("", "KIND"),
@@ -79,6 +82,13 @@ pub const SCOPE_KEYS: [(&str, &str); 31] = [
     ("HEDGE", "STALL_AFTER_S"),
     ("HEDGE", "MAX_EXTRA"),
     ("HEDGE", "BUDGET_PCT"),
+    ("HEDGE", "BURST"),
+    ("HEDGE", "WINDOW_S"),
+    ("HEDGE", "MIN_SAMPLES"),
+    ("HEDGE", "MIN_S"),
+    ("HEDGE", "MAX_S"),
+    ("HEDGE", "STALL_MIN_S"),
+    ("HEDGE", "STALL_MAX_S"),
     ("STREAM", "STALL_THRESHOLD_MS"),
     ("STREAM", "RESUME"),
     ("STREAM", "MAX_RESUMES"),
@@ -396,6 +406,12 @@ fn build_source(
     if let Some((k, v)) = get("OUTPUT_PRICE") {
         run(parse_price(k, v).map(|x| src.output_price = Some(x)));
     }
+    if let Some((k, v)) = get("CACHED_INPUT_PRICE") {
+        run(parse_price(k, v).map(|x| src.cached_input_price = Some(x)));
+    }
+    if let Some((k, v)) = get("CACHE_WRITE_PRICE") {
+        run(parse_price(k, v).map(|x| src.cache_write_price = Some(x)));
+    }
     if let Some((k, v)) = get("PRICE_PER_CALL") {
         run(parse_price(k, v).map(|x| src.price_per_call = Some(x)));
     }
@@ -466,10 +482,23 @@ fn apply_scope_keys(
             ("BREAKER", "DEAD_AFTER") => run(parse_int::<u32>(k, v)
                 .and_then(|x| guards::int_in(k, x, &guards::BREAKER_FAILURES_RANGE))
                 .map(|x| s.breaker.dead_after = x)),
-            ("HEDGE", "AFTER_S") => run(parse_secs(k, v).map(|x| s.hedge.after = Some(x))),
+            ("HEDGE", "AFTER_S") => run(parse_threshold(k, v).map(|x| s.hedge.after = x)),
             ("HEDGE", "STALL_AFTER_S") => {
-                run(parse_secs(k, v).map(|x| s.hedge.stall_after = Some(x)))
+                run(parse_threshold(k, v).map(|x| s.hedge.stall_after = x))
             }
+            ("HEDGE", "BURST") => run(parse_int::<u32>(k, v)
+                .and_then(|x| guards::int_in(k, x, &guards::BURST_RANGE))
+                .map(|x| s.hedge.burst = x)),
+            ("HEDGE", "WINDOW_S") => run(parse_secs(k, v)
+                .and_then(|x| guards::hedge_window(k, x))
+                .map(|x| s.hedge.window = x)),
+            ("HEDGE", "MIN_SAMPLES") => run(parse_int::<u64>(k, v)
+                .and_then(|x| guards::int_in(k, x, &guards::MIN_SAMPLES_RANGE))
+                .map(|x| s.hedge.min_samples = x)),
+            ("HEDGE", "MIN_S") => run(parse_secs(k, v).map(|x| s.hedge.after_bounds.min = x)),
+            ("HEDGE", "MAX_S") => run(parse_secs(k, v).map(|x| s.hedge.after_bounds.max = x)),
+            ("HEDGE", "STALL_MIN_S") => run(parse_secs(k, v).map(|x| s.hedge.stall_bounds.min = x)),
+            ("HEDGE", "STALL_MAX_S") => run(parse_secs(k, v).map(|x| s.hedge.stall_bounds.max = x)),
             ("HEDGE", "MAX_EXTRA") => run(parse_int::<u32>(k, v)
                 .and_then(|x| guards::int_in(k, x, &guards::MAX_EXTRA_RANGE))
                 .map(|x| s.hedge.max_extra = x)),
@@ -546,6 +575,22 @@ fn parse_on_no_runnable(key: &str, v: &str) -> Result<OnNoRunnable, ConfigError>
         "wait" => Ok(OnNoRunnable::Wait),
         "fail" => Ok(OnNoRunnable::Fail),
         _ => Err(invalid(key, v, "`wait` or `fail`")),
+    }
+}
+
+/// `auto`, `off`, or a number of seconds (a static threshold).
+fn parse_threshold(key: &str, v: &str) -> Result<ThresholdSetting, ConfigError> {
+    match v.trim().to_ascii_lowercase().as_str() {
+        "auto" => Ok(ThresholdSetting::Auto),
+        "off" => Ok(ThresholdSetting::Off),
+        _ => match v.parse::<f64>() {
+            Ok(x) => guards::seconds(key, x).map(ThresholdSetting::Static),
+            Err(_) => Err(invalid(
+                key,
+                v,
+                "auto, off, or a number of seconds, e.g. 2.5",
+            )),
+        },
     }
 }
 

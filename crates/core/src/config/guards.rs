@@ -8,12 +8,19 @@ use std::time::Duration;
 
 use crate::config::ConfigWarning;
 use crate::error::ConfigError;
+use crate::hedge::ThresholdSetting;
 use crate::settings::{ScopeKind, ScopeSettings};
 
 /// Range of `HEDGE__MAX_EXTRA`.
 pub const MAX_EXTRA_RANGE: RangeInclusive<u32> = 1..=3;
 /// Range of `HEDGE__BUDGET_PCT` (0 = no cap; 300 allows three extra legs per call).
 pub const BUDGET_PCT_RANGE: RangeInclusive<u32> = 0..=300;
+/// Range of `HEDGE__BURST` (legs).
+pub const BURST_RANGE: RangeInclusive<u32> = 1..=100;
+/// Range of `HEDGE__MIN_SAMPLES`.
+pub const MIN_SAMPLES_RANGE: RangeInclusive<u64> = 1..=1_000_000;
+/// The shortest `HEDGE__WINDOW_S` (ten slots of at least a second).
+pub const MIN_HEDGE_WINDOW: Duration = Duration::from_secs(10);
 /// Range of `RETRY__MAX_ATTEMPTS`.
 pub const MAX_ATTEMPTS_RANGE: RangeInclusive<u32> = 1..=100;
 /// Range of `BREAKER__FAILURES`.
@@ -200,6 +207,19 @@ pub fn lease(key: &str, d: Duration) -> Result<Duration, ConfigError> {
     }
 }
 
+/// `HEDGE__WINDOW_S`: at least [`MIN_HEDGE_WINDOW`].
+pub fn hedge_window(key: &str, d: Duration) -> Result<Duration, ConfigError> {
+    if d >= MIN_HEDGE_WINDOW {
+        Ok(d)
+    } else {
+        Err(invalid(
+            key,
+            format!("{}", d.as_secs_f64()),
+            "a window of at least 10 seconds",
+        ))
+    }
+}
+
 /// The environment key of a scope setting (used in guard messages, whatever the path).
 pub fn scope_key(scope: &str, suffix: &str) -> String {
     format!("{scope}__{suffix}")
@@ -290,6 +310,8 @@ pub fn check(s: &ScopeSettings, kind: ScopeKind) -> Result<Vec<ConfigWarning>, C
         for (field, p) in [
             ("INPUT_PRICE", src.input_price),
             ("OUTPUT_PRICE", src.output_price),
+            ("CACHED_INPUT_PRICE", src.cached_input_price),
+            ("CACHE_WRITE_PRICE", src.cache_write_price),
             ("PRICE_PER_CALL", src.price_per_call),
         ] {
             if let Some(p) = p {
@@ -412,7 +434,31 @@ pub fn check(s: &ScopeSettings, kind: ScopeKind) -> Result<Vec<ConfigWarning>, C
         )
         .map(|_| ()),
     );
-    if let Some(after) = h.after {
+    push(int_in(&scope_key(scope, "HEDGE__BURST"), h.burst, &BURST_RANGE).map(|_| ()));
+    push(
+        int_in(
+            &scope_key(scope, "HEDGE__MIN_SAMPLES"),
+            h.min_samples,
+            &MIN_SAMPLES_RANGE,
+        )
+        .map(|_| ()),
+    );
+    push(hedge_window(&scope_key(scope, "HEDGE__WINDOW_S"), h.window).map(|_| ()));
+    for (b, min_key, max_key) in [
+        (h.after_bounds, "HEDGE__MIN_S", "HEDGE__MAX_S"),
+        (h.stall_bounds, "HEDGE__STALL_MIN_S", "HEDGE__STALL_MAX_S"),
+    ] {
+        push(duration(&scope_key(scope, min_key), b.min).map(|_| ()));
+        push(duration(&scope_key(scope, max_key), b.max).map(|_| ()));
+        if b.min > b.max {
+            push(Err(ConfigError::Guard {
+                key: scope_key(scope, min_key),
+                value: secs_str(b.min),
+                message: format!("must be ≤ {max_key} ({})", secs_str(b.max)),
+            }));
+        }
+    }
+    if let ThresholdSetting::Static(after) = h.after {
         push(duration(&k_after, after).map(|_| ()));
         if let Some(min_timeout) = s.sources.iter().map(|x| x.timeout).min() {
             if after >= min_timeout {
@@ -451,7 +497,7 @@ pub fn check(s: &ScopeSettings, kind: ScopeKind) -> Result<Vec<ConfigWarning>, C
             }
         }
     }
-    if let Some(stall_after) = h.stall_after {
+    if let ThresholdSetting::Static(stall_after) = h.stall_after {
         push(duration(&k_stall, stall_after).map(|_| ()));
         if let Some(min_gap) = s.sources.iter().map(|x| x.inter_token_budget()).min() {
             if stall_after >= min_gap {
@@ -478,8 +524,11 @@ pub fn check(s: &ScopeSettings, kind: ScopeKind) -> Result<Vec<ConfigWarning>, C
             }
         }
     }
-    if h.enabled() {
-        let key = if h.after.is_some() {
+    // `auto` is off by rule where it cannot fire (one source, not a chat scope): only a
+    // static threshold there is a configuration worth a warning.
+    let is_static = |t: ThresholdSetting| matches!(t, ThresholdSetting::Static(_));
+    if is_static(h.after) || is_static(h.stall_after) {
+        let key = if is_static(h.after) {
             &k_after
         } else {
             &k_stall
@@ -580,6 +629,24 @@ mod tests {
                 None,
             ),
             (
+                "negative cached input price",
+                |s| s.sources[0].cached_input_price = Some(-0.1),
+                Some("LLM__P__0__CACHED_INPUT_PRICE"),
+                None,
+            ),
+            (
+                "nan cache write price",
+                |s| s.sources[0].cache_write_price = Some(f64::NAN),
+                Some("LLM__P__0__CACHE_WRITE_PRICE"),
+                None,
+            ),
+            (
+                "infinite cache write price",
+                |s| s.sources[0].cache_write_price = Some(f64::INFINITY),
+                Some("LLM__P__0__CACHE_WRITE_PRICE"),
+                None,
+            ),
+            (
                 "bad url",
                 |s| s.sources[0].base_url = "ftp://x".into(),
                 Some("BASE_URL"),
@@ -622,7 +689,7 @@ mod tests {
                 "after ≥ min timeout",
                 |s| {
                     s.sources[1].timeout = secs(5.0);
-                    s.hedge.after = Some(secs(5.0));
+                    s.hedge.after = crate::hedge::ThresholdSetting::Static(secs(5.0));
                 },
                 Some("smallest TIMEOUT_S"),
                 None,
@@ -631,7 +698,7 @@ mod tests {
                 "after ≥ deadline",
                 |s| {
                     s.call_deadline = Some(secs(2.0));
-                    s.hedge.after = Some(secs(2.0));
+                    s.hedge.after = crate::hedge::ThresholdSetting::Static(secs(2.0));
                 },
                 Some("CALL_DEADLINE_S (2)"),
                 None,
@@ -640,7 +707,7 @@ mod tests {
                 "after ≥ min ttft",
                 |s| {
                     s.sources[0].ttft_timeout = Some(secs(3.0));
-                    s.hedge.after = Some(secs(3.0));
+                    s.hedge.after = crate::hedge::ThresholdSetting::Static(secs(3.0));
                 },
                 None,
                 Some("TTFT watchdog"),
@@ -649,7 +716,7 @@ mod tests {
                 "stall ≥ min inter-token",
                 |s| {
                     s.sources[0].inter_token_timeout = Some(secs(4.0));
-                    s.hedge.stall_after = Some(secs(4.0));
+                    s.hedge.stall_after = crate::hedge::ThresholdSetting::Static(secs(4.0));
                 },
                 Some("INTER_TOKEN_TIMEOUT_S"),
                 None,
@@ -658,7 +725,7 @@ mod tests {
                 "stall ≥ timeout fallback",
                 |s| {
                     s.sources[0].timeout = secs(4.0);
-                    s.hedge.stall_after = Some(secs(10.0));
+                    s.hedge.stall_after = crate::hedge::ThresholdSetting::Static(secs(10.0));
                 },
                 Some("INTER_TOKEN_TIMEOUT_S (or TIMEOUT_S)"),
                 None,
@@ -667,7 +734,7 @@ mod tests {
                 "stall ≥ deadline",
                 |s| {
                     s.call_deadline = Some(secs(2.0));
-                    s.hedge.stall_after = Some(secs(3.0));
+                    s.hedge.stall_after = crate::hedge::ThresholdSetting::Static(secs(3.0));
                 },
                 Some("HEDGE__STALL_AFTER_S"),
                 None,
@@ -688,7 +755,7 @@ mod tests {
                 "single source hedge",
                 |s| {
                     s.sources.truncate(1);
-                    s.hedge.after = Some(secs(1.0));
+                    s.hedge.after = crate::hedge::ThresholdSetting::Static(secs(1.0));
                 },
                 None,
                 Some("one source"),
@@ -791,7 +858,7 @@ mod tests {
     fn hedge_on_embedding_or_ocr_scope_warns() {
         for kind in [ScopeKind::Embedding, ScopeKind::Ocr] {
             let mut s = scope(2);
-            s.hedge.stall_after = Some(secs(1.0));
+            s.hedge.stall_after = crate::hedge::ThresholdSetting::Static(secs(1.0));
             let ws = warnings_of(&s, kind);
             assert!(ws.iter().any(|w| w.contains("chat-only")), "{ws:?}");
         }

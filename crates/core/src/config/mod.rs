@@ -94,7 +94,11 @@ mod tests {
         assert!(s.sources[1].api_key.is_empty());
         assert_eq!(s.sources[0].timeout, Duration::from_secs(60));
         assert_eq!(s.retry.max_attempts, 3);
-        assert_eq!(s.hedge.after, None);
+        assert_eq!(
+            s.hedge.after,
+            crate::hedge::ThresholdSetting::Auto,
+            "auto by default"
+        );
         assert!(l.warnings.is_empty());
     }
 
@@ -112,6 +116,8 @@ mod tests {
             ("LLM__DEEPSEEK__0__WEIGHT", "3"),
             ("LLM__DEEPSEEK__0__INPUT_PRICE", "0.27"),
             ("LLM__DEEPSEEK__0__OUTPUT_PRICE", "1.1"),
+            ("LLM__DEEPSEEK__0__CACHED_INPUT_PRICE", "0.07"),
+            ("LLM__DEEPSEEK__0__CACHE_WRITE_PRICE", "0.3375"),
             ("LLM__DEEPSEEK__0__PRICE_PER_CALL", "0.01"),
             ("LLM__DEEPSEEK__0__BATCH_SIZE", "16"),
             ("LLM__DEEPSEEK__0__EXTRA_BODY", "{\"top_p\": 0.9}"),
@@ -152,6 +158,8 @@ mod tests {
         assert_eq!((d.priority, d.weight, d.batch_size), (1, 3, 16));
         assert_eq!(d.input_price, Some(0.27));
         assert_eq!(d.output_price, Some(1.1));
+        assert_eq!(d.cached_input_price, Some(0.07));
+        assert_eq!(d.cache_write_price, Some(0.3375));
         assert_eq!(d.price_per_call, Some(0.01));
         assert_eq!(d.extra_body["top_p"], 0.9);
         assert_eq!(s.call_deadline, Some(Duration::from_secs(120)));
@@ -161,8 +169,14 @@ mod tests {
         assert_eq!(s.retry.backoff_base, Duration::from_millis(250));
         assert_eq!((s.limits.rpm, s.limits.tpm), (100, 200000));
         assert_eq!(s.breaker.failures, 3);
-        assert_eq!(s.hedge.after, Some(Duration::from_secs(5)));
-        assert_eq!(s.hedge.stall_after, Some(Duration::from_secs(8)));
+        assert_eq!(
+            s.hedge.after,
+            crate::hedge::ThresholdSetting::Static(Duration::from_secs(5))
+        );
+        assert_eq!(
+            s.hedge.stall_after,
+            crate::hedge::ThresholdSetting::Static(Duration::from_secs(8))
+        );
         assert_eq!((s.hedge.max_extra, s.hedge.budget_pct), (2, 10));
         assert_eq!(s.stream.stall_threshold, Duration::from_millis(500));
         assert_eq!(s.cache.ttl, Some(Duration::from_secs(60)));
@@ -182,6 +196,15 @@ mod tests {
             ("LLM__DEEPSEEK__0__TIMEOUT_S", "inf", "finite"),
             ("LLM__DEEPSEEK__0__WEIGHT", "0", "1..=1000000"),
             ("LLM__DEEPSEEK__0__INPUT_PRICE", "-0.5", "≥ 0"),
+            ("LLM__DEEPSEEK__0__CACHED_INPUT_PRICE", "-0.01", "≥ 0"),
+            ("LLM__DEEPSEEK__0__CACHED_INPUT_PRICE", "NaN", "≥ 0"),
+            (
+                "LLM__DEEPSEEK__0__CACHED_INPUT_PRICE",
+                "cheap",
+                "a price per 1M tokens",
+            ),
+            ("LLM__DEEPSEEK__0__CACHE_WRITE_PRICE", "-1", "≥ 0"),
+            ("LLM__DEEPSEEK__0__CACHE_WRITE_PRICE", "inf", "≥ 0"),
             ("LLM__DEEPSEEK__0__EXTRA_BODY", "[1]", "JSON object"),
             ("LLM__HEDGE__MAX_EXTRA", "4", "1..=3"),
             ("LLM__HEDGE__MAX_EXTRA", "0", "1..=3"),

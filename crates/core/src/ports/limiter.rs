@@ -13,6 +13,7 @@ use std::time::Duration;
 use async_trait::async_trait;
 
 use crate::error::{GovernanceError, RefusalReason};
+use crate::ports::keys::{KeyAcquire, KeyAdmission, KeyPermit, KeyUsage, NoopKeyPermit};
 
 /// What one acquire asks for: the source's limits and the scope's, checked atomically.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -68,6 +69,33 @@ pub trait RateLimiter: Send + Sync + std::fmt::Debug {
     /// Current in-flight count of a source (tests, metrics).
     async fn in_flight(&self, scope: &str, source: &str) -> Result<u32, GovernanceError>;
 
+    /// Tries to admit one client call under its key's limits and budgets (SPEC §21.1;
+    /// see [`crate::ports::keys`]); never waits. One atomic operation in the key's own
+    /// state, separate from the sources' and scopes' (on Redis: one script in the key's
+    /// hash slot), run once per client call before its first source admission.
+    ///
+    /// The default fails closed — a limiter that does not govern keys admits no key
+    /// blindly. Every backend implements it (memory, Redis, [`UnlimitedLimiter`]);
+    /// wrappers must delegate it.
+    async fn acquire_key<'r>(&self, req: &KeyAcquire<'r>) -> Result<KeyAdmission, GovernanceError> {
+        Err(keys_unsupported(req.key_id))
+    }
+
+    /// A key's figures now (in flight, window, spend of the day and month). The default
+    /// fails like [`RateLimiter::acquire_key`]'s.
+    async fn key_usage(&self, key_id: &str) -> Result<KeyUsage, GovernanceError> {
+        Err(keys_unsupported(key_id))
+    }
+
+    /// Whether the backend answers for `scope` now (readiness, SPEC §21.2): one cheap
+    /// round trip to where the scope's state lives (on a Redis Cluster, the node that
+    /// holds the scope's slot), bounded by the backend's operation timeout. An
+    /// in-process backend is always reachable: the default is `Ok`.
+    async fn ping(&self, scope: &str) -> Result<(), GovernanceError> {
+        let _ = scope;
+        Ok(())
+    }
+
     /// Flushes background work (drop-time settlements). Called on shutdown.
     async fn flush(&self) -> Result<(), GovernanceError> {
         Ok(())
@@ -79,6 +107,13 @@ pub trait RateLimiter: Send + Sync + std::fmt::Debug {
     fn settlements_dropped(&self) -> u64 {
         0
     }
+}
+
+fn keys_unsupported(key_id: &str) -> GovernanceError {
+    GovernanceError::new(
+        "limiter",
+        format!("this limiter does not govern client keys (key {key_id:?}): refused"),
+    )
 }
 
 /// The backend side of a permit.
@@ -220,6 +255,16 @@ impl RateLimiter for UnlimitedLimiter {
     async fn in_flight(&self, _scope: &str, _source: &str) -> Result<u32, GovernanceError> {
         Ok(0)
     }
+    async fn acquire_key<'r>(&self, req: &KeyAcquire<'r>) -> Result<KeyAdmission, GovernanceError> {
+        Ok(KeyAdmission::Admitted(KeyPermit::new(
+            req.est_tokens,
+            req.reserve_nanos,
+            Box::new(NoopKeyPermit),
+        )))
+    }
+    async fn key_usage(&self, _key_id: &str) -> Result<KeyUsage, GovernanceError> {
+        Ok(KeyUsage::default())
+    }
 }
 
 #[cfg(test)]
@@ -282,6 +327,44 @@ mod tests {
             *log.0.lock().unwrap(),
             ["drop Some(10)", "settle 3", "drop None"]
         );
+    }
+
+    /// A limiter that does not implement key governance refuses to admit keys (fails
+    /// closed); the unlimited limiter admits them.
+    #[test]
+    fn key_admission_fails_closed_unless_implemented() {
+        #[derive(Debug)]
+        struct Bare;
+        #[async_trait]
+        impl RateLimiter for Bare {
+            async fn acquire<'r>(
+                &self,
+                _req: &AcquireRequest<'r>,
+            ) -> Result<Admission, GovernanceError> {
+                unreachable!()
+            }
+            async fn in_flight(&self, _: &str, _: &str) -> Result<u32, GovernanceError> {
+                Ok(0)
+            }
+        }
+        let req = KeyAcquire {
+            key_id: "k1",
+            rpm: 1,
+            tpm: 0,
+            max_concurrency: 0,
+            budget_day_nanos: None,
+            budget_month_nanos: None,
+            est_tokens: 3,
+            reserve_nanos: 4,
+            lease: std::time::Duration::from_secs(1),
+        };
+        let e = block_on(Bare.acquire_key(&req)).unwrap_err();
+        assert!(e.message.contains("does not govern client keys"), "{e}");
+        assert!(block_on(Bare.key_usage("k1")).is_err());
+        match block_on(UnlimitedLimiter.acquire_key(&req)).unwrap() {
+            KeyAdmission::Admitted(p) => assert_eq!((p.est_tokens(), p.reserve_nanos()), (3, 4)),
+            KeyAdmission::Refused(r) => panic!("{r:?}"),
+        }
     }
 
     #[test]

@@ -4,6 +4,9 @@
 pub mod breaker;
 pub mod cache;
 pub mod clock;
+pub mod key_store;
+pub mod keys;
+pub mod latency_store;
 pub mod limiter;
 pub mod observer;
 pub mod rng;
@@ -14,6 +17,9 @@ pub mod transport;
 pub use breaker::{BreakerStore, NullBreakerStore};
 pub use cache::{NullCache, ResponseCache};
 pub use clock::{Clock, ManualClock};
+pub use key_store::ClientKeyStore;
+pub use keys::{KeyAcquire, KeyAdmission, KeyPermit, KeyPermitBackend, KeyUsage};
+pub use latency_store::{LatencyStore, SourceSketch};
 pub use limiter::{
     AcquireRequest, Admission, Permit, PermitBackend, RateLimiter, Refusal, UnlimitedLimiter,
 };
@@ -34,6 +40,7 @@ pub use self::{
     breaker::MockBreakerStore,
     cache::MockResponseCache,
     clock::MockClock,
+    keys::MockKeyPermitBackend,
     limiter::{MockPermitBackend, MockRateLimiter},
     observer::MockChunkObserver,
     rng::MockRng,

@@ -30,6 +30,14 @@ pub trait TelemetryRecorder: Send + Sync + std::fmt::Debug {
 
     /// Writes what is queued (bounded wait) and reports.
     async fn flush(&self) -> Result<FlushReport, TelemetryError>;
+
+    /// Whether rows can be written now (readiness, SPEC §21.2): a cheap check of the
+    /// database, bounded in time, that writes nothing. Errors name the database with
+    /// its password redacted. Telemetry off (or kept in memory) is always writable: the
+    /// default is `Ok`.
+    async fn check_writable(&self) -> Result<(), TelemetryError> {
+        Ok(())
+    }
 }
 
 /// Telemetry off.

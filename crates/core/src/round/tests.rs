@@ -62,6 +62,7 @@ fn policy(after: Option<u64>, stall: Option<u64>, max_extra: u32) -> HedgePolicy
 fn spec(passthrough: bool, p: HedgePolicy) -> RoundSpec {
     RoundSpec {
         policy: p,
+        triggers: Vec::new(),
         passthrough,
         resume: ResumeSetting::Auto,
         resumes_left: 2,

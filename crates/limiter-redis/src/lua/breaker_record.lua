@@ -1,6 +1,6 @@
 -- polygw breaker: record how an attempt ended (mirrors BreakerState::record).
 -- KEYS: 1 breaker hash (fields as in breaker_admit.lua; dd: consecutive dead answers)
--- ARGV: 1 outcome ('success' | 'failure' | 'neutral' | 'dead' | 'rate_limited')
+-- ARGV: 1 outcome ('success' | 'failure' | 'fast_failure' | 'neutral' | 'dead' | 'rate_limited')
 --       2 probe ('1' / '0')   3 cooldown ms (bounded by the caller)   4 failure threshold
 --       5 open ms   6 dead ms   7 idle ttl ms   8 the epoch the attempt was admitted under
 --       9 dead answers in a row that make the source dead   10 the longest open ms
@@ -32,11 +32,12 @@ if outcome == 'success' then
     if ou > 0 then ep = ep + 1 end
     cf, ou, ro, pu = 0, 0, 0, 0
   end
-elseif outcome == 'failure' and current then
+elseif (outcome == 'failure' or outcome == 'fast_failure') and current then
   cf = cf + 1
   local half_open = ou > 0 and ou <= now
   if probe and half_open then
-    ro = ro + 1
+    -- a probe that failed fast re-opens for OPEN_S again; a slow one doubles it
+    if outcome == 'fast_failure' then ro = 0 else ro = ro + 1 end
     ou = now + open_for(ro)
     ep = ep + 1
   elseif ou == 0 and cf >= tonumber(ARGV[4]) then

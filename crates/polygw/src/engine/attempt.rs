@@ -14,18 +14,19 @@
 //! Every end of an attempt (finalized or dropped) wakes one call waiting for a runnable
 //! source (SPEC §14.6): a freed slot or settled reservation serves one waiter, not all.
 
-use std::sync::atomic::{AtomicBool, AtomicU8, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU8, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use futures_util::future::BoxFuture;
 use polygw_core::breaker::BreakerOutcome;
+use polygw_core::latency::GapTally;
 use polygw_core::ports::{ChunkObserver, Permit};
 use polygw_core::round::LegKind;
 use polygw_core::settlement::{settle, AttemptOutcome};
 use polygw_core::stall::{ms, StreamFigures};
 use polygw_core::telemetry::{cost, CostBasis, RowKind, TelemetryRow};
-use polygw_core::usage::LegUsage;
+use polygw_core::usage::{LegEstimate, LegUsage};
 use polygw_core::{AttemptError, ErrorLabel, SourceConfig, Usage, UsageSource};
 
 use super::admission::BreakerTicket;
@@ -44,6 +45,9 @@ pub(crate) struct SuccessFacts {
     pub per_call_cost: bool,
     /// Settle this instead of the usage rule (OCR settles 0).
     pub settle_override: Option<u64>,
+    /// The gateway's estimate of the attempt, when the provider reported no usage
+    /// (SPEC §20.4): set by the round, never by [`Leg::facts`].
+    pub estimate: Option<LegEstimate>,
 }
 
 /// One kind of attempt (chat, embedding batch, OCR image).
@@ -79,6 +83,16 @@ pub(crate) trait Leg: Send + Sync {
     fn max_output_tokens(&self) -> u64 {
         0
     }
+    /// Whether rows of this kind of attempt carry the gateway's estimate when the
+    /// provider reports no usage (SPEC §20.4: chat attempts).
+    fn estimates_usage(&self) -> bool {
+        false
+    }
+    /// Bytes of text (content, reasoning, tool calls) a successful attempt returned, as
+    /// [`polygw_core::usage::received_bytes`] counts them.
+    fn received_bytes(&self, _out: &Self::Output) -> usize {
+        0
+    }
 }
 
 /// Shared by a leg's future (its guard and observer) and its round: the label the
@@ -95,6 +109,14 @@ pub(crate) struct LegControl {
     ended: Mutex<Ended>,
     /// The upstream's headers a proxy passes on, once its answer started.
     headers: Mutex<Vec<(String, String)>>,
+    /// Incremental chunks seen without their text (the transport passes no deltas when
+    /// the round keeps no text: resume off and no sink): a received-token estimate of
+    /// one token per chunk (SPEC §20.4).
+    bare_chunks: AtomicU32,
+    /// The gaps between its incremental chunks, tallied as they arrive (SPEC §19.1:
+    /// the live stall distribution) with the floor below which they are only counted;
+    /// `None` when the scope keeps no distributions.
+    pub gaps: Mutex<Option<(Duration, GapTally)>>,
 }
 
 /// What the round knows of a leg that ends without a success of its own.
@@ -104,9 +126,30 @@ pub(crate) struct Ended {
     pub usage: Option<LegUsage>,
     /// Its first incremental chunk, after its launch.
     pub ttft_ms: Option<u64>,
+    /// The gateway's estimate of the leg, when its row records one (SPEC §20.4): the
+    /// provider reported no usage and may have billed the request. A leg whose `usage`
+    /// is estimated carries the same figures here.
+    pub estimate: Option<LegEstimate>,
 }
 
 impl LegControl {
+    /// An incremental chunk arrived at `at` (tallied when the scope keeps gaps).
+    pub(crate) fn on_incremental(&self, at: Instant) {
+        if let Some((floor, tally)) = self.gaps.lock().unwrap_or_else(|e| e.into_inner()).as_mut() {
+            tally.on_chunk(at, *floor);
+        }
+    }
+
+    /// The leg's gap tally, taken (empty when none was kept).
+    pub(crate) fn take_gaps(&self) -> GapTally {
+        self.gaps
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .take()
+            .map(|(_, t)| t)
+            .unwrap_or_default()
+    }
+
     pub(crate) fn set_label(&self, label: ErrorLabel) {
         let i = ErrorLabel::ALL
             .iter()
@@ -133,11 +176,21 @@ impl LegControl {
             .clone()
     }
 
+    /// One incremental chunk arrived without its text.
+    pub(crate) fn count_bare_chunk(&self) {
+        self.bare_chunks.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// Incremental chunks that arrived without their text.
+    pub(crate) fn bare_chunks(&self) -> u32 {
+        self.bare_chunks.load(Ordering::Relaxed)
+    }
+
     pub(crate) fn set_ended(&self, e: Ended) {
         *self.ended.lock().unwrap_or_else(|p| p.into_inner()) = e;
     }
 
-    fn ended(&self) -> Ended {
+    pub(crate) fn ended(&self) -> Ended {
         *self.ended.lock().unwrap_or_else(|p| p.into_inner())
     }
 }
@@ -200,6 +253,8 @@ pub(crate) struct AttemptGuard {
     resume_mode: Option<&'static str>,
     decided: Option<Decided>,
     armed: bool,
+    /// Its answer is the call's: its row carries the call's trace (SPEC §19.4).
+    winner: bool,
 }
 
 impl std::fmt::Debug for AttemptGuard {
@@ -237,6 +292,7 @@ impl AttemptGuard {
         base.is_hedge = info.is_hedge;
         base.stream = stream;
         base.api = call.api().map(str::to_string);
+        base.client_key_id = call.client_key_id();
         let mut resume_mode = None;
         if let LegKind::Resume { mode, prefix, .. } = &info.kind {
             base.resume_of = info.resume_of.clone();
@@ -256,6 +312,7 @@ impl AttemptGuard {
             resume_mode,
             decided: None,
             armed: true,
+            winner: false,
         }
     }
 
@@ -318,6 +375,9 @@ impl AttemptGuard {
             },
             src,
         );
+        if let Some(e) = &facts.estimate {
+            row = row.with_estimate(e);
+        }
         if let Some(f) = facts.figures {
             row.ttft_ms = f.ttft_ms;
             row.max_inter_token_ms = f.max_inter_token_ms;
@@ -356,6 +416,9 @@ impl AttemptGuard {
             // A cut leg: its estimate, as the answer counts it (SPEC §17.8).
             row = record_estimate(row, u, self.source());
         }
+        if let Some(e) = &ended.estimate {
+            row = row.with_estimate(e);
+        }
         // SPEC §14.1: a hint cools the source down (429 and 503 alike), never for less
         // than the current backoff; without one, the backoff is the cooldown of a 429.
         let cooldown = error
@@ -364,7 +427,9 @@ impl AttemptGuard {
         let outcome = match error.label {
             // A replay that did not reproduce the text says nothing about the source.
             ErrorLabel::ResumeDiverged => BreakerOutcome::Neutral,
-            _ => BreakerOutcome::of_class(error.class, cooldown),
+            _ => {
+                BreakerOutcome::of_failure(error.class, cooldown, wall, &self.engine.scope.breaker)
+            }
         };
         let extra = (error.class == polygw_core::ErrorClass::Transient
             && error.retry_after.is_some())
@@ -433,12 +498,26 @@ impl AttemptGuard {
                 tracing::warn!(source = %src_name, error = %e, "cooldown update failed");
             }
         }
-        if let Some(d) = self.decided.take() {
+        if let Some(mut d) = self.decided.take() {
             self.count(d.row.error.as_deref().unwrap_or("ok"), ttft);
+            self.call.charge(d.tokens, d.row.cost);
+            if self.winner {
+                d.row.trace = Some(self.call.trace_json());
+            }
             engine.ports.telemetry.record(d.row);
         }
         self.armed = false;
         engine.freed.notify_one();
+    }
+
+    /// The tokens its permit reserved (what an undecided attempt settles).
+    fn permit_est(&self) -> u64 {
+        self.permit.as_ref().map_or(0, Permit::est_tokens)
+    }
+
+    /// This attempt's answer is the call's.
+    pub(crate) fn mark_winner(&mut self) {
+        self.winner = true;
     }
 
     fn count(&self, label: &str, ttft: Option<u64>) {
@@ -476,6 +555,9 @@ impl Drop for AttemptGuard {
                     if let Some(u) = &ended.usage {
                         row = record_estimate(row, u, src);
                     }
+                    if let Some(e) = &ended.estimate {
+                        row = row.with_estimate(e);
+                    }
                     row.error = Some(label.as_str().to_string());
                     row.error_detail = Some(match label {
                         ErrorLabel::HedgeCancelled => "another leg of the round won".to_string(),
@@ -493,8 +575,14 @@ impl Drop for AttemptGuard {
                 (None, row, BreakerOutcome::Neutral, None)
             }
         };
-        if let Some(row) = row {
+        if let Some(mut row) = row {
             self.count(row.error.as_deref().unwrap_or("ok"), None);
+            // Undecided: its reservation is what it settles (and its cost is unknown).
+            self.call
+                .charge(tokens.unwrap_or_else(|| self.permit_est()), row.cost);
+            if self.winner {
+                row.trace = Some(self.call.trace_json());
+            }
             self.engine.ports.telemetry.record(row);
         }
         if let Some(permit) = self.permit.take() {

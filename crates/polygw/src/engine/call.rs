@@ -8,6 +8,9 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use polygw_core::ports::{Clock, Refusal};
+use polygw_core::trace::{CallTrace, TraceEvent};
+
+use crate::client_keys::KeyCharge;
 use polygw_core::{
     AttemptError, FailureContext, GatewayError, RetrySettings, SourceReason, SourceReasons,
     TerminalReason,
@@ -41,6 +44,8 @@ pub(crate) struct Progress {
     /// the one before (a 429 waited out and answered again with a longer hint says the
     /// longer one; a hint that has run out says nothing).
     pub hints: std::collections::BTreeMap<String, Instant>,
+    /// Rounds started.
+    pub rounds: u32,
 }
 
 /// Shared by the call's future, its legs' guards and the deadline wrapper.
@@ -56,6 +61,10 @@ pub(crate) struct CallShared {
     max_wait: Mutex<Option<(Duration, Option<String>)>>,
     progress: Mutex<Progress>,
     clock: Arc<dyn Clock>,
+    /// What the call did and why (SPEC §19.4): its last row carries it.
+    trace: Mutex<CallTrace>,
+    /// The client key charged (SPEC §21.1): released when the call and its attempts are.
+    key: Mutex<Option<Arc<KeyCharge>>>,
 }
 
 impl CallShared {
@@ -67,6 +76,8 @@ impl CallShared {
     ) -> Self {
         CallShared {
             clock,
+            trace: Mutex::new(CallTrace::default()),
+            key: Mutex::new(None),
             logical_call_id,
             started,
             stream,
@@ -76,6 +87,59 @@ impl CallShared {
             max_wait: Mutex::new(None),
             progress: Mutex::new(Progress::default()),
         }
+    }
+
+    /// Charges the call to a client key.
+    pub(crate) fn set_key(&self, key: Option<Arc<KeyCharge>>) {
+        *self.key.lock().unwrap_or_else(|e| e.into_inner()) = key;
+    }
+
+    /// The client key's id, for the rows.
+    pub(crate) fn client_key_id(&self) -> Option<String> {
+        self.key
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .as_ref()
+            .map(|k| k.key_id().to_string())
+    }
+
+    /// An attempt's spend, charged to the call's key (if any).
+    pub(crate) fn charge(&self, tokens: u64, cost: Option<f64>) {
+        if let Some(k) = self.key.lock().unwrap_or_else(|e| e.into_inner()).as_ref() {
+            k.add(tokens, cost);
+        }
+    }
+
+    /// Starts the next round: its number (1-based).
+    pub(crate) fn next_round(&self) -> u32 {
+        let mut p = self.progress();
+        p.rounds += 1;
+        p.rounds
+    }
+
+    /// The current round's number.
+    pub(crate) fn round_no(&self) -> u32 {
+        self.progress().rounds
+    }
+
+    /// Records a trace event at `at`.
+    pub(crate) fn trace(&self, at: Instant, event: TraceEvent) {
+        self.trace
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .push(self.started, at, event);
+    }
+
+    /// Records a trace event now.
+    pub(crate) fn trace_now(&self, event: TraceEvent) {
+        self.trace(self.clock.now(), event);
+    }
+
+    /// The trace so far, as the `trace` column holds it (events in time order).
+    pub(crate) fn trace_json(&self) -> String {
+        let mut t = self.trace.lock().unwrap_or_else(|e| e.into_inner()).clone();
+        t.events.sort_by_key(|e| e.t);
+        t.to_json()
     }
 
     pub(crate) fn progress(&self) -> std::sync::MutexGuard<'_, Progress> {

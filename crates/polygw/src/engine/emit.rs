@@ -93,6 +93,7 @@ impl Engine {
         );
         r.stream = call.stream;
         r.api = call.api().map(str::to_string);
+        r.client_key_id = call.client_key_id();
         r.latency_ms = Some(ms(self
             .ports
             .clock
@@ -113,6 +114,10 @@ impl Engine {
             .map(|e| e.short_detail())
             .or_else(|| err.context().and_then(|c| c.detail.clone()));
         r.http_status = err.last_error().and_then(|e| e.http_status);
+        call.trace_now(polygw_core::trace::TraceEvent::End {
+            why: reason.as_str().to_string(),
+        });
+        r.trace = Some(call.trace_json());
         self.ports.telemetry.record(r);
     }
 

@@ -13,6 +13,7 @@ pub(crate) mod call;
 mod capability;
 pub(crate) mod emit;
 mod future_set;
+pub(crate) mod latency;
 pub(crate) mod retry;
 pub(crate) mod round;
 
@@ -20,8 +21,8 @@ use std::sync::{Arc, Mutex};
 
 use polygw_core::hedge::HedgeBudget;
 use polygw_core::ports::{
-    BreakerStore, Clock, EmbeddingTransport, OcrTransport, RateLimiter, ResponseCache,
-    ResponseStore, Rng, TelemetryRecorder, Transport,
+    BreakerStore, Clock, EmbeddingTransport, LatencyStore, OcrTransport, RateLimiter,
+    ResponseCache, ResponseStore, Rng, TelemetryRecorder, Transport,
 };
 use polygw_core::{ScopeKind, ScopeSettings};
 
@@ -46,6 +47,8 @@ pub struct Ports {
     pub cache: Arc<dyn ResponseCache>,
     /// Stored OpenAI Responses answers (`polygw serve`).
     pub responses: Arc<dyn ResponseStore>,
+    /// The latency distributions shared across processes (SPEC §19.2), when any.
+    pub latency: Option<Arc<dyn LatencyStore>>,
     /// Monotonic and wall time.
     pub clock: Arc<dyn Clock>,
     /// Randomness (weighted choice, jitter).
@@ -59,6 +62,8 @@ pub(crate) struct Engine {
     pub kind: ScopeKind,
     pub ports: Ports,
     pub hedge_budget: Mutex<HedgeBudget>,
+    /// The live latency of the scope's sources, and the `auto` thresholds from it.
+    pub latency: latency::EngineLatency,
     pub metrics: Arc<Metrics>,
     /// This scope's counters in `metrics`, looked up once here (no lookup per call).
     pub scope_metrics: Arc<ScopeMetrics>,
@@ -72,11 +77,21 @@ pub(crate) struct Engine {
 
 impl Engine {
     pub(crate) fn new(
-        scope: ScopeSettings,
+        mut scope: ScopeSettings,
         kind: ScopeKind,
         ports: Ports,
         metrics: Arc<Metrics>,
     ) -> Self {
+        scope.hedge = polygw_core::hedge::effective(
+            scope.hedge,
+            kind == ScopeKind::Chat,
+            scope.sources.len(),
+        );
+        let budget = HedgeBudget::with_burst(scope.hedge.burst);
+        let latency = latency::EngineLatency::new(
+            scope.hedge,
+            scope.sources.iter().map(|s| s.name.clone()).collect(),
+        );
         let scope_metrics = metrics.scope(&scope.name);
         let source_metrics = scope
             .sources
@@ -87,7 +102,8 @@ impl Engine {
             scope,
             kind,
             ports,
-            hedge_budget: Mutex::new(HedgeBudget::new()),
+            hedge_budget: Mutex::new(budget),
+            latency,
             metrics,
             scope_metrics,
             source_metrics,
@@ -112,6 +128,46 @@ impl Engine {
                     ..Default::default()
                 }
             }
+        }
+    }
+
+    /// Admits a call against a client key (see `GatewayClient::admit_key`): its prompt
+    /// estimate and `max_tokens` give the reservation, at this scope's highest prices.
+    pub(crate) async fn admit_key(
+        &self,
+        key: &polygw_core::client_key::ClientKey,
+        prompt_tokens: u64,
+        max_tokens: Option<u32>,
+    ) -> Result<
+        Arc<crate::client_keys::KeyCharge>,
+        Result<polygw_core::ports::Refusal, polygw_core::GovernanceError>,
+    > {
+        use polygw_core::ports::{KeyAcquire, KeyAdmission};
+        if key.limits.is_unlimited() {
+            return Ok(crate::client_keys::KeyCharge::unmetered(&key.id));
+        }
+        let r = polygw_core::key_quota::key_reservation(
+            prompt_tokens,
+            max_tokens,
+            &self.scope.sources,
+            self.scope.limits.tpm,
+        );
+        let reserve = r.reserve_nanos(key.limits.has_budget()).map_err(Ok)?;
+        let req = KeyAcquire {
+            key_id: &key.id,
+            rpm: key.limits.rpm,
+            tpm: key.limits.tpm,
+            max_concurrency: key.limits.max_concurrency,
+            budget_day_nanos: key.limits.budget_day_nanos,
+            budget_month_nanos: key.limits.budget_month_nanos,
+            est_tokens: r.tokens,
+            reserve_nanos: reserve,
+            lease: self.scope.limits.lease,
+        };
+        match self.ports.limiter.acquire_key(&req).await {
+            Ok(KeyAdmission::Admitted(p)) => Ok(crate::client_keys::KeyCharge::new(&key.id, p)),
+            Ok(KeyAdmission::Refused(r)) => Err(Ok(r)),
+            Err(err) => Err(Err(err)),
         }
     }
 

@@ -301,8 +301,36 @@ impl Engine {
             // current backoff, refunded rounds included: no tight loop (SPEC §14.1).
             let fallback_cooldown = retry.cooldown();
             let carried_from = cont.as_ref().and_then(|c| c.from.clone());
+            // The `auto` thresholds in force per source (static ones are the policy's).
+            let thresholds = (self.scope.hedge.uses_auto() && policy.max_extra > 0)
+                .then(|| self.latency.thresholds(leg.stream(), round_started));
+            let ((after_ms, after_from), (stall_ms, stall_from)) =
+                match thresholds.as_ref().and_then(|t| t.get(picked.source_idx)) {
+                    Some(t) => (
+                        polygw_core::trace::threshold_parts(&t.after),
+                        polygw_core::trace::threshold_parts(&t.stall_after),
+                    ),
+                    None => (
+                        polygw_core::trace::static_parts(policy.after),
+                        polygw_core::trace::static_parts(policy.stall_after),
+                    ),
+                };
+            call.trace(
+                round_started,
+                polygw_core::trace::TraceEvent::Round {
+                    n: call.next_round(),
+                    after_ms,
+                    after_from,
+                    stall_ms,
+                    stall_from,
+                },
+            );
+            let triggers = thresholds
+                .map(|t| super::latency::triggers(&t))
+                .unwrap_or_default();
             let spec = RoundSpec {
                 policy,
+                triggers,
                 passthrough,
                 resume: resume_setting,
                 resumes_left: resumes.left(),

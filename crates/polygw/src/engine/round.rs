@@ -34,13 +34,16 @@ use futures_util::stream::StreamExt;
 
 use super::future_set::FutureSet;
 use polygw_core::hedge::BudgetTicket;
+use polygw_core::latency::{GapTally, LegTimes};
 use polygw_core::ports::{ChunkObserver, StreamDelta};
 use polygw_core::resume::{ResumeMode, Transcript};
 use polygw_core::round::{
     Action, CancelReason, Event, Fate, LegEnd, LegId, LegKind, PickRequest,
     Picked as MachinePicked, ResumePoint, Round, RoundResult, RoundSpec,
 };
-use polygw_core::usage::{cut_leg_usage, leg_prompt_estimate, LegUsage};
+use polygw_core::telemetry::may_be_billed;
+use polygw_core::trace::TraceEvent;
+use polygw_core::usage::{cut_leg_usage, leg_prompt_estimate, LegEstimate, LegUsage};
 use polygw_core::{AttemptError, GovernanceError, ScopeKind};
 use tracing::Instrument;
 
@@ -293,6 +296,8 @@ impl LegObserver {
 
 impl ChunkObserver for LegObserver {
     fn on_chunk(&self, at: Instant) {
+        self.control.count_bare_chunk();
+        self.control.on_incremental(at);
         let wake = self.control.wake_on_chunk.load(Ordering::Relaxed);
         let fold = self.foldable(wake, true);
         self.queue.push(
@@ -321,6 +326,9 @@ impl ChunkObserver for LegObserver {
 
     fn on_delta(&self, at: Instant, delta: StreamDelta) {
         let incremental = delta.is_incremental();
+        if incremental {
+            self.control.on_incremental(at);
+        }
         // Passthrough (`raw`) forwards every chunk; otherwise only a chunk that arms
         // a trigger needs the round now.
         let wake = self.raw || (incremental && self.control.wake_on_chunk.load(Ordering::Relaxed));
@@ -436,6 +444,7 @@ impl<'a, L: Leg> Exec<'a, L> {
                 }
             }
             Action::Commit { leg, first } => {
+                self.call.trace_now(TraceEvent::Commit { leg });
                 let info = &self.infos[leg];
                 let src = &self.engine.scope.sources[info.source_idx];
                 if let Some(mode) = info.kind.resume_mode() {
@@ -468,6 +477,10 @@ impl<'a, L: Leg> Exec<'a, L> {
                 }
             }
             Action::Cancel { leg, reason } => {
+                self.call.trace_now(TraceEvent::Cancel {
+                    leg,
+                    why: reason.label().as_str().to_string(),
+                });
                 let ended = self.cancelled_leg(leg, reason);
                 if let Some((c, h)) = self.controls.get(leg) {
                     c.set_label(reason.label());
@@ -508,11 +521,34 @@ impl<'a, L: Leg> Exec<'a, L> {
         }
         self.call
             .note_tried(&engine.scope.sources[info.source_idx].name);
+        let why = if info.kind.resume_mode().is_some() {
+            "resume"
+        } else if is_hedge {
+            "hedge"
+        } else if self.call.round_no() > 1 {
+            "retry"
+        } else {
+            "primary"
+        };
+        self.call.trace(
+            now,
+            TraceEvent::Launch {
+                leg: index,
+                src: engine.scope.sources[info.source_idx].name.clone(),
+                why: why.to_string(),
+                by: self.machine.fired_by(index).map(str::to_string),
+                mode: info.kind.resume_mode().map(|m| m.as_str().to_string()),
+            },
+        );
         let info_copy = info.clone();
         let control = Arc::new(LegControl::default());
         control
             .wake_on_chunk
             .store(self.machine.chunk_wakes(index), Ordering::Relaxed);
+        if self.leg.stream() && engine.latency.keeps() {
+            *control.gaps.lock().unwrap_or_else(|e| e.into_inner()) =
+                Some((engine.latency.gap_floor(), GapTally::default()));
+        }
         let guard = AttemptGuard::new(
             engine.clone(),
             self.call.clone(),
@@ -598,6 +634,29 @@ impl<'a, L: Leg> Exec<'a, L> {
         )
     }
 
+    /// The gateway's estimate of a leg from what the round holds of it (SPEC §20.4):
+    /// its prompt and the text it received; `None` for legs whose rows carry no
+    /// estimate (embeddings, OCR).
+    fn leg_estimate(&self, leg: LegId) -> Option<LegEstimate> {
+        if !self.leg.estimates_usage() {
+            return None;
+        }
+        let mut e = LegEstimate::of(self.prompt_estimate(leg), self.machine.leg_text(leg));
+        if e.received_tokens == 0 {
+            // No text kept (no deltas): a token per incremental chunk.
+            let bare = self.controls.get(leg).map_or(0, |(c, _)| c.bare_chunks());
+            e.received_tokens = u64::from(bare);
+        }
+        Some(e)
+    }
+
+    /// The estimate of a leg that returned `out` without usage.
+    fn output_estimate(&self, leg: LegId, out: &L::Output) -> Option<LegEstimate> {
+        self.leg.estimates_usage().then(|| {
+            LegEstimate::from_bytes(self.prompt_estimate(leg), self.leg.received_bytes(out))
+        })
+    }
+
     fn ttft_ms(&self, leg: LegId) -> Option<u64> {
         let first = self.machine.first_chunk(leg)?;
         let launched = self.infos.get(leg)?.launched_at;
@@ -623,9 +682,12 @@ impl<'a, L: Leg> Exec<'a, L> {
         if let Some(u) = self.usage.get_mut(leg) {
             *u = usage;
         }
+        // A cancelled leg was sent: its provider may bill it (its row's estimate holds
+        // the same figures as its usage when the answer counts it).
         Ended {
             usage,
             ttft_ms: self.ttft_ms(leg),
+            estimate: self.leg_estimate(leg),
         }
     }
 
@@ -719,6 +781,36 @@ impl<'a, L: Leg> Exec<'a, L> {
         );
     }
 
+    /// The leg's samples into its source's live distributions (SPEC §19.1).
+    fn record_latency(&self, leg: LegId, info: &LegInfo, completed: bool) {
+        let engine = self.engine;
+        if let Some(first) = self.machine.first_chunk(leg) {
+            self.call.trace(first, TraceEvent::FirstToken { leg });
+        }
+        if !engine.latency.keeps() {
+            return;
+        }
+        let gaps = self
+            .controls
+            .get(leg)
+            .map(|(c, _)| c.take_gaps())
+            .unwrap_or_default();
+        let times = LegTimes {
+            launched: info.launched_at,
+            first_chunk: self.machine.first_chunk(leg),
+            last_chunk: self.machine.last_chunk(leg),
+            ended: self.now(),
+            completed,
+        };
+        engine.latency.leg_ended(
+            self.leg.stream(),
+            &engine.scope.sources[info.source_idx].name,
+            self.now(),
+            times,
+            &gaps,
+        );
+    }
+
     fn finalize(&mut self, leg: LegId, fate: Fate) {
         let Some(done) = self.ended.remove(&leg) else {
             tracing::error!(leg, "a fate for a leg that has not ended");
@@ -730,9 +822,28 @@ impl<'a, L: Leg> Exec<'a, L> {
             result,
             wall,
         } = done;
+        self.record_latency(
+            leg,
+            &info,
+            matches!(fate, Fate::Won | Fate::Succeeded) && result.is_ok(),
+        );
+        match &fate {
+            Fate::Won => {
+                guard.mark_winner();
+                self.call.trace_now(TraceEvent::Won { leg });
+            }
+            Fate::Failed(e) => self.call.trace_now(TraceEvent::Fail {
+                leg,
+                why: e.label.as_str().to_string(),
+            }),
+            Fate::Succeeded | Fate::Cancelled(_) => {}
+        }
         match (fate, result) {
             (Fate::Won | Fate::Succeeded, Ok(out)) => {
-                let facts = self.leg.facts(&out);
+                let mut facts = self.leg.facts(&out);
+                if facts.usage_source == polygw_core::UsageSource::Unavailable {
+                    facts.estimate = self.output_estimate(leg, &out);
+                }
                 guard.decide_success(&facts, wall);
                 self.usage[leg] = Some(LegUsage::new(facts.usage, facts.usage_source));
                 self.outputs.insert(leg, (out, facts, wall));
@@ -746,26 +857,42 @@ impl<'a, L: Leg> Exec<'a, L> {
                         let f = self.leg.facts(&out);
                         let u = LegUsage::new(f.usage, f.usage_source);
                         let e = e.with_usage(f.usage, f.usage_source);
+                        let known = u.source != polygw_core::UsageSource::Unavailable;
+                        let estimate = if known {
+                            None
+                        } else {
+                            self.output_estimate(leg, &out)
+                        };
                         (
                             e,
                             Ended {
-                                usage: (u.source != polygw_core::UsageSource::Unavailable)
-                                    .then_some(u),
+                                usage: known.then_some(u),
                                 ttft_ms: self.ttft_ms(leg),
+                                estimate,
                             },
                         )
                     }
-                    // A cut leg: its prompt and the text it received, estimated.
-                    Err(_) => (
-                        e,
-                        Ended {
-                            usage: cut_leg_usage(
-                                self.prompt_estimate(leg),
-                                self.machine.leg_text(leg),
-                            ),
-                            ttft_ms: self.ttft_ms(leg),
-                        },
-                    ),
+                    // A cut leg: its prompt and the text it received, estimated; a
+                    // leg that received nothing keeps the estimate of its prompt when
+                    // its provider may have billed it.
+                    Err(err) => {
+                        let usage =
+                            cut_leg_usage(self.prompt_estimate(leg), self.machine.leg_text(leg));
+                        let estimate =
+                            if usage.is_some() || may_be_billed(err.label, err.http_status) {
+                                self.leg_estimate(leg)
+                            } else {
+                                None
+                            };
+                        (
+                            e,
+                            Ended {
+                                usage,
+                                ttft_ms: self.ttft_ms(leg),
+                                estimate,
+                            },
+                        )
+                    }
                 };
                 self.usage[leg] = ended.usage;
                 guard.decide_failure(&e, wall, self.fallback_cooldown, ended);
@@ -779,12 +906,22 @@ impl<'a, L: Leg> Exec<'a, L> {
                 let ended = Ended {
                     usage: None,
                     ttft_ms: self.ttft_ms(leg),
+                    estimate: None,
                 };
                 guard.decide_failure(&e, wall, self.fallback_cooldown, ended);
                 self.infos[leg] = info;
             }
-            (Fate::Cancelled(reason), Ok(_)) => {
+            (Fate::Cancelled(reason), Ok(out)) => {
                 guard_label(&self.controls, leg, reason.label());
+                // Its answer came but the round does not take it: the provider billed
+                // it; its row records the estimate of what it returned.
+                if let Some((c, _)) = self.controls.get(leg) {
+                    let mut ended = c.ended();
+                    if ended.estimate.is_none() {
+                        ended.estimate = self.output_estimate(leg, &out);
+                    }
+                    c.set_ended(ended);
+                }
                 self.infos[leg] = info;
                 drop(guard);
                 return;
@@ -1043,6 +1180,15 @@ impl<L: Leg> Drop for Exec<'_, L> {
             for a in out {
                 if let Action::Cancel { leg, reason } = a {
                     guard_label(&self.controls, leg, reason.label());
+                    // What the round holds of it: its row's estimate (SPEC §20.4).
+                    let estimate = self.leg_estimate(leg);
+                    if let Some((c, _)) = self.controls.get(leg) {
+                        let mut ended = c.ended();
+                        if ended.estimate.is_none() {
+                            ended.estimate = estimate;
+                        }
+                        c.set_ended(ended);
+                    }
                 }
             }
         }

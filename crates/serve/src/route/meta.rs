@@ -1,5 +1,6 @@
-//! The routes about the proxy itself: `GET /v1/models[/{id}]`, `/healthz`, `/metrics`,
-//! and the JSON answers to an unknown route or method.
+//! The routes about the proxy itself: `GET /v1/models[/{id}]`, `/healthz` (liveness),
+//! `/readyz` (readiness, [`crate::ready`]), `/metrics`, and the JSON answers to an
+//! unknown route or method.
 
 use std::sync::Arc;
 
@@ -39,7 +40,35 @@ pub async fn model(State(st): State<Arc<AppState>>, Path(id): Path<String>) -> R
     }
 }
 
-/// `GET /healthz`: the served scopes, their kind and sources (no auth).
+/// `GET /readyz` (no auth): 200 `{"status": "ready", …}` when every served scope's
+/// governance backend answers and every telemetry database is writable; 503 naming
+/// what is not (`not_ready`), or `{"status": "draining"}` once a shutdown began
+/// (SPEC §21.2). `Cache-Control: no-store`.
+pub async fn readyz(State(st): State<Arc<AppState>>) -> Response {
+    let (status, body) = if st.ready.is_draining() {
+        (
+            StatusCode::SERVICE_UNAVAILABLE,
+            crate::ready::draining_body(),
+        )
+    } else {
+        let c = st.ready.checked(&st).await;
+        // A drain that began during the checks wins.
+        if st.ready.is_draining() {
+            (
+                StatusCode::SERVICE_UNAVAILABLE,
+                crate::ready::draining_body(),
+            )
+        } else if c.ready {
+            (StatusCode::OK, c.body.clone())
+        } else {
+            (StatusCode::SERVICE_UNAVAILABLE, c.body.clone())
+        }
+    };
+    (status, [(header::CACHE_CONTROL, "no-store")], Json(body)).into_response()
+}
+
+/// `GET /healthz` (liveness: the process serves; no auth, no backend checked): the
+/// served scopes, their kind and sources. 200 while draining too.
 pub async fn healthz(State(st): State<Arc<AppState>>) -> Response {
     let scopes: Vec<serde_json::Value> = st
         .scopes
@@ -94,8 +123,8 @@ pub async fn not_found(State(st): State<Arc<AppState>>) -> Response {
         "invalid_request_error",
         "not_found",
         "Unknown route: polygw serves /v1/chat/completions, /v1/responses, /v1/messages, \
-         /v1/messages/count_tokens, /v1/embeddings, /v1/models, /v1/models/{id}, /healthz \
-         and /metrics",
+         /v1/messages/count_tokens, /v1/embeddings, /v1/models, /v1/models/{id}, /healthz, \
+         /readyz and /metrics",
     ))
 }
 
@@ -106,6 +135,6 @@ pub async fn method_not_allowed() -> Response {
         "invalid_request_error",
         "method_not_allowed",
         "this route does not accept that method (chat, responses, messages and embeddings are \
-         POST; models, healthz and metrics are GET; a stored response is GET or DELETE)",
+         POST; models, healthz, readyz and metrics are GET; a stored response is GET or DELETE)",
     ))
 }
