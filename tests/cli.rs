@@ -496,3 +496,72 @@ async fn serve_streams_an_answer_that_arrives_in_one_write() {
         assert!(text.trim_end().ends_with("data: [DONE]"), "{text}");
     }
 }
+
+/// `polygw keys` (SPEC §21.1) end to end: a key is created and printed once, listed
+/// without its secret, honoured by `polygw serve` (through an OpenAI client), refused
+/// past its RPM, and refused within 5 s of `polygw keys revoke`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn keys_are_made_listed_honoured_and_revoked() {
+    let dir = tempfile::tempdir().unwrap();
+    let db = format!("sqlite://{}", dir.path().join("keys.db").display());
+    let env = vec![("POLYGW_KEYS_DB".to_string(), db.clone())];
+    let o = polygw(
+        &["keys", "create", "--name", "batch", "--scope", "LLM", "--rpm", "2", "--budget", "5/day"],
+        &env,
+    );
+    let (out, err) = text(&o);
+    assert!(o.status.success(), "{out}\n{err}");
+    let key = out.trim().to_string();
+    assert!(key.starts_with("pgw-") && key.len() == 47, "{out}");
+    assert!(err.contains("shown once"), "{err}");
+    let o = polygw(&["keys", "list"], &env);
+    let (out, _) = text(&o);
+    assert!(out.contains("batch") && out.contains("rpm 2") && out.contains("5/day"), "{out}");
+    assert!(!out.contains(&key[4..]), "the secret is never listed: {out}");
+    // Unknown key id: a clear error.
+    let o = polygw(&["keys", "revoke", "nope"], &env);
+    assert!(!o.status.success());
+    assert!(text(&o).1.contains("no client key with id or name \"nope\""));
+
+    let m = mock(Behavior::text(&["hi there"])).await;
+    let mut senv = source("LLM", "a", &m, &[("INPUT_PRICE", "1"), ("OUTPUT_PRICE", "1")]);
+    senv.extend(env.clone());
+    let s = serve(&senv);
+    let ask = |k: String| {
+        let base = s.base.clone();
+        async move {
+            reqwest::Client::new()
+                .post(format!("{base}/v1/chat/completions"))
+                .bearer_auth(k)
+                .json(&serde_json::json!({"model": "llm", "messages": [{"role": "user", "content": "hi"}]}))
+                .send()
+                .await
+                .unwrap()
+        }
+    };
+    let c = openai(&s.base, &key);
+    let req = CreateChatCompletionRequestArgs::default()
+        .model("llm")
+        .messages(vec![user("hello")])
+        .build()
+        .unwrap();
+    let r = c.chat().create(req).await.unwrap();
+    assert_eq!(r.choices[0].message.content.as_deref(), Some("hi there"));
+    assert_eq!(ask(key.clone()).await.status(), 200);
+    let r = ask(key.clone()).await;
+    assert_eq!(r.status(), 429, "past its RPM of 2");
+    assert_eq!(ask("pgw-wrong".into()).await.status(), 401);
+    // Revocation reaches the proxy within 5 s.
+    let o = polygw(&["keys", "revoke", "batch"], &env);
+    assert!(o.status.success(), "{:?}", text(&o));
+    let t0 = tokio::time::Instant::now();
+    loop {
+        let st = ask(key.clone()).await.status();
+        if st == 401 {
+            break;
+        }
+        assert!(t0.elapsed() < Duration::from_secs(5), "still {st} after 5 s");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    eprintln!("revocation took effect after {:?}", t0.elapsed());
+}

@@ -1,5 +1,5 @@
 //! `polygw`: the program. `demo` (the main job on embedded defaults), `mock-upstream`,
-//! `chat`, `serve` (an OpenAI-compatible proxy), `report` and `config check`.
+//! `chat`, `serve` (an OpenAI-compatible proxy), `report`, `keys` and `config check`.
 //!
 //! The program lives in this library so that the binary (`src/main.rs`) and the
 //! program-from-the-outside suites of the top-level `tests/` package (which build the
@@ -9,6 +9,7 @@ mod chat;
 mod config_cmd;
 mod demo;
 mod env;
+mod keys;
 mod mock;
 mod report;
 mod serve;
@@ -39,6 +40,8 @@ enum Command {
     Serve(serve::ServeArgs),
     /// Per-source latency, stalls, hedging, errors, tokens and cost from telemetry.
     Report(report::ReportArgs),
+    /// Client keys of `polygw serve` (limits, budgets, allowed scopes and models).
+    Keys(keys::KeysArgs),
     /// Configuration commands.
     Config {
         #[command(subcommand)]
@@ -88,6 +91,7 @@ pub fn run() -> ExitCode {
             Command::Chat(a) => chat::run(a).await,
             Command::Serve(a) => serve::run(a).await,
             Command::Report(a) => report::run(a).await,
+            Command::Keys(a) => keys::run(a).await,
             Command::Config {
                 command: ConfigCommand::Check(a),
             } => config_cmd::run(a).await,

@@ -228,11 +228,46 @@ pub async fn run(args: ServeArgs) -> Result<ExitCode> {
         .filter(|k| !k.is_empty())
         .map(Secret::new)
         .collect();
-    if keys.is_empty() && !args.listen.ip().is_loopback() && !args.allow_unauthenticated {
+    // Client keys of a key store (SPEC §21.1): loaded before serving, reloaded every 2 s.
+    let key_ring = match std::env::var(crate::keys::KEYS_DB_VAR) {
+        Ok(url) if !url.trim().is_empty() => {
+            let store = match polygw::telemetry::SqlKeyStore::connect(
+                url.trim(),
+                Duration::from_secs(10),
+            )
+            .await
+            {
+                Ok(s) => s,
+                Err(e) => {
+                    eprintln!("error: {}: the key store cannot be opened: {e}", crate::keys::KEYS_DB_VAR);
+                    return Ok(ExitCode::from(2));
+                }
+            };
+            let ring = polygw_serve::keys::KeyRing::new(
+                std::sync::Arc::new(store),
+                polygw_serve::keys::DEFAULT_REFRESH,
+            );
+            match ring.refresh().await {
+                Ok(n) => tracing::info!(keys = n, "client keys loaded from the key store"),
+                Err(e) => {
+                    eprintln!("error: {}: the client keys cannot be read: {e}", crate::keys::KEYS_DB_VAR);
+                    return Ok(ExitCode::from(2));
+                }
+            }
+            ring.spawn_refresh();
+            Some(ring)
+        }
+        _ => None,
+    };
+    if keys.is_empty()
+        && key_ring.is_none()
+        && !args.listen.ip().is_loopback()
+        && !args.allow_unauthenticated
+    {
         eprintln!(
             "error: refusing to listen on {} without client keys: anyone who can reach it would \
-             spend your upstream quota. Set POLYGW_PROXY_KEYS, listen on a loopback address, \
-             or pass --allow-unauthenticated",
+             spend your upstream quota. Set POLYGW_PROXY_KEYS or POLYGW_KEYS_DB, listen on a loopback \
+             address, or pass --allow-unauthenticated",
             args.listen
         );
         return Ok(ExitCode::from(2));
@@ -246,10 +281,10 @@ pub async fn run(args: ServeArgs) -> Result<ExitCode> {
             return Ok(ExitCode::from(2));
         }
     };
-    if keys.is_empty() {
+    if keys.is_empty() && key_ring.is_none() {
         eprintln!(
-            "warning: POLYGW_PROXY_KEYS is not set: the proxy accepts any local client \
-             (loopback Host and Origin, JSON bodies only)"
+            "warning: POLYGW_PROXY_KEYS and POLYGW_KEYS_DB are not set: the proxy accepts any \
+             local client (loopback Host and Origin, JSON bodies only)"
         );
     }
     let config = ProxyConfig {
@@ -262,6 +297,7 @@ pub async fn run(args: ServeArgs) -> Result<ExitCode> {
         keepalive,
         max_calls_per_scope: args.max_calls_per_scope.max(1),
         max_queued_per_scope: args.max_queued_per_scope,
+        key_ring,
         ..ProxyConfig::default()
     };
     let limits = ServerLimits {

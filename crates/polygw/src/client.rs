@@ -256,17 +256,13 @@ impl GatewayClient {
     /// call: the key's RPM, TPM, concurrency and budgets, reserved at the call's
     /// estimate and this scope's highest prices, atomically in the governance backend.
     /// The charge goes into [`CallOptions::with_client_key`]; it settles by itself when
-    /// the call and its attempts are done. `Err(Ok(refusal))`: over a limit (the
-    /// refusal names it and when it passes); `Err(Err(e))`: the backend failed (fail
-    /// closed).
+    /// the call and its attempts are done. Refused: over a limit (the
+    /// refusal names it and when it passes); or the backend failed (fail closed).
     pub async fn admit_key(
         &self,
         key: &polygw_core::client_key::ClientKey,
         request: &ChatRequest,
-    ) -> Result<
-        Arc<crate::client_keys::KeyCharge>,
-        Result<polygw_core::ports::Refusal, polygw_core::GovernanceError>,
-    > {
+    ) -> Result<Arc<crate::client_keys::KeyCharge>, crate::client_keys::KeyAdmitError> {
         self.engine
             .admit_key(
                 key,
@@ -274,6 +270,15 @@ impl GatewayClient {
                 request.max_tokens,
             )
             .await
+    }
+
+    /// A client key's figures in this scope's governance backend (in flight, the
+    /// window's requests and tokens, the day's and month's spend).
+    pub async fn key_usage(
+        &self,
+        key_id: &str,
+    ) -> Result<polygw_core::ports::KeyUsage, polygw_core::GovernanceError> {
+        self.engine.ports.limiter.key_usage(key_id).await
     }
 
     /// The hedge thresholds in force now for each source (SPEC §19), for requests

@@ -123,6 +123,23 @@ impl Drop for KeyCharge {
     }
 }
 
+/// Why a call was not admitted against its client key.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum KeyAdmitError {
+    /// Over a limit or a budget (or a budget on an unpriced scope); what the call would
+    /// have reserved.
+    Refused {
+        /// The refusal: which limit, and when it passes.
+        refusal: polygw_core::ports::Refusal,
+        /// The money the call would have reserved, nanos.
+        reserve_nanos: u64,
+        /// The tokens it would have reserved.
+        est_tokens: u64,
+    },
+    /// The governance backend failed (fail closed).
+    Backend(polygw_core::GovernanceError),
+}
+
 /// A [`KeyCharge`] in [`crate::CallOptions`] (compared by identity).
 #[derive(Debug, Clone)]
 pub struct KeyGrant(pub Arc<KeyCharge>);

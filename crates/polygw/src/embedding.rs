@@ -110,6 +110,18 @@ impl Leg for EmbedLeg<'_> {
 }
 
 impl EmbeddingClient {
+    /// Admits an embedding call of `texts` against the client key `key` (see
+    /// [`crate::GatewayClient::admit_key`]): its reservation is the inputs' estimated
+    /// tokens, nothing generated.
+    pub async fn admit_key(
+        &self,
+        key: &polygw_core::client_key::ClientKey,
+        texts: &[EmbeddingInput],
+    ) -> Result<Arc<crate::client_keys::KeyCharge>, crate::client_keys::KeyAdmitError> {
+        let tokens: u64 = texts.iter().map(EmbeddingInput::estimate_tokens).sum();
+        self.engine.admit_key(key, tokens, Some(0)).await
+    }
+
     /// The batch size: the smallest `BATCH_SIZE` of the scope's sources, so that any
     /// source can take any batch.
     pub fn batch_size(&self) -> usize {
@@ -167,6 +179,7 @@ impl EmbeddingClient {
         ));
         call.set_max_wait(options.max_wait, options.max_wait_name.clone());
         call.set_api(options.api);
+        call.set_key(options.client_key.clone().map(|k| k.0));
         let span = tracing::info_span!(
             "polygw.embed",
             gen_ai.operation.name = "embeddings",

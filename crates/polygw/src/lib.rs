@@ -53,7 +53,7 @@ pub use structured::{strip_code_fence, Structured};
 pub mod telemetry {
     pub use polygw_telemetry_sql::time::format_utc_ms;
     pub use polygw_telemetry_sql::{
-        accounting_gap, read_rows, RecorderConfig, SqlRecorder, TelemetryReader,
+        accounting_gap, read_rows, RecorderConfig, SqlKeyStore, SqlRecorder, TelemetryReader,
     };
 }
 

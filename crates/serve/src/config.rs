@@ -38,6 +38,10 @@ pub struct ProxyConfig {
     /// Calls waiting for one of those slots, per scope; beyond it: 429 at once
     /// (`--max-queued-per-scope`).
     pub max_queued_per_scope: usize,
+    /// Client keys of a key store (`POLYGW_KEYS_DB`, SPEC §21.1), with their scopes,
+    /// models, limits and budgets; alongside `client_keys`. Loaded (and reloading) before
+    /// the proxy serves.
+    pub key_ring: Option<crate::keys::KeyRing>,
 }
 
 impl Default for ProxyConfig {
@@ -53,6 +57,7 @@ impl Default for ProxyConfig {
             keepalive: Duration::from_secs(15),
             max_calls_per_scope: 256,
             max_queued_per_scope: 1024,
+            key_ring: None,
         }
     }
 }

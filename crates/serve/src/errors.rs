@@ -337,13 +337,6 @@ pub fn from_gateway(e: &GatewayError) -> ApiError {
 /// the call can never pass (a reservation above the budget itself). `key_budget_unpriced`
 /// is a 403: a budgeted key on a scope without prices cannot be served until the
 /// operator sets prices; retrying cannot help. `now_unix_ms` is the proxy's clock.
-#[cfg_attr(
-    not(test),
-    expect(
-        dead_code,
-        reason = "the proxy's key admission (issue 26) is wired next"
-    )
-)]
 pub fn from_key_refusal(
     r: &polygw::core::ports::Refusal,
     key: &polygw::core::ports::KeyAcquire<'_>,

@@ -15,6 +15,7 @@ use subtle::ConstantTimeEq;
 use crate::conn::{status_error, ConnCtx};
 use crate::errors::{error_response, ApiError};
 use crate::http::ensure_request_id;
+use crate::keys::Lookup;
 use crate::names;
 use crate::state::State as AppState;
 
@@ -102,7 +103,7 @@ fn forbidden(st: &AppState, reason: &'static str, code: &str, message: String) -
 /// must carry a JSON `Content-Type` (a cross-site form cannot). This stops a web page
 /// from calling a local proxy, also through DNS rebinding.
 pub async fn keyless(State(st): State<Arc<AppState>>, req: Request, next: Next) -> Response {
-    if !st.keys.is_empty() {
+    if st.asks_keys() {
         return next.run(req).await;
     }
     let host = req
@@ -183,8 +184,8 @@ pub async fn keyless(State(st): State<Arc<AppState>>, req: Request, next: Next) 
 
 /// Client authentication of `/v1/*`: a bearer key of `client_keys`, compared in
 /// constant time. Failures are counted and logged at a bounded rate.
-pub async fn auth(State(st): State<Arc<AppState>>, req: Request, next: Next) -> Response {
-    if st.keys.is_empty() {
+pub async fn auth(State(st): State<Arc<AppState>>, mut req: Request, next: Next) -> Response {
+    if !st.asks_keys() {
         return next.run(req).await;
     }
     // `Authorization: Bearer <key>` (OpenAI's SDKs), or `x-api-key: <key>`
@@ -210,18 +211,49 @@ pub async fn auth(State(st): State<Arc<AppState>>, req: Request, next: Next) -> 
     if bool::from(ok) && !given.is_empty() {
         return next.run(req).await;
     }
+    // A key of the key store (SPEC §21.1): looked up by its hash.
+    let mut revoked = None;
+    let mut unavailable = false;
+    if let Some(ring) = &st.cfg.key_ring {
+        match ring.lookup(std::str::from_utf8(given).unwrap_or("")) {
+            Lookup::Valid(k) => {
+                req.extensions_mut().insert(k);
+                return next.run(req).await;
+            }
+            Lookup::Revoked(id) => revoked = Some(id),
+            Lookup::Unavailable => unavailable = true,
+            Lookup::Unknown => {}
+        }
+    }
     let why = if header_value.is_none() {
         "no Authorization header"
+    } else if revoked.is_some() {
+        "revoked key"
     } else {
         "wrong key"
     };
     st.counters.auth_failed(peer(&req), why);
+    if unavailable && revoked.is_none() && !given.is_empty() {
+        let mut e = ApiError::new(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "server_error",
+            "key_store_unavailable",
+            "the client keys could not be loaded yet: retry shortly",
+        );
+        e.retry_after = Some(2);
+        return error_response(&e);
+    }
+    let message = match revoked {
+        Some(id) => format!("The API key {id} was revoked"),
+        None => "Missing or invalid API key: send Authorization: Bearer <key> or x-api-key: <key> \
+                 (a key of POLYGW_PROXY_KEYS or of polygw keys)"
+            .to_string(),
+    };
     error_response(&ApiError::new(
         StatusCode::UNAUTHORIZED,
         "invalid_request_error",
         "invalid_api_key",
-        "Missing or invalid API key: send Authorization: Bearer <key> or x-api-key: <key> (one \
-         of POLYGW_PROXY_KEYS)",
+        message,
     ))
 }
 

@@ -41,6 +41,7 @@ mod conn;
 mod errors;
 mod guard;
 mod http;
+pub mod keys;
 mod metrics;
 mod names;
 mod openai;

@@ -122,7 +122,7 @@ impl Proxy {
 
     /// Whether client keys are required.
     pub fn has_client_keys(&self) -> bool {
-        !self.state.keys.is_empty()
+        self.state.asks_keys()
     }
 
     /// The proxy's counters (also in `/metrics`).

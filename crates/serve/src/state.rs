@@ -45,6 +45,11 @@ impl std::fmt::Debug for State {
 }
 
 impl State {
+    /// Whether clients must present a key (static keys, or a key store).
+    pub fn asks_keys(&self) -> bool {
+        !self.keys.is_empty() || self.cfg.key_ring.is_some()
+    }
+
     /// The served scope `model` names, of any kind: a scope's name or an exact alias
     /// first (case-insensitive), then the `*` glob aliases, the most specific (longest)
     /// pattern first (SPEC §18.3).

@@ -138,10 +138,8 @@ impl Engine {
         key: &polygw_core::client_key::ClientKey,
         prompt_tokens: u64,
         max_tokens: Option<u32>,
-    ) -> Result<
-        Arc<crate::client_keys::KeyCharge>,
-        Result<polygw_core::ports::Refusal, polygw_core::GovernanceError>,
-    > {
+    ) -> Result<Arc<crate::client_keys::KeyCharge>, crate::client_keys::KeyAdmitError> {
+        use crate::client_keys::KeyAdmitError;
         use polygw_core::ports::{KeyAcquire, KeyAdmission};
         if key.limits.is_unlimited() {
             return Ok(crate::client_keys::KeyCharge::unmetered(&key.id));
@@ -152,7 +150,13 @@ impl Engine {
             &self.scope.sources,
             self.scope.limits.tpm,
         );
-        let reserve = r.reserve_nanos(key.limits.has_budget()).map_err(Ok)?;
+        let reserve = r
+            .reserve_nanos(key.limits.has_budget())
+            .map_err(|refusal| KeyAdmitError::Refused {
+                refusal,
+                reserve_nanos: 0,
+                est_tokens: r.tokens,
+            })?;
         let req = KeyAcquire {
             key_id: &key.id,
             rpm: key.limits.rpm,
@@ -166,8 +170,12 @@ impl Engine {
         };
         match self.ports.limiter.acquire_key(&req).await {
             Ok(KeyAdmission::Admitted(p)) => Ok(crate::client_keys::KeyCharge::new(&key.id, p)),
-            Ok(KeyAdmission::Refused(r)) => Err(Ok(r)),
-            Err(err) => Err(Err(err)),
+            Ok(KeyAdmission::Refused(refusal)) => Err(KeyAdmitError::Refused {
+                refusal,
+                reserve_nanos: reserve,
+                est_tokens: r.tokens,
+            }),
+            Err(err) => Err(KeyAdmitError::Backend(err)),
         }
     }
 

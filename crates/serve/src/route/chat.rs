@@ -27,6 +27,7 @@ use crate::http::{
     failure_headers, read_body, run_plain, set_request_id, unix_now, Conn, Stopped,
 };
 use crate::openai::{chunk_json, completion_json, parse_chat, usage_json};
+use polygw::core::client_key::ClientKey;
 use crate::state::State as AppState;
 use crate::stream::{respond, Encoder};
 
@@ -47,12 +48,14 @@ const ENVELOPE: [&str; 9] = [
 pub async fn handle(
     State(st): State<Arc<AppState>>,
     conn: Conn,
+    key: Option<Extension<Arc<ClientKey>>>,
     headers: HeaderMap,
     body: Body,
 ) -> Response {
     let ctx = conn.map(|Extension(c)| c);
+    let key = key.map(|Extension(k)| k);
     let id = CallOptions::new_logical_call_id();
-    let mut resp = inner(&st, &ctx, &headers, body, &id).await;
+    let mut resp = inner(&st, &ctx, key.as_ref(), &headers, body, &id).await;
     ensure_request_id(resp.headers_mut(), &id);
     resp
 }
@@ -60,6 +63,7 @@ pub async fn handle(
 async fn inner(
     st: &Arc<AppState>,
     ctx: &Option<Arc<crate::conn::ConnCtx>>,
+    key: Option<&Arc<ClientKey>>,
     headers: &HeaderMap,
     body: Body,
     id: &str,
@@ -85,11 +89,23 @@ async fn inner(
         Ok(x) => x,
         Err(e) => return error_response(&e),
     };
+    // The client key's scopes, models, limits and budgets (SPEC §21.1), before a slot.
+    let charge = match crate::keys::admit(key, &served.scope.name, &parsed.model, async |k| {
+        client.admit_key(k, &parsed.request).await
+    })
+    .await
+    {
+        Ok(c) => c,
+        Err(e) => return error_response(&e),
+    };
     let slot = match enter_gate(st, served, ctx).await {
         Ok(s) => s,
         Err(e) => return early(e),
     };
     let mut options = call_options(st, id);
+    if let Some(c) = charge {
+        options = options.with_client_key(c);
+    }
     options.api = Some("chat");
     if parsed.request.stream {
         let enc = ChatEncoder::new(id, parsed.include_usage);

@@ -18,18 +18,21 @@ use crate::http::{
 use crate::names;
 use crate::openai::{embeddings_json, parse_embeddings};
 use crate::scope::ScopeClient;
+use polygw::core::client_key::ClientKey;
 use crate::state::{cut_done, State as AppState};
 
 /// `POST /v1/embeddings`.
 pub async fn handle(
     State(st): State<Arc<AppState>>,
     conn: Conn,
+    key: Option<Extension<Arc<ClientKey>>>,
     headers: HeaderMap,
     body: Body,
 ) -> Response {
     let ctx = conn.map(|Extension(c)| c);
+    let key = key.map(|Extension(k)| k);
     let id = CallOptions::new_logical_call_id();
-    let mut resp = inner(&st, &ctx, &headers, body, &id).await;
+    let mut resp = inner(&st, &ctx, key.as_ref(), &headers, body, &id).await;
     ensure_request_id(resp.headers_mut(), &id);
     resp
 }
@@ -37,6 +40,7 @@ pub async fn handle(
 async fn inner(
     st: &Arc<AppState>,
     ctx: &Option<Arc<crate::conn::ConnCtx>>,
+    key: Option<&Arc<ClientKey>>,
     headers: &HeaderMap,
     body: Body,
     id: &str,
@@ -63,11 +67,23 @@ async fn inner(
     let ScopeClient::Embedding(client) = &served.scope.client else {
         return error_response(&st.wrong_kind(&parsed.model, served.scope.kind()));
     };
+    // The client key's scopes, models, limits and budgets (SPEC §21.1), before a slot.
+    let charge = match crate::keys::admit(key, &served.scope.name, &parsed.model, async |k| {
+        client.admit_key(k, &parsed.input).await
+    })
+    .await
+    {
+        Ok(c) => c,
+        Err(e) => return error_response(&e),
+    };
     let slot = match enter_gate(st, served, ctx).await {
         Ok(s) => s,
         Err(e) => return early(e),
     };
     let mut options = call_options(st, id);
+    if let Some(c) = charge {
+        options = options.with_client_key(c);
+    }
     options.api = Some("embeddings");
     let r = tokio::select! {
         biased;

@@ -22,6 +22,7 @@ use crate::http::{
 };
 use crate::names;
 use crate::route::responses::dialect_error;
+use polygw::core::client_key::ClientKey;
 use crate::state::State as AppState;
 use crate::stream::{respond, Encoder};
 
@@ -40,12 +41,14 @@ pub(crate) fn anthropic_error(e: &ApiError) -> Response {
 pub async fn create(
     State(st): State<Arc<AppState>>,
     conn: Conn,
+    key: Option<Extension<Arc<ClientKey>>>,
     headers: HeaderMap,
     body: Body,
 ) -> Response {
     let ctx = conn.map(|Extension(c)| c);
+    let key = key.map(|Extension(k)| k);
     let id = CallOptions::new_logical_call_id();
-    let mut resp = create_inner(&st, &ctx, &headers, body, &id).await;
+    let mut resp = create_inner(&st, &ctx, key.as_ref(), &headers, body, &id).await;
     ensure_request_id(resp.headers_mut(), &id);
     // Anthropic's SDKs read `request-id`.
     if let Some(v) = resp.headers().get(names::X_REQUEST_ID).cloned() {
@@ -57,6 +60,7 @@ pub async fn create(
 async fn create_inner(
     st: &Arc<AppState>,
     ctx: &Option<Arc<crate::conn::ConnCtx>>,
+    key: Option<&Arc<ClientKey>>,
     headers: &HeaderMap,
     body: Body,
     id: &str,
@@ -88,12 +92,24 @@ async fn create_inner(
     if !req.unsupported_tools().is_empty() {
         tracing::info!(tools = %req.unsupported_tools().join(", "), "server tools not sent upstream");
     }
+    // The client key's scopes, models, limits and budgets (SPEC §21.1), before a slot.
+    let charge = match crate::keys::admit(key, &served.scope.name, req.model(), async |k| {
+        client.admit_key(k, &t.request).await
+    })
+    .await
+    {
+        Ok(c) => c,
+        Err(e) => return anthropic_error(&e),
+    };
     let slot = match enter_gate(st, served, ctx).await {
         Ok(s) => s,
         Err(e) => return early(e),
     };
     let message_id = format!("msg_{id}");
     let mut options = call_options(st, id);
+    if let Some(c) = charge {
+        options = options.with_client_key(c);
+    }
     options.api = Some("messages");
     options.affinity_key = req.affinity_key().map(str::to_string);
     let mut resp = if t.request.stream {

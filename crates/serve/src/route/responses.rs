@@ -25,6 +25,7 @@ use crate::http::{
 };
 use crate::names;
 use crate::scope::ScopeClient;
+use polygw::core::client_key::ClientKey;
 use crate::state::State as AppState;
 use crate::stream::{respond, Encoder};
 
@@ -66,12 +67,14 @@ fn store_error(e: impl std::fmt::Display) -> ApiError {
 pub async fn create(
     State(st): State<Arc<AppState>>,
     conn: Conn,
+    key: Option<Extension<Arc<ClientKey>>>,
     headers: HeaderMap,
     body: Body,
 ) -> Response {
     let ctx = conn.map(|Extension(c)| c);
+    let key = key.map(|Extension(k)| k);
     let id = CallOptions::new_logical_call_id();
-    let mut resp = create_inner(&st, &ctx, &headers, body, &id).await;
+    let mut resp = create_inner(&st, &ctx, key.as_ref(), &headers, body, &id).await;
     ensure_request_id(resp.headers_mut(), &id);
     resp
 }
@@ -79,6 +82,7 @@ pub async fn create(
 async fn create_inner(
     st: &Arc<AppState>,
     ctx: &Option<Arc<crate::conn::ConnCtx>>,
+    key: Option<&Arc<ClientKey>>,
     headers: &HeaderMap,
     body: Body,
     id: &str,
@@ -127,6 +131,15 @@ async fn create_inner(
     if !req.unsupported_tools().is_empty() {
         tracing::info!(tools = %req.unsupported_tools().join(", "), "hosted tools not sent upstream");
     }
+    // The client key's scopes, models, limits and budgets (SPEC §21.1), before a slot.
+    let charge = match crate::keys::admit(key, &served.scope.name, req.model(), async |k| {
+        client.admit_key(k, &t.request).await
+    })
+    .await
+    {
+        Ok(c) => c,
+        Err(e) => return error_response(&e),
+    };
     let slot = match enter_gate(st, served, ctx).await {
         Ok(s) => s,
         Err(e) => return early(e),
@@ -134,6 +147,9 @@ async fn create_inner(
     let response_id = format!("resp_{id}");
     let created_at = unix_now();
     let mut options = call_options(st, id);
+    if let Some(c) = charge {
+        options = options.with_client_key(c);
+    }
     options.api = Some("responses");
     options.affinity_key = req.affinity_key().map(str::to_string);
     let saving = Saving {

@@ -6,5 +6,6 @@ mod api;
 mod conformance;
 mod hardening;
 mod honest;
+mod keys;
 mod recorded;
 mod support;

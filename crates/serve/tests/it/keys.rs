@@ -1,0 +1,247 @@
+//! Client keys of a key store (SPEC §21.1) through the proxy: keys by hash, allowed
+//! scopes and models, revocation, and the key's limits and budgets as 429s that name
+//! the limit and its reset; a row's `client_key_id`.
+
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use async_trait::async_trait;
+use polygw::core::client_key::{hash_key, shown_prefix, ClientKey, KeyLimits};
+use polygw::core::ports::ClientKeyStore;
+use polygw::core::TelemetryError;
+use polygw::ScopeKind;
+use polygw_mock_upstream::Behavior;
+use polygw_serve::keys::KeyRing;
+use polygw_serve::{ProxyConfig, ServerLimits};
+use polygw_testkit::fakes::RecordingTelemetry;
+use serde_json::{json, Value};
+
+use crate::support::*;
+
+/// A key store in memory.
+#[derive(Debug, Default)]
+struct Keys(Mutex<Vec<ClientKey>>);
+
+#[async_trait]
+impl ClientKeyStore for Keys {
+    async fn create(&self, key: ClientKey) -> Result<(), TelemetryError> {
+        self.0.lock().unwrap().push(key);
+        Ok(())
+    }
+    async fn update(&self, key: ClientKey) -> Result<bool, TelemetryError> {
+        let mut v = self.0.lock().unwrap();
+        match v.iter_mut().find(|k| k.id == key.id) {
+            Some(k) => {
+                *k = key;
+                Ok(true)
+            }
+            None => Ok(false),
+        }
+    }
+    async fn list(&self) -> Result<Vec<ClientKey>, TelemetryError> {
+        Ok(self.0.lock().unwrap().clone())
+    }
+    async fn find(&self, id_or_name: &str) -> Result<Option<ClientKey>, TelemetryError> {
+        Ok(self
+            .0
+            .lock()
+            .unwrap()
+            .iter()
+            .find(|k| k.id == id_or_name || k.name == id_or_name)
+            .cloned())
+    }
+}
+
+fn secret(n: u8) -> String {
+    format!("pgw-{}", std::iter::repeat_n(char::from(b'A' + n), 43).collect::<String>())
+}
+
+fn key(n: u8, limits: KeyLimits) -> ClientKey {
+    let s = secret(n);
+    ClientKey {
+        id: format!("key_{n}"),
+        name: format!("client-{n}"),
+        hash: hash_key(&s),
+        prefix: shown_prefix(&s),
+        scopes: vec![],
+        models: vec![],
+        limits,
+        created_at_ms: 1,
+        updated_at_ms: 1,
+        revoked_at_ms: None,
+    }
+}
+
+async fn call(s: &Served, key: &str, model: &str) -> (u16, Value, reqwest::header::HeaderMap) {
+    let r = http()
+        .post(format!("{}/chat/completions", s.v1()))
+        .bearer_auth(key)
+        .json(&json!({"model": model, "messages": [{"role": "user", "content": "hi"}]}))
+        .send()
+        .await
+        .unwrap();
+    let status = r.status().as_u16();
+    let headers = r.headers().clone();
+    (status, r.json().await.unwrap_or(Value::Null), headers)
+}
+
+async fn proxy_with(store: Arc<Keys>, rows: Arc<RecordingTelemetry>, m: &polygw_mock_upstream::MockUpstream) -> (Served, KeyRing) {
+    let ring = KeyRing::new(store, Duration::from_secs(3600));
+    ring.refresh().await.unwrap();
+    let mut src = source("a", m);
+    src.input_price = Some(1.0);
+    src.output_price = Some(1.0);
+    let chat = scope_with("LLM", ScopeKind::Chat, vec![src], Some(rows), |_| {}).await;
+    let other = scope_with("EMB", ScopeKind::Chat, vec![source("a", m)], None, |_| {}).await;
+    let cfg = ProxyConfig {
+        key_ring: Some(ring.clone()),
+        ..ProxyConfig::default()
+    };
+    (serve_with(vec![chat, other], cfg, ServerLimits::default()).await, ring)
+}
+
+#[tokio::test]
+async fn store_keys_authenticate_and_their_id_is_on_the_rows() {
+    let m = mock(Behavior::text(&["hello"])).await;
+    let store = Arc::new(Keys::default());
+    store.create(key(0, KeyLimits::default())).await.unwrap();
+    let rows = RecordingTelemetry::new();
+    let (s, ring) = proxy_with(store.clone(), rows.clone(), &m).await;
+    let (st, body, _) = call(&s, &secret(0), "llm").await;
+    assert_eq!(st, 200, "{body}");
+    // The row names the key by id.
+    let mut r = rows.rows();
+    for _ in 0..200 {
+        if !r.is_empty() {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+        r = rows.rows();
+    }
+    assert!(!r.is_empty() && r.iter().all(|x| x.client_key_id.as_deref() == Some("key_0")), "{r:?}");
+    // Unknown keys and no key: 401; nothing reached the upstream.
+    let before = m.requests().len();
+    let (st, body, _) = call(&s, &secret(9), "llm").await;
+    assert_eq!((st, body["error"]["code"].as_str()), (401, Some("invalid_api_key")));
+    assert_eq!(m.requests().len(), before);
+    // Revoked: after the ring's reload, refused with a message naming the key.
+    let mut k = store.find("key_0").await.unwrap().unwrap();
+    k.revoked_at_ms = Some(2);
+    store.update(k).await.unwrap();
+    assert_eq!(call(&s, &secret(0), "llm").await.0, 200, "not reloaded yet");
+    ring.refresh().await.unwrap();
+    let (st, body, _) = call(&s, &secret(0), "llm").await;
+    assert_eq!(st, 401);
+    assert!(body["error"]["message"].as_str().unwrap().contains("key_0 was revoked"), "{body}");
+    let text = body.to_string();
+    assert!(!text.contains(&secret(0)), "the key is never echoed");
+}
+
+#[tokio::test]
+async fn a_key_may_call_only_its_scopes_and_models() {
+    let m = mock(Behavior::text(&["hello"])).await;
+    let store = Arc::new(Keys::default());
+    let mut k = key(1, KeyLimits::default());
+    k.scopes = vec!["LLM".into()];
+    store.create(k).await.unwrap();
+    let (s, _) = proxy_with(store, RecordingTelemetry::new(), &m).await;
+    assert_eq!(call(&s, &secret(1), "llm").await.0, 200);
+    let (st, body, _) = call(&s, &secret(1), "emb").await;
+    assert_eq!(st, 403, "{body}");
+    assert_eq!(body["error"]["code"], "model_not_allowed");
+}
+
+#[tokio::test]
+async fn a_keys_rpm_and_budget_are_429s_naming_the_limit() {
+    let m = mock(Behavior::text(&["hello"])).await;
+    let store = Arc::new(Keys::default());
+    store
+        .create(key(
+            2,
+            KeyLimits {
+                rpm: 2,
+                ..KeyLimits::default()
+            },
+        ))
+        .await
+        .unwrap();
+    store
+        .create(key(
+            3,
+            KeyLimits {
+                // 1 nano-unit: the first call's reservation is already over it.
+                budget_day_nanos: Some(1),
+                ..KeyLimits::default()
+            },
+        ))
+        .await
+        .unwrap();
+    let (s, _) = proxy_with(store, RecordingTelemetry::new(), &m).await;
+    assert_eq!(call(&s, &secret(2), "llm").await.0, 200);
+    assert_eq!(call(&s, &secret(2), "llm").await.0, 200);
+    let before = m.requests().len();
+    let (st, body, h) = call(&s, &secret(2), "llm").await;
+    assert_eq!(st, 429, "{body}");
+    assert_eq!(body["error"]["code"], "key_rpm");
+    assert!(body["error"]["message"].as_str().unwrap().contains("2 requests per minute"), "{body}");
+    let ra: u64 = h["retry-after"].to_str().unwrap().parse().unwrap();
+    assert!((1..=60).contains(&ra), "{ra}");
+    assert_eq!(m.requests().len(), before, "refused before any upstream request");
+    let (st, body, _) = call(&s, &secret(3), "llm").await;
+    assert_eq!(st, 429, "{body}");
+    assert_eq!(body["error"]["code"], "key_budget_day");
+}
+
+/// A budget holds under a run of calls: each call settles at what its rows cost, the
+/// spend never passes the budget, and the key is refused once the next reservation no
+/// longer fits.
+#[tokio::test]
+async fn a_budget_is_spent_exactly_and_never_exceeded() {
+    let m = mock(Behavior::text(&["hello", " there"])).await;
+    let store = Arc::new(Keys::default());
+    // Prices of 1.0 per 1M tokens: a call costs a few thousand nanos, its reservation
+    // (its prompt and output estimates) somewhat more: some 30 calls fit.
+    let budget = 100_000u64;
+    store
+        .create(key(
+            4,
+            KeyLimits {
+                budget_day_nanos: Some(budget),
+                ..KeyLimits::default()
+            },
+        ))
+        .await
+        .unwrap();
+    let rows = RecordingTelemetry::new();
+    let (s, _) = proxy_with(store, rows.clone(), &m).await;
+    let mut ok = 0;
+    loop {
+        let (st, body, _) = call(&s, &secret(4), "llm").await;
+        if st != 200 {
+            assert_eq!((st, body["error"]["code"].as_str()), (429, Some("key_budget_day")), "{body}");
+            break;
+        }
+        ok += 1;
+        assert!(ok < 1_000, "the budget never ran out");
+    }
+    let polygw_serve::ScopeClient::Chat(c) = &s.proxy.scopes().next().unwrap().client else {
+        panic!("chat")
+    };
+    let mut usage = c.key_usage("key_4").await.unwrap();
+    for _ in 0..200 {
+        if usage.reserved_nanos == 0 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+        usage = c.key_usage("key_4").await.unwrap();
+    }
+    let spent: u64 = rows
+        .rows()
+        .iter()
+        .filter_map(|r| r.cost)
+        .map(polygw::core::key_quota::cost_nanos)
+        .sum();
+    assert!(ok >= 5, "{ok} calls");
+    assert_eq!(usage.day_nanos, spent, "the spend is what the rows cost");
+    assert!(usage.day_nanos <= budget, "{} > {budget}", usage.day_nanos);
+}
