@@ -11,6 +11,11 @@
 //! RPM window over-admitted by the upstreams' own logs, one row per attempt with the
 //! right label, one terminal row per failed call, every success equal to a complete
 //! answer an upstream sent, and measured tokens equal to what the upstreams reported.
+//! Most calls are charged to one of three client keys (SPEC §21.1: a day budget, an RPM,
+//! a concurrency limit, each binding during the run), admitted in-process as the proxy
+//! does (`GatewayClient::admit_key`, `CallOptions::with_client_key`); each key's
+//! settled spend on the governance backend must equal its rows' costs, nothing may stay
+//! reserved or in flight, and no limit may be exceeded (`checks`, "client keys").
 //!
 //! Size: `POLYGW_CHAOS_CALLS` calls per scenario (default 1000), `POLYGW_CHAOS_WORKERS`
 //! concurrent callers (default 24), `POLYGW_CHAOS_SEED` (default below). A failure
@@ -21,8 +26,13 @@ use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use polygw::client_keys::KeyAdmitError;
+use polygw::core::client_key::{ClientKey, KeyLimits};
+use polygw::core::ports::KeyUsage;
 use polygw::core::telemetry::{RowKind, TelemetryRow};
-use polygw::{ChatRequest, ErrorLabel, GatewayClient, GatewayError, LlmResponse, UsageSource};
+use polygw::{
+    CallOptions, ChatRequest, ErrorLabel, GatewayClient, GatewayError, LlmResponse, UsageSource,
+};
 use polygw_mock_upstream::{
     Behavior, EndKind, Fault, MockConfig, MockUpstream, Profile, ProfileKind, RecordedRequest,
     RetryAfter, Stall, UsageMode, Weighted,
@@ -739,14 +749,53 @@ enum CallResult {
     Err(GatewayError),
     Dropped,
     Panicked(String),
+    /// Its client key refused it (`key_budget_day`, `key_rpm`, …): no call was made.
+    KeyRefused {
+        reason: &'static str,
+        /// What the call would have reserved, as the refusal says.
+        reserve_nanos: u64,
+    },
+    /// The key's admission failed on the governance backend (fail closed).
+    KeyBackend(String),
 }
 
 #[derive(Debug, Clone)]
 struct CallRecord {
     idx: usize,
+    /// The call's `logical_call_id`, given before it starts (empty: no call).
+    lid: String,
     stream: bool,
     caller: Caller,
     result: CallResult,
+    /// Its client key, when it was charged to one.
+    key: Option<KeyCall>,
+}
+
+/// A call's admission against its client key, as its caller saw it.
+#[derive(Debug, Clone)]
+struct KeyCall {
+    /// The key (index in `Evidence::keys`).
+    key: usize,
+    /// What it reserves, computed as admission does (`key_quota::key_reservation`).
+    reserve_nanos: u64,
+    /// When admission was asked and when it answered (`None`: the caller dropped the
+    /// call before; the backend admission, if any, lies between).
+    asked_at: Option<Instant>,
+    answered_at: Option<Instant>,
+    /// The charge went into the call's options.
+    admitted: bool,
+}
+
+/// One client key as the checks see it.
+#[derive(Clone)]
+struct KeyEvidence {
+    name: &'static str,
+    id: String,
+    limits: KeyLimits,
+    /// The governance backend's figures after the run.
+    usage: Result<KeyUsage, String>,
+    /// The UTC day or month changed during the run (settled spend is per period).
+    period_changed: bool,
 }
 
 /// One source as the checks see it.
@@ -773,6 +822,7 @@ struct Evidence {
     rows: Vec<TelemetryRow>,
     spy: HashMap<String, spy::Rec>,
     calls: Vec<CallRecord>,
+    keys: Vec<KeyEvidence>,
     in_flight: Vec<(String, Result<u32, String>)>,
     /// Redis acquires whose future was dropped before it returned, per source (GOV-1).
     dropped_acquires: HashMap<String, u32>,
@@ -1231,6 +1281,7 @@ mod checks {
         // ---- per logical call -------------------------------------------------------
         let mut seen: HashMap<&str, &'static str> = HashMap::new();
         let (mut ok_calls, mut err_calls, mut dropped, mut panicked) = (0, 0, 0, 0);
+        let mut key_stopped = 0;
         let mut reasons: BTreeMap<&'static str, usize> = BTreeMap::new();
         let (mut co_completers, mut ok_in_failed, mut hedged_calls, mut hedge_wins) = (0, 0, 0, 0);
         let mut legs_cut_by_governance = 0;
@@ -1253,6 +1304,15 @@ mod checks {
                     v.push(format!("call #{} panicked: {m}", c.idx));
                 }
                 CallResult::Dropped => dropped += 1,
+                CallResult::KeyRefused { .. } | CallResult::KeyBackend(_) => {
+                    key_stopped += 1;
+                    if by_call.contains_key(c.lid.as_str()) {
+                        v.push(format!(
+                            "call #{} was not admitted by its key ({:?}) but has rows",
+                            c.idx, c.result
+                        ));
+                    }
+                }
                 CallResult::Ok(r) => {
                     ok_calls += 1;
                     let lid = r.logical_call_id.as_str();
@@ -1623,7 +1683,10 @@ mod checks {
             let failed_closed = ev
                 .calls
                 .iter()
-                .filter(|c| matches!(&c.result, CallResult::Err(e) if e.terminal_reason() == Some(polygw::TerminalReason::GovernanceBackend)))
+                .filter(|c| {
+                    matches!(&c.result, CallResult::Err(e) if e.terminal_reason() == Some(polygw::TerminalReason::GovernanceBackend))
+                        || matches!(c.result, CallResult::KeyBackend(_))
+                })
                 .count();
             if failed_closed == 0 {
                 v.push(
@@ -1674,9 +1737,11 @@ mod checks {
             ));
         }
 
+        let key_lines = check_keys(ev, &mut v, &by_call, &upstream);
+
         let requests: usize = ev.sources.iter().map(|s| s.requests.len()).sum();
         fig.lines.push(format!(
-            "{} calls in {:.1}s ({streamed} streamed; callers {by_caller:?}): {ok_calls} ok, {err_calls} failed {reasons:?}, {dropped} dropped ({dropped_with_rows} with rows), {panicked} panicked",
+            "{} calls in {:.1}s ({streamed} streamed; callers {by_caller:?}): {ok_calls} ok, {err_calls} failed {reasons:?}, {dropped} dropped ({dropped_with_rows} with rows), {panicked} panicked, {key_stopped} stopped by their client key",
             ev.calls.len(),
             ev.elapsed.as_secs_f64()
         ));
@@ -1708,6 +1773,7 @@ mod checks {
             quantiles(&mut late_gap),
             budget::MARGIN_MS
         ));
+        fig.lines.extend(key_lines);
         if sc.redis {
             fig.lines.push(format!(
                 "Redis acquires dropped mid-flight {:?} (each released: GOV-1 is fixed)",
@@ -1715,6 +1781,279 @@ mod checks {
             ));
         }
         (v, fig)
+    }
+
+    /// The refusal reasons a key's limits can give.
+    fn reasons_of(l: &KeyLimits) -> Vec<&'static str> {
+        let mut r = Vec::new();
+        if l.rpm > 0 {
+            r.push("key_rpm");
+        }
+        if l.tpm > 0 {
+            r.push("key_tpm");
+        }
+        if l.max_concurrency > 0 {
+            r.push("key_concurrency");
+        }
+        if l.budget_day_nanos.is_some() {
+            r.push("key_budget_day");
+        }
+        if l.budget_month_nanos.is_some() {
+            r.push("key_budget_month");
+        }
+        r
+    }
+
+    /// Client keys (SPEC §21.1; docs/CHAOS.md, invariant 11): every row carries its call's
+    /// key; per key, after the run, nothing in flight or reserved, the settled spend equal
+    /// to what its calls' rows settle at (`settlement_nanos`: the sum of their costs, at
+    /// least the reservation when one is unknown), at most one reservation over the
+    /// budget, refusals only for the key's own limits and with the reservation admission
+    /// computes, no 60 s window with more admissions than its RPM (by the callers'
+    /// records and by the upstreams' logs), never more calls open at once than its
+    /// concurrency. Returns the figures' lines.
+    fn check_keys(
+        ev: &Evidence,
+        v: &mut Violations,
+        by_call: &HashMap<&str, Vec<&TelemetryRow>>,
+        upstream: &HashMap<&str, (usize, &RecordedRequest)>,
+    ) -> Vec<String> {
+        use polygw::core::key_quota::settlement_nanos;
+        let mut lines = Vec::new();
+        // Every row names its call's key (or none).
+        let key_of: HashMap<&str, Option<&str>> = ev
+            .calls
+            .iter()
+            .filter(|c| !c.lid.is_empty())
+            .map(|c| {
+                let k = c
+                    .key
+                    .as_ref()
+                    .filter(|k| k.admitted)
+                    .map(|k| ev.keys[k.key].id.as_str());
+                (c.lid.as_str(), k)
+            })
+            .collect();
+        for r in &ev.rows {
+            let want = key_of.get(r.logical_call_id.as_str()).copied().flatten();
+            if r.client_key_id.as_deref() != want {
+                v.push(format!(
+                    "row {} has client_key_id {:?}, its call's key is {want:?}",
+                    r.call_id, r.client_key_id
+                ));
+            }
+        }
+        // When an attempt's transport call or its upstream request ended, whichever first
+        // (before its guard, and so the call's key charge, let go).
+        let attempt_end = |id: &str| -> Option<Instant> {
+            let spy = ev.spy.get(id).and_then(|r| r.ended_at);
+            let up = upstream.get(id).and_then(|(_, r)| r.ended_at);
+            match (spy, up) {
+                (Some(a), Some(b)) => Some(a.min(b)),
+                (a, b) => a.or(b),
+            }
+        };
+        for (ki, key) in ev.keys.iter().enumerate() {
+            let calls: Vec<(&CallRecord, &KeyCall)> = ev
+                .calls
+                .iter()
+                .filter_map(|c| c.key.as_ref().filter(|k| k.key == ki).map(|k| (c, k)))
+                .collect();
+            let allowed = reasons_of(&key.limits);
+            let (mut admitted, mut backend, mut unanswered) = (0usize, 0usize, 0usize);
+            let mut first_backend_error: Option<&str> = None;
+            let mut refused: BTreeMap<&'static str, usize> = BTreeMap::new();
+            let (mut expected, mut max_reserve, mut above_reserve) = (0u64, 0u64, 0usize);
+            // Admissions: [asked, answered] holds the backend's; windows of the callers'
+            // answers and of the calls' first upstream arrivals.
+            let (mut answers, mut delta) = (Vec::new(), Duration::ZERO);
+            let (mut firsts, mut delta_up) = (Vec::new(), Duration::ZERO);
+            let mut open: Vec<(Instant, i32)> = Vec::new();
+            for (c, k) in &calls {
+                max_reserve = max_reserve.max(k.reserve_nanos);
+                match &c.result {
+                    CallResult::KeyRefused {
+                        reason,
+                        reserve_nanos,
+                    } => {
+                        *refused.entry(reason).or_default() += 1;
+                        if !allowed.contains(reason) {
+                            v.push(format!(
+                                "key {}: call #{} refused {reason}, not one of its limits {allowed:?}",
+                                key.name, c.idx
+                            ));
+                        }
+                        if *reserve_nanos != k.reserve_nanos {
+                            v.push(format!(
+                                "key {}: call #{} was refused reserving {reserve_nanos} nanos, admission computes {}",
+                                key.name, c.idx, k.reserve_nanos
+                            ));
+                        }
+                        continue;
+                    }
+                    CallResult::KeyBackend(e) => {
+                        backend += 1;
+                        first_backend_error.get_or_insert(e.as_str());
+                        continue;
+                    }
+                    _ => {}
+                }
+                if !k.admitted {
+                    // Dropped before admission answered: admitted or not, the call never
+                    // started (an admission whose answer was lost is finished at 0).
+                    unanswered += 1;
+                    if by_call.contains_key(c.lid.as_str()) {
+                        v.push(format!(
+                            "key {}: call #{} dropped in admission has rows",
+                            key.name, c.idx
+                        ));
+                    }
+                    continue;
+                }
+                admitted += 1;
+                let empty = Vec::new();
+                let rows = by_call.get(c.lid.as_str()).unwrap_or(&empty);
+                let att: Vec<&&TelemetryRow> =
+                    rows.iter().filter(|r| r.kind == RowKind::Attempt).collect();
+                let n = settlement_nanos(k.reserve_nanos, att.iter().map(|r| r.cost));
+                expected += n;
+                if n > k.reserve_nanos {
+                    above_reserve += 1;
+                }
+                let (Some(asked), Some(answered)) = (k.asked_at, k.answered_at) else {
+                    continue;
+                };
+                answers.push(answered);
+                delta = delta.max(answered.saturating_duration_since(asked));
+                if let Some(first) = att
+                    .iter()
+                    .filter_map(|a| upstream.get(a.call_id.as_str()).map(|(_, r)| r.arrived_at))
+                    .min()
+                {
+                    firsts.push(first);
+                    delta_up = delta_up.max(first.saturating_duration_since(asked));
+                }
+                if let Some(end) = att.iter().filter_map(|a| attempt_end(&a.call_id)).max() {
+                    if end > answered {
+                        open.push((answered, 1));
+                        open.push((end, -1));
+                    }
+                }
+            }
+            let mut line = format!(
+                "key {} ({}): {} calls, {admitted} admitted, refused {refused:?}, {backend} backend failures, {unanswered} dropped in admission",
+                key.name,
+                limits_text(&key.limits),
+                calls.len()
+            );
+            if let Some(e) = first_backend_error {
+                line.push_str(&format!(" (the first: {e})"));
+            }
+            // The governance backend's figures against the rows.
+            match &key.usage {
+                Err(e) => v.push(format!("key {}: key_usage after the run: {e}", key.name)),
+                Ok(u) => {
+                    if u.in_flight != 0 || u.reserved_nanos != 0 {
+                        v.push(format!(
+                            "key {}: {} in flight, {} nanos reserved after the run",
+                            key.name, u.in_flight, u.reserved_nanos
+                        ));
+                    }
+                    if key.period_changed {
+                        line.push_str(
+                            "; the UTC period changed during the run: spend not compared",
+                        );
+                    } else if u.day_nanos != expected || u.month_nanos != expected {
+                        v.push(format!(
+                            "key {}: settled {} nanos (day) / {} (month), its rows settle at {expected}",
+                            key.name, u.day_nanos, u.month_nanos
+                        ));
+                    }
+                    line.push_str(&format!(
+                        "; settled {} = rows {expected} nanos ({above_reserve} calls above their reservation, largest reservation {max_reserve})",
+                        u.day_nanos
+                    ));
+                    for b in [key.limits.budget_day_nanos, key.limits.budget_month_nanos]
+                        .into_iter()
+                        .flatten()
+                    {
+                        let spent = u.day_nanos.max(u.month_nanos);
+                        if spent > b + max_reserve {
+                            v.push(format!(
+                                "key {}: spent {spent} nanos, over its budget {b} by more than one reservation ({max_reserve})",
+                                key.name
+                            ));
+                        }
+                        line.push_str(&format!(
+                            "; budget {b}: overshoot {}",
+                            spent as i64 - b as i64
+                        ));
+                    }
+                }
+            }
+            if key.limits.rpm > 0 {
+                let rpm = key.limits.rpm as usize;
+                let w = WINDOW.saturating_sub(delta);
+                let m = max_in_window(&mut answers, w);
+                if m > rpm {
+                    v.push(format!(
+                        "key {}: {m} admissions answered within {w:?}, key RPM is {rpm}",
+                        key.name
+                    ));
+                }
+                line.push_str(&format!("; admissions in {w:?} ≤ {m}/{rpm}"));
+                if delta_up <= MAX_DELTA {
+                    let w = WINDOW.saturating_sub(delta_up);
+                    let m = max_in_window(&mut firsts, w);
+                    if m > rpm {
+                        v.push(format!(
+                            "key {}: {m} calls' first upstream requests arrived within {w:?}, key RPM is {rpm}",
+                            key.name
+                        ));
+                    }
+                    line.push_str(&format!(", first upstream arrivals in {w:?} ≤ {m}/{rpm}"));
+                } else {
+                    line.push_str(&format!(
+                        ", upstream window not checked (admission → first arrival up to {delta_up:?})"
+                    ));
+                }
+            }
+            if key.limits.max_concurrency > 0 {
+                open.sort_by(|x, y| x.0.cmp(&y.0).then(x.1.cmp(&y.1)));
+                let (mut cur, mut peak) = (0i32, 0i32);
+                for (_, d) in open {
+                    cur += d;
+                    peak = peak.max(cur);
+                }
+                let cap = key.limits.max_concurrency as i32;
+                if peak > cap {
+                    v.push(format!(
+                        "key {}: {peak} calls open at once (admission to their last attempt's end), key concurrency is {cap}",
+                        key.name
+                    ));
+                }
+                line.push_str(&format!("; calls open at once ≤ {peak}/{cap}"));
+            }
+            lines.push(line);
+        }
+        lines
+    }
+
+    fn limits_text(l: &KeyLimits) -> String {
+        let mut parts = Vec::new();
+        if l.rpm > 0 {
+            parts.push(format!("RPM {}", l.rpm));
+        }
+        if l.max_concurrency > 0 {
+            parts.push(format!("concurrency {}", l.max_concurrency));
+        }
+        if let Some(b) = l.budget_day_nanos {
+            parts.push(format!("{} nanos/day", b));
+        }
+        if let Some(b) = l.budget_month_nanos {
+            parts.push(format!("{} nanos/month", b));
+        }
+        parts.join(", ")
     }
 
     fn quantiles(v: &mut [f64]) -> String {
@@ -1746,17 +2085,102 @@ mod checks {
     pub const MAX_DELTA: Duration = Duration::from_secs(10);
 }
 
+/// The client keys of every scenario (SPEC §21.1): which calls they are charged to, and
+/// limits sized on the run so that each binds during it.
+mod keys {
+    use polygw::core::client_key::{BudgetPeriod, ClientKey, KeyLimits, NANOS_PER_UNIT};
+    use polygw::core::key_quota::period_id;
+
+    /// The keys, in `Evidence::keys` order.
+    pub const NAMES: [&str; 3] = ["budget", "rpm", "conc"];
+
+    /// The day budget of `budget` per call of the run, nanos: about a tenth of what its
+    /// calls would spend unbounded (≈ 30 % of the calls, each ≈ 0.000 03 for an answer
+    /// whose cost is known, its reservation ≈ 0.000 26 for one whose is not), so that
+    /// it runs out around the run's first third.
+    pub const BUDGET_NANOS_PER_CALL: u64 = 4_000;
+
+    /// `max_concurrency` of `conc` (it gets ≈ 20 % of the calls of 24 callers).
+    pub const CONC: u32 = 3;
+
+    /// The key call `idx` is charged to (seeded, a draw of its own): ≈ 20 % none,
+    /// 30 % `budget`, 30 % `rpm`, 20 % `conc`.
+    pub fn pick(seed: u64, idx: usize) -> Option<usize> {
+        let mut rng = fastrand::Rng::with_seed(
+            seed.rotate_left(17) ^ (idx as u64).wrapping_mul(0xD1B5_4A32_D192_ED03),
+        );
+        match rng.u32(0..100) {
+            0..=19 => None,
+            20..=49 => Some(0),
+            50..=79 => Some(1),
+            _ => Some(2),
+        }
+    }
+
+    /// The keys of a run of `calls` calls in scope `scope` (their ids unique to it: the
+    /// Redis server is shared): `budget` a day budget; `rpm` an RPM of 15 % of the calls
+    /// (it gets 30 %: in a run shorter than a minute it binds half way) and a month
+    /// budget that never binds; `conc` a concurrency of [`CONC`].
+    pub fn make(scope: &str, calls: usize) -> Vec<ClientKey> {
+        let calls = calls as u64;
+        let limits = [
+            KeyLimits {
+                budget_day_nanos: Some(calls * BUDGET_NANOS_PER_CALL),
+                ..KeyLimits::default()
+            },
+            KeyLimits {
+                rpm: (calls * 3 / 20).max(10) as u32,
+                budget_month_nanos: Some(1_000 * NANOS_PER_UNIT),
+                ..KeyLimits::default()
+            },
+            KeyLimits {
+                max_concurrency: CONC,
+                ..KeyLimits::default()
+            },
+        ];
+        NAMES
+            .iter()
+            .zip(limits)
+            .map(|(name, limits)| {
+                let new = polygw::client_keys::generate_key().expect("a key");
+                ClientKey {
+                    id: format!("key_chaos_{}_{name}", scope.to_lowercase()),
+                    name: format!("chaos-{name}"),
+                    hash: new.hash,
+                    prefix: new.prefix,
+                    scopes: vec![scope.to_string()],
+                    models: vec![],
+                    limits,
+                    created_at_ms: 0,
+                    updated_at_ms: 0,
+                    revoked_at_ms: None,
+                }
+            })
+            .collect()
+    }
+
+    /// The UTC (day, month) holding `unix_ms`.
+    pub fn periods(unix_ms: u64) -> (u64, u64) {
+        (
+            period_id(BudgetPeriod::Day, unix_ms),
+            period_id(BudgetPeriod::Month, unix_ms),
+        )
+    }
+}
+
 /// Redis governance built as the wiring does, with a counting limiter in front.
 mod governance {
     use std::collections::HashMap;
     use std::sync::{Arc, Mutex};
 
     use async_trait::async_trait;
-    use polygw::core::ports::{AcquireRequest, Admission, BreakerStore, RateLimiter};
+    use polygw::core::ports::{
+        AcquireRequest, Admission, BreakerStore, KeyAcquire, KeyAdmission, KeyUsage, RateLimiter,
+    };
     use polygw::core::GovernanceError;
 
-    /// Passes every call through; counts per source the acquires whose future was
-    /// dropped before it returned.
+    /// Passes every call through (client keys included); counts per source (per client
+    /// key: `key:ID`) the acquires whose future was dropped before it returned.
     #[derive(Debug)]
     pub struct Counting {
         inner: Arc<dyn RateLimiter>,
@@ -1808,6 +2232,29 @@ mod governance {
 
         async fn in_flight(&self, scope: &str, source: &str) -> Result<u32, GovernanceError> {
             self.inner.in_flight(scope, source).await
+        }
+
+        async fn acquire_key<'r>(
+            &self,
+            req: &KeyAcquire<'r>,
+        ) -> Result<KeyAdmission, GovernanceError> {
+            let name = format!("key:{}", req.key_id);
+            let mut mark = Mark {
+                owner: self,
+                source: &name,
+                done: false,
+            };
+            let r = self.inner.acquire_key(req).await;
+            mark.done = true;
+            r
+        }
+
+        async fn key_usage(&self, key_id: &str) -> Result<KeyUsage, GovernanceError> {
+            self.inner.key_usage(key_id).await
+        }
+
+        async fn ping(&self, scope: &str) -> Result<(), GovernanceError> {
+            self.inner.ping(scope).await
         }
 
         async fn flush(&self) -> Result<(), GovernanceError> {
@@ -1988,9 +2435,11 @@ mod outage {
     }
 }
 
-/// `EST_TOKENS` of the source with a `TPM`: above the tokens of any request the
-/// scenarios make (prompts of ≤ 40 short words ≈ ≤ 80 tokens, ≤ 23 completion tokens), so
-/// every reservation or settlement counts at least what the upstream reports.
+/// `EST_TOKENS` of every source: above the tokens of any request the scenarios make
+/// (prompts of ≤ 40 short words ≈ ≤ 80 tokens, ≤ 23 completion tokens), so every
+/// reservation or settlement of the source with a `TPM` counts at least what the upstream
+/// reports, and a client key's reservation (the prompt's estimate plus this output, at the
+/// dearest prices) covers what any single answer costs.
 const TPM_EST: u64 = 150;
 /// The most 429 answers one logical call may collect: with cooldowns of at least
 /// `BACKOFF_BASE_S` doubling to `BACKOFF_MAX_S` (0.02 → 0.2 s) and at most
@@ -2048,8 +2497,10 @@ fn env_vars(
         }
         if tpm[i] > 0 {
             put(k("TPM"), tpm[i].to_string());
-            put(k("EST_TOKENS"), TPM_EST.to_string());
         }
+        // On every source: a client key reserves the largest output of the scope's
+        // sources (without one, only the prompt, and every answer would cost more).
+        put(k("EST_TOKENS"), TPM_EST.to_string());
     }
     let s = |f: &str| format!("{scope}__{f}");
     put(s("RETRY__MAX_ATTEMPTS"), "3".into());
@@ -2101,8 +2552,57 @@ fn env_vars(
     )
 }
 
+/// The client keys of a run and what admission needs to price a call.
+struct KeyCtx {
+    keys: Vec<ClientKey>,
+    sources: Vec<polygw::core::SourceConfig>,
+    scope_tpm: u64,
+}
+
+fn now() -> Instant {
+    tokio::time::Instant::now().into_std()
+}
+
+/// A call as the proxy makes it: admitted against its client key first (if any), then
+/// made with the key's charge in its options, under the given logical call id.
+async fn keyed_chat(
+    client: GatewayClient,
+    req: ChatRequest,
+    lid: String,
+    key: Option<(ClientKey, Arc<Mutex<KeyCall>>)>,
+) -> CallResult {
+    let mut options = CallOptions::default().with_logical_call_id(lid);
+    if let Some((k, rec)) = key {
+        rec.lock().unwrap().asked_at = Some(now());
+        let admitted = client.admit_key(&k, &req).await;
+        let mut rec = rec.lock().unwrap();
+        rec.answered_at = Some(now());
+        match admitted {
+            Ok(charge) => {
+                rec.admitted = true;
+                options = options.with_client_key(charge);
+            }
+            Err(KeyAdmitError::Refused {
+                refusal,
+                reserve_nanos,
+                ..
+            }) => {
+                return CallResult::KeyRefused {
+                    reason: refusal.reason.as_str(),
+                    reserve_nanos,
+                }
+            }
+            Err(KeyAdmitError::Backend(e)) => return CallResult::KeyBackend(e.to_string()),
+        }
+    }
+    match client.chat_with(req, options).await {
+        Ok(x) => CallResult::Ok(Box::new(x)),
+        Err(e) => CallResult::Err(e),
+    }
+}
+
 /// One caller's call `idx`, as the seed decides.
-async fn one_call(client: &GatewayClient, seed: u64, idx: usize) -> CallRecord {
+async fn one_call(client: &GatewayClient, seed: u64, idx: usize, keys: &KeyCtx) -> CallRecord {
     let mut rng = fastrand::Rng::with_seed(seed ^ (idx as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15));
     let stream = rng.bool();
     let words = rng.usize(1..=40);
@@ -2116,25 +2616,37 @@ async fn one_call(client: &GatewayClient, seed: u64, idx: usize) -> CallRecord {
         76..=91 => Caller::Timeout(rng.u64(1..=700)),
         _ => Caller::Abort(rng.u64(0..=500)),
     };
-    let from = |r: Result<LlmResponse, GatewayError>| match r {
-        Ok(x) => CallResult::Ok(Box::new(x)),
-        Err(e) => CallResult::Err(e),
-    };
+    let lid = CallOptions::new_logical_call_id();
+    let key = keys::pick(seed, idx).map(|k| {
+        let r = polygw::core::key_quota::key_reservation(
+            polygw::core::resume::estimate_prompt_tokens(&req),
+            req.max_tokens,
+            &keys.sources,
+            keys.scope_tpm,
+        );
+        let rec = Arc::new(Mutex::new(KeyCall {
+            key: k,
+            reserve_nanos: r.nanos.unwrap_or(0),
+            asked_at: None,
+            answered_at: None,
+            admitted: false,
+        }));
+        (keys.keys[k].clone(), rec)
+    });
+    let rec = key.as_ref().map(|(_, r)| r.clone());
+    let call = keyed_chat(client.clone(), req, lid.clone(), key);
     let result = match caller {
-        Caller::Await => from(client.chat(req).await),
-        Caller::Timeout(ms) => {
-            match tokio::time::timeout(Duration::from_millis(ms), client.chat(req)).await {
-                Ok(r) => from(r),
-                Err(_) => CallResult::Dropped,
-            }
-        }
+        Caller::Await => call.await,
+        Caller::Timeout(ms) => match tokio::time::timeout(Duration::from_millis(ms), call).await {
+            Ok(r) => r,
+            Err(_) => CallResult::Dropped,
+        },
         Caller::Abort(ms) => {
-            let c = client.clone();
-            let h = tokio::spawn(async move { c.chat(req).await });
+            let h = tokio::spawn(call);
             tokio::time::sleep(Duration::from_millis(ms)).await;
             h.abort();
             match h.await {
-                Ok(r) => from(r),
+                Ok(r) => r,
                 Err(e) if e.is_cancelled() => CallResult::Dropped,
                 Err(e) => CallResult::Panicked(e.to_string()),
             }
@@ -2142,9 +2654,11 @@ async fn one_call(client: &GatewayClient, seed: u64, idx: usize) -> CallRecord {
     };
     CallRecord {
         idx,
+        lid,
         stream,
         caller,
         result,
+        key: rec.map(|r| r.lock().unwrap().clone()),
     }
 }
 
@@ -2296,6 +2810,8 @@ async fn scenario(
         .iter()
         .map(|s| s.name.clone())
         .collect();
+    let sources_cfg = loaded.settings.sources.clone();
+    let scope_tpm = loaded.settings.limits.tpm;
     let spy = spy::Spy::new();
     let recording = polygw_testkit::fakes::RecordingTelemetry::new();
     // The outage scenario governs through a proxy this run slows and cuts.
@@ -2322,6 +2838,23 @@ async fn scenario(
     }
     let client = builder.build().await.expect("client");
 
+    // Client keys: ids of this run's own (the Redis server is shared).
+    let key_ctx = Arc::new(KeyCtx {
+        keys: keys::make(&scope, size.calls),
+        sources: sources_cfg,
+        scope_tpm,
+    });
+    let mut periods_at_start = Vec::new();
+    for k in &key_ctx.keys {
+        periods_at_start.push(
+            client
+                .key_usage(&k.id)
+                .await
+                .map(|u| keys::periods(u.now_unix_ms))
+                .ok(),
+        );
+    }
+
     // Fault schedules.
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
     let conductors: Vec<_> = mocks
@@ -2343,6 +2876,7 @@ async fn scenario(
     let mut workers = tokio::task::JoinSet::new();
     for _ in 0..size.workers {
         let (client, next, records) = (client.clone(), next.clone(), records.clone());
+        let key_ctx = key_ctx.clone();
         let calls = size.calls;
         workers.spawn(async move {
             loop {
@@ -2350,7 +2884,7 @@ async fn scenario(
                 if idx >= calls {
                     break;
                 }
-                let r = one_call(&client, seed, idx).await;
+                let r = one_call(&client, seed, idx, &key_ctx).await;
                 // Like a real client, a caller told that nothing can be admitted waits a
                 // little (with ON_NO_RUNNABLE=fail the refusals would else come back in
                 // microseconds and spin through the run while breakers are open).
@@ -2363,7 +2897,7 @@ async fn scenario(
                         Some(polygw::TerminalReason::NoRunnableSource)
                             | Some(polygw::TerminalReason::GovernanceBackend)
                     )
-                );
+                ) || matches!(&r.result, CallResult::KeyBackend(_));
                 records.lock().unwrap().push(r);
                 if pause {
                     tokio::time::sleep(Duration::from_millis(200 + (idx as u64 * 37) % 200)).await;
@@ -2407,6 +2941,21 @@ async fn scenario(
         ),
         None => (Ok(()), 0),
     };
+    let mut key_evidence = Vec::new();
+    for (i, k) in key_ctx.keys.iter().enumerate() {
+        let usage = client.key_usage(&k.id).await.map_err(|e| e.to_string());
+        let period_changed = match (&usage, periods_at_start[i]) {
+            (Ok(u), Some(p)) => keys::periods(u.now_unix_ms) != p,
+            _ => false,
+        };
+        key_evidence.push(KeyEvidence {
+            name: keys::NAMES[i],
+            id: k.id.clone(),
+            limits: k.limits,
+            usage,
+            period_changed,
+        });
+    }
     let mut in_flight = Vec::new();
     for s in &source_names {
         in_flight.push((
@@ -2442,9 +2991,11 @@ async fn scenario(
     for p in worker_panics {
         calls.push(CallRecord {
             idx: usize::MAX,
+            lid: String::new(),
             stream: false,
             caller: Caller::Await,
             result: CallResult::Panicked(format!("a caller task: {p}")),
+            key: None,
         });
     }
     let ev = Evidence {
@@ -2455,6 +3006,7 @@ async fn scenario(
         rows,
         spy: spy.records(),
         calls,
+        keys: key_evidence,
         in_flight,
         telemetry_dropped: client.telemetry_dropped(),
         dropped_acquires: counting
@@ -2472,6 +3024,7 @@ async fn scenario(
     };
 
     // Teardown: nothing of the run may stay alive.
+    drop(key_ctx);
     drop(client);
     drop(counting);
     if let Some(p) = proxy {

@@ -506,7 +506,10 @@ async fn keys_are_made_listed_honoured_and_revoked() {
     let db = format!("sqlite://{}", dir.path().join("keys.db").display());
     let env = vec![("POLYGW_KEYS_DB".to_string(), db.clone())];
     let o = polygw(
-        &["keys", "create", "--name", "batch", "--scope", "LLM", "--rpm", "2", "--budget", "5/day"],
+        &[
+            "keys", "create", "--name", "batch", "--scope", "LLM", "--rpm", "2", "--budget",
+            "5/day",
+        ],
         &env,
     );
     let (out, err) = text(&o);
@@ -516,15 +519,28 @@ async fn keys_are_made_listed_honoured_and_revoked() {
     assert!(err.contains("shown once"), "{err}");
     let o = polygw(&["keys", "list"], &env);
     let (out, _) = text(&o);
-    assert!(out.contains("batch") && out.contains("rpm 2") && out.contains("5/day"), "{out}");
-    assert!(!out.contains(&key[4..]), "the secret is never listed: {out}");
+    assert!(
+        out.contains("batch") && out.contains("rpm 2") && out.contains("5/day"),
+        "{out}"
+    );
+    assert!(
+        !out.contains(&key[4..]),
+        "the secret is never listed: {out}"
+    );
     // Unknown key id: a clear error.
     let o = polygw(&["keys", "revoke", "nope"], &env);
     assert!(!o.status.success());
-    assert!(text(&o).1.contains("no client key with id or name \"nope\""));
+    assert!(text(&o)
+        .1
+        .contains("no client key with id or name \"nope\""));
 
     let m = mock(Behavior::text(&["hi there"])).await;
-    let mut senv = source("LLM", "a", &m, &[("INPUT_PRICE", "1"), ("OUTPUT_PRICE", "1")]);
+    let mut senv = source(
+        "LLM",
+        "a",
+        &m,
+        &[("INPUT_PRICE", "1"), ("OUTPUT_PRICE", "1")],
+    );
     senv.extend(env.clone());
     let s = serve(&senv);
     let ask = |k: String| {
@@ -560,7 +576,10 @@ async fn keys_are_made_listed_honoured_and_revoked() {
         if st == 401 {
             break;
         }
-        assert!(t0.elapsed() < Duration::from_secs(5), "still {st} after 5 s");
+        assert!(
+            t0.elapsed() < Duration::from_secs(5),
+            "still {st} after 5 s"
+        );
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
     eprintln!("revocation took effect after {:?}", t0.elapsed());

@@ -587,6 +587,8 @@ pub struct Options {
     pub grace_s: u32,
     /// What every mock answers.
     pub behavior: Behavior,
+    /// Process variables set on top of the example's (`POLYGW_KEYS_DB`, …).
+    pub env: Vec<(&'static str, String)>,
 }
 
 /// Three replicas, their mocks, HAProxy in front.
@@ -602,6 +604,8 @@ pub struct Deployment {
     pub prices: Prices,
     /// Unix ms when it started (rows are read from then on).
     pub started_ms: i64,
+    /// A connection to the governance backend, made on first use.
+    governance: tokio::sync::OnceCell<polygw_limiter_redis::RedisGovernance>,
 }
 
 fn now_ms() -> i64 {
@@ -630,8 +634,15 @@ impl Deployment {
                 .map(|(_, v)| v.clone())
                 .unwrap_or_else(|| panic!("deploy/polygw.env.example has no {k}"))
         };
+        // A price set by the test (`opts.scope_keys`) replaces the example's: the mocks
+        // bill at the sources' prices, so that the bill is the spend.
         let price = |k: &str| -> f64 {
-            get(&format!("{EXAMPLE_SCOPE}__OPENAI__0__{k}"))
+            let key = format!("OPENAI__0__{k}");
+            opts.scope_keys
+                .iter()
+                .find(|(s, _)| *s == key)
+                .map(|(_, v)| v.clone())
+                .unwrap_or_else(|| get(&format!("{EXAMPLE_SCOPE}__{key}")))
                 .parse()
                 .expect("a price")
         };
@@ -667,6 +678,7 @@ impl Deployment {
             postgres: svc.postgres.clone(),
             prices,
             started_ms,
+            governance: tokio::sync::OnceCell::new(),
         };
         d.lb.wait_states(["UP"; 3], Duration::from_secs(20)).await;
         d
@@ -694,6 +706,78 @@ impl Deployment {
             .enumerate()
             .flat_map(|(i, m)| m.requests().into_iter().map(move |r| (i, r)))
             .collect()
+    }
+
+    /// The governance backend the replicas share (one connection, made on first use).
+    async fn governance(&self) -> &polygw_limiter_redis::RedisGovernance {
+        self.governance
+            .get_or_init(|| async {
+                polygw_limiter_redis::RedisGovernance::connect(
+                    &self.redis_url,
+                    polygw_limiter_redis::RedisOptions::default(),
+                )
+                .await
+                .expect("connect to the governance's Redis")
+            })
+            .await
+    }
+
+    /// A client key's figures on the shared governance (in flight, window, spend).
+    pub async fn key_usage(&self, key_id: &str) -> polygw::core::ports::KeyUsage {
+        use polygw::core::ports::RateLimiter;
+        self.governance()
+            .await
+            .limiter()
+            .key_usage(key_id)
+            .await
+            .expect("key_usage")
+    }
+
+    /// Runs `polygw keys ARGS` against the replicas' key store (`--db`, the telemetry
+    /// database), off the runtime's threads; fails the test unless it exits 0.
+    pub async fn keys(&self, args: &[&str]) -> KeysOutput {
+        let mut argv = vec!["keys".to_string(), "--db".into(), self.postgres.clone()];
+        argv.extend(args.iter().map(|a| a.to_string()));
+        let out = tokio::task::spawn_blocking(move || {
+            Command::new(BIN)
+                .args(&argv)
+                .env_clear()
+                .env("PATH", std::env::var("PATH").unwrap_or_default())
+                .stdin(Stdio::null())
+                .output()
+                .expect("run polygw keys")
+        })
+        .await
+        .expect("polygw keys");
+        let o = KeysOutput {
+            stdout: String::from_utf8_lossy(&out.stdout).into_owned(),
+            stderr: String::from_utf8_lossy(&out.stderr).into_owned(),
+        };
+        assert!(
+            out.status.success(),
+            "polygw keys {args:?}: {:?}\n{}{}",
+            out.status,
+            o.stdout,
+            o.stderr
+        );
+        o
+    }
+
+    /// `polygw keys create --name NAME LIMITS…`: the key (printed once) and its id.
+    pub async fn create_key(&self, name: &str, limits: &[&str]) -> NewKey {
+        let mut args = vec!["create", "--name", name];
+        args.extend_from_slice(limits);
+        let o = self.keys(&args).await;
+        let secret = o.stdout.trim().to_string();
+        assert!(secret.starts_with("pgw-"), "the key on stdout: {o:?}");
+        // stderr: `client key key_… (NAME): shown once — …`
+        let id = o
+            .stderr
+            .split_whitespace()
+            .find(|w| w.starts_with("key_"))
+            .unwrap_or_else(|| panic!("the key's id on stderr: {o:?}"))
+            .to_string();
+        NewKey { secret, id }
     }
 
     /// The scope's in-flight count on the shared governance.
@@ -738,8 +822,24 @@ impl Drop for Deployment {
     }
 }
 
+/// What `polygw keys` printed.
+#[derive(Debug, Clone)]
+pub struct KeysOutput {
+    pub stdout: String,
+    pub stderr: String,
+}
+
+/// A key `polygw keys create` made.
+#[derive(Debug, Clone)]
+pub struct NewKey {
+    /// The key itself (what a client sends).
+    pub secret: String,
+    /// Its public id (`client_key_id` of the rows, the governance's name for it).
+    pub id: String,
+}
+
 /// The example's environment for one replica: its scope renamed to `scope`, the
-/// secrets and addresses a test's own, `opts.scope_keys` on top.
+/// secrets and addresses a test's own, `opts.scope_keys` and `opts.env` on top.
 fn replica_env(
     example: &[(String, String)],
     scope: &str,
@@ -775,6 +875,12 @@ fn replica_env(
             None => env.push((key, v.clone())),
         }
     }
+    for (k, v) in &opts.env {
+        match env.iter_mut().find(|(e, _)| e == k) {
+            Some(slot) => slot.1 = v.clone(),
+            None => env.push((k.to_string(), v.clone())),
+        }
+    }
     env
 }
 
@@ -782,10 +888,17 @@ fn replica_env(
 
 /// An OpenAI client (async-openai) at `base` with the test's client key.
 pub fn openai(base: &str) -> Client<OpenAIConfig> {
+    openai_with_key(base, CLIENT_KEY)
+}
+
+/// An OpenAI client (async-openai) at `base` with the client key `key`. Note that
+/// async-openai retries a 429 or a 5xx (up to three times, after its `Retry-After`) out
+/// of sight, except a 429 of type `insufficient_quota` (a budget refusal).
+pub fn openai_with_key(base: &str, key: &str) -> Client<OpenAIConfig> {
     Client::with_config(
         OpenAIConfig::new()
             .with_api_base(format!("{base}/v1"))
-            .with_api_key(CLIENT_KEY),
+            .with_api_key(key),
     )
 }
 
@@ -926,9 +1039,30 @@ pub async fn raw_chat(
     model: &str,
     prompt: &str,
 ) -> (u16, serde_json::Value, Option<String>) {
-    let r = reqwest::Client::new()
+    raw_chat_with_key(base, CLIENT_KEY, model, prompt).await
+}
+
+/// [`raw_chat`] with the client key `key`.
+pub async fn raw_chat_with_key(
+    base: &str,
+    key: &str,
+    model: &str,
+    prompt: &str,
+) -> (u16, serde_json::Value, Option<String>) {
+    raw_chat_on(&reqwest::Client::new(), base, key, model, prompt).await
+}
+
+/// [`raw_chat_with_key`] on the HTTP client `http` (its connections kept alive).
+pub async fn raw_chat_on(
+    http: &reqwest::Client,
+    base: &str,
+    key: &str,
+    model: &str,
+    prompt: &str,
+) -> (u16, serde_json::Value, Option<String>) {
+    let r = http
         .post(format!("{base}/v1/chat/completions"))
-        .bearer_auth(CLIENT_KEY)
+        .bearer_auth(key)
         .timeout(Duration::from_secs(20))
         .json(
             &serde_json::json!({"model": model, "messages": [{"role": "user", "content": prompt}]}),

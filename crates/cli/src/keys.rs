@@ -100,7 +100,10 @@ pub struct SetArgs {
 }
 
 fn now_ms() -> i64 {
-    #[allow(clippy::disallowed_methods, reason = "the CLI's wall clock: key timestamps")]
+    #[allow(
+        clippy::disallowed_methods,
+        reason = "the CLI's wall clock: key timestamps"
+    )]
     let now = std::time::SystemTime::now();
     now.duration_since(std::time::UNIX_EPOCH)
         .map(|d| d.as_millis() as i64)
@@ -167,7 +170,13 @@ async fn find(store: &SqlKeyStore, key: &str) -> Result<ClientKey> {
 fn show_limits(k: &ClientKey) -> String {
     let l = &k.limits;
     let mut parts = Vec::new();
-    let n = |x: u64| if x == 0 { "∞".to_string() } else { x.to_string() };
+    let n = |x: u64| {
+        if x == 0 {
+            "∞".to_string()
+        } else {
+            x.to_string()
+        }
+    };
     parts.push(format!("rpm {}", n(u64::from(l.rpm))));
     parts.push(format!("tpm {}", n(l.tpm)));
     parts.push(format!("concurrency {}", n(u64::from(l.max_concurrency))));
@@ -251,7 +260,13 @@ async fn list(store: &SqlKeyStore) -> Result<()> {
     }
     let mut t = Table::new(["id", "name", "key", "scopes", "models", "limits", "state"]);
     for k in &keys {
-        let all = |v: &[String]| if v.is_empty() { "all".to_string() } else { v.join(",") };
+        let all = |v: &[String]| {
+            if v.is_empty() {
+                "all".to_string()
+            } else {
+                v.join(",")
+            }
+        };
         let state = match k.revoked_at_ms {
             Some(ms) => format!("revoked {}", polygw::telemetry::format_utc_ms(ms)),
             None => "valid".to_string(),
@@ -290,7 +305,11 @@ async fn revoke(store: &SqlKeyStore, key: &str) -> Result<()> {
 async fn rotate(store: &SqlKeyStore, key: &str) -> Result<()> {
     let mut k = find(store, key).await?;
     if k.revoked_at_ms.is_some() {
-        bail!("client key {} ({}) is revoked: create a new one", k.id, k.name);
+        bail!(
+            "client key {} ({}) is revoked: create a new one",
+            k.id,
+            k.name
+        );
     }
     let new = polygw::client_keys::generate_key().map_err(|e| anyhow!(e))?;
     k.hash = new.hash;

@@ -231,18 +231,19 @@ pub async fn run(args: ServeArgs) -> Result<ExitCode> {
     // Client keys of a key store (SPEC §21.1): loaded before serving, reloaded every 2 s.
     let key_ring = match std::env::var(crate::keys::KEYS_DB_VAR) {
         Ok(url) if !url.trim().is_empty() => {
-            let store = match polygw::telemetry::SqlKeyStore::connect(
-                url.trim(),
-                Duration::from_secs(10),
-            )
-            .await
-            {
-                Ok(s) => s,
-                Err(e) => {
-                    eprintln!("error: {}: the key store cannot be opened: {e}", crate::keys::KEYS_DB_VAR);
-                    return Ok(ExitCode::from(2));
-                }
-            };
+            let store =
+                match polygw::telemetry::SqlKeyStore::connect(url.trim(), Duration::from_secs(10))
+                    .await
+                {
+                    Ok(s) => s,
+                    Err(e) => {
+                        eprintln!(
+                            "error: {}: the key store cannot be opened: {e}",
+                            crate::keys::KEYS_DB_VAR
+                        );
+                        return Ok(ExitCode::from(2));
+                    }
+                };
             let ring = polygw_serve::keys::KeyRing::new(
                 std::sync::Arc::new(store),
                 polygw_serve::keys::DEFAULT_REFRESH,
@@ -250,7 +251,10 @@ pub async fn run(args: ServeArgs) -> Result<ExitCode> {
             match ring.refresh().await {
                 Ok(n) => tracing::info!(keys = n, "client keys loaded from the key store"),
                 Err(e) => {
-                    eprintln!("error: {}: the client keys cannot be read: {e}", crate::keys::KEYS_DB_VAR);
+                    eprintln!(
+                        "error: {}: the client keys cannot be read: {e}",
+                        crate::keys::KEYS_DB_VAR
+                    );
                     return Ok(ExitCode::from(2));
                 }
             }

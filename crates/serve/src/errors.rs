@@ -347,7 +347,8 @@ pub fn from_key_refusal(
     let id = key.key_id;
     let reset = r.retry_after.map(|d| {
         let at = now_unix_ms.saturating_add(u64::try_from(d.as_millis()).unwrap_or(u64::MAX));
-        format_utc(at)
+        // Up to the whole second: `now` may be truncated to one (a day's reset read 23:59:59).
+        format_utc(at.div_ceil(1000).saturating_mul(1000))
     });
     let resets = reset.as_deref().map_or_else(
         || "it cannot pass: retrying will not help".to_string(),

@@ -90,7 +90,8 @@ impl KeyRing {
                 if let Err(e) = ring.refresh().await {
                     let mut w = ring.inner.warned.lock().unwrap_or_else(|e| e.into_inner());
                     let now = Instant::now();
-                    if w.is_none_or(|t| now.saturating_duration_since(t) >= Duration::from_secs(60)) {
+                    if w.is_none_or(|t| now.saturating_duration_since(t) >= Duration::from_secs(60))
+                    {
                         *w = Some(now);
                         tracing::warn!(error = %e, "reloading the client keys failed: the last keys loaded stay in force");
                     }
@@ -143,7 +144,10 @@ pub async fn admit(
     model: &str,
     admitted: impl AsyncFnOnce(
         &ClientKey,
-    ) -> Result<Arc<polygw::client_keys::KeyCharge>, polygw::client_keys::KeyAdmitError>,
+    ) -> Result<
+        Arc<polygw::client_keys::KeyCharge>,
+        polygw::client_keys::KeyAdmitError,
+    >,
 ) -> Result<Option<Arc<polygw::client_keys::KeyCharge>>, crate::errors::ApiError> {
     let Some(key) = key else { return Ok(None) };
     access(key, scope, model)?;

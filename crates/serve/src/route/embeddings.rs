@@ -18,8 +18,8 @@ use crate::http::{
 use crate::names;
 use crate::openai::{embeddings_json, parse_embeddings};
 use crate::scope::ScopeClient;
-use polygw::core::client_key::ClientKey;
 use crate::state::{cut_done, State as AppState};
+use polygw::core::client_key::ClientKey;
 
 /// `POST /v1/embeddings`.
 pub async fn handle(

@@ -53,7 +53,10 @@ impl ClientKeyStore for Keys {
 }
 
 fn secret(n: u8) -> String {
-    format!("pgw-{}", std::iter::repeat_n(char::from(b'A' + n), 43).collect::<String>())
+    format!(
+        "pgw-{}",
+        std::iter::repeat_n(char::from(b'A' + n), 43).collect::<String>()
+    )
 }
 
 fn key(n: u8, limits: KeyLimits) -> ClientKey {
@@ -85,7 +88,11 @@ async fn call(s: &Served, key: &str, model: &str) -> (u16, Value, reqwest::heade
     (status, r.json().await.unwrap_or(Value::Null), headers)
 }
 
-async fn proxy_with(store: Arc<Keys>, rows: Arc<RecordingTelemetry>, m: &polygw_mock_upstream::MockUpstream) -> (Served, KeyRing) {
+async fn proxy_with(
+    store: Arc<Keys>,
+    rows: Arc<RecordingTelemetry>,
+    m: &polygw_mock_upstream::MockUpstream,
+) -> (Served, KeyRing) {
     let ring = KeyRing::new(store, Duration::from_secs(3600));
     ring.refresh().await.unwrap();
     let mut src = source("a", m);
@@ -97,7 +104,10 @@ async fn proxy_with(store: Arc<Keys>, rows: Arc<RecordingTelemetry>, m: &polygw_
         key_ring: Some(ring.clone()),
         ..ProxyConfig::default()
     };
-    (serve_with(vec![chat, other], cfg, ServerLimits::default()).await, ring)
+    (
+        serve_with(vec![chat, other], cfg, ServerLimits::default()).await,
+        ring,
+    )
 }
 
 #[tokio::test]
@@ -118,11 +128,19 @@ async fn store_keys_authenticate_and_their_id_is_on_the_rows() {
         tokio::time::sleep(Duration::from_millis(10)).await;
         r = rows.rows();
     }
-    assert!(!r.is_empty() && r.iter().all(|x| x.client_key_id.as_deref() == Some("key_0")), "{r:?}");
+    assert!(
+        !r.is_empty()
+            && r.iter()
+                .all(|x| x.client_key_id.as_deref() == Some("key_0")),
+        "{r:?}"
+    );
     // Unknown keys and no key: 401; nothing reached the upstream.
     let before = m.requests().len();
     let (st, body, _) = call(&s, &secret(9), "llm").await;
-    assert_eq!((st, body["error"]["code"].as_str()), (401, Some("invalid_api_key")));
+    assert_eq!(
+        (st, body["error"]["code"].as_str()),
+        (401, Some("invalid_api_key"))
+    );
     assert_eq!(m.requests().len(), before);
     // Revoked: after the ring's reload, refused with a message naming the key.
     let mut k = store.find("key_0").await.unwrap().unwrap();
@@ -132,7 +150,13 @@ async fn store_keys_authenticate_and_their_id_is_on_the_rows() {
     ring.refresh().await.unwrap();
     let (st, body, _) = call(&s, &secret(0), "llm").await;
     assert_eq!(st, 401);
-    assert!(body["error"]["message"].as_str().unwrap().contains("key_0 was revoked"), "{body}");
+    assert!(
+        body["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("key_0 was revoked"),
+        "{body}"
+    );
     let text = body.to_string();
     assert!(!text.contains(&secret(0)), "the key is never echoed");
 }
@@ -183,10 +207,20 @@ async fn a_keys_rpm_and_budget_are_429s_naming_the_limit() {
     let (st, body, h) = call(&s, &secret(2), "llm").await;
     assert_eq!(st, 429, "{body}");
     assert_eq!(body["error"]["code"], "key_rpm");
-    assert!(body["error"]["message"].as_str().unwrap().contains("2 requests per minute"), "{body}");
+    assert!(
+        body["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("2 requests per minute"),
+        "{body}"
+    );
     let ra: u64 = h["retry-after"].to_str().unwrap().parse().unwrap();
     assert!((1..=60).contains(&ra), "{ra}");
-    assert_eq!(m.requests().len(), before, "refused before any upstream request");
+    assert_eq!(
+        m.requests().len(),
+        before,
+        "refused before any upstream request"
+    );
     let (st, body, _) = call(&s, &secret(3), "llm").await;
     assert_eq!(st, 429, "{body}");
     assert_eq!(body["error"]["code"], "key_budget_day");
@@ -218,7 +252,11 @@ async fn a_budget_is_spent_exactly_and_never_exceeded() {
     loop {
         let (st, body, _) = call(&s, &secret(4), "llm").await;
         if st != 200 {
-            assert_eq!((st, body["error"]["code"].as_str()), (429, Some("key_budget_day")), "{body}");
+            assert_eq!(
+                (st, body["error"]["code"].as_str()),
+                (429, Some("key_budget_day")),
+                "{body}"
+            );
             break;
         }
         ok += 1;
