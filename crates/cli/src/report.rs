@@ -1,10 +1,14 @@
 //! `polygw report` (SPEC §11): per-source latency/TTFT percentiles, stall share, hedging,
 //! error labels, tokens, cost and the accounting gap from the telemetry table (SPEC §8),
-//! as text tables, and with `--html FILE` a self-contained HTML file with SVG charts.
-//! Figures and definitions: docs/REPORT.md.
+//! spend per client key (SPEC §21.1) and the slowest calls (SPEC §19.4), as text tables,
+//! and with `--html FILE` a self-contained HTML file with SVG charts (the legs of the
+//! slowest calls as a timeline among them). `--call ID` explains one call: its rows and
+//! its decision trace as a timeline. Figures and definitions: docs/REPORT.md.
 
+mod call;
 mod html;
 mod stats;
+mod timeline;
 
 use std::collections::BTreeSet;
 use std::path::PathBuf;
@@ -39,6 +43,11 @@ pub struct ReportArgs {
     /// Only this scope (case-insensitive).
     #[arg(long, value_name = "S")]
     pub scope: Option<String>,
+    /// Explain one call instead: its rows and its decision trace as a timeline. ID: a
+    /// logical_call_id, or the call_id of one of its rows. With `--html`, the page shows
+    /// its rows and its legs as a timeline chart.
+    #[arg(long, value_name = "ID", conflicts_with_all = ["since", "scope"])]
+    pub call: Option<String>,
 }
 
 /// Parses a `--since` duration: a whole number > 0 followed by `s`, `m`, `h` or `d`.
@@ -534,7 +543,155 @@ pub(crate) fn sections(sum: &Summary) -> Vec<Section> {
         empty: "no error detail",
         as_lines: true,
     });
+
+    out.push(Section {
+        title: "Spend per client key",
+        note: match sum.key_table {
+            Some(false) => {
+                "Rows per client_key_id (the client key a call was charged to; SPEC §21.1): \
+                 calls, failed calls, and over attempts and cache hits the tokens with known \
+                 usage, the known cost, and the rows whose cost is unknown (NULL, never added \
+                 as 0). Names: this database has no polygw_client_keys table."
+            }
+            _ => {
+                "Rows per client_key_id (the client key a call was charged to; SPEC §21.1): \
+                 calls, failed calls, and over attempts and cache hits the tokens with known \
+                 usage, the known cost, and the rows whose cost is unknown (NULL, never added \
+                 as 0). Names from polygw_client_keys; keys by id only, nothing secret."
+            }
+        },
+        headers: vec![
+            "client key",
+            "name",
+            "calls",
+            "failed",
+            "usage known",
+            "prompt",
+            "completion",
+            "cost (known)",
+            "unknown cost",
+        ],
+        rows: sum
+            .keys
+            .iter()
+            .map(|k| {
+                let known = k.tokens.rows > 0;
+                vec![
+                    k.id.clone().unwrap_or_else(|| NO_KEY.to_string()),
+                    if k.name.is_empty() {
+                        "—".into()
+                    } else {
+                        k.name.clone()
+                    },
+                    k.calls.to_string(),
+                    k.failed_calls.to_string(),
+                    format!(
+                        "{}/{}",
+                        k.tokens.rows,
+                        k.cost.known_rows + k.cost.unknown_rows
+                    ),
+                    count_or_dash(known, k.tokens.prompt),
+                    count_or_dash(known, k.tokens.completion),
+                    money(k.cost.known_sum()),
+                    k.cost.unknown_rows.to_string(),
+                ]
+            })
+            .collect(),
+        empty: "no call was charged to a client key",
+        as_lines: false,
+    });
+
+    out.push(Section {
+        title: "Slowest calls",
+        note: if sum.traced_calls < sum.calls {
+            "The slowest calls by their decision trace (SPEC §19.4: the call's last row; \
+             rows written before polygw kept traces have none, and are not ranked). polygw \
+             report --call ID prints one's rows and timeline."
+        } else {
+            "The slowest calls by their decision trace (SPEC §19.4: the call's last row). \
+             polygw report --call ID prints one's rows and timeline."
+        },
+        headers: vec![
+            "call", "scope", "duration", "rounds", "legs", "hedges", "resumes", "outcome",
+        ],
+        rows: sum
+            .slowest
+            .iter()
+            .map(|c| {
+                vec![
+                    c.logical_call_id.clone(),
+                    c.scope.clone(),
+                    ms(Some(c.duration_ms as f64)),
+                    c.rounds.to_string(),
+                    c.legs.to_string(),
+                    c.hedges.to_string(),
+                    c.resumes.to_string(),
+                    c.outcome.clone(),
+                ]
+            })
+            .collect(),
+        empty: "no row carries a decision trace",
+        as_lines: false,
+    });
     out
+}
+
+/// A client key's name as `polygw_client_keys` holds it (nothing secret).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct KeyName {
+    /// Its id.
+    pub id: String,
+    /// Its name.
+    pub name: String,
+    /// It was revoked.
+    pub revoked: bool,
+}
+
+/// The names of the client keys in the database of `reader`: `Some(None)` when it has no
+/// `polygw_client_keys` table; `None` when they could not be read (a warning, not the
+/// report's end: the keys are shown by id).
+pub(crate) async fn key_names(
+    reader: &polygw::telemetry::TelemetryReader,
+    db: &str,
+) -> Option<Option<Vec<KeyName>>> {
+    match reader.client_key_names().await {
+        Ok(names) => Some(names.map(|v| {
+            v.into_iter()
+                .map(|n| KeyName {
+                    id: n.id,
+                    name: n.name,
+                    revoked: n.revoked,
+                })
+                .collect()
+        })),
+        Err(e) => {
+            eprintln!("warning: cannot read the client keys' names from {db}: {e}");
+            None
+        }
+    }
+}
+
+/// The "client key" of rows charged to none.
+pub const NO_KEY: &str = "(no client key)";
+
+/// Names the keys of `sum` from `polygw_client_keys` (`None`: the database has no such
+/// table): the name, `(revoked)` after a revoked key's, and a key the table does not
+/// hold says so.
+pub(crate) fn name_keys(sum: &mut Summary, names: Option<&[KeyName]>) {
+    sum.key_table = Some(names.is_some());
+    let Some(names) = names else {
+        return;
+    };
+    for k in &mut sum.keys {
+        let Some(id) = &k.id else {
+            continue;
+        };
+        k.name = match names.iter().find(|n| &n.id == id) {
+            Some(n) if n.revoked => format!("{} (revoked)", n.name),
+            Some(n) => n.name.clone(),
+            None => "(not in polygw_client_keys)".into(),
+        };
+    }
 }
 
 /// A cost that needs prices: "prices unknown" for a source the configuration does not
@@ -682,15 +839,26 @@ fn prices_line(from_env: &[&str], missing: &[&str]) -> String {
 }
 
 pub async fn run(args: ReportArgs) -> anyhow::Result<ExitCode> {
+    if let Some(id) = &args.call {
+        return call::run(&args, id).await;
+    }
     let db = redact_url(&args.db);
     let now = now_unix_ms();
     let since = args.since.map(|d| {
         let back = i64::try_from(d.as_millis()).unwrap_or(i64::MAX);
         (d, now.saturating_sub(back))
     });
-    let rows = polygw::telemetry::read_rows(&args.db, since.map(|(_, b)| b))
+    let reader = polygw::telemetry::TelemetryReader::connect(&args.db)
         .await
         .with_context(|| format!("cannot read telemetry rows from {db}"))?;
+    let read = reader.rows(since.map(|(_, b)| b)).await;
+    // Names only for the keys the rows were charged to.
+    let names = match &read {
+        Ok(rows) if rows.iter().any(|r| r.client_key_id.is_some()) => key_names(&reader, &db).await,
+        _ => None,
+    };
+    reader.close().await;
+    let rows = read.with_context(|| format!("cannot read telemetry rows from {db}"))?;
     let scopes_present: BTreeSet<String> = rows.iter().map(|r| r.scope.clone()).collect();
     let rows: Vec<_> = match &args.scope {
         Some(s) => rows
@@ -718,10 +886,19 @@ pub async fn run(args: ReportArgs) -> anyhow::Result<ExitCode> {
         ctx.db_gap = polygw::telemetry::accounting_gap(&args.db)
             .await
             .with_context(|| format!("cannot count the accounting gap in {}", ctx.db))?;
-        let sum = stats::summarize_priced(&rows, &book);
+        let mut sum = stats::summarize_priced(&rows, &book);
+        if let Some(names) = &names {
+            name_keys(&mut sum, names.as_deref());
+        }
         print!("{}", render_text(&sum, &ctx));
         let scatter = stats::scatter(&rows, MAX_SCATTER_POINTS);
-        html::render(&sum, &scatter, &ctx)
+        let ids: Vec<String> = sum
+            .slowest
+            .iter()
+            .map(|c| c.logical_call_id.clone())
+            .collect();
+        let timelines = timeline::timelines_of(&rows, &ids);
+        html::render(&sum, &scatter, &timelines, &ctx)
     };
 
     if let Some(path) = &args.html {
@@ -961,6 +1138,115 @@ mod tests {
         assert!(!text.contains('\u{1b}'));
         assert!(text.contains("evil?[31m-0"));
         assert!(text.contains("two?lines"));
+    }
+
+    #[test]
+    fn text_report_shows_spend_per_key_and_the_slowest_calls() {
+        let mut sum = stats::summarize(&stats::tests::keyed_fixture());
+        name_keys(
+            &mut sum,
+            Some(&[KeyName {
+                id: "key_a".into(),
+                name: "team-a".into(),
+                revoked: true,
+            }]),
+        );
+        let text = render_text(&sum, &ctx(None, None, 5));
+        let line = |title: &str, prefix: &str| -> Vec<String> {
+            text.lines()
+                .skip_while(|l| *l != title)
+                .find(|l| l.starts_with(prefix))
+                .unwrap_or_else(|| panic!("no line {prefix:?} under {title:?} in\n{text}"))
+                .split("  ")
+                .map(str::trim)
+                .filter(|c| !c.is_empty())
+                .map(str::to_string)
+                .collect()
+        };
+        assert_eq!(
+            line("Spend per client key", "key_a ")[1..],
+            [
+                "team-a (revoked)",
+                "1",
+                "0",
+                "1/2",
+                "100",
+                "50",
+                "0.002000",
+                "1"
+            ]
+        );
+        assert_eq!(
+            line("Spend per client key", "key_b ")[1..],
+            [
+                "(not in polygw_client_keys)",
+                "1",
+                "1",
+                "0/2",
+                "—",
+                "—",
+                "unknown",
+                "2"
+            ]
+        );
+        assert_eq!(
+            line("Spend per client key", NO_KEY)[1..],
+            ["—", "4", "0", "3/5", "200", "100", "0.014000", "2"]
+        );
+        assert_eq!(
+            line("Slowest calls", "c1 ")[1..],
+            [
+                "LLM",
+                "1400 ms",
+                "1",
+                "2",
+                "0",
+                "1",
+                "answered by r1·L1 (b-0, resume)"
+            ]
+        );
+        // Without the table: ids only, and the note says why.
+        let mut sum = stats::summarize(&stats::tests::keyed_fixture());
+        name_keys(&mut sum, None);
+        let text = render_text(&sum, &ctx(None, None, 5));
+        assert_eq!(sum.key_table, Some(false));
+        assert!(sum.keys.iter().all(|k| k.name.is_empty()));
+        assert!(text.contains("key_a "), "{text}");
+        let plain = render_text(&stats::summarize(&fixture()), &ctx(None, None, 5));
+        assert!(
+            plain.contains("(no call was charged to a client key)"),
+            "{plain}"
+        );
+        assert!(
+            plain.contains("(no row carries a decision trace)"),
+            "{plain}"
+        );
+    }
+
+    #[test]
+    fn call_conflicts_with_the_filters() {
+        use clap::Parser;
+        #[derive(Debug, clap::Parser)]
+        struct Cli {
+            #[command(flatten)]
+            args: ReportArgs,
+        }
+        let ok = Cli::try_parse_from(["polygw", "--db", "sqlite://x.db", "--call", "c1"]).unwrap();
+        assert_eq!(ok.args.call.as_deref(), Some("c1"));
+        for flag in [["--since", "1h"], ["--scope", "LLM"]] {
+            let err = Cli::try_parse_from([
+                "polygw",
+                "--db",
+                "sqlite://x.db",
+                "--call",
+                "c1",
+                flag[0],
+                flag[1],
+            ])
+            .unwrap_err()
+            .to_string();
+            assert!(err.contains("cannot be used with"), "{err}");
+        }
     }
 
     #[test]

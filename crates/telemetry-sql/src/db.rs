@@ -526,12 +526,12 @@ impl Db {
         }
     }
 
-    /// Reads rows (all, or those created at or after `since_unix_ms`), oldest first.
+    /// Reads the rows `filter` selects, oldest first (ties by `call_id`).
     /// Columns a database lacks (created by an older polygw) read as NULL.
     pub(crate) async fn read_rows(
         &self,
         url: &str,
-        since_unix_ms: Option<i64>,
+        filter: RowFilter<'_>,
     ) -> Result<Vec<TelemetryRow>, TelemetryError> {
         let present = self
             .existing_columns()
@@ -563,29 +563,95 @@ impl Db {
         match self {
             #[cfg(feature = "sqlite")]
             Db::Sqlite(p) => {
-                if since_unix_ms.is_some() {
-                    sql.push_str(" WHERE created_at >= ?");
+                match filter {
+                    RowFilter::Since(None) => {}
+                    RowFilter::Since(Some(_)) => sql.push_str(" WHERE created_at >= ?"),
+                    RowFilter::Call(_) => sql.push_str(
+                        " WHERE logical_call_id = ? OR logical_call_id IN \
+                         (SELECT logical_call_id FROM llm_calls WHERE call_id = ?)",
+                    ),
                 }
                 sql.push_str(" ORDER BY created_at, call_id");
                 let mut q = sqlx::query(&sql);
-                if let Some(ms) = since_unix_ms {
-                    q = q.bind(format_utc_ms(ms));
+                match filter {
+                    RowFilter::Since(None) => {}
+                    RowFilter::Since(Some(ms)) => q = q.bind(format_utc_ms(ms)),
+                    RowFilter::Call(id) => q = q.bind(id).bind(id),
                 }
                 let rows = q.fetch_all(p).await.map_err(map)?;
                 rows.iter().map(|r| decode_sqlite(r, url)).collect()
             }
             #[cfg(feature = "postgres")]
             Db::Postgres(p) => {
-                if since_unix_ms.is_some() {
-                    sql.push_str(" WHERE created_at >= CAST($1 AS TIMESTAMPTZ)");
+                match filter {
+                    RowFilter::Since(None) => {}
+                    RowFilter::Since(Some(_)) => {
+                        sql.push_str(" WHERE created_at >= CAST($1 AS TIMESTAMPTZ)");
+                    }
+                    RowFilter::Call(_) => sql.push_str(
+                        " WHERE logical_call_id = $1 OR logical_call_id IN \
+                         (SELECT logical_call_id FROM llm_calls WHERE call_id = $1)",
+                    ),
                 }
                 sql.push_str(" ORDER BY llm_calls.created_at, call_id");
                 let mut q = sqlx::query(&sql);
-                if let Some(ms) = since_unix_ms {
-                    q = q.bind(format_utc_ms(ms));
+                match filter {
+                    RowFilter::Since(None) => {}
+                    RowFilter::Since(Some(ms)) => q = q.bind(format_utc_ms(ms)),
+                    RowFilter::Call(id) => q = q.bind(id),
                 }
                 let rows = q.fetch_all(p).await.map_err(map)?;
                 rows.iter().map(|r| decode_pg(r, url)).collect()
+            }
+        }
+    }
+
+    /// `(id, name, revoked)` of every client key in `polygw_client_keys` (SPEC §21.1),
+    /// nothing secret (no hash, no prefix); `None` when the database has no such table
+    /// (made by a polygw older than client keys).
+    pub(crate) async fn client_key_names(
+        &self,
+        url: &str,
+    ) -> Result<Option<Vec<(String, String, bool)>>, TelemetryError> {
+        const SQL: &str = "SELECT id, name, revoked_at_ms IS NOT NULL FROM polygw_client_keys \
+                           ORDER BY id";
+        let map = |e: sqlx::Error| err("cannot read polygw_client_keys", &e, url);
+        match self {
+            #[cfg(feature = "sqlite")]
+            Db::Sqlite(p) => {
+                let tables: i64 = sqlx::query_scalar(
+                    "SELECT COUNT(*) FROM sqlite_master \
+                     WHERE type = 'table' AND name = 'polygw_client_keys'",
+                )
+                .fetch_one(p)
+                .await
+                .map_err(map)?;
+                if tables == 0 {
+                    return Ok(None);
+                }
+                sqlx::query_as(SQL)
+                    .fetch_all(p)
+                    .await
+                    .map(Some)
+                    .map_err(map)
+            }
+            #[cfg(feature = "postgres")]
+            Db::Postgres(p) => {
+                let tables: i64 = sqlx::query_scalar(
+                    "SELECT COUNT(*) FROM information_schema.tables \
+                     WHERE table_schema = current_schema() AND table_name = 'polygw_client_keys'",
+                )
+                .fetch_one(p)
+                .await
+                .map_err(map)?;
+                if tables == 0 {
+                    return Ok(None);
+                }
+                sqlx::query_as(SQL)
+                    .fetch_all(p)
+                    .await
+                    .map(Some)
+                    .map_err(map)
             }
         }
     }
@@ -601,6 +667,17 @@ impl Db {
         .map_err(|e| err("accounting gap query failed", &e, url))?;
         Ok(u64::try_from(n).unwrap_or(0))
     }
+}
+
+/// Which rows [`Db::read_rows`] reads.
+#[derive(Debug, Clone, Copy)]
+pub(crate) enum RowFilter<'a> {
+    /// Every row (`None`), or those created at or after this instant (ms since the
+    /// epoch).
+    Since(Option<i64>),
+    /// The rows of one logical call: `id` is its `logical_call_id`, or the `call_id` of
+    /// one of its rows.
+    Call(&'a str),
 }
 
 /// The SQL type a missing column is read as.

@@ -6,7 +6,7 @@
 //!   while the database fails, and `flush()`/[`SqlRecorder::shutdown`] report how many
 //!   rows were written, dropped and are still pending.
 //! - [`read_rows`], [`accounting_gap`] and [`TelemetryReader`] read the table back (for
-//!   `polygw report`).
+//!   `polygw report`: also one call's rows, and the client keys' names).
 //! - [`SqlResponseStore`] ([`SqlRecorder::response_store`]) implements
 //!   [`polygw_core::ports::ResponseStore`]: stored OpenAI Responses (SPEC §18.1) in the
 //!   table `polygw_responses` of the same database.
@@ -45,6 +45,6 @@ pub use db::{
 };
 pub use keys::SqlKeyStore;
 pub use polygw_core::ports::telemetry::{FlushReport, NullRecorder, TelemetryRecorder};
-pub use reader::{accounting_gap, read_rows, TelemetryReader};
+pub use reader::{accounting_gap, read_rows, ClientKeyName, TelemetryReader};
 pub use recorder::{RecorderMonitor, SqlRecorder};
 pub use store::{SqlResponseStore, PURGE_BATCH};

@@ -1,11 +1,24 @@
-//! Reading `llm_calls` back (for `polygw report`): rows as [`TelemetryRow`]s and the
-//! accounting gap of SPEC §8.
+//! Reading `llm_calls` back (for `polygw report`): rows as [`TelemetryRow`]s (all, since
+//! an instant, or one logical call's), the accounting gap of SPEC §8, and the names of the
+//! client keys the rows were charged to.
 
 use std::time::Duration;
 
 use polygw_core::{TelemetryError, TelemetryRow};
 
-use crate::db::{Backend, Db, OpenOptions};
+use crate::db::{Backend, Db, OpenOptions, RowFilter};
+
+/// A client key as `polygw report` names it (SPEC §21.1): nothing secret — no hash, no
+/// prefix.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ClientKeyName {
+    /// The key's public id (`client_key_id` in the rows).
+    pub id: String,
+    /// Its name.
+    pub name: String,
+    /// It has been revoked.
+    pub revoked: bool,
+}
 
 /// A read-only view of a telemetry database. It never creates a file and never migrates:
 /// columns a database lacks (made by an older polygw) read as `None`/`false`.
@@ -46,7 +59,25 @@ impl TelemetryReader {
         &self,
         since_unix_ms: Option<i64>,
     ) -> Result<Vec<TelemetryRow>, TelemetryError> {
-        self.db.read_rows(&self.url, since_unix_ms).await
+        self.db
+            .read_rows(&self.url, RowFilter::Since(since_unix_ms))
+            .await
+    }
+
+    /// The rows of one logical call, oldest first: `id` is its `logical_call_id`, or the
+    /// `call_id` of one of its rows. Empty when no row matches.
+    pub async fn call_rows(&self, id: &str) -> Result<Vec<TelemetryRow>, TelemetryError> {
+        self.db.read_rows(&self.url, RowFilter::Call(id)).await
+    }
+
+    /// The client keys of `polygw_client_keys`, by id; `None` when the database has no
+    /// such table (made by a polygw older than client keys). Never a hash or a prefix.
+    pub async fn client_key_names(&self) -> Result<Option<Vec<ClientKeyName>>, TelemetryError> {
+        Ok(self.db.client_key_names(&self.url).await?.map(|keys| {
+            keys.into_iter()
+                .map(|(id, name, revoked)| ClientKeyName { id, name, revoked })
+                .collect()
+        }))
     }
 
     /// `COUNT(*)` of attempts whose usage is unavailable, cache hits excluded

@@ -2876,3 +2876,94 @@ mod client_keys {
         }
     }
 }
+
+/// What `polygw report` reads besides the rows (SPEC §19.4, §21.1): one logical call's
+/// rows, by its id or a row's `call_id`; the client keys' names — nothing secret, and
+/// `None` for a database without the table.
+mod report_reads {
+    use std::time::Duration;
+
+    use polygw_core::client_key::{ClientKey, KeyLimits};
+    use polygw_core::ports::telemetry::TelemetryRecorder;
+    use polygw_core::ports::ClientKeyStore;
+    use polygw_telemetry_sql::{ClientKeyName, SqlKeyStore, SqlRecorder, TelemetryReader};
+
+    use crate::common::*;
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn one_calls_rows_and_the_key_names_on_both_backends() {
+        for db in TestDb::all().await {
+            let rec = SqlRecorder::connect(db.url(), fast_config()).await.unwrap();
+            for (id, call, at) in [
+                ("r-1a", "call-1", T0 + 2),
+                ("r-1b", "call-1", T0 + 1),
+                ("r-2a", "call-2", T0),
+            ] {
+                rec.record(attempt(id, call, at));
+            }
+            assert_eq!(rec.flush().await.unwrap().written, 3, "{}", db.name());
+            rec.shutdown().await;
+            let reader = TelemetryReader::connect(db.url()).await.unwrap();
+            let ids = |rows: Vec<polygw_core::TelemetryRow>| -> Vec<String> {
+                rows.into_iter().map(|r| r.call_id).collect()
+            };
+            for by in ["call-1", "r-1a", "r-1b"] {
+                assert_eq!(
+                    ids(reader.call_rows(by).await.unwrap()),
+                    ["r-1b", "r-1a"],
+                    "{}: by {by}, oldest first",
+                    db.name()
+                );
+            }
+            assert_eq!(ids(reader.call_rows("r-2a").await.unwrap()), ["r-2a"]);
+            assert!(reader.call_rows("nope").await.unwrap().is_empty());
+            assert!(reader.call_rows("' OR 1=1 --").await.unwrap().is_empty());
+            // The recorder's migrations made the table: empty, then a key and a revoked one.
+            assert_eq!(reader.client_key_names().await.unwrap(), Some(vec![]));
+            let store = SqlKeyStore::connect(db.url(), Duration::from_secs(10))
+                .await
+                .unwrap();
+            for (id, name, revoked) in [("key_b", "beta", Some(5)), ("key_a", "alpha", None)] {
+                store
+                    .create(ClientKey {
+                        id: id.into(),
+                        name: name.into(),
+                        hash: format!("hash-of-{id}"),
+                        prefix: "pgw-secret".into(),
+                        scopes: vec![],
+                        models: vec![],
+                        limits: KeyLimits::default(),
+                        created_at_ms: 1,
+                        updated_at_ms: 1,
+                        revoked_at_ms: revoked,
+                    })
+                    .await
+                    .unwrap();
+            }
+            store.close().await;
+            let name = |id: &str, name: &str, revoked| ClientKeyName {
+                id: id.into(),
+                name: name.into(),
+                revoked,
+            };
+            assert_eq!(
+                reader.client_key_names().await.unwrap(),
+                Some(vec![
+                    name("key_a", "alpha", false),
+                    name("key_b", "beta", true)
+                ]),
+                "{}",
+                db.name()
+            );
+            // A database made before client keys has no table: None, not an error.
+            db.exec("DROP TABLE polygw_client_keys").await;
+            assert_eq!(
+                reader.client_key_names().await.unwrap(),
+                None,
+                "{}",
+                db.name()
+            );
+            reader.close().await;
+        }
+    }
+}

@@ -4,8 +4,10 @@
 
 use std::fmt::Write as _;
 
+use super::call::{CallView, Traced};
 use super::stats::{error_labels, Scatter, Summary};
-use super::{gap_line, heading_lines, iso, sections, Context, Section, MAX_SCATTER_POINTS};
+use super::timeline::{CallTimeline, LegEnd, LegSpan, MAX_TIMELINE_CALLS};
+use super::{gap_line, heading_lines, iso, sections, Context, Section, MAX_SCATTER_POINTS, NO_KEY};
 use crate::table::{money, ms, pct};
 
 /// Series colours (colour-blind friendly "Tableau 10").
@@ -27,7 +29,13 @@ th,td{padding:3px 8px;border-bottom:1px solid #eee;text-align:right;white-space:
 th:first-child,td:first-child{text-align:left}td.free{text-align:left;white-space:normal}\
 .empty{color:#888;font-style:italic}figure{margin:16px 0}figcaption{font-weight:600;margin-bottom:4px}\
 svg{display:block;max-width:100%;height:auto}svg text{font-size:11px;fill:#333}\
-svg .ax{stroke:#ccc;stroke-width:1}svg .lbl{font-size:12px}footer{margin-top:32px;color:#888;font-size:12px}";
+svg .ax{stroke:#ccc;stroke-width:1}svg .lbl{font-size:12px}footer{margin-top:32px;color:#888;font-size:12px}\
+svg .call{font-size:12px;font-weight:600}pre{font-size:12px;background:#f7f7f7;padding:8px;overflow-x:auto}";
+
+/// The page's Content-Security-Policy: nothing may be loaded or run — inline CSS and SVG
+/// only. A browser reports any breach in its console (the browser test reads it).
+const CSP: &str = "default-src 'none'; style-src 'unsafe-inline'; img-src 'none'; \
+                   script-src 'none'; base-uri 'none'; form-action 'none'";
 
 /// Escapes text for HTML content and quoted attribute values.
 pub fn esc(s: &str) -> String {
@@ -677,6 +685,7 @@ fn page(ctx: &Context, heading: &[String], body: &str) -> String {
     let mut out = format!(
         "<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">\
          <meta name=\"viewport\" content=\"width=device-width, initial-scale=1\">\
+         <meta http-equiv=\"Content-Security-Policy\" content=\"{CSP}\">\
          <title>polygw report</title><style>{STYLE}</style></head><body>\
          <h1>polygw report</h1>"
     );
@@ -697,16 +706,477 @@ fn page(ctx: &Context, heading: &[String], body: &str) -> String {
 }
 
 /// The HTML report.
-pub(crate) fn render(sum: &Summary, sc: &Scatter, ctx: &Context) -> String {
+pub(crate) fn render(
+    sum: &Summary,
+    sc: &Scatter,
+    timelines: &[CallTimeline],
+    ctx: &Context,
+) -> String {
     let mut body = String::new();
     let _ = write!(body, "<p><strong>{}</strong></p>", esc(&gap_line(sum, ctx)));
     body.push_str("<h2>Charts</h2>");
     body.push_str(&charts(sum, sc));
+    body.push_str(&key_chart(sum));
+    let note = format!(
+        "The legs of the {} slowest calls (at most {MAX_TIMELINE_CALLS}) by their decision \
+         trace (SPEC §19.4), on one time axis: ms since each call's start. {} of {} calls \
+         carry a trace{}. polygw report --call ID prints one's rows and timeline.",
+        timelines.len(),
+        sum.traced_calls,
+        sum.calls,
+        if sum.unreadable_traces > 0 {
+            format!(" ({} unreadable)", sum.unreadable_traces)
+        } else {
+            String::new()
+        }
+    );
+    body.push_str(&timeline_chart(
+        "Slowest calls: legs over time",
+        &note,
+        timelines,
+    ));
     body.push_str("<h2>Tables</h2>");
     for s in sections(sum) {
         body.push_str(&table_html(&s));
     }
     page(ctx, &heading_lines(sum, ctx), &body)
+}
+
+/// The page of `polygw report --call ID --html FILE`: the call's rows, its legs as a
+/// timeline chart, and the trace's timeline as text.
+pub(crate) fn render_call(view: &CallView) -> String {
+    let mut body = String::new();
+    let (headers, rows) = view.table();
+    body.push_str(&table_html(&Section {
+        title: "Rows",
+        note: "The call's telemetry rows: attempts in attempt order, then the others.",
+        headers,
+        rows,
+        empty: "no row",
+        as_lines: false,
+    }));
+    let timelines: Vec<CallTimeline> = view.timeline().into_iter().collect();
+    body.push_str(&timeline_chart(
+        "Legs over time",
+        "Each leg from its launch to its end, ms since the call's start (SPEC §19.4).",
+        &timelines,
+    ));
+    if let Traced::Trace(trace, row) = view.traced() {
+        let _ = write!(
+            body,
+            "<h3>Timeline</h3><p class=\"note\">The decision trace on row {}; ms since the \
+             call's start.</p><pre id=\"call-trace\">",
+            esc(&row)
+        );
+        for l in trace.timeline() {
+            let _ = writeln!(body, "{}", esc(&l));
+        }
+        body.push_str("</pre>");
+    }
+    let ctx = Context {
+        db: view.db.clone(),
+        since: None,
+        scope: None,
+        generated_ms: view.generated_ms,
+        db_gap: 0,
+        prices: String::new(),
+    };
+    page(&ctx, &view.heading(), &body)
+}
+
+/// Known cost per client key (SPEC §21.1), when any row names a key.
+fn key_chart(sum: &Summary) -> String {
+    if sum.keys.is_empty() {
+        return String::new();
+    }
+    BarChart {
+        title: "Known cost per client key".into(),
+        note: "Sum of the known costs of the attempts and cache hits charged to each key; the \
+               note gives its calls and the rows whose cost is unknown (not in the bar)."
+            .into(),
+        series: vec![("known cost".into(), PALETTE[4])],
+        cats: sum
+            .keys
+            .iter()
+            .map(|k| match (&k.id, k.name.as_str()) {
+                (Some(id), "") => id.clone(),
+                (Some(id), name) => format!("{id} ({name})"),
+                (None, _) => NO_KEY.to_string(),
+            })
+            .collect(),
+        values: sum.keys.iter().map(|k| vec![k.cost.known_sum()]).collect(),
+        stacked: false,
+        fmt: money_fmt,
+        max: None,
+        notes: sum
+            .keys
+            .iter()
+            .map(|k| format!("{} calls, unknown: {}", k.calls, k.cost.unknown_rows))
+            .collect(),
+    }
+    .render()
+}
+
+/// A leg's colour by how it ended.
+fn leg_colour(e: &LegEnd) -> &'static str {
+    match e {
+        LegEnd::Won => OK_COLOUR,
+        LegEnd::Failed(_) => FAILED_COLOUR,
+        LegEnd::Cancelled(_) => "#bab0ac",
+        LegEnd::Ended => "#76b7b2",
+        LegEnd::Unknown => "#4e79a7",
+    }
+}
+
+/// The legend's outcome entries.
+const LEG_LEGEND: [(&str, &str); 5] = [
+    ("won", OK_COLOUR),
+    ("failed", FAILED_COLOUR),
+    ("cancelled", "#bab0ac"),
+    ("ended, not the answer", "#76b7b2"),
+    ("end unknown", "#4e79a7"),
+];
+
+const MARK_DARK: &str = "#222";
+const STALL_COLOUR: &str = "#f28e2b";
+const RESUME_COLOUR: &str = "#b07aa1";
+const END_COLOUR: &str = "#8b0000";
+
+/// The SVG of one mark centred on (`x`, `y`) (a bar's middle), `class` `mark mark-KIND`,
+/// with its tooltip.
+fn mark(kind: &str, x: f64, y: f64, title: &str) -> String {
+    let t = format!("<title>{}</title>", esc(title));
+    let (x_, y_) = (n(x), n(y));
+    match kind {
+        "first-token" => format!(
+            "<circle class=\"mark mark-first-token\" cx=\"{x_}\" cy=\"{y_}\" r=\"3\" \
+             fill=\"#fff\" stroke=\"{MARK_DARK}\" stroke-width=\"1.2\">{t}</circle>"
+        ),
+        "commit" => format!(
+            "<rect class=\"mark mark-commit\" x=\"{}\" y=\"{}\" width=\"2\" height=\"14\" \
+             fill=\"{MARK_DARK}\">{t}</rect>",
+            n(x - 1.0),
+            n(y - 7.0)
+        ),
+        "stall" => format!(
+            "<path class=\"mark mark-stall\" d=\"M{} {}L{} {}L{x_} {}Z\" fill=\"{STALL_COLOUR}\" \
+             stroke=\"{MARK_DARK}\" stroke-width=\"0.5\">{t}</path>",
+            n(x - 4.5),
+            n(y - 10.0),
+            n(x + 4.5),
+            n(y - 10.0),
+            n(y - 3.0)
+        ),
+        "resume" => format!(
+            "<path class=\"mark mark-resume\" d=\"M{x_} {}L{} {y_}L{x_} {}Z\" \
+             fill=\"{RESUME_COLOUR}\" stroke=\"{MARK_DARK}\" stroke-width=\"0.5\">{t}</path>",
+            n(y - 6.0),
+            n(x + 7.0),
+            n(y + 6.0)
+        ),
+        "cancel" => format!(
+            "<path class=\"mark mark-cancel\" d=\"M{} {}L{} {}M{} {}L{} {}\" stroke=\"{MARK_DARK}\" \
+             stroke-width=\"1.6\" fill=\"none\">{t}</path>",
+            n(x - 4.0),
+            n(y - 4.0),
+            n(x + 4.0),
+            n(y + 4.0),
+            n(x - 4.0),
+            n(y + 4.0),
+            n(x + 4.0),
+            n(y - 4.0)
+        ),
+        "fail" => format!(
+            "<rect class=\"mark mark-fail\" x=\"{}\" y=\"{}\" width=\"3\" height=\"14\" \
+             fill=\"{END_COLOUR}\">{t}</rect>",
+            n(x - 1.5),
+            n(y - 7.0)
+        ),
+        // "won"
+        _ => format!(
+            "<path class=\"mark mark-won\" d=\"M{x_} {}L{} {y_}L{x_} {}L{} {y_}Z\" \
+             fill=\"#1b5e20\" stroke=\"#fff\" stroke-width=\"0.8\">{t}</path>",
+            n(y - 6.0),
+            n(x + 6.0),
+            n(y + 6.0),
+            n(x - 6.0)
+        ),
+    }
+}
+
+/// A leg's tooltip.
+fn leg_title(call: &CallTimeline, l: &LegSpan) -> String {
+    let mut t = format!(
+        "{} — {}: launched at {} ms, {} at {} ms{}",
+        call.logical_call_id,
+        l.label(),
+        l.start,
+        l.outcome.text(),
+        l.end,
+        if l.end_known {
+            ""
+        } else {
+            " (the trace's last event)"
+        }
+    );
+    if let Some(r) = &l.row {
+        let _ = write!(
+            t,
+            "; row {}: latency {}, TTFT {}, stalls {}, tokens {}, cost {}",
+            r.call_id,
+            ms(r.latency_ms.map(|v| v as f64)),
+            ms(r.ttft_ms.map(|v| v as f64)),
+            r.stall_count
+                .map_or_else(|| "—".to_string(), |n| n.to_string()),
+            r.tokens,
+            money(r.cost)
+        );
+    }
+    t
+}
+
+/// The timeline chart (SPEC §19.4): per call, a heading line and one horizontal bar per
+/// leg from its launch to its end, coloured by how it ended, with marks for its first
+/// token, commit, stalls that fired the stall trigger, a resume leg's start, and its
+/// cancel, failure or win; a failed call's end and later rounds' starts as dashed lines.
+/// One time axis for all calls. `<svg id="call-timelines">`, one `rect.leg` per leg.
+fn timeline_chart(title: &str, note: &str, calls: &[CallTimeline]) -> String {
+    let mut out = format!(
+        "<figure id=\"call-timelines-figure\"><figcaption>{}</figcaption><p class=\"note\">{}\
+         </p>",
+        esc(title),
+        esc(note)
+    );
+    if calls.is_empty() {
+        out.push_str("<p class=\"empty\">no call with a decision trace</p></figure>");
+        return out;
+    }
+    const CALL_H: f64 = 22.0;
+    const LEG_H: f64 = 18.0;
+    const BAR_H: f64 = 10.0;
+    const GAP: f64 = 10.0;
+    let (x0, x1) = (300.0, WIDTH - 24.0);
+    let max = calls.iter().map(|c| c.duration).max().unwrap_or(0).max(1) as f64;
+    let step = nice_step(max, 6.0);
+    let axis_max = (max / step).ceil() * step;
+    let xs = |t: u64| x0 + (t as f64 / axis_max) * (x1 - x0);
+    let top = 74.0;
+    let plot_h: f64 = calls
+        .iter()
+        .map(|c| CALL_H + c.legs.len() as f64 * LEG_H + GAP)
+        .sum();
+    let height = top + plot_h + 8.0;
+    let _ = write!(
+        out,
+        "<svg id=\"call-timelines\" viewBox=\"0 0 {w} {h}\" width=\"{w}\" height=\"{h}\" \
+         role=\"img\" aria-label=\"{}\" data-calls=\"{}\" data-legs=\"{}\">",
+        esc(title),
+        calls.len(),
+        calls.iter().map(|c| c.legs.len()).sum::<usize>(),
+        w = n(WIDTH),
+        h = n(height)
+    );
+    // Legend: outcomes, then marks.
+    out.push_str("<g class=\"legend\">");
+    let mut lx = 8.0;
+    for (name, colour) in LEG_LEGEND {
+        let _ = write!(
+            out,
+            "<rect x=\"{}\" y=\"8\" width=\"14\" height=\"{BAR_H}\" fill=\"{colour}\"/>\
+             <text x=\"{}\" y=\"17\">{}</text>",
+            n(lx),
+            n(lx + 18.0),
+            esc(name)
+        );
+        lx += 18.0 + name.chars().count() as f64 * 6.2 + 18.0;
+    }
+    let marks = [
+        ("first-token", "first token"),
+        ("commit", "commit"),
+        ("stall", "stall (fired a leg)"),
+        ("resume", "resume leg"),
+        ("cancel", "cancelled"),
+        ("fail", "failed"),
+        ("won", "won"),
+    ];
+    let mut lx = 14.0;
+    for (kind, name) in marks {
+        out.push_str(&mark(kind, lx, 36.0, name));
+        let _ = write!(
+            out,
+            "<text x=\"{}\" y=\"40\">{}</text>",
+            n(lx + 10.0),
+            esc(name)
+        );
+        lx += 10.0 + name.chars().count() as f64 * 6.2 + 20.0;
+    }
+    let _ = write!(
+        out,
+        "<line x1=\"{}\" y1=\"36\" x2=\"{}\" y2=\"36\" stroke=\"{END_COLOUR}\" \
+         stroke-dasharray=\"3 2\"/><text x=\"{}\" y=\"40\">call failed</text>",
+        n(lx),
+        n(lx + 16.0),
+        n(lx + 20.0)
+    );
+    out.push_str("</g>");
+    // Time axis.
+    let mut t = 0.0;
+    while t <= axis_max * (1.0 + 1e-9) {
+        let x = n(x0 + (t / axis_max) * (x1 - x0));
+        let _ = write!(
+            out,
+            "<line class=\"ax\" x1=\"{x}\" y1=\"{}\" x2=\"{x}\" y2=\"{}\"/>\
+             <text x=\"{x}\" y=\"{}\" text-anchor=\"middle\">{}</text>",
+            n(top - 8.0),
+            n(top + plot_h),
+            n(top - 12.0),
+            esc(&ms(Some(t)))
+        );
+        t += step;
+    }
+    let mut y = top;
+    for (i, c) in calls.iter().enumerate() {
+        let group_h = CALL_H + c.legs.len() as f64 * LEG_H;
+        let _ = write!(
+            out,
+            "<g class=\"call\" data-call=\"{}\">",
+            esc(&c.logical_call_id)
+        );
+        let dropped = if c.dropped > 0 {
+            format!(" · {} trace events not kept", c.dropped)
+        } else {
+            String::new()
+        };
+        let _ = write!(
+            out,
+            "<text class=\"call\" x=\"4\" y=\"{}\">{}<title>{}</title></text>",
+            n(y + 15.0),
+            esc(&format!(
+                "{}. {} · {} · {} · {}{dropped}",
+                i + 1,
+                c.scope,
+                c.logical_call_id,
+                ms(Some(c.duration as f64)),
+                c.outcome()
+            )),
+            esc(&c.logical_call_id)
+        );
+        // Later rounds' starts.
+        for r in c.rounds.iter().filter(|r| r.n > 1) {
+            let x = n(xs(r.t));
+            let _ = write!(
+                out,
+                "<line class=\"round\" x1=\"{x}\" y1=\"{}\" x2=\"{x}\" y2=\"{}\" \
+                 stroke=\"#999\" stroke-dasharray=\"2 3\"><title>round {} at {} ms</title></line>",
+                n(y + CALL_H - 2.0),
+                n(y + group_h),
+                r.n,
+                r.t
+            );
+        }
+        for (j, l) in c.legs.iter().enumerate() {
+            let ly = y + CALL_H + j as f64 * LEG_H;
+            let mid = ly + LEG_H / 2.0;
+            let label = l.label();
+            let _ = write!(
+                out,
+                "<text x=\"{}\" y=\"{}\" text-anchor=\"end\">{}<title>{}</title></text>",
+                n(x0 - 8.0),
+                n(mid + 4.0),
+                esc(&short(&label)),
+                esc(&label)
+            );
+            let (bx, bw) = (xs(l.start), (xs(l.end) - xs(l.start)).max(1.5));
+            let _ = write!(
+                out,
+                "<rect class=\"leg leg-{}\" data-leg=\"r{}.{}\" x=\"{}\" y=\"{}\" \
+                 width=\"{}\" height=\"{BAR_H}\" fill=\"{}\"{}><title>{}</title></rect>",
+                l.outcome.class(),
+                l.round,
+                l.leg,
+                n(bx),
+                n(mid - BAR_H / 2.0),
+                n(bw),
+                leg_colour(&l.outcome),
+                if l.end_known {
+                    ""
+                } else {
+                    " fill-opacity=\"0.5\""
+                },
+                esc(&leg_title(c, l))
+            );
+            if l.why == "resume" {
+                out.push_str(&mark(
+                    "resume",
+                    xs(l.start),
+                    mid,
+                    &format!(
+                        "{}: resume leg launched at {} ms{}",
+                        label,
+                        l.start,
+                        l.mode
+                            .as_deref()
+                            .map(|m| format!(" (by {m})"))
+                            .unwrap_or_default()
+                    ),
+                ));
+            }
+            if let Some(t) = l.first_token {
+                out.push_str(&mark(
+                    "first-token",
+                    xs(t),
+                    mid,
+                    &format!("{label}: first token at {t} ms"),
+                ));
+            }
+            if let Some(t) = l.commit {
+                out.push_str(&mark(
+                    "commit",
+                    xs(t),
+                    mid,
+                    &format!("{label}: committed at {t} ms (its chunks reach the caller)"),
+                ));
+            }
+            for t in &l.stalls {
+                out.push_str(&mark(
+                    "stall",
+                    xs(*t),
+                    mid,
+                    &format!("{label}: stalled; the stall trigger fired at {t} ms"),
+                ));
+            }
+            let end = match &l.outcome {
+                LegEnd::Won => Some("won"),
+                LegEnd::Cancelled(_) => Some("cancel"),
+                LegEnd::Failed(_) => Some("fail"),
+                LegEnd::Ended | LegEnd::Unknown => None,
+            };
+            if let Some(kind) = end {
+                out.push_str(&mark(
+                    kind,
+                    xs(l.end),
+                    mid,
+                    &format!("{label}: {} at {} ms", l.outcome.text(), l.end),
+                ));
+            }
+        }
+        if let Some((t, why)) = &c.end {
+            let x = n(xs(*t));
+            let _ = write!(
+                out,
+                "<line class=\"mark mark-end\" x1=\"{x}\" y1=\"{}\" x2=\"{x}\" y2=\"{}\" \
+                 stroke=\"{END_COLOUR}\" stroke-width=\"1.5\" stroke-dasharray=\"3 2\">\
+                 <title>{}</title></line>",
+                n(y + CALL_H - 2.0),
+                n(y + group_h),
+                esc(&format!("the call failed at {t} ms: {why}"))
+            );
+        }
+        out.push_str("</g>");
+        y += group_h + GAP;
+    }
+    out.push_str("</svg></figure>");
+    out
 }
 
 /// The HTML file when there is no row.
@@ -720,8 +1190,9 @@ pub(crate) fn render_empty(ctx: &Context, message: &str) -> String {
 
 #[cfg(test)]
 mod tests {
-    use super::super::stats::tests::fixture;
+    use super::super::stats::tests::{fixture, keyed_fixture};
     use super::super::stats::{scatter, summarize};
+    use super::super::timeline::timelines_of;
     use super::*;
 
     fn ctx() -> Context {
@@ -776,7 +1247,7 @@ mod tests {
         rows[0].error = Some("x\"><img src=y>".into());
         rows[5].error_detail = Some("<b>bold</b> & 'quoted'".into());
         let sum = summarize(&rows);
-        let doc = render(&sum, &scatter(&rows, 100), &ctx());
+        let doc = render(&sum, &scatter(&rows, 100), &[], &ctx());
         assert!(!doc.contains("<script>alert"));
         assert!(doc.contains("LLM/&lt;script&gt;alert(1)&lt;/script&gt;"));
         assert!(doc.contains("x&quot;&gt;&lt;img src=y&gt;"));
@@ -789,7 +1260,7 @@ mod tests {
     fn the_document_has_every_chart_and_table() {
         let rows = fixture();
         let sum = summarize(&rows);
-        let doc = render(&sum, &scatter(&rows, 5_000), &ctx());
+        let doc = render(&sum, &scatter(&rows, 5_000), &[], &ctx());
         assert!(doc.starts_with("<!DOCTYPE html>"));
         assert!(doc.trim_end().ends_with("</html>"));
         assert_self_contained(&doc);
@@ -817,6 +1288,95 @@ mod tests {
         assert_eq!(doc.matches("<svg").count(), doc.matches("</svg>").count());
         // One circle per attempt plus the two legend dots.
         assert_eq!(doc.matches("<circle").count(), 8 + 2);
+    }
+
+    #[test]
+    fn the_slowest_calls_are_a_timeline_chart_and_keys_have_their_spend() {
+        let rows = keyed_fixture();
+        let sum = summarize(&rows);
+        let ids: Vec<String> = sum
+            .slowest
+            .iter()
+            .map(|c| c.logical_call_id.clone())
+            .collect();
+        let tl = timelines_of(&rows, &ids);
+        let doc = render(&sum, &scatter(&rows, 100), &tl, &ctx());
+        assert_self_contained(&doc);
+        assert!(doc.contains("<svg id=\"call-timelines\""), "the chart");
+        assert!(doc.contains("data-calls=\"1\" data-legs=\"2\""));
+        assert!(doc.contains("<g class=\"call\" data-call=\"c1\">"));
+        assert_eq!(doc.matches("class=\"leg leg-").count(), 2);
+        assert_eq!(doc.matches("class=\"leg leg-won\"").count(), 1);
+        assert_eq!(doc.matches("class=\"leg leg-cancelled\"").count(), 1);
+        // One of each mark in the legend, plus the call's.
+        for (kind, n) in [
+            ("first-token", 2),
+            ("commit", 2),
+            ("stall", 1),
+            ("resume", 1),
+            ("cancel", 1),
+            ("won", 1),
+            ("fail", 0),
+        ] {
+            let class = format!("class=\"mark mark-{kind}\"");
+            assert_eq!(doc.matches(&class).count(), n + 1, "{kind}");
+        }
+        assert!(doc.contains("1 of 6 calls carry a trace"), "the note");
+        assert!(doc.contains("Known cost per client key"));
+        assert!(doc.contains("<h3>Spend per client key</h3>"));
+        assert!(doc.contains("<h3>Slowest calls</h3>"));
+        // 8 charts + the scatter + the keys' cost + the timeline.
+        assert_eq!(doc.matches("<svg").count(), 11);
+        assert_eq!(doc.matches("<svg").count(), doc.matches("</svg>").count());
+        assert!(doc.contains("Content-Security-Policy"));
+    }
+
+    #[test]
+    fn a_timeline_escapes_the_data() {
+        use polygw::core::trace::{CallTrace, TraceEntry, TraceEvent};
+        let trace = CallTrace {
+            events: vec![
+                TraceEntry {
+                    t: 0,
+                    event: TraceEvent::Launch {
+                        leg: 0,
+                        src: "<script>alert(1)</script>".into(),
+                        why: "primary".into(),
+                        by: None,
+                        mode: None,
+                    },
+                },
+                TraceEntry {
+                    t: 5,
+                    event: TraceEvent::Fail {
+                        leg: 0,
+                        why: "<b>x</b>".into(),
+                    },
+                },
+                TraceEntry {
+                    t: 6,
+                    event: TraceEvent::End {
+                        why: "\"><img src=y>".into(),
+                    },
+                },
+            ],
+            dropped: 0,
+        };
+        let mut r = fixture()[6].clone();
+        r.logical_call_id = "c\"<x>&'".into();
+        r.trace = Some(trace.to_json());
+        let rows = vec![r];
+        let sum = summarize(&rows);
+        let tl = timelines_of(&rows, &[rows[0].logical_call_id.clone()]);
+        assert_eq!(tl.len(), 1);
+        let doc = render(&sum, &scatter(&rows, 100), &tl, &ctx());
+        assert!(!doc.contains("<script>alert"));
+        assert!(!doc.contains("<b>x"));
+        assert!(!doc.contains("<img"));
+        assert!(doc.contains("data-call=\"c&quot;&lt;x&gt;&amp;&#39;\""));
+        assert!(doc.contains("&lt;script&gt;alert(1)&lt;/script&gt;"));
+        assert!(doc.contains("class=\"mark mark-end\""));
+        assert_self_contained(&doc.replace(" src=y", ""));
     }
 
     #[test]

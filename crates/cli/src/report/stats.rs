@@ -2,11 +2,13 @@
 //! every figure the report shows is unit-tested on hand-made rows. Definitions:
 //! docs/REPORT.md.
 
-use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 
 use polygw::core::telemetry::{cache_saving, Accounts, BilledTokens, TokenPrices};
+use polygw::core::trace::CallTrace;
 use polygw::core::{RowKind, TelemetryRow, Usage, UsageSource};
 
+use super::timeline::{CallTimeline, MAX_TIMELINE_CALLS};
 use crate::table::quantile;
 
 /// Shown for an attempt row without a source (should not happen; kept visible).
@@ -286,6 +288,45 @@ pub struct ErrorDetail {
     pub count: u64,
 }
 
+/// Spend of one client key (SPEC §21.1): the rows charged to it.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct KeyStats {
+    /// `client_key_id`; `None`: the rows charged to no key.
+    pub id: Option<String>,
+    /// Its name as the report shows it (from `polygw_client_keys`: see
+    /// `report::name_keys`); empty until named.
+    pub name: String,
+    /// Distinct logical calls.
+    pub calls: u64,
+    /// Calls with a `terminal_failure` row.
+    pub failed_calls: u64,
+    /// Tokens of the attempts and cache hits with known usage.
+    pub tokens: TokenTally,
+    /// Cost of the attempts and cache hits (terminal rows are not spend).
+    pub cost: CostTally,
+}
+
+/// One of the slowest traced calls (SPEC §19.4).
+#[derive(Debug, Clone, PartialEq)]
+pub struct SlowCall {
+    /// `logical_call_id`.
+    pub logical_call_id: String,
+    /// Scope.
+    pub scope: String,
+    /// The call's length in its trace (its last event, or a leg's end), ms.
+    pub duration_ms: u64,
+    /// Rounds.
+    pub rounds: usize,
+    /// Legs launched.
+    pub legs: usize,
+    /// Extra legs launched as hedges.
+    pub hedges: usize,
+    /// Resume legs.
+    pub resumes: usize,
+    /// Its outcome in words.
+    pub outcome: String,
+}
+
 /// Everything the report shows, from a slice of rows.
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct Summary {
@@ -307,6 +348,20 @@ pub struct Summary {
     pub distinct_details: usize,
     /// Attempts with usage unavailable among the rows (the SPEC §8 count on these rows).
     pub gap: u64,
+    /// Spend per client key: keyed rows by known cost (highest first), then the rows of
+    /// no key; empty when no row names a key.
+    pub keys: Vec<KeyStats>,
+    /// Whether the database has the `polygw_client_keys` table (`None`: not asked).
+    pub key_table: Option<bool>,
+    /// Logical calls among the rows.
+    pub calls: u64,
+    /// Calls whose last row carries a readable trace.
+    pub traced_calls: u64,
+    /// Rows whose trace could not be read.
+    pub unreadable_traces: u64,
+    /// The slowest traced calls, slowest first (at most
+    /// [`super::timeline::MAX_TIMELINE_CALLS`]).
+    pub slowest: Vec<SlowCall>,
 }
 
 fn ratio(num: u64, den: u64) -> Option<f64> {
@@ -538,6 +593,13 @@ pub fn summarize_priced(rows: &[TelemetryRow], book: &PriceBook) -> Summary {
         })
         .collect();
 
+    sum.keys = key_stats(rows);
+    let (calls, traced, unreadable, slowest) = slowest_calls(rows, MAX_TIMELINE_CALLS);
+    sum.calls = calls;
+    sum.traced_calls = traced;
+    sum.unreadable_traces = unreadable;
+    sum.slowest = slowest;
+
     sum.distinct_details = details.len();
     let mut details: Vec<ErrorDetail> = details
         .into_iter()
@@ -560,6 +622,100 @@ pub fn summarize_priced(rows: &[TelemetryRow], book: &PriceBook) -> Summary {
     details.truncate(MAX_DETAILS);
     sum.details = details;
     sum
+}
+
+/// Spend per client key (see [`Summary::keys`]).
+fn key_stats(rows: &[TelemetryRow]) -> Vec<KeyStats> {
+    if rows.iter().all(|r| r.client_key_id.is_none()) {
+        return Vec::new();
+    }
+    // Per key: its figures, its calls, its failed calls.
+    type Acc<'a> = (KeyStats, HashSet<&'a str>, HashSet<&'a str>);
+    let mut keys: BTreeMap<Option<&str>, Acc<'_>> = BTreeMap::new();
+    for r in rows {
+        let id = r.client_key_id.as_deref();
+        let (k, calls, failed) = keys.entry(id).or_insert_with(|| {
+            (
+                KeyStats {
+                    id: id.map(str::to_string),
+                    ..KeyStats::default()
+                },
+                HashSet::new(),
+                HashSet::new(),
+            )
+        });
+        calls.insert(&r.logical_call_id);
+        match r.kind {
+            RowKind::Attempt | RowKind::CacheHit => {
+                k.tokens.add(r);
+                k.cost.add(r.cost);
+            }
+            RowKind::TerminalFailure => {
+                failed.insert(&r.logical_call_id);
+            }
+        }
+    }
+    let mut out: Vec<KeyStats> = keys
+        .into_values()
+        .map(|(mut k, calls, failed)| {
+            k.calls = calls.len() as u64;
+            k.failed_calls = failed.len() as u64;
+            k
+        })
+        .collect();
+    out.sort_by(|a, b| {
+        a.id.is_none()
+            .cmp(&b.id.is_none())
+            .then_with(|| b.cost.known.total_cmp(&a.cost.known))
+            .then_with(|| a.id.cmp(&b.id))
+    });
+    out
+}
+
+/// Logical calls, calls with a readable trace, unreadable traces, and the `max` slowest
+/// traced calls (by their trace's length; ties by id).
+fn slowest_calls(rows: &[TelemetryRow], max: usize) -> (u64, u64, u64, Vec<SlowCall>) {
+    let calls: HashSet<&str> = rows.iter().map(|r| r.logical_call_id.as_str()).collect();
+    // The last row of each call that carries a trace.
+    let mut last: HashMap<&str, &TelemetryRow> = HashMap::new();
+    for r in rows.iter().filter(|r| r.trace.is_some()) {
+        let e = last.entry(&r.logical_call_id).or_insert(r);
+        if (r.created_at_ms, &r.call_id) > (e.created_at_ms, &e.call_id) {
+            *e = r;
+        }
+    }
+    let mut unreadable = 0;
+    let mut ranked: Vec<(u64, &str, CallTrace, &TelemetryRow)> = Vec::new();
+    for (id, r) in last {
+        match CallTrace::from_json(r.trace.as_deref().unwrap_or_default()) {
+            Ok(t) => {
+                let end = t.events.iter().map(|e| e.t).max().unwrap_or(0);
+                ranked.push((end, id, t, r));
+            }
+            Err(_) => unreadable += 1,
+        }
+    }
+    let traced = ranked.len() as u64;
+    ranked.sort_by(|a, b| b.0.cmp(&a.0).then_with(|| a.1.cmp(b.1)));
+    ranked.truncate(max);
+    let slowest = ranked
+        .into_iter()
+        .map(|(_, _, trace, r)| {
+            let t = CallTimeline::of(&trace, &[r]);
+            let count = |why: &str| t.legs.iter().filter(|l| l.why == why).count();
+            SlowCall {
+                logical_call_id: r.logical_call_id.clone(),
+                scope: r.scope.clone(),
+                duration_ms: t.duration,
+                rounds: t.rounds.len().max(usize::from(!t.legs.is_empty())),
+                legs: t.legs.len(),
+                hedges: count("hedge"),
+                resumes: count("resume"),
+                outcome: t.outcome(),
+            }
+        })
+        .collect();
+    (calls.len() as u64, traced, unreadable, slowest)
 }
 
 /// Every error label that occurs in the per-source figures, in a stable order.
@@ -1080,5 +1236,67 @@ pub(crate) mod tests {
         assert_eq!(other.accounts.reported_rows, 0);
         assert_eq!(other.accounts.unpriced_rows, 1);
         assert_eq!(other.accounts.invoice_range(), None);
+    }
+
+    /// The fixture with its calls charged to keys: c1 to `key_a`, c3 (failed) to
+    /// `key_b`, the others to none; c1's winner carries a trace.
+    pub(crate) fn keyed_fixture() -> Vec<TelemetryRow> {
+        let mut rows = fixture();
+        for r in &mut rows {
+            r.client_key_id = match r.logical_call_id.as_str() {
+                "c1" => Some("key_a".into()),
+                "c3" => Some("key_b".into()),
+                _ => None,
+            };
+            if r.call_id == "c1-b" {
+                r.trace = Some(super::super::timeline::tests::stalled_trace().to_json());
+            }
+        }
+        rows
+    }
+
+    #[test]
+    fn spend_per_client_key() {
+        let s = summarize(&fixture());
+        assert!(s.keys.is_empty(), "no row names a key: no table");
+        let s = summarize(&keyed_fixture());
+        let ids: Vec<Option<&str>> = s.keys.iter().map(|k| k.id.as_deref()).collect();
+        assert_eq!(
+            ids,
+            [Some("key_a"), Some("key_b"), None],
+            "by cost, no key last"
+        );
+        let a = &s.keys[0];
+        assert_eq!((a.calls, a.failed_calls), (1, 0));
+        assert_eq!(
+            (a.tokens.rows, a.tokens.prompt, a.tokens.completion),
+            (1, 100, 50)
+        );
+        assert_eq!((a.cost.known_sum(), a.cost.unknown_rows), (Some(0.002), 1));
+        let b = &s.keys[1];
+        assert_eq!((b.calls, b.failed_calls, b.tokens.rows), (1, 1, 0));
+        assert_eq!((b.cost.known_sum(), b.cost.unknown_rows), (None, 2));
+        let none = &s.keys[2];
+        assert_eq!((none.calls, none.failed_calls), (4, 0));
+        assert_eq!((none.tokens.prompt, none.tokens.completion), (200, 100));
+        assert!((none.cost.known - 0.014).abs() < 1e-12);
+        assert_eq!((none.cost.known_rows, none.cost.unknown_rows), (3, 2));
+    }
+
+    #[test]
+    fn the_slowest_traced_calls() {
+        let s = summarize(&fixture());
+        assert_eq!((s.calls, s.traced_calls, s.slowest.len()), (6, 0, 0));
+        let mut rows = keyed_fixture();
+        rows[5].trace = Some("{broken".into());
+        let s = summarize(&rows);
+        assert_eq!((s.calls, s.traced_calls, s.unreadable_traces), (6, 1, 1));
+        let c = &s.slowest[0];
+        assert_eq!(
+            (c.logical_call_id.as_str(), c.duration_ms, c.rounds, c.legs),
+            ("c1", 1_400, 1, 2)
+        );
+        assert_eq!((c.hedges, c.resumes), (0, 1));
+        assert_eq!(c.outcome, "answered by r1·L1 (b-0, resume)");
     }
 }
