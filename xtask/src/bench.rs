@@ -34,6 +34,20 @@ const BENCHES: &[Part] = &[
         cargo: &["bench", "-p", "polygw", "--bench", "hedging"],
     },
     Part {
+        name: "cache-affinity",
+        in_all: true,
+        what: "prompt-cache affinity off / session: cache hit share and bill vs the one-source ideal, 1 and 3 processes on one Redis",
+        cargo: &[
+            "bench",
+            "-p",
+            "polygw",
+            "--features",
+            "redis",
+            "--bench",
+            "cache_affinity",
+        ],
+    },
+    Part {
         name: "governance",
         in_all: true,
         what: "memory limiter ns/op (criterion) and acquire + settle; Redis per script and shared by 4 processes",
@@ -88,6 +102,7 @@ pub const PARTS: &[&str] = &[
     "overhead",
     "serve",
     "hedging",
+    "cache-affinity",
     "governance",
     "governance-processes",
     "telemetry",

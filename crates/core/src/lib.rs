@@ -11,12 +11,14 @@
 //! - errors: [`error`]
 //! - configuration: [`config`] (environment loading, guards)
 //! - decisions: [`classify`], [`settlement`], [`stall`], [`backoff`], [`admission`],
-//!   [`hedge`], [`latency`] (live latency sketches), [`round`] (the round state machine),
+//!   [`affinity`] (prompt-cache affinity), [`hedge`], [`latency`] (live latency
+//!   sketches), [`round`] (the round state machine),
 //!   [`resume`], [`retry`], [`breaker`], [`window`], [`key_quota`] (client keys' limits
 //!   and budgets), [`body`], [`cache_key`], [`usage`]
 //! - ports: [`ports`]
 
 pub mod admission;
+pub mod affinity;
 pub mod backoff;
 pub mod body;
 pub mod breaker;

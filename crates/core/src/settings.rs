@@ -349,6 +349,8 @@ pub struct ScopeSettings {
     /// How long a stored Responses API answer is kept (`RESPONSES__TTL_S`, SPEC §18.1).
     #[serde(with = "crate::durations::secs")]
     pub responses_ttl: Duration,
+    /// Prompt-cache affinity (`AFFINITY`, `AFFINITY__TTL_S`, SPEC §20.2).
+    pub affinity: crate::affinity::AffinitySettings,
 }
 
 /// The default `RESPONSES__TTL_S`: 30 days, as OpenAI keeps stored responses.
@@ -374,6 +376,7 @@ impl ScopeSettings {
             max_reasks: DEFAULT_MAX_REASKS,
             ocr_prompt: DEFAULT_OCR_PROMPT.to_string(),
             responses_ttl: DEFAULT_RESPONSES_TTL,
+            affinity: crate::affinity::AffinitySettings::default(),
         }
     }
 

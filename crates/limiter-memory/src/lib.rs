@@ -2,7 +2,9 @@
 //! (`RateLimiter`), a [`MemoryBreakerStore`] (`BreakerStore`) and a [`MemoryCache`]
 //! (`ResponseCache`), for one process; and a [`MemoryResponseStore`] (`ResponseStore`,
 //! SPEC §18.1), the bounded store of OpenAI Responses for a scope without a telemetry
-//! database ([`shared_responses`]: one per scope and process).
+//! database ([`shared_responses`]: one per scope and process); and a [`MemoryAffinity`]
+//! (`AffinityStore`, SPEC §20.2): which source last served each prompt-cache affinity key
+//! ([`shared_affinity`]: one per scope, process and clock).
 //!
 //! The limiter runs core's reference model [`polygw_core::window::WindowLimiter`] under a
 //! mutex and the breaker store runs [`polygw_core::breaker::BreakerState`] as is, so their
@@ -32,12 +34,14 @@
 //! scope too. [`MemoryLimiter::stop_heartbeat`] (what a crashed process looks like) lets
 //! the handle's leases end.
 
+mod affinity;
 mod breaker;
 mod cache;
 mod keys;
 mod limiter;
 mod responses;
 
+pub use affinity::{shared_affinity, MemoryAffinity, DEFAULT_AFFINITY_CAPACITY};
 pub use breaker::MemoryBreakerStore;
 pub use cache::MemoryCache;
 pub use limiter::MemoryLimiter;

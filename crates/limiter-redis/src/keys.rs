@@ -8,6 +8,7 @@
 //! | `polygw:{S}:scope:win` | zset | permit id → admitted at (ms) |
 //! | `polygw:{S}:scope:ledger` | zset | every token entry of the scope and its sources, by expiry (see `lua/acquire.lua`) |
 //! | `polygw:{S}:scope:totals` | hash | the ledger's totals (scope, per source), the keys' deadlines, when to prune next |
+//! | `polygw:{S}:aff:<digest>` | string | the source that last served a prompt-cache affinity key; `PX` = `AFFINITY__TTL_S` (see `affinity.rs`) |
 //!
 //! A client key's keys share the key id's own hash tag (`{K}`: one cluster slot, apart
 //! from every scope's), so a key admission is one script of its own (SPEC §21.1):
@@ -62,6 +63,18 @@ impl SourceKeys {
             totals: format!("{p}:scope:totals"),
         })
     }
+}
+
+/// The affinity key of a session (SPEC §20.2): `key` is a digest (hex), checked so that
+/// nothing a client sent can reach a key name.
+pub(crate) fn affinity(scope: &str, key: &str) -> Result<String, GovernanceError> {
+    if key.is_empty() || key.len() > 64 || !key.bytes().all(|b| b.is_ascii_alphanumeric()) {
+        return Err(GovernanceError::new(
+            BACKEND,
+            format!("affinity key {key:?} is not a digest (1 to 64 letters and digits)"),
+        ));
+    }
+    Ok(format!("{}:aff:{key}", prefix(scope)?))
 }
 
 /// The breaker hash of a source.

@@ -15,6 +15,8 @@
 //!   keys of a scope (or of a source) share a deadline covering the longest lease + the
 //!   window + [`RedisOptions::key_margin`], moved a margin further when it falls short,
 //!   so none outlives what it remembers by more than a lease and two margins.
+//! - Prompt-cache affinity (SPEC §20.2, [`RedisAffinityStore`]): `polygw:{SCOPE}:aff:<digest>`,
+//!   one string per session naming the source that last served it, expiring (`PX`).
 //! - Client keys (SPEC §21.1, [`RateLimiter::acquire_key`](polygw_core::ports::RateLimiter::acquire_key)):
 //!   `polygw:key:{K}:{win,inflight,ledger,state}` under the key id's own hash tag, one
 //!   script per admission, finish, heartbeat and reading (`lua/key_*.lua`, mirroring
@@ -45,6 +47,7 @@
 //!   [`RedisOptions::operation_timeout`]; never an admission. Errors name the target with
 //!   its password redacted.
 
+mod affinity;
 mod background;
 mod breaker;
 mod client_keys;
@@ -64,6 +67,7 @@ use redis::cluster::ClusterClientBuilder;
 use redis::cluster_async::ClusterConnection;
 use redis::{Cmd, FromRedisValue, Pipeline, RedisFuture, ScriptInvocation, Value};
 
+pub use affinity::RedisAffinityStore;
 pub use breaker::RedisBreakerStore;
 pub use latency::RedisLatencyStore;
 pub use limiter::RedisLimiter;
@@ -192,6 +196,11 @@ impl RedisGovernance {
     /// The shared latency distributions (SPEC §19.2), on the same connection.
     pub fn latency_store(&self) -> RedisLatencyStore {
         RedisLatencyStore::new(self.limiter.background().conn().clone())
+    }
+
+    /// The shared prompt-cache affinity keys (SPEC §20.2), on the same connection.
+    pub fn affinity_store(&self) -> RedisAffinityStore {
+        RedisAffinityStore::new(self.limiter.background().conn().clone())
     }
 
     /// Stops renewing this governance's leases (what a crashed process looks like; the

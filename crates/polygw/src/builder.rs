@@ -6,8 +6,8 @@ use std::sync::Arc;
 
 use polygw_core::config::guards;
 use polygw_core::ports::{
-    BreakerStore, Clock, EmbeddingTransport, LatencyStore, OcrTransport, RateLimiter,
-    ResponseCache, ResponseStore, Rng, TelemetryRecorder, Transport,
+    AffinityStore, BreakerStore, Clock, EmbeddingTransport, LatencyStore, OcrTransport,
+    RateLimiter, ResponseCache, ResponseStore, Rng, TelemetryRecorder, Transport,
 };
 use polygw_core::{ConfigWarning, GatewayError, ScopeKind, ScopeSettings};
 
@@ -43,6 +43,7 @@ pub struct GatewayBuilder {
     responses: Option<Arc<dyn ResponseStore>>,
     clock: Option<Arc<dyn Clock>>,
     latency: Option<Arc<dyn LatencyStore>>,
+    affinity: Option<Arc<dyn AffinityStore>>,
     rng: Option<Arc<dyn Rng>>,
     metrics: Option<Arc<Metrics>>,
 }
@@ -63,6 +64,7 @@ impl GatewayBuilder {
             responses: None,
             clock: None,
             latency: None,
+            affinity: None,
             rng: None,
             metrics: None,
         }
@@ -119,6 +121,14 @@ impl GatewayBuilder {
     /// (SPEC §19.2; with Redis governance, the default is the Redis one).
     pub fn latency_store(mut self, l: Arc<dyn LatencyStore>) -> Self {
         self.latency = Some(l);
+        self
+    }
+
+    /// The store of prompt-cache affinity keys (SPEC §20.2; default: with Redis
+    /// governance the Redis one, shared by every process, else this process's, shared by
+    /// its clients of the scope).
+    pub fn affinity_store(mut self, a: Arc<dyn AffinityStore>) -> Self {
+        self.affinity = Some(a);
         self
     }
 
@@ -210,11 +220,21 @@ impl GatewayBuilder {
             (None, None) if self.kind == ScopeKind::Ocr => Some(wiring::as_ocr(http.as_ref())?),
             (None, None) => None,
         };
-        let (limiter, breakers, latency) = match (self.limiter, self.breakers) {
-            (Some(l), Some(b)) => (l, b, self.latency),
+        let (limiter, breakers, latency, affinity) = match (self.limiter, self.breakers) {
+            (Some(l), Some(b)) => {
+                let a = self
+                    .affinity
+                    .unwrap_or_else(|| wiring::memory_affinity(s, clock.clone()));
+                (l, b, self.latency, a)
+            }
             (l, b) => {
-                let (dl, db, dlat) = wiring::governance(s, clock.clone()).await?;
-                (l.unwrap_or(dl), b.unwrap_or(db), self.latency.or(dlat))
+                let (dl, db, dlat, da) = wiring::governance(s, clock.clone()).await?;
+                (
+                    l.unwrap_or(dl),
+                    b.unwrap_or(db),
+                    self.latency.or(dlat),
+                    self.affinity.unwrap_or(da),
+                )
             }
         };
         let (telemetry, sql_store) = match self.telemetry {
@@ -240,6 +260,7 @@ impl GatewayBuilder {
             cache,
             responses,
             latency,
+            affinity,
             clock,
             rng,
         };

@@ -46,8 +46,11 @@ pub struct CallOptions {
     /// The API route the call came by (`chat`, `responses`, `messages`: the telemetry
     /// `api` column, SPEC §18.4); `None` for a library call.
     pub api: Option<&'static str>,
-    /// The call's affinity key (the client's `prompt_cache_key`, session id or user:
-    /// SPEC §20.2).
+    /// The call's affinity key (SPEC §20.2): the client's `prompt_cache_key`, session id
+    /// or user (`polygw serve` passes what the request and its headers carry). `None`:
+    /// the request's own `prompt_cache_key`, `metadata.session_id` or `user` (in its
+    /// overlay), else a hash of its system prompt and first user message. Under
+    /// `{S}__AFFINITY=session` a key sticks to the source that last served it.
     pub affinity_key: Option<String>,
     /// The client key the call is charged to (SPEC §21.1): admitted before the call
     /// ([`GatewayClient::admit_key`]), settled with what all its attempts spent; its id is
@@ -72,6 +75,12 @@ impl CallOptions {
     /// Charges the call to a client key ([`CallOptions::client_key`]).
     pub fn with_client_key(mut self, charge: Arc<crate::client_keys::KeyCharge>) -> Self {
         self.client_key = Some(crate::client_keys::KeyGrant(charge));
+        self
+    }
+
+    /// Sets [`CallOptions::affinity_key`].
+    pub fn with_affinity_key(mut self, key: impl Into<String>) -> Self {
+        self.affinity_key = Some(key.into());
         self
     }
 
@@ -426,6 +435,10 @@ impl GatewayClient {
         call.set_max_wait(options.max_wait, options.max_wait_name);
         call.set_api(options.api);
         call.set_key(options.client_key.map(|k| k.0));
+        if engine.affinity_applies() {
+            let given = options.affinity_key.as_deref();
+            call.set_affinity(polygw_core::affinity::call_key(given, &request));
+        }
         if let Some(m) = request.max_tokens {
             span.record("gen_ai.request.max_tokens", m);
         }
@@ -491,6 +504,10 @@ impl GatewayClient {
         }
         if call.count_in_budget() {
             engine.budget().record_call(engine.ports.clock.now());
+        }
+        if engine.affinity_applies() && call.affinity().is_none() {
+            // A structured call's re-asks (or any call without options): the request's.
+            call.set_affinity(polygw_core::affinity::call_key(None, request));
         }
         let mut policy = HedgePolicy::for_request(&engine.scope.hedge, request.stream);
         let leg = ChatLeg { request };

@@ -62,7 +62,7 @@ pub mod telemetry {
 /// one per scope name: [`polygw_limiter_memory::shared`]).
 #[cfg(feature = "memory")]
 pub mod memory {
-    pub use polygw_limiter_memory::{MemoryBreakerStore, MemoryLimiter};
+    pub use polygw_limiter_memory::{MemoryAffinity, MemoryBreakerStore, MemoryLimiter};
 }
 
 pub use polygw_core as core;

@@ -15,6 +15,7 @@ use std::fmt::Write as _;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, Weak};
 
+use polygw_core::affinity::AffinityOutcome;
 use polygw_core::ports::RateLimiter;
 use polygw_core::ErrorLabel;
 
@@ -178,6 +179,9 @@ pub(crate) struct ScopeMetrics {
     hedge_wins: AtomicU64,
     /// Cache hits.
     cache_hits: AtomicU64,
+    /// Prompt-cache affinity outcomes of successful calls, in `AffinityOutcome::ALL`'s
+    /// order (hit, miss, moved).
+    affinity: [AtomicU64; 3],
     /// (mode, outcome) → resume legs; outcome is `ok` or the leg's label (rare: a lock
     /// of this scope's own).
     resumes: Mutex<BTreeMap<(String, String), u64>>,
@@ -193,6 +197,7 @@ impl ScopeMetrics {
             hedges: AtomicU64::new(0),
             hedge_wins: AtomicU64::new(0),
             cache_hits: AtomicU64::new(0),
+            affinity: std::array::from_fn(|_| AtomicU64::new(0)),
             resumes: Mutex::new(BTreeMap::new()),
             sources: Mutex::new(BTreeMap::new()),
         }
@@ -225,6 +230,15 @@ impl ScopeMetrics {
     /// One call answered from the cache.
     pub(crate) fn cache_hit(&self) {
         self.cache_hits.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// What affinity did for one successful call (SPEC §20.2).
+    pub(crate) fn affinity(&self, outcome: AffinityOutcome) {
+        let i = AffinityOutcome::ALL
+            .iter()
+            .position(|o| *o == outcome)
+            .unwrap_or(0);
+        self.affinity[i].fetch_add(1, Ordering::Relaxed);
     }
 
     /// One resume leg that ended with `outcome`.
@@ -336,6 +350,19 @@ impl Metrics {
             g.limiters
                 .push((scope.to_string(), Arc::downgrade(limiter)));
         }
+    }
+
+    /// Successful calls whose affinity key was a hit, a miss or moved (SPEC §20.2), over
+    /// every scope.
+    pub fn affinity_with(&self, outcome: AffinityOutcome) -> u64 {
+        let i = AffinityOutcome::ALL
+            .iter()
+            .position(|o| *o == outcome)
+            .unwrap_or(0);
+        self.scopes()
+            .iter()
+            .map(|(_, s)| s.affinity[i].load(Ordering::Relaxed))
+            .sum()
     }
 
     /// Total attempts recorded with this outcome label (tests, health).
@@ -467,6 +494,26 @@ impl Metrics {
         );
         let _ = writeln!(s, "# TYPE polygw_cache_hits_total counter");
         counter(&mut s, "polygw_cache_hits_total", |m| &m.cache_hits);
+        let _ = writeln!(
+            s,
+            "# HELP polygw_affinity_total Successful calls by what prompt-cache affinity did: \
+             hit (the key's source served it), miss (no source remembered), moved (another \
+             source served it)."
+        );
+        let _ = writeln!(s, "# TYPE polygw_affinity_total counter");
+        for (scope, m) in &scopes {
+            for (o, c) in AffinityOutcome::ALL.iter().zip(&m.affinity) {
+                let n = c.load(Ordering::Relaxed);
+                if n > 0 {
+                    let _ = writeln!(
+                        s,
+                        "polygw_affinity_total{{scope=\"{}\",outcome=\"{}\"}} {n}",
+                        esc(scope),
+                        o.as_str()
+                    );
+                }
+            }
+        }
         let hist = |s: &mut String, name: &str, labels: String, h: &HistogramSnapshot| {
             for (i, b) in BUCKETS_MS.iter().enumerate() {
                 let _ = writeln!(
@@ -624,6 +671,15 @@ mod tests {
         m.hedge("LLM");
         m.hedge_win("LLM");
         m.cache_hit("A\"b");
+        use polygw_core::affinity::AffinityOutcome as A;
+        for (scope, o) in [
+            ("LLM", A::Hit),
+            ("LLM", A::Moved),
+            ("LLM", A::Hit),
+            ("A\"b", A::Miss),
+        ] {
+            m.scope(scope).affinity(o);
+        }
         m.resume("LLM", "prefill", "ok");
         m.resume("LLM", "replay", "resume_diverged");
         m.resume("A\"b", "replay", "ok");
@@ -634,6 +690,14 @@ mod tests {
         assert_eq!(m.attempts_with("timeout"), 2);
         assert_eq!(m.attempts_with("custom_label"), 1);
         assert_eq!(m.resumes_with("ok"), 2);
+        assert_eq!(
+            (
+                m.affinity_with(A::Hit),
+                m.affinity_with(A::Miss),
+                m.affinity_with(A::Moved)
+            ),
+            (2, 1, 1)
+        );
     }
 
     #[test]

@@ -6,8 +6,8 @@
 use std::sync::Arc;
 
 use polygw_core::ports::{
-    BreakerStore, Clock, EmbeddingTransport, LatencyStore, NullCache, NullRecorder, OcrTransport,
-    RateLimiter, ResponseCache, ResponseStore, TelemetryRecorder, Transport,
+    AffinityStore, BreakerStore, Clock, EmbeddingTransport, LatencyStore, NullCache, NullRecorder,
+    OcrTransport, RateLimiter, ResponseCache, ResponseStore, TelemetryRecorder, Transport,
 };
 use polygw_core::secret::redact_url;
 use polygw_core::{ConfigError, GatewayError, ScopeSettings};
@@ -91,11 +91,13 @@ pub(crate) fn as_ocr(h: Option<&Http>) -> Result<Arc<dyn OcrTransport>, GatewayE
     Ok(http(h)?)
 }
 
-/// A scope's governance: limiter, breaker store, and (Redis) the shared latency store.
+/// A scope's governance: limiter, breaker store, (Redis) the shared latency store, and
+/// the affinity store (Redis: shared by every process; memory: this process's).
 pub(crate) type Governance = (
     Arc<dyn RateLimiter>,
     Arc<dyn BreakerStore>,
     Option<Arc<dyn LatencyStore>>,
+    Arc<dyn AffinityStore>,
 );
 
 /// Limiter and breaker store: Redis when `{S}__REDIS__URL` is set (TLS trusting
@@ -127,6 +129,7 @@ pub(crate) async fn governance(
                 Arc::new(g.limiter()),
                 Arc::new(g.breakers()),
                 Some(Arc::new(g.latency_store())),
+                Arc::new(g.affinity_store()),
             ));
         }
         #[cfg(not(feature = "redis"))]
@@ -138,8 +141,13 @@ pub(crate) async fn governance(
     }
     #[cfg(feature = "memory")]
     {
-        let (limiter, breakers) = polygw_limiter_memory::shared(&s.name, clock);
-        Ok((Arc::new(limiter), Arc::new(breakers), None))
+        let (limiter, breakers) = polygw_limiter_memory::shared(&s.name, clock.clone());
+        Ok((
+            Arc::new(limiter),
+            Arc::new(breakers),
+            None,
+            memory_affinity(s, clock),
+        ))
     }
     #[cfg(not(feature = "memory"))]
     Err(needs(
@@ -147,6 +155,20 @@ pub(crate) async fn governance(
         String::new(),
         "a Redis URL, or a build with the `memory` feature, or limiter and breakers given to the builder",
     ))
+}
+
+/// The process's affinity store of the scope (SPEC §20.2), shared by its clients built
+/// with the same clock; without the `memory` feature, one that remembers nothing.
+pub(crate) fn memory_affinity(s: &ScopeSettings, clock: Arc<dyn Clock>) -> Arc<dyn AffinityStore> {
+    #[cfg(feature = "memory")]
+    {
+        polygw_limiter_memory::shared_affinity(&s.name, clock)
+    }
+    #[cfg(not(feature = "memory"))]
+    {
+        let _ = (s, clock);
+        Arc::new(polygw_core::ports::NullAffinity)
+    }
 }
 
 /// The telemetry recorder of `{S}__TELEMETRY__URL` (off when unset), and the store of

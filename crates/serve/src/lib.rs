@@ -36,6 +36,7 @@
 //!
 //! Every header, limit and status the proxy uses is listed in `docs/SERVE.md`.
 
+mod affinity;
 mod config;
 mod conn;
 mod errors;
@@ -62,7 +63,7 @@ pub use openai::{
 };
 pub use proxy::Proxy;
 pub use ready::{CHECK_TIMEOUT as READY_CHECK_TIMEOUT, REUSE as READY_REUSE};
-pub use scope::{Scope, ScopeClient};
+pub use scope::{glob_matches, Scope, ScopeClient};
 pub use server::{serve, ServeReport};
 
 /// The proxy's router over these scopes (same as `Proxy::new(config, scopes).router()`).

@@ -2,6 +2,7 @@
 //! discovery with the CI rule (mandatory under `CI=true`, skipped with a reason
 //! otherwise), and the port contract suites every implementation runs.
 
+pub mod affinity_contract;
 pub mod breaker_contract;
 pub mod clock;
 pub mod fakes;

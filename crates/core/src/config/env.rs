@@ -17,7 +17,7 @@ use crate::settings::{OnNoRunnable, RetryPrefer, ScopeKind, ScopeSettings};
 use crate::source::SourceConfig;
 
 /// Segment names that belong to scope keys and can never be a provider name.
-pub const RESERVED_SEGMENTS: [&str; 14] = [
+pub const RESERVED_SEGMENTS: [&str; 15] = [
     "HEDGE",
     "STREAM",
     "RETRY",
@@ -32,6 +32,7 @@ pub const RESERVED_SEGMENTS: [&str; 14] = [
     "MODEL_ALIASES",
     "KIND",
     "RESPONSES",
+    "AFFINITY",
 ];
 
 /// The FIELDs a source accepts.
@@ -60,7 +61,7 @@ pub const SOURCE_FIELDS: [&str; 21] = [
 ];
 
 /// Scope keys: (group or "" for two-segment keys, field).
-pub const SCOPE_KEYS: [(&str, &str); 38] = [
+pub const SCOPE_KEYS: [(&str, &str); 40] = [
     ("", "CALL_DEADLINE_S"),
     ("", "MODEL_ALIASES"),
     ("", "KIND"),
@@ -99,6 +100,8 @@ pub const SCOPE_KEYS: [(&str, &str); 38] = [
     ("TLS", "CA_FILE"),
     ("STRUCTURED", "MAX_REASKS"),
     ("RESPONSES", "TTL_S"),
+    ("", "AFFINITY"),
+    ("AFFINITY", "TTL_S"),
 ];
 
 /// `OCR__PROMPT` is the one scope key outside the table above (it is free text).
@@ -532,6 +535,11 @@ fn apply_scope_keys(
                 Ok(())
             }),
             ("RESPONSES", "TTL_S") => run(parse_secs(k, v).map(|x| s.responses_ttl = x)),
+            ("", "AFFINITY") => run(v
+                .parse::<crate::affinity::AffinityMode>()
+                .map(|x| s.affinity.mode = x)
+                .map_err(|()| invalid(k, v, "off or session"))),
+            ("AFFINITY", "TTL_S") => run(parse_secs(k, v).map(|x| s.affinity.ttl = x)),
             ("STRUCTURED", "MAX_REASKS") => run(parse_int::<u32>(k, v)
                 .and_then(|x| guards::int_in(k, x, &guards::MAX_REASKS_RANGE))
                 .map(|x| s.max_reasks = x)),

@@ -378,6 +378,7 @@ pub fn check(s: &ScopeSettings, kind: ScopeKind) -> Result<Vec<ConfigWarning>, C
     if let Some(ttl) = s.cache.ttl {
         push(duration(&scope_key(scope, "CACHE__TTL_S"), ttl).map(|_| ()));
     }
+    push(duration(&scope_key(scope, "AFFINITY__TTL_S"), s.affinity.ttl).map(|_| ()));
     push(
         int_in(
             &scope_key(scope, "CACHE__CAPACITY"),

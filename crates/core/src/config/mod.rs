@@ -144,6 +144,8 @@ mod tests {
             ("LLM__REDIS__URL", "redis://127.0.0.1:6379"),
             ("LLM__STRUCTURED__MAX_REASKS", "1"),
             ("LLM__OCR__PROMPT", "Read it."),
+            ("LLM__AFFINITY", "off"),
+            ("LLM__AFFINITY__TTL_S", "120"),
         ])
         .unwrap();
         let s = &l.settings;
@@ -184,6 +186,8 @@ mod tests {
         assert!(s.telemetry_url.is_some() && s.redis_url.is_some());
         assert_eq!(s.max_reasks, 1);
         assert_eq!(s.ocr_prompt, "Read it.");
+        assert_eq!(s.affinity.mode, crate::affinity::AffinityMode::Off);
+        assert_eq!(s.affinity.ttl, Duration::from_secs(120));
     }
 
     #[test]
@@ -212,6 +216,8 @@ mod tests {
             ("LLM__CALL_DEADLINE_S", "-3", "> 0"),
             ("LLM__MODEL_ALIASES", "a,,b", "comma-separated"),
             ("LLM__STREAM__STALL_THRESHOLD_MS", "0", "1..="),
+            ("LLM__AFFINITY", "sticky", "off or session"),
+            ("LLM__AFFINITY__TTL_S", "0", "> 0"),
         ];
         for (key, value, expected) in rows {
             let text = err_text(&[(key, value)]);

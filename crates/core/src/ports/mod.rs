@@ -1,6 +1,7 @@
 //! The ports of SPEC §1: traits the adapters implement and tests swap. Each has a
 //! null (or trivial) implementation beside it where that makes sense.
 
+pub mod affinity;
 pub mod breaker;
 pub mod cache;
 pub mod clock;
@@ -14,6 +15,7 @@ pub mod store;
 pub mod telemetry;
 pub mod transport;
 
+pub use affinity::{AffinityStore, NullAffinity};
 pub use breaker::{BreakerStore, NullBreakerStore};
 pub use cache::{NullCache, ResponseCache};
 pub use clock::{Clock, ManualClock};
@@ -37,6 +39,7 @@ pub use transport::{
 /// mockall mocks of every port (feature `mock`; tests only): exact call expectations.
 #[cfg(any(test, feature = "mock"))]
 pub use self::{
+    affinity::MockAffinityStore,
     breaker::MockBreakerStore,
     cache::MockResponseCache,
     clock::MockClock,

@@ -1,6 +1,7 @@
-//! The async pick (SPEC §4.1): candidates in core's order, each asked of the breaker
-//! store then the limiter; the first admitted wins. Refused candidates record their
-//! reason; excluded ones record nothing.
+//! The async pick (SPEC §4.1): candidates in core's order (a fresh round's primary with
+//! its affinity source first in its tier, SPEC §20.2), each asked of the breaker store
+//! then the limiter; the first admitted wins. Refused candidates record their reason;
+//! excluded ones record nothing.
 //!
 //! A half-open probe granted by the breaker store is freed on every path that does not
 //! lead to an attempt — the limiter refuses, fails, or the pick's future is dropped while
@@ -10,6 +11,7 @@ use std::collections::BTreeSet;
 use std::time::Duration;
 
 use polygw_core::admission::order_candidates_preferring;
+use polygw_core::affinity::affinity_order;
 use polygw_core::breaker::BreakerAdmit;
 use polygw_core::ports::{AcquireRequest, Admission, Permit, Refusal};
 use polygw_core::{GovernanceError, ScopeKind, SourceConfig};
@@ -65,6 +67,10 @@ pub(crate) struct PickPrefs {
     pub prefer_prefill: bool,
     /// Prefill-capable sources only.
     pub require_prefill: bool,
+    /// The source the call's affinity key last went to (SPEC §20.2): tried first within
+    /// its priority tier, unless it failed in the call (core's `affinity_order`). Only a
+    /// fresh round's primary pick sets it (with none of the preferences above).
+    pub sticky: Option<usize>,
 }
 
 /// The result of one pass over the candidates.
@@ -128,6 +134,9 @@ impl Engine {
             },
             self.ports.rng.as_ref(),
         );
+        if prefs.first.is_none() && !prefs.prefer_prefill {
+            order = affinity_order(order, &self.scope.sources, &failed, prefs.sticky);
+        }
         order.retain(|&i| {
             prefs.only.is_none_or(|o| o == i)
                 && prefs.allowed.as_ref().is_none_or(|a| a.contains(&i))

@@ -65,6 +65,8 @@ pub(crate) struct CallShared {
     trace: Mutex<CallTrace>,
     /// The client key charged (SPEC §21.1): released when the call and its attempts are.
     key: Mutex<Option<Arc<KeyCharge>>>,
+    /// The call's prompt-cache affinity key (SPEC §20.2), when the scope keeps affinity.
+    affinity: Mutex<Option<polygw_core::affinity::AffinityKey>>,
 }
 
 impl CallShared {
@@ -78,6 +80,7 @@ impl CallShared {
             clock,
             trace: Mutex::new(CallTrace::default()),
             key: Mutex::new(None),
+            affinity: Mutex::new(None),
             logical_call_id,
             started,
             stream,
@@ -108,6 +111,19 @@ impl CallShared {
         if let Some(k) = self.key.lock().unwrap_or_else(|e| e.into_inner()).as_ref() {
             k.add(tokens, cost);
         }
+    }
+
+    /// Sets the call's affinity key.
+    pub(crate) fn set_affinity(&self, key: Option<polygw_core::affinity::AffinityKey>) {
+        *self.affinity.lock().unwrap_or_else(|e| e.into_inner()) = key;
+    }
+
+    /// The call's affinity key, when it has one.
+    pub(crate) fn affinity(&self) -> Option<polygw_core::affinity::AffinityKey> {
+        self.affinity
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
     }
 
     /// Starts the next round: its number (1-based).

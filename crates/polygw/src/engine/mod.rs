@@ -3,11 +3,13 @@
 //! A logical call is one future, polled by the caller; its legs are futures polled
 //! inside it (no spawned tasks), so dropping the call drops every leg, and each leg's
 //! [`attempt::AttemptGuard`] settles its permit and queues its telemetry row without
-//! awaiting. Stages, one module each: [`admission`] (pick a source), [`attempt`] (one
+//! awaiting. Stages, one module each: [`admission`] (pick a source; [`affinity`]: the
+//! source a session last used first), [`attempt`] (one
 //! HTTP request and its settlement), [`round`] (one step of the retry loop, hedged or
 //! not), [`retry`] (the loop), [`emit`] (telemetry rows).
 
 pub(crate) mod admission;
+pub(crate) mod affinity;
 pub(crate) mod attempt;
 pub(crate) mod call;
 mod capability;
@@ -21,8 +23,8 @@ use std::sync::{Arc, Mutex};
 
 use polygw_core::hedge::HedgeBudget;
 use polygw_core::ports::{
-    BreakerStore, Clock, EmbeddingTransport, LatencyStore, OcrTransport, RateLimiter,
-    ResponseCache, ResponseStore, Rng, TelemetryRecorder, Transport,
+    AffinityStore, BreakerStore, Clock, EmbeddingTransport, LatencyStore, OcrTransport,
+    RateLimiter, ResponseCache, ResponseStore, Rng, TelemetryRecorder, Transport,
 };
 use polygw_core::{ScopeKind, ScopeSettings};
 
@@ -49,6 +51,8 @@ pub struct Ports {
     pub responses: Arc<dyn ResponseStore>,
     /// The latency distributions shared across processes (SPEC §19.2), when any.
     pub latency: Option<Arc<dyn LatencyStore>>,
+    /// Which source last served each prompt-cache affinity key (SPEC §20.2).
+    pub affinity: Arc<dyn AffinityStore>,
     /// Monotonic and wall time.
     pub clock: Arc<dyn Clock>,
     /// Randomness (weighted choice, jitter).

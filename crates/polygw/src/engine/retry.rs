@@ -213,6 +213,8 @@ impl Engine {
                 );
             }
         }
+        // The source the call's affinity key last went to (SPEC §20.2).
+        let recall = self.recall(call).await;
         loop {
             let mut prefs = match &cont {
                 Some(c) => PickPrefs {
@@ -227,6 +229,11 @@ impl Engine {
             if let Some((allowed, first)) = restrict.take() {
                 prefs.allowed = Some(allowed);
                 prefs.first = prefs.first.or(Some(first));
+            }
+            // A fresh round's primary goes to the key's source first; a continuation, a
+            // retry of the same source or a context-length route keeps its own order.
+            if cont.is_none() && prefs.first.is_none() && prefs.allowed.is_none() {
+                prefs.sticky = recall.as_ref().and_then(|r| r.sticky);
             }
             if prefs.require_prefill
                 && !(0..self.scope.sources.len()).any(|i| self.prefill_capable(i))
@@ -358,6 +365,10 @@ impl Engine {
                         if let Some(c) = cont.as_mut() {
                             w.parts.append(&mut c.parts);
                         }
+                    }
+                    // The winner's source becomes the key's source.
+                    if let Some(r) = &recall {
+                        self.remember(r, w.info.source_idx).await;
                     }
                     return Ok(w);
                 }

@@ -27,9 +27,9 @@ use crate::http::{
     failure_headers, read_body, run_plain, set_request_id, unix_now, Conn, Stopped,
 };
 use crate::openai::{chunk_json, completion_json, parse_chat, usage_json};
-use polygw::core::client_key::ClientKey;
 use crate::state::State as AppState;
 use crate::stream::{respond, Encoder};
+use polygw::core::client_key::ClientKey;
 
 /// Frame-level keys every chunk has; anything else is information for the client.
 const ENVELOPE: [&str; 9] = [
@@ -107,6 +107,7 @@ async fn inner(
         options = options.with_client_key(c);
     }
     options.api = Some("chat");
+    options.affinity_key = crate::affinity::chat_key(headers, &parsed.request);
     if parsed.request.stream {
         let enc = ChatEncoder::new(id, parsed.include_usage);
         return respond(

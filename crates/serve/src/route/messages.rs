@@ -22,9 +22,9 @@ use crate::http::{
 };
 use crate::names;
 use crate::route::responses::dialect_error;
-use polygw::core::client_key::ClientKey;
 use crate::state::State as AppState;
 use crate::stream::{respond, Encoder};
+use polygw::core::client_key::ClientKey;
 
 /// An error in Anthropic's shape (`{"type":"error","error":{"type","message"}}`) and
 /// status (a 503 of polygw is Anthropic's 529 `overloaded_error`), with `Retry-After`
@@ -111,7 +111,7 @@ async fn create_inner(
         options = options.with_client_key(c);
     }
     options.api = Some("messages");
-    options.affinity_key = req.affinity_key().map(str::to_string);
+    options.affinity_key = crate::affinity::messages_key(headers, &req, &t.request);
     let mut resp = if t.request.stream {
         let estimate = t.meta.prompt_estimate();
         let enc = MessagesEncoder {

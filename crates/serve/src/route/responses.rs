@@ -25,9 +25,9 @@ use crate::http::{
 };
 use crate::names;
 use crate::scope::ScopeClient;
-use polygw::core::client_key::ClientKey;
 use crate::state::State as AppState;
 use crate::stream::{respond, Encoder};
+use polygw::core::client_key::ClientKey;
 
 /// A dialect error as OpenAI's error (400 naming the field).
 pub(crate) fn dialect_error(e: DialectError) -> ApiError {
@@ -151,7 +151,7 @@ async fn create_inner(
         options = options.with_client_key(c);
     }
     options.api = Some("responses");
-    options.affinity_key = req.affinity_key().map(str::to_string);
+    options.affinity_key = crate::affinity::responses_key(headers, &req, &t.request);
     let saving = Saving {
         store: req.store().then(|| store.clone()),
         scope,
