@@ -1,6 +1,15 @@
 //! [`Profile`]: a distribution of behaviors sampled per request from a seeded RNG —
-//! named (`fast`, `long-tail`, `flaky`, `stall`) or read from a JSON profile file —
-//! with a `time_scale` factor (1.0 = real seconds of SPEC §12).
+//! named (`fast`, `long-tail`, `flaky`, `stall`, `fast-chat`, `reasoning`) or read from
+//! a JSON profile file — with a `time_scale` factor (1.0 = real seconds of SPEC §12).
+//!
+//! The three workloads of the hedging benchmark (crates/polygw/benches/hedging.rs) are
+//! named profiles, unscaled here:
+//! - `long-tail`: the reference workload of SPEC §12 (TTFT median 1.6 s; a 20–120 s
+//!   stall in 19 % of answers) — its tail is made by mid-stream stalls;
+//! - `fast-chat`: a fast chat model — TTFT median 0.4 s, p99 3 s; short answers; rare
+//!   mid-stream stalls (3 %, 3–30 s) and ordinary pauses (10 %, 0.3–1.5 s);
+//! - `reasoning`: a reasoning model that thinks before its first visible token — TTFT
+//!   median 15 s, p99 90 s — then streams steadily (no stalls): its tail is the TTFT.
 
 use std::path::Path;
 
@@ -130,7 +139,18 @@ impl std::fmt::Display for ProfileError {
 impl std::error::Error for ProfileError {}
 
 /// The names [`Profile::named`] knows.
-pub const PROFILE_NAMES: &[&str] = &["fast", "long-tail", "flaky", "stall"];
+pub const PROFILE_NAMES: &[&str] = &[
+    "fast",
+    "long-tail",
+    "flaky",
+    "stall",
+    "fast-chat",
+    "reasoning",
+];
+
+/// The standard normal's 0.99 quantile: a lognormal with median `m` and σ `s` has its
+/// p99 at `m · exp(Z99 · s)`.
+const Z99: f64 = 2.326_347_874;
 
 /// The JSON profile file (see docs/MOCK_UPSTREAM.md): exactly one of `extends`,
 /// `behavior`, `mix`, `long_tail`.
@@ -241,6 +261,52 @@ fn stall() -> LongTail {
     }
 }
 
+/// `fast-chat`: a fast chat model. TTFT lognormal with median 0.4 s and p99 3 s (σ =
+/// ln(3 / 0.4) / z₀.₉₉ ≈ 0.866: ≈ 14.5 % over 1 s, ≈ 0.4 % over 4 s); 30–150 chunks
+/// (uniform), gaps exponential with mean 25 ms (≈ 2.3 s of generation on average); rare
+/// mid-stream stalls — with probability 0.03 one stall at a uniformly random chunk,
+/// lognormal median 8 s, σ 0.6, clipped to 3–30 s — and, with probability 0.1, one
+/// ordinary pause of 0.3–1.5 s (uniform), which a stall threshold should not fire on;
+/// no reasoning.
+fn fast_chat() -> LongTail {
+    LongTail {
+        ttft_median_s: 0.4,
+        ttft_sigma: (3.0f64 / 0.4).ln() / Z99,
+        chunks_min: 30,
+        chunks_max: 150,
+        gap_mean_ms: 25.0,
+        long_stall_p: 0.03,
+        long_stall_median_s: 8.0,
+        long_stall_sigma: 0.6,
+        long_stall_min_s: 3.0,
+        long_stall_max_s: 30.0,
+        short_stall_p: 0.1,
+        short_stall_min_s: 0.3,
+        short_stall_max_s: 1.5,
+        reasoning_p: 0.0,
+        ..LongTail::default()
+    }
+}
+
+/// `reasoning`: a reasoning model that thinks before its first visible token (its
+/// reasoning is not streamed, as with OpenAI's o-series). TTFT lognormal with median
+/// 15 s and p99 90 s (σ = ln 6 / z₀.₉₉ ≈ 0.770: ≈ 35 % over 20 s, ≈ 10 % over 40 s,
+/// ≈ 3.6 % over 60 s); then steady streaming: 100–600 chunks (uniform), gaps
+/// exponential with mean 20 ms (≈ 7 s of generation on average), no stalls, no pauses.
+fn reasoning() -> LongTail {
+    LongTail {
+        ttft_median_s: 15.0,
+        ttft_sigma: 6.0f64.ln() / Z99,
+        chunks_min: 100,
+        chunks_max: 600,
+        gap_mean_ms: 20.0,
+        long_stall_p: 0.0,
+        short_stall_p: 0.0,
+        reasoning_p: 0.0,
+        ..LongTail::default()
+    }
+}
+
 /// A standard normal draw (Box–Muller).
 fn normal(rng: &mut fastrand::Rng) -> f64 {
     let u1 = 1.0 - rng.f64(); // (0, 1]
@@ -328,13 +394,16 @@ impl LongTail {
 }
 
 impl Profile {
-    /// A built-in profile: `fast`, `long-tail`, `flaky` or `stall`.
+    /// A built-in profile: `fast`, `long-tail`, `flaky`, `stall`, `fast-chat` or
+    /// `reasoning` (see the module docs).
     pub fn named(name: &str, time_scale: f64, seed: u64) -> Result<Profile, ProfileError> {
         let kind = match name {
             "fast" => ProfileKind::LongTail(fast()),
             "long-tail" | "long_tail" => ProfileKind::LongTail(LongTail::default()),
             "flaky" => ProfileKind::Mix(flaky()),
             "stall" => ProfileKind::LongTail(stall()),
+            "fast-chat" => ProfileKind::LongTail(fast_chat()),
+            "reasoning" => ProfileKind::LongTail(reasoning()),
             other => {
                 return Err(ProfileError(format!(
                     "unknown profile `{other}`; known: {}",
@@ -607,6 +676,80 @@ mod tests {
         );
         let mean_gap = gaps.iter().sum::<f64>() / gaps.len() as f64;
         assert!((29.0..31.0).contains(&mean_gap), "gap mean {mean_gap}");
+    }
+
+    /// TTFTs (s), stalls (s) of stalled answers, chunk counts and every gap (ms) of
+    /// `n` draws of a named profile.
+    fn draws(name: &str, n: usize) -> (Vec<f64>, Vec<Vec<f64>>, Vec<u32>, Vec<f64>) {
+        let p = Profile::named(name, 1.0, 42).unwrap();
+        let mut rng = p.rng();
+        let (mut ttft, mut stalls, mut chunks, mut gaps) = (vec![], vec![], vec![], vec![]);
+        for _ in 0..n {
+            let b = p.sample(&mut rng);
+            ttft.push(b.ttft_ms / 1000.0);
+            stalls.push(b.stalls.iter().map(|s| s.ms / 1000.0).collect());
+            chunks.push(b.chunk_count.unwrap());
+            gaps.extend(b.gaps_ms.iter().copied());
+            assert!(b.reasoning.is_empty(), "{name}: no reasoning");
+        }
+        (ttft, stalls, chunks, gaps)
+    }
+
+    #[test]
+    fn fast_chat_has_a_fast_ttft_and_rare_stalls() {
+        let n = 40_000;
+        let (mut ttft, stalls, chunks, gaps) = draws("fast-chat", n);
+        let (med, p99) = (percentile(&mut ttft, 0.5), percentile(&mut ttft, 0.99));
+        assert!((0.38..0.42).contains(&med), "ttft median {med}");
+        assert!((2.7..3.3).contains(&p99), "ttft p99 {p99}");
+        assert!(chunks.iter().all(|c| (30..=150).contains(c)));
+        let mean_gap = gaps.iter().sum::<f64>() / gaps.len() as f64;
+        assert!((24.0..26.0).contains(&mean_gap), "gap mean {mean_gap}");
+        // Stalls of 3 s or more (the rare mid-stream stalls) in ≈ 3 % of answers,
+        // clipped to 3–30 s; ordinary pauses (0.3–1.5 s) in ≈ 10 %.
+        let long: Vec<f64> = stalls
+            .iter()
+            .flatten()
+            .copied()
+            .filter(|s| *s >= 3.0)
+            .collect();
+        let pauses = stalls.iter().flatten().filter(|s| **s < 3.0).count();
+        let long_share = long.len() as f64 / n as f64;
+        assert!(
+            (0.026..0.034).contains(&long_share),
+            "long stalls {long_share}"
+        );
+        assert!(long.iter().all(|s| *s <= 30.0));
+        let mut long = long;
+        let long_med = percentile(&mut long, 0.5);
+        assert!((7.0..9.0).contains(&long_med), "stall median {long_med}");
+        let pause_share = pauses as f64 / n as f64;
+        assert!((0.09..0.11).contains(&pause_share), "pauses {pause_share}");
+        assert!(stalls
+            .iter()
+            .flatten()
+            .all(|s| *s >= 3.0 || (0.3..=1.5).contains(s)));
+    }
+
+    #[test]
+    fn reasoning_has_a_slow_ttft_then_streams_steadily() {
+        let n = 20_000;
+        let (mut ttft, stalls, chunks, gaps) = draws("reasoning", n);
+        let (med, p90, p99) = (
+            percentile(&mut ttft, 0.5),
+            percentile(&mut ttft, 0.9),
+            percentile(&mut ttft, 0.99),
+        );
+        assert!((14.3..15.7).contains(&med), "ttft median {med}");
+        assert!((36.0..44.0).contains(&p90), "ttft p90 {p90}");
+        assert!((80.0..100.0).contains(&p99), "ttft p99 {p99}");
+        assert!(stalls.iter().all(Vec::is_empty), "no stalls");
+        assert!(chunks.iter().all(|c| (100..=600).contains(c)));
+        let mean_gap = gaps.iter().sum::<f64>() / gaps.len() as f64;
+        assert!((19.5..20.5).contains(&mean_gap), "gap mean {mean_gap}");
+        // Steady: no gap anywhere near a stall threshold (≥ 1 s).
+        let max_gap = gaps.iter().copied().fold(0.0, f64::max);
+        assert!(max_gap < 600.0, "longest gap {max_gap} ms");
     }
 
     #[test]
