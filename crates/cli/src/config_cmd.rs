@@ -24,6 +24,7 @@ pub async fn run(args: CheckArgs) -> Result<ExitCode> {
         }
     };
     let mut failed = 0;
+    let mut routing: Vec<(String, Vec<String>)> = Vec::new();
     for scope in &scopes {
         let kind = match env::kind_of(scope) {
             Ok(k) => k,
@@ -46,6 +47,7 @@ pub async fn run(args: CheckArgs) -> Result<ExitCode> {
                     )
                 );
                 println!("{}", serde_json::to_string_pretty(&loaded.settings)?);
+                routing.push((scope.clone(), loaded.settings.model_aliases.clone()));
                 for w in &loaded.warnings {
                     println!("warning: {w}");
                 }
@@ -59,6 +61,9 @@ pub async fn run(args: CheckArgs) -> Result<ExitCode> {
             }
         }
     }
+    for line in model_routing(&routing) {
+        println!("{line}");
+    }
     if failed > 0 {
         eprintln!(
             "{failed} of {} scope(s) have configuration errors",
@@ -67,5 +72,81 @@ pub async fn run(args: CheckArgs) -> Result<ExitCode> {
         Ok(ExitCode::from(2))
     } else {
         Ok(ExitCode::SUCCESS)
+    }
+}
+
+/// How `polygw serve` routes a request's `model` to these scopes (SPEC §18.3): a scope's
+/// name or an exact alias first (case-insensitive), then the longest `*` pattern; with
+/// the overlaps that decide otherwise than a reader might expect.
+fn model_routing(scopes: &[(String, Vec<String>)]) -> Vec<String> {
+    let mut out = vec![
+        "# model routing (polygw serve): a scope's name or exact alias first, then the longest matching pattern".to_string(),
+    ];
+    let exact = |name: &str, aliases: &[String]| {
+        std::iter::once(name.to_ascii_lowercase())
+            .chain(
+                aliases
+                    .iter()
+                    .filter(|a| !a.contains('*'))
+                    .map(|a| a.to_ascii_lowercase()),
+            )
+            .collect::<Vec<_>>()
+    };
+    for (name, aliases) in scopes {
+        out.push(format!("  {} → {name}", exact(name, aliases).join(", ")));
+        for g in aliases.iter().filter(|a| a.contains('*')) {
+            out.push(format!("  {g} (pattern) → {name}"));
+        }
+    }
+    for (name, aliases) in scopes {
+        for g in aliases.iter().filter(|a| a.contains('*')) {
+            for (other, other_aliases) in scopes.iter().filter(|(o, _)| o != name) {
+                for e in exact(other, other_aliases) {
+                    if polygw_serve::glob_matches(g, &e) {
+                        out.push(format!(
+                            "  note: pattern {g} of {name} also matches {e}, which goes to {other} (exact names win)"
+                        ));
+                    }
+                }
+                for og in other_aliases.iter().filter(|a| a.contains('*')) {
+                    if og.len() == g.len() && og.eq_ignore_ascii_case(g) {
+                        out.push(format!(
+                            "  warning: pattern {g} is given by {name} and by {other}: one of them is never reached"
+                        ));
+                    }
+                }
+            }
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn routing_shows_exact_names_patterns_and_overlaps() {
+        let s = vec![
+            (
+                "LLM".to_string(),
+                vec!["gpt-4o".to_string(), "claude-*".to_string()],
+            ),
+            (
+                "CLAUDE".to_string(),
+                vec!["claude-3".to_string(), "Claude-*".to_string()],
+            ),
+        ];
+        let lines = model_routing(&s).join("\n");
+        assert!(lines.contains("llm, gpt-4o → LLM"), "{lines}");
+        assert!(lines.contains("claude-* (pattern) → LLM"), "{lines}");
+        assert!(
+            lines.contains("pattern claude-* of LLM also matches claude-3, which goes to CLAUDE"),
+            "{lines}"
+        );
+        assert!(
+            lines.contains("warning: pattern claude-* is given by LLM and by CLAUDE"),
+            "{lines}"
+        );
     }
 }

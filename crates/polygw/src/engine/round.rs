@@ -384,6 +384,8 @@ struct Exec<'a, L: Leg> {
     usage: Vec<Option<LegUsage>>,
     fallback_cooldown: Duration,
     events: VecDeque<Event>,
+    /// Per leg: its first token is in the call's trace.
+    first_traced: Vec<bool>,
 }
 
 impl<'a, L: Leg> Exec<'a, L> {
@@ -397,7 +399,21 @@ impl<'a, L: Leg> Exec<'a, L> {
         let mut out = Vec::new();
         while let Some(e) = self.events.pop_front() {
             let now = self.now();
+            let chunk_of = match &e {
+                Event::Chunk { leg, .. } => Some(*leg),
+                _ => None,
+            };
             self.machine.on(e, now, &mut out);
+            // A leg's first token in the trace as it arrives (SPEC §19.4), before a
+            // winner's row takes the trace.
+            if let Some(leg) = chunk_of {
+                if self.first_traced.get(leg) == Some(&false) {
+                    if let Some(first) = self.machine.first_chunk(leg) {
+                        self.first_traced[leg] = true;
+                        self.call.trace(first, TraceEvent::FirstToken { leg });
+                    }
+                }
+            }
             for a in out.drain(..) {
                 self.apply(a);
             }
@@ -616,6 +632,7 @@ impl<'a, L: Leg> Exec<'a, L> {
         self.controls.push((control, handle));
         self.infos.push(info_copy);
         self.usage.push(None);
+        self.first_traced.push(false);
         self.report_running();
     }
 
@@ -784,9 +801,6 @@ impl<'a, L: Leg> Exec<'a, L> {
     /// The leg's samples into its source's live distributions (SPEC §19.1).
     fn record_latency(&self, leg: LegId, info: &LegInfo, completed: bool) {
         let engine = self.engine;
-        if let Some(first) = self.machine.first_chunk(leg) {
-            self.call.trace(first, TraceEvent::FirstToken { leg });
-        }
         if !engine.latency.keeps() {
             return;
         }
@@ -1238,6 +1252,7 @@ impl Engine {
             usage: Vec::new(),
             fallback_cooldown: start.fallback_cooldown,
             events: VecDeque::new(),
+            first_traced: Vec::new(),
         };
         let queue = exec.queue.clone();
         let run = std::pin::pin!(exec.run(initial));

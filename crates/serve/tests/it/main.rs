@@ -8,4 +8,5 @@ mod hardening;
 mod honest;
 mod keys;
 mod recorded;
+mod routes_rows;
 mod support;

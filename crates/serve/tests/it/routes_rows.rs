@@ -1,0 +1,104 @@
+//! Every route's calls in telemetry (SPEC §18.4): the `api` column names the route a
+//! call came by; and stored Responses expire after `RESPONSES__TTL_S` (SPEC §18.1).
+
+use std::time::Duration;
+
+use polygw::ScopeKind;
+use polygw_mock_upstream::Behavior;
+use polygw_serve::{ProxyConfig, ServerLimits};
+use polygw_testkit::fakes::RecordingTelemetry;
+use serde_json::json;
+
+use crate::support::*;
+
+#[tokio::test]
+async fn each_route_names_itself_in_the_rows() {
+    let m = mock(Behavior::text(&["hello"])).await;
+    let rows = RecordingTelemetry::new();
+    let scope = scope_with(
+        "LLM",
+        ScopeKind::Chat,
+        vec![source("a", &m)],
+        Some(rows.clone()),
+        |_| {},
+    )
+    .await;
+    let s = serve_with(vec![scope], ProxyConfig::default(), ServerLimits::default()).await;
+    let c = http();
+    for (path, body) in [
+        (
+            "/chat/completions",
+            json!({"model": "llm", "messages": [{"role": "user", "content": "hi"}]}),
+        ),
+        ("/responses", json!({"model": "llm", "input": "hi"})),
+        (
+            "/messages",
+            json!({"model": "llm", "max_tokens": 16, "messages": [{"role": "user", "content": "hi"}]}),
+        ),
+    ] {
+        let r = c
+            .post(format!("{}{path}", s.v1()))
+            .header("anthropic-version", "2023-06-01")
+            .json(&body)
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status(), 200, "{path}: {}", r.text().await.unwrap());
+    }
+    let mut apis: Vec<String> = Vec::new();
+    for _ in 0..200 {
+        apis = rows.rows().iter().filter_map(|r| r.api.clone()).collect();
+        if apis.len() >= 3 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    apis.sort();
+    assert_eq!(apis, ["chat", "messages", "responses"]);
+}
+
+#[tokio::test]
+async fn a_stored_response_expires_after_its_ttl() {
+    let m = mock(Behavior::text(&["remember me"])).await;
+    let scope = scope_with("LLM", ScopeKind::Chat, vec![source("a", &m)], None, |s| {
+        s.responses_ttl = Duration::from_secs(1);
+    })
+    .await;
+    let s = serve_with(vec![scope], ProxyConfig::default(), ServerLimits::default()).await;
+    let c = http();
+    let r: serde_json::Value = c
+        .post(format!("{}/responses", s.v1()))
+        .json(&json!({"model": "llm", "input": "hi", "store": true}))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    let id = r["id"].as_str().unwrap().to_string();
+    let get = |id: String| {
+        let c = c.clone();
+        let url = format!("{}/responses/{id}", s.v1());
+        async move { c.get(url).send().await.unwrap().status().as_u16() }
+    };
+    assert_eq!(get(id.clone()).await, 200, "stored");
+    // Kept a whole second, gone after it (the store reads whole seconds).
+    let t0 = tokio::time::Instant::now();
+    loop {
+        let st = get(id.clone()).await;
+        if st == 404 {
+            break;
+        }
+        assert_eq!(st, 200);
+        assert!(t0.elapsed() < Duration::from_secs(5), "never expired");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    // A continuation of the expired response is refused the same way.
+    let r = c
+        .post(format!("{}/responses", s.v1()))
+        .json(&json!({"model": "llm", "input": "and then?", "previous_response_id": id}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 404);
+}
