@@ -231,7 +231,8 @@ fn key(id: &str, name: &str) -> ClientKey {
     ClientKey {
         id: id.into(),
         name: name.into(),
-        hash: format!("{:0>64}", id.len()),
+        // Unique per id (the shared PostgreSQL keeps earlier runs' keys; hashes are unique).
+        hash: polygw::core::client_key::hash_key(id),
         prefix: "pgw-test".into(),
         scopes: Vec::new(),
         models: Vec::new(),

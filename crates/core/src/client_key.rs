@@ -177,10 +177,12 @@ pub fn check_access(key: &ClientKey, scope: &str, model: &str) -> Result<(), Key
     if key.revoked_at_ms.is_some() {
         return Err(KeyDenial::Revoked);
     }
-    if !key.scopes.is_empty() && !key.scopes.iter().any(|s| s == scope) {
+    // ASCII case-insensitive, as the proxy resolves a model to its scope.
+    let same = |a: &str, b: &str| a.eq_ignore_ascii_case(b);
+    if !key.scopes.is_empty() && !key.scopes.iter().any(|s| same(s, scope)) {
         return Err(KeyDenial::Scope(scope.to_string()));
     }
-    if !key.models.is_empty() && !key.models.iter().any(|m| m == model || m == scope) {
+    if !key.models.is_empty() && !key.models.iter().any(|m| same(m, model) || same(m, scope)) {
         return Err(KeyDenial::Model(model.to_string()));
     }
     Ok(())
@@ -307,6 +309,11 @@ mod tests {
         );
         k.models = vec!["gpt".into()];
         assert_eq!(check_access(&k, "LLM", "gpt"), Ok(()));
+        assert_eq!(
+            check_access(&k, "llm", "GPT"),
+            Ok(()),
+            "names compare as the proxy routes them: ASCII case-insensitive"
+        );
         assert_eq!(
             check_access(&k, "LLM", "other"),
             Err(KeyDenial::Model("other".into()))

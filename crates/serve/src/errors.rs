@@ -414,6 +414,27 @@ pub fn from_key_refusal(
     e
 }
 
+/// An error in Anthropic's shape (`{"type":"error","error":{"type","message"}}`) and
+/// status (a 503 of polygw is Anthropic's 529 `overloaded_error`), with `Retry-After`
+/// and `x-should-retry`: every answer of `/v1/messages*`, the guards' refusals included.
+pub(crate) fn anthropic_error(e: &ApiError) -> Response {
+    let (status, body) = polygw_dialects::messages::error_body(e.status.as_u16(), &e.message);
+    let status = StatusCode::from_u16(status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
+    let mut resp = (status, Json(body)).into_response();
+    e.set_headers(resp.headers_mut());
+    resp
+}
+
+/// `e` in the shape of the API that `path` belongs to: Anthropic's under `/v1/messages`,
+/// OpenAI's elsewhere (the guards answer before any route runs).
+pub(crate) fn error_for_path(path: &str, e: &ApiError) -> Response {
+    if path == "/v1/messages" || path.starts_with("/v1/messages/") {
+        anthropic_error(e)
+    } else {
+        error_response(e)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

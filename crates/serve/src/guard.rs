@@ -13,7 +13,7 @@ use axum::response::Response;
 use subtle::ConstantTimeEq;
 
 use crate::conn::{status_error, ConnCtx};
-use crate::errors::{error_response, ApiError};
+use crate::errors::{error_for_path, ApiError};
 use crate::http::ensure_request_id;
 use crate::keys::Lookup;
 use crate::names;
@@ -29,15 +29,18 @@ pub async fn outer(State(st): State<Arc<AppState>>, req: Request, next: Next) ->
     let target = req.uri().path_and_query().map_or(0, |p| p.as_str().len());
     let mut resp = if target > st.cfg.max_uri_bytes {
         st.counters.refused("uri_too_long");
-        error_response(&ApiError::new(
-            StatusCode::URI_TOO_LONG,
-            "invalid_request_error",
-            "uri_too_long",
-            format!(
-                "the request target is {target} bytes; polygw serve accepts at most {}",
-                st.cfg.max_uri_bytes
+        error_for_path(
+            req.uri().path(),
+            &ApiError::new(
+                StatusCode::URI_TOO_LONG,
+                "invalid_request_error",
+                "uri_too_long",
+                format!(
+                    "the request target is {target} bytes; polygw serve accepts at most {}",
+                    st.cfg.max_uri_bytes
+                ),
             ),
-        ))
+        )
     } else {
         next.run(req).await
     };
@@ -88,14 +91,23 @@ fn host_part(hostport: &str) -> &str {
     })
 }
 
-fn forbidden(st: &AppState, reason: &'static str, code: &str, message: String) -> Response {
+fn forbidden(
+    st: &AppState,
+    path: &str,
+    reason: &'static str,
+    code: &str,
+    message: String,
+) -> Response {
     st.counters.refused(reason);
-    error_response(&ApiError::new(
-        StatusCode::FORBIDDEN,
-        "invalid_request_error",
-        code,
-        message,
-    ))
+    error_for_path(
+        path,
+        &ApiError::new(
+            StatusCode::FORBIDDEN,
+            "invalid_request_error",
+            code,
+            message,
+        ),
+    )
 }
 
 /// Without client keys, a request must look like it comes from this machine: `Host`
@@ -115,6 +127,7 @@ pub async fn keyless(State(st): State<Arc<AppState>>, req: Request, next: Next) 
     let Some(host) = host else {
         return forbidden(
             &st,
+            req.uri().path(),
             "host",
             "forbidden_host",
             "a Host header is required".into(),
@@ -129,6 +142,7 @@ pub async fn keyless(State(st): State<Arc<AppState>>, req: Request, next: Next) 
     if !host_ok {
         return forbidden(
             &st,
+            req.uri().path(),
             "host",
             "forbidden_host",
             format!(
@@ -149,6 +163,7 @@ pub async fn keyless(State(st): State<Arc<AppState>>, req: Request, next: Next) 
         if !ok {
             return forbidden(
                 &st,
+                req.uri().path(),
                 "origin",
                 "forbidden_origin",
                 format!(
@@ -171,12 +186,15 @@ pub async fn keyless(State(st): State<Arc<AppState>>, req: Request, next: Next) 
             });
         if !json {
             st.counters.refused("content_type");
-            return error_response(&ApiError::new(
-                StatusCode::UNSUPPORTED_MEDIA_TYPE,
-                "invalid_request_error",
-                "unsupported_media_type",
-                "without client keys polygw serve requires Content-Type: application/json",
-            ));
+            return error_for_path(
+                req.uri().path(),
+                &ApiError::new(
+                    StatusCode::UNSUPPORTED_MEDIA_TYPE,
+                    "invalid_request_error",
+                    "unsupported_media_type",
+                    "without client keys polygw serve requires Content-Type: application/json",
+                ),
+            );
         }
     }
     next.run(req).await
@@ -241,7 +259,7 @@ pub async fn auth(State(st): State<Arc<AppState>>, mut req: Request, next: Next)
             "the client keys could not be loaded yet: retry shortly",
         );
         e.retry_after = Some(2);
-        return error_response(&e);
+        return error_for_path(req.uri().path(), &e);
     }
     let message = match revoked {
         Some(id) => format!("The API key {id} was revoked"),
@@ -249,12 +267,15 @@ pub async fn auth(State(st): State<Arc<AppState>>, mut req: Request, next: Next)
                  (a key of POLYGW_PROXY_KEYS or of polygw keys)"
             .to_string(),
     };
-    error_response(&ApiError::new(
-        StatusCode::UNAUTHORIZED,
-        "invalid_request_error",
-        "invalid_api_key",
-        message,
-    ))
+    error_for_path(
+        req.uri().path(),
+        &ApiError::new(
+            StatusCode::UNAUTHORIZED,
+            "invalid_request_error",
+            "invalid_api_key",
+            message,
+        ),
+    )
 }
 
 #[cfg(test)]

@@ -7,7 +7,7 @@ use std::sync::Arc;
 
 use axum::body::Body;
 use axum::extract::State;
-use axum::http::{HeaderMap, HeaderValue, StatusCode};
+use axum::http::{HeaderMap, HeaderValue};
 use axum::response::{IntoResponse, Response};
 use axum::{Extension, Json};
 use polygw::{CallOptions, LlmResponse, StreamDelta};
@@ -15,7 +15,7 @@ use polygw_dialects::messages::{self as wire, MessagesStream};
 use polygw_dialects::SseEvent;
 use serde_json::json;
 
-use crate::errors::{from_gateway, ApiError};
+use crate::errors::{anthropic_error, from_gateway, ApiError};
 use crate::http::{
     answer_headers, call_options, chat_scope, close_after, ensure_request_id, enter_gate,
     failure_headers, list_header, read_body, run_plain, set_request_id, Conn, Stopped,
@@ -25,17 +25,6 @@ use crate::route::responses::dialect_error;
 use crate::state::State as AppState;
 use crate::stream::{respond, Encoder};
 use polygw::core::client_key::ClientKey;
-
-/// An error in Anthropic's shape (`{"type":"error","error":{"type","message"}}`) and
-/// status (a 503 of polygw is Anthropic's 529 `overloaded_error`), with `Retry-After`
-/// and `x-should-retry`.
-pub(crate) fn anthropic_error(e: &ApiError) -> Response {
-    let (status, body) = wire::error_body(e.status.as_u16(), &e.message);
-    let status = StatusCode::from_u16(status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
-    let mut resp = (status, Json(body)).into_response();
-    e.set_headers(resp.headers_mut());
-    resp
-}
 
 /// `POST /v1/messages` (also with `?beta=true`).
 pub async fn create(
@@ -76,6 +65,9 @@ async fn create_inner(
         Ok(b) => b,
         Err(e) => return early(e),
     };
+    if let Err(e) = crate::openai::check_json_values(&bytes) {
+        return anthropic_error(&e);
+    }
     let req = match wire::parse_request(&bytes) {
         Ok(r) => r,
         Err(e) => return anthropic_error(&dialect_error(e)),
@@ -173,6 +165,9 @@ pub async fn count_tokens(
             return r;
         }
     };
+    if let Err(e) = crate::openai::check_json_values(&bytes) {
+        return anthropic_error(&e);
+    }
     match wire::count_tokens(&bytes) {
         Ok(n) => {
             let mut r = Json(json!({"input_tokens": n})).into_response();

@@ -98,6 +98,9 @@ async fn create_inner(
         Ok(b) => b,
         Err(e) => return early(e),
     };
+    if let Err(e) = crate::openai::check_json_values(&bytes) {
+        return error_response(&e);
+    }
     let req = match wire::parse_request(&bytes) {
         Ok(r) => r,
         Err(e) => return error_response(&dialect_error(e)),
@@ -109,10 +112,11 @@ async fn create_inner(
     };
     let store = client.response_store();
     let scope = served.scope.name.clone();
+    let owner = owner_scope(&scope, key.map(|k| &**k));
     // The conversation so far, when the request continues a stored response.
     let history: Vec<Value> = match req.previous_response_id() {
         None => Vec::new(),
-        Some(prev) => match store.get(&scope, prev, now_ms()).await {
+        Some(prev) => match store.get(&owner, prev, now_ms()).await {
             Ok(Some(s)) => {
                 let mut h = s.input_items;
                 if let Some(out) = s.response.get("output").and_then(Value::as_array) {
@@ -154,7 +158,7 @@ async fn create_inner(
     options.affinity_key = crate::affinity::responses_key(headers, &req, &t.request);
     let saving = Saving {
         store: req.store().then(|| store.clone()),
-        scope,
+        scope: owner,
         ttl_ms: ttl_ms(client),
         input_items: history
             .into_iter()
@@ -288,20 +292,37 @@ impl Encoder for ResponsesEncoder {
     }
 }
 
-/// The chat clients' stores, each once (scopes may share one).
-fn stores(st: &AppState) -> Vec<(String, Arc<dyn ResponseStore>)> {
+/// Where a response is stored: under its scope and, when the call came with a client key
+/// of the key store, under that key too (`SCOPE/key_…`; scope names have no `/`) — a
+/// stored response is read, continued and deleted only with the key that stored it,
+/// as OpenAI keeps a project's responses to that project. Static proxy keys
+/// (`POLYGW_PROXY_KEYS`) and unauthenticated proxies share the scope's.
+fn owner_scope(scope: &str, key: Option<&ClientKey>) -> String {
+    match key {
+        Some(k) => format!("{scope}/{}", k.id),
+        None => scope.to_string(),
+    }
+}
+
+/// The chat clients' stores, as each holds `key`'s responses.
+fn stores(st: &AppState, key: Option<&ClientKey>) -> Vec<(String, Arc<dyn ResponseStore>)> {
     st.scopes
         .iter()
         .filter_map(|s| match &s.scope.client {
-            ScopeClient::Chat(c) => Some((s.scope.name.clone(), c.response_store())),
+            ScopeClient::Chat(c) => Some((owner_scope(&s.scope.name, key), c.response_store())),
             ScopeClient::Embedding(_) => None,
         })
         .collect()
 }
 
 /// `GET /v1/responses/{id}`: a stored response, from whichever scope stored it.
-pub async fn get(State(st): State<Arc<AppState>>, Path(id): Path<String>) -> Response {
-    for (scope, store) in stores(&st) {
+pub async fn get(
+    State(st): State<Arc<AppState>>,
+    key: Option<Extension<Arc<ClientKey>>>,
+    Path(id): Path<String>,
+) -> Response {
+    let key = key.map(|Extension(k)| k);
+    for (scope, store) in stores(&st, key.as_deref()) {
         match store.get(&scope, &id, now_ms()).await {
             Ok(Some(s)) => return Json(s.response).into_response(),
             Ok(None) => {}
@@ -312,8 +333,13 @@ pub async fn get(State(st): State<Arc<AppState>>, Path(id): Path<String>) -> Res
 }
 
 /// `GET /v1/responses/{id}/input_items`: the input items a stored response answered.
-pub async fn input_items(State(st): State<Arc<AppState>>, Path(id): Path<String>) -> Response {
-    for (scope, store) in stores(&st) {
+pub async fn input_items(
+    State(st): State<Arc<AppState>>,
+    key: Option<Extension<Arc<ClientKey>>>,
+    Path(id): Path<String>,
+) -> Response {
+    let key = key.map(|Extension(k)| k);
+    for (scope, store) in stores(&st, key.as_deref()) {
         match store.get(&scope, &id, now_ms()).await {
             Ok(Some(s)) => {
                 let first = s.input_items.first().and_then(|i| i.get("id")).cloned();
@@ -335,8 +361,13 @@ pub async fn input_items(State(st): State<Arc<AppState>>, Path(id): Path<String>
 }
 
 /// `DELETE /v1/responses/{id}`.
-pub async fn delete(State(st): State<Arc<AppState>>, Path(id): Path<String>) -> Response {
-    for (scope, store) in stores(&st) {
+pub async fn delete(
+    State(st): State<Arc<AppState>>,
+    key: Option<Extension<Arc<ClientKey>>>,
+    Path(id): Path<String>,
+) -> Response {
+    let key = key.map(|Extension(k)| k);
+    for (scope, store) in stores(&st, key.as_deref()) {
         match store.delete(&scope, &id).await {
             Ok(true) => {
                 return Json(json!({"id": id, "object": "response", "deleted": true}))

@@ -433,3 +433,42 @@ async fn redaction_hides_the_key_and_nothing_else() {
     );
     assert!(text.contains("<redacted>"), "{text}");
 }
+
+/// The JSON value budget guards every route that parses a body (SPEC §17.7): a body of
+/// tiny values is a 413 naming the body on Responses and Messages too, in each API's
+/// shape, and nothing reaches the upstream.
+#[tokio::test(start_paused = true)]
+async fn bodies_of_tiny_values_are_refused_on_every_api() {
+    let m = mock(Behavior::text(&["ok"])).await;
+    let s = serve(vec![chat_scope("LLM", &m).await]).await;
+    // 400 000 one-digit values: about 800 KB, far above one value per 5 bytes.
+    let tiny = vec![1u8; 400_000];
+    let cases = [
+        (
+            "/responses",
+            json!({"model": "llm", "input": "hi", "metadata": {"x": tiny}}),
+        ),
+        (
+            "/messages",
+            json!({"model": "llm", "max_tokens": 5, "messages": [{"role": "user", "content": "hi"}], "x": tiny}),
+        ),
+        (
+            "/messages/count_tokens",
+            json!({"model": "llm", "messages": [{"role": "user", "content": "hi"}], "x": tiny}),
+        ),
+    ];
+    for (path, body) in cases {
+        let r = post_json(&s, path, body).await;
+        assert_eq!(r.status(), 413, "{path}");
+        let v: Value = r.json().await.unwrap();
+        let text = v.to_string();
+        assert!(text.contains("JSON values"), "{path}: {text}");
+        if path.starts_with("/messages") {
+            assert_eq!(v["type"], "error", "{path}: {text}");
+            assert_eq!(v["error"]["type"], "request_too_large", "{path}: {text}");
+        } else {
+            assert_eq!(v["error"]["param"], "body", "{path}: {text}");
+        }
+    }
+    assert!(m.requests().is_empty(), "nothing reached the upstream");
+}

@@ -283,3 +283,99 @@ async fn a_budget_is_spent_exactly_and_never_exceeded() {
     assert_eq!(usage.day_nanos, spent, "the spend is what the rows cost");
     assert!(usage.day_nanos <= budget, "{} > {budget}", usage.day_nanos);
 }
+
+/// A stored response is read, continued and deleted only with the client key that stored
+/// it: another valid key gets 404, as for an id that does not exist.
+#[tokio::test]
+async fn stored_responses_belong_to_the_key_that_stored_them() {
+    let m = mock(Behavior::text(&["stored ", "answer"])).await;
+    let store = Arc::new(Keys::default());
+    for n in [0, 1] {
+        store.create(key(n, KeyLimits::default())).await.unwrap();
+    }
+    let (s, _ring) = proxy_with(store, RecordingTelemetry::new(), &m).await;
+    let r = http()
+        .post(format!("{}/responses", s.v1()))
+        .bearer_auth(secret(0))
+        .json(&json!({"model": "llm", "input": "hi", "store": true}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    let id = r.json::<Value>().await.unwrap()["id"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    let get = |k: String| {
+        let url = format!("{}/responses/{id}", s.v1());
+        async move {
+            let mut last = 0;
+            // The answer is stored as it goes out: poll briefly for the write.
+            for _ in 0..50 {
+                last = http()
+                    .get(&url)
+                    .bearer_auth(&k)
+                    .send()
+                    .await
+                    .unwrap()
+                    .status()
+                    .as_u16();
+                if last == 200 {
+                    break;
+                }
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+            last
+        }
+    };
+    assert_eq!(get(secret(0)).await, 200, "the key that stored it reads it");
+    assert_eq!(get(secret(1)).await, 404, "another key does not see it");
+    // Nor can it continue or delete it.
+    let r = http()
+        .post(format!("{}/responses", s.v1()))
+        .bearer_auth(secret(1))
+        .json(&json!({"model": "llm", "input": "more", "previous_response_id": id}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 404);
+    let r = http()
+        .delete(format!("{}/responses/{id}", s.v1()))
+        .bearer_auth(secret(1))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 404);
+    assert_eq!(get(secret(0)).await, 200, "still there for its owner");
+}
+
+/// `/v1/messages` answers the guards' refusals in Anthropic's shape too (an unknown key:
+/// 401 `authentication_error`), so the Anthropic SDKs read their message.
+#[tokio::test]
+async fn messages_refusals_of_the_guard_are_in_anthropics_shape() {
+    let m = mock(Behavior::text(&["x"])).await;
+    let store = Arc::new(Keys::default());
+    store.create(key(0, KeyLimits::default())).await.unwrap();
+    let (s, _ring) = proxy_with(store, RecordingTelemetry::new(), &m).await;
+    let r = http()
+        .post(format!("{}/messages", s.v1()))
+        .header("x-api-key", secret(7))
+        .json(&json!({"model": "llm", "max_tokens": 10, "messages": [{"role": "user", "content": "hi"}]}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 401);
+    let body: Value = r.json().await.unwrap();
+    assert_eq!(body["type"], "error", "{body}");
+    assert_eq!(body["error"]["type"], "authentication_error", "{body}");
+    assert!(
+        !body.to_string().contains(&secret(7)),
+        "the key is never echoed"
+    );
+    // The chat route keeps OpenAI's.
+    let (st, body, _) = call(&s, &secret(7), "llm").await;
+    assert_eq!(
+        (st, body["error"]["code"].as_str()),
+        (401, Some("invalid_api_key"))
+    );
+}
