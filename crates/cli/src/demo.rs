@@ -313,6 +313,20 @@ fn figures(run: &Run, calls: usize) -> Figures {
     }
 }
 
+/// The prompt-cache line: the multi-turn workload with affinity off and at its default.
+async fn affinity_line(sources: usize) -> Result<()> {
+    let off = crate::demo_affinity::run(sources, Some("off")).await?;
+    let on = crate::demo_affinity::run(sources, None).await?;
+    if off.failures + on.failures > 0 {
+        anyhow::bail!(
+            "the prompt-cache workload had {} failed call(s)",
+            off.failures + on.failures
+        );
+    }
+    println!("{}", crate::demo_affinity::line(&off, &on));
+    Ok(())
+}
+
 pub async fn run(args: DemoArgs) -> Result<ExitCode> {
     if !args.time_scale.is_finite() || args.time_scale <= 0.0 || args.time_scale > 1.0 {
         anyhow::bail!(
@@ -381,6 +395,7 @@ pub async fn run(args: DemoArgs) -> Result<ExitCode> {
          usage is unknown: they make the accounting gap and the \"unknown\" costs (an \
          upstream may still bill them)."
     );
+    affinity_line(args.sources).await?;
     for (src, t) in &on.thresholds {
         let show = |t: &polygw::core::hedge::ThresholdInForce| match t.value {
             Some(d) => format!("{:.1} s", d.as_secs_f64() / args.time_scale),

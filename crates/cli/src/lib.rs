@@ -8,6 +8,7 @@
 mod chat;
 mod config_cmd;
 mod demo;
+mod demo_affinity;
 mod env;
 mod keys;
 mod mock;
