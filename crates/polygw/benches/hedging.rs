@@ -217,20 +217,8 @@ fn settings(
     for &(a, s) in contrast {
         v.push(Setting::new(a, s, 0, Role::Contrast));
     }
-    let budgets: Vec<u32> = std::env::var("DBG_BUDGETS")
-        .map(|b| b.split(',').map(|x| x.parse().unwrap()).collect())
-        .unwrap_or(AUTO_BUDGETS.to_vec());
-    for pct in budgets {
-        v.push(Setting::new(
-            Th::Auto,
-            match std::env::var("DBG_NOSTALL").ok().as_deref() {
-                Some("off") | Some("1") => Th::Off,
-                Some(x) => Th::Secs(x.parse().unwrap()),
-                None => Th::Auto,
-            },
-            pct,
-            Role::Auto,
-        ));
+    for pct in AUTO_BUDGETS {
+        v.push(Setting::new(Th::Auto, Th::Auto, pct, Role::Auto));
     }
     if smoke {
         // Off, one static point, one auto: the program end to end in seconds.
@@ -376,15 +364,7 @@ fn vars(scope: &str, urls: &[String], w: &Workload, s: &Setting) -> Vec<(String,
     set("HEDGE__WINDOW_S", scaled(600.0));
     set("HEDGE__MIN_S", scaled(0.5));
     set("HEDGE__MAX_S", scaled(60.0));
-    set(
-        "HEDGE__STALL_MIN_S",
-        scaled(
-            std::env::var("DBG_STALLMIN")
-                .ok()
-                .and_then(|v| v.parse().ok())
-                .unwrap_or(1.0),
-        ),
-    );
+    set("HEDGE__STALL_MIN_S", scaled(1.0));
     set("HEDGE__STALL_MAX_S", scaled(60.0));
     set("HEDGE__MIN_SAMPLES", "50".into());
     set("HEDGE__BURST", "3".into());
@@ -1319,132 +1299,7 @@ fn env_usize(key: &str) -> Option<usize> {
     std::env::var(key).ok().and_then(|v| v.parse().ok())
 }
 
-fn km_sim() {
-    use polygw_core::latency::{GapTally, LegTimes, ScopeLatency};
-    let mut rng = fastrand_like(7);
-    let base = std::time::Instant::now();
-    let at = |s: f64| base + Duration::from_secs_f64(s);
-    for (t_thr, label) in [(40.0, "T = p90"), (25.4, "T = p75")] {
-        let mut sl = ScopeLatency::new(Duration::from_secs(1_000_000));
-        let mut truth = Vec::new();
-        let g = 7.0;
-        let mut clock = 0.0;
-        for _ in 0..20000 {
-            clock += 0.01;
-            let x = lognormal(&mut rng, 15.0, 0.77);
-            truth.push(x);
-            let now = at(clock + 1000.0);
-            let gaps = GapTally::default();
-            if x <= t_thr {
-                sl.leg_ended(
-                    "a",
-                    now,
-                    LegTimes {
-                        launched: at(clock),
-                        first_chunk: Some(at(clock + x)),
-                        last_chunk: Some(at(clock + x + g)),
-                        ended: at(clock + x + g),
-                        completed: true,
-                    },
-                    &gaps,
-                );
-                continue;
-            }
-            let y = lognormal(&mut rng, 15.0, 0.77);
-            truth.push(y);
-            let p_done = x + g;
-            let h_done = t_thr + y + g;
-            if p_done <= h_done {
-                sl.leg_ended(
-                    "a",
-                    now,
-                    LegTimes {
-                        launched: at(clock),
-                        first_chunk: Some(at(clock + x)),
-                        last_chunk: Some(at(clock + p_done)),
-                        ended: at(clock + p_done),
-                        completed: true,
-                    },
-                    &gaps,
-                );
-                let c = p_done - t_thr; // hedge cancelled, from its launch
-                let fc = (y < c).then(|| at(clock + t_thr + y));
-                sl.leg_ended(
-                    "a",
-                    now,
-                    LegTimes {
-                        launched: at(clock + t_thr),
-                        first_chunk: fc,
-                        last_chunk: fc,
-                        ended: at(clock + p_done),
-                        completed: false,
-                    },
-                    &gaps,
-                );
-            } else {
-                sl.leg_ended(
-                    "a",
-                    now,
-                    LegTimes {
-                        launched: at(clock + t_thr),
-                        first_chunk: Some(at(clock + t_thr + y)),
-                        last_chunk: Some(at(clock + h_done)),
-                        ended: at(clock + h_done),
-                        completed: true,
-                    },
-                    &gaps,
-                );
-                let fc = (x < h_done).then(|| at(clock + x));
-                sl.leg_ended(
-                    "a",
-                    now,
-                    LegTimes {
-                        launched: at(clock),
-                        first_chunk: fc,
-                        last_chunk: fc,
-                        ended: at(clock + h_done),
-                        completed: false,
-                    },
-                    &gaps,
-                );
-            }
-        }
-        truth.sort_by(f64::total_cmp);
-        let v = sl.view("a", at(1e6));
-        for q in [0.75, 0.9, 0.95] {
-            println!(
-                "{label}: q{q}: sketch {:?} truth {:.2} (obs {}, cens {})",
-                v.ttft.quantile(q),
-                pct(&truth, q),
-                v.ttft.observed(),
-                v.ttft.censored()
-            );
-        }
-    }
-}
-
-struct Lcg(u64);
-fn fastrand_like(seed: u64) -> Lcg {
-    Lcg(seed)
-}
-fn unif(r: &mut Lcg) -> f64 {
-    r.0 =
-        r.0.wrapping_mul(6364136223846793005)
-            .wrapping_add(1442695040888963407);
-    ((r.0 >> 11) as f64) / ((1u64 << 53) as f64)
-}
-fn lognormal(r: &mut Lcg, m: f64, s: f64) -> f64 {
-    let u1 = 1.0 - unif(r);
-    let u2 = unif(r);
-    let z = (-2.0 * u1.ln()).sqrt() * (2.0 * std::f64::consts::PI * u2).cos();
-    (m.ln() + s * z).exp()
-}
-
 fn main() {
-    if std::env::var("DBG_KM").is_ok() {
-        km_sim();
-        return;
-    }
     let full = full_run();
     let coalesced = std::env::var("POLYGW_BENCH_HEDGE_PROFILE").as_deref() != Ok("full");
     let rt = tokio::runtime::Builder::new_multi_thread()
