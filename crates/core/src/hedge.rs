@@ -242,10 +242,9 @@ pub struct Thresholds {
 /// of legs trigger, within `bounds`; `None` for an empty sketch.
 ///
 /// A leg triggers once per sample above the threshold, so with `g` samples per leg
-/// ([`LatencySketch::samples_per_leg`]: 1 for TTFT, the gaps per streamed leg for
-/// stalls) the quantile is `1 − (budget_pct / 100) / g`. For TTFT that is the
-/// `(1 − BUDGET_PCT/100)` quantile; for gaps it keeps "about that share of calls"
-/// (the plain `(1 − BUDGET_PCT/100)` gap quantile would fire on nearly every stream).
+/// ([`LatencySketch::samples_per_leg`]: 1 for TTFT; for gaps 1 as the engine records
+/// them — each streamed leg's longest — and below 1 when some legs had no gap) the
+/// quantile is `1 − (budget_pct / 100) / g`: about `BUDGET_PCT` % of legs trigger.
 /// `budget_pct` 0 gives the largest value seen (then `bounds.max` caps it).
 pub fn auto_threshold(sketch: &LatencySketch, budget_pct: u32, bounds: Bounds) -> Option<Duration> {
     auto_threshold_bp(sketch, budget_pct.saturating_mul(100), bounds)
@@ -290,6 +289,116 @@ pub fn threshold_in_force(
     ThresholdInForce { value, origin }
 }
 
+/// How many parts of the budget [`split_budget`] weighs (steps of a tenth).
+pub const SPLIT_STEPS: u32 = 10;
+
+/// The distribution an `auto` threshold is read from: the source's once it has
+/// `min_samples`, else the pool's once that has as many, else none.
+fn evidence_of<'a>(
+    source: &'a LatencySketch,
+    pool: &'a LatencySketch,
+    min_samples: u64,
+) -> Option<&'a LatencySketch> {
+    [source, pool]
+        .into_iter()
+        .find(|s| s.evidence() >= min_samples && !s.is_empty())
+}
+
+/// How both `auto` triggers share the budget (basis points each; they add up to
+/// `budget_bp`): the split, among [`SPLIT_STEPS`] + 1 candidates, that saves the most
+/// expected waiting per call. A trigger at threshold `T` saves about `E[(X − T − Y)⁺]`
+/// per sample `X` it fires on — the wait beyond `T`, less `Y`, the new leg's own first
+/// token (a resume leg, too, must reach its first token), drawn from the first-token
+/// distribution — times the samples per call (gaps: [`LatencySketch::samples_per_leg`]). So a workload whose tail is long
+/// stalls gives the stall trigger the budget, one whose tail is slow first tokens gives
+/// it to the first-token trigger, and a mixed one splits it. Among splits that save as
+/// much (within 1 ms), the one that gives the most to the trigger saving more; without
+/// evidence for both, or with nothing to save, half each.
+///
+/// Pure: the same sketches give the same split, whatever order they were merged in.
+pub fn split_budget(
+    auto: &HedgeSettings,
+    ttft: Option<&LatencySketch>,
+    gap: Option<&LatencySketch>,
+    budget_bp: u32,
+) -> (u32, u32) {
+    let half = budget_bp / 2;
+    let even = (budget_bp - half, half);
+    let (Some(ttft), Some(gap)) = (ttft, gap) else {
+        return even;
+    };
+    if budget_bp == 0 {
+        return (0, 0);
+    }
+    // The new leg's own first token, by its deciles (the saving is `E[(X − T − Y)⁺]`
+    // over independent `X` and `Y`: ten points of `Y` are enough for a split in tenths).
+    let y: Vec<Duration> = (0..10)
+        .filter_map(|i| ttft.quantile((f64::from(i) + 0.5) / 10.0))
+        .collect();
+    let saved = |sk: &LatencySketch, bp: u32, bounds: Bounds| -> f64 {
+        if bp == 0 || y.is_empty() {
+            return 0.0;
+        }
+        let Some(t) = auto_threshold_bp(sk, bp, bounds) else {
+            return 0.0;
+        };
+        let e: f64 = y.iter().filter_map(|&y| sk.excess_ms(t + y)).sum();
+        e / y.len() as f64 * sk.samples_per_leg()
+    };
+    // (saving, first-token part, its saving, the stall part's saving) per candidate.
+    let candidates: Vec<(f64, u32, f64, f64)> = (0..=SPLIT_STEPS)
+        .map(|k| {
+            let ft = (u64::from(budget_bp) * u64::from(k) / u64::from(SPLIT_STEPS)) as u32;
+            let (a, b) = (
+                saved(ttft, ft, auto.after_bounds),
+                saved(gap, budget_bp - ft, auto.stall_bounds),
+            );
+            (a + b, ft, a, b)
+        })
+        .collect();
+    let top = candidates.iter().map(|c| c.0).fold(0.0f64, f64::max);
+    if top <= 0.0 {
+        return even;
+    }
+    // Within a millisecond of the best, the split that gives the most to the trigger
+    // that saves more (a threshold held at its bound saves no more with a bigger part,
+    // and a part that saves nothing would only spend the shared bucket).
+    let tied = candidates.iter().filter(|c| c.0 >= top - 1.0);
+    let stall_saves_more = candidates
+        .iter()
+        .find(|c| c.0 >= top - 1.0)
+        .is_some_and(|c| c.3 >= c.2);
+    let pick = if stall_saves_more {
+        tied.min_by_key(|c| c.1)
+    } else {
+        tied.max_by_key(|c| c.1)
+    };
+    pick.map_or(even, |c| (c.1, budget_bp - c.1))
+}
+
+/// The share of legs a trigger may fire on so that a round's extra legs stay within
+/// `budget_bp` (basis points of calls): a leg launched by a trigger can itself trigger
+/// the next (up to `max_extra` per round), so a per-leg share `p` costs about
+/// `p + p² + … + p^max_extra` extra legs per call. The `p` that spends exactly the
+/// budget, in basis points (bisection; monotone in the budget, never above it).
+pub fn trigger_share_bp(budget_bp: u32, max_extra: u32) -> u32 {
+    if budget_bp == 0 || max_extra <= 1 {
+        return budget_bp;
+    }
+    let b = f64::from(budget_bp) / 10_000.0;
+    let cost = |p: f64| (1..=max_extra).map(|k| p.powi(k as i32)).sum::<f64>();
+    let (mut lo, mut hi) = (0.0f64, b.min(1.0));
+    for _ in 0..50 {
+        let mid = (lo + hi) / 2.0;
+        if cost(mid) <= b {
+            lo = mid;
+        } else {
+            hi = mid;
+        }
+    }
+    ((lo * 10_000.0).floor() as u32).min(budget_bp)
+}
+
 /// Both thresholds in force for a leg on a source, from its two distributions (`ttft`,
 /// `gap`) and the scope's pool (see [`crate::latency::ScopeLatency::thresholds`]).
 pub fn thresholds(
@@ -299,21 +408,31 @@ pub fn thresholds(
     pool: &LatencySnapshot,
     budget_pct: u32,
 ) -> Thresholds {
-    // The triggers share the budget: with both `auto`, each hedges about half the share
-    // of calls the budget allows, so together they stay within it (a shared bucket
-    // drained by the first-token trigger alone would leave stalls unrescued).
-    let autos = [auto.after, auto.stall_after]
-        .iter()
-        .filter(|t| **t == ThresholdSetting::Auto)
-        .count()
-        .max(1) as u32;
-    let each_bp = budget_pct.saturating_mul(100) / autos;
+    // The triggers share the budget: with both `auto`, each gets the part of the share
+    // of calls the budget allows where it saves the most waiting (`split_budget`), so
+    // together they stay within it (a shared bucket drained by the first-token trigger
+    // alone would leave stalls unrescued, and an even split starves the trigger that
+    // carries the tail).
+    let budget_bp = budget_pct.saturating_mul(100);
+    let (after_bp, stall_bp) = match (auto.after, auto.stall_after) {
+        (ThresholdSetting::Auto, ThresholdSetting::Auto) => split_budget(
+            auto,
+            evidence_of(ttft, &pool.ttft, auto.min_samples),
+            evidence_of(gap, &pool.gap, auto.min_samples),
+            budget_bp,
+        ),
+        _ => (budget_bp, budget_bp),
+    };
+    let (after_bp, stall_bp) = (
+        trigger_share_bp(after_bp, auto.max_extra),
+        trigger_share_bp(stall_bp, auto.max_extra),
+    );
     Thresholds {
         after: threshold_in_force(
             auto.after,
             ttft,
             &pool.ttft,
-            each_bp,
+            after_bp,
             auto.after_bounds,
             auto.min_samples,
         ),
@@ -321,7 +440,7 @@ pub fn thresholds(
             auto.stall_after,
             gap,
             &pool.gap,
-            each_bp,
+            stall_bp,
             auto.stall_bounds,
             auto.min_samples,
         ),
@@ -736,6 +855,68 @@ mod tests {
             .collect()
     }
 
+    /// A workload's two distributions: first tokens (one per leg) and gaps (`gaps` per
+    /// leg), `legs` legs.
+    fn workload(
+        legs: u64,
+        ttft: impl Fn(u64) -> u64,
+        gaps: u64,
+        gap: impl Fn(u64) -> u64,
+    ) -> (LatencySketch, LatencySketch) {
+        let (mut t, mut g) = (LatencySketch::new(), LatencySketch::new());
+        for i in 0..legs {
+            t.observe(ms(ttft(i)));
+            for j in 0..gaps {
+                g.observe(ms(gap(i * gaps + j)));
+            }
+        }
+        t.add_legs(legs);
+        g.add_legs(legs);
+        (t, g)
+    }
+
+    #[test]
+    fn the_budget_goes_to_the_trigger_that_carries_the_tail() {
+        let auto = HedgeSettings::default();
+        // Long stalls in 19 % of calls (20–120 s), first tokens 1–3 s: the stall trigger
+        // saves far more per leg, so it gets (nearly) all of the budget.
+        let (t, g) = workload(
+            1000,
+            |i| 1000 + (i * 7919) % 2000,
+            40,
+            |k| {
+                let call = k / 40;
+                if k % 40 == 0 && call % 100 < 19 {
+                    20_000 + (call * 104_729) % 100_000
+                } else {
+                    50
+                }
+            },
+        );
+        let (ft, st) = split_budget(&auto, Some(&t), Some(&g), 1000);
+        assert_eq!(ft + st, 1000);
+        assert!(st >= 900, "stalls carry the tail: {ft} / {st}");
+        // A reasoning model: first tokens 5–90 s, steady gaps of 50 ms: all to the first
+        // token.
+        let (t, g) = workload(1000, |i| 5000 + (i * 7919) % 85_000, 40, |_| 50);
+        let (ft, st) = split_budget(&auto, Some(&t), Some(&g), 1000);
+        assert_eq!((ft, st), (1000, 0), "nothing to save on gaps");
+        // No evidence for one of them: half each, as before there was any.
+        assert_eq!(split_budget(&auto, Some(&t), None, 1000), (500, 500));
+        assert_eq!(split_budget(&auto, None, None, 1001), (501, 500));
+        assert_eq!(split_budget(&auto, Some(&t), Some(&g), 0), (0, 0));
+    }
+
+    #[test]
+    fn excess_is_the_hand_computation_without_censoring() {
+        let s = sketch(&[1000, 2000, 4000], &[], 0);
+        // E[(X − 1500)⁺] = (0 + 500 + 2500) / 3, within the bins' 1 %.
+        let e = s.excess_ms(ms(1500)).unwrap();
+        assert!((e - 1000.0).abs() < 30.0, "{e}");
+        assert_eq!(s.excess_ms(ms(10_000)), Some(0.0));
+        assert_eq!(LatencySketch::new().excess_ms(ms(1)), None);
+    }
+
     proptest! {
         #![proptest_config(ProptestConfig::with_cases(256))]
 
@@ -749,6 +930,55 @@ mod tests {
                 prop_assert!(auto_threshold(&s, hi, bounds) <= auto_threshold(&s, lo, bounds),
                     "{} % → {:?} later than {} % → {:?}", hi, auto_threshold(&s, hi, bounds), lo, auto_threshold(&s, lo, bounds));
             }
+        }
+
+        /// The two triggers' parts always add up to the budget, and the split does not
+        /// depend on the order the samples were merged in.
+        #[test]
+        fn the_split_adds_up_and_ignores_merge_order(a in values(), b in values(), c in values(), pct in 0u32..=100) {
+            let auto = HedgeSettings::default();
+            let t = sketch(&a, &[], 0);
+            let (mut g1, mut g2) = (sketch(&b, &[], 5), sketch(&c, &[], 5));
+            let (ft, st) = split_budget(&auto, Some(&t), Some(&{ let mut x = g1.clone(); x.merge(&g2); x }), pct * 100);
+            prop_assert_eq!(ft + st, pct * 100);
+            g2.merge(&g1);
+            g1 = g2;
+            prop_assert_eq!(split_budget(&auto, Some(&t), Some(&g1), pct * 100), (ft, st));
+        }
+
+        /// Censored samples never lower the expected excess (the no-feedback-loop rule:
+        /// cancelled legs cannot make a trigger look less useful).
+        #[test]
+        fn censoring_never_lowers_the_excess(o in values(), c in values(), at in 0u64..200_000) {
+            let with = sketch(&o, &c, 0);
+            let without = sketch(&o, &[], 0);
+            let all: Vec<u64> = o.iter().chain(c.iter()).copied().collect();
+            let as_observed = sketch(&all, &[], 0);
+            if let (Some(w), Some(x)) = (with.excess_ms(ms(at)), as_observed.excess_ms(ms(at))) {
+                prop_assert!(w + 1e-6 >= x, "{} < {} (censored read as observed)", w, x);
+            }
+            if let (Some(w), Some(x)) = (with.excess_ms(ms(at)), without.excess_ms(ms(at))) {
+                // Left out, the censored samples' mass would not lift the tail at all:
+                // with them it is at least as heavy above the last observed value.
+                let top = o.iter().copied().max().unwrap_or(0);
+                if c.iter().all(|&v| v >= top) {
+                    prop_assert!(w + 1e-6 >= x, "{} < {} (censored left out)", w, x);
+                }
+            }
+        }
+
+        /// The per-leg share spends no more than the budget, is monotone in it, and is
+        /// the budget itself with one extra leg per round.
+        #[test]
+        fn trigger_share_stays_within_the_budget(a in 0u32..=30_000, b in 0u32..=30_000, extra in 1u32..=3) {
+            let (lo, hi) = (a.min(b), a.max(b));
+            let p = trigger_share_bp(hi, extra);
+            prop_assert!(p <= hi);
+            prop_assert!(trigger_share_bp(lo, extra) <= p);
+            let x = f64::from(p) / 10_000.0;
+            let cost: f64 = (1..=extra).map(|k| x.powi(k as i32)).sum();
+            prop_assert!(cost <= f64::from(hi) / 10_000.0 + 1e-9, "{} > {}", cost, hi);
+            prop_assert_eq!(trigger_share_bp(hi, 1), hi);
         }
 
         /// An `auto` threshold is always within its bounds.

@@ -1,6 +1,8 @@
 //! Live latency distributions (SPEC §19.1), pure: per source, the time to the first
-//! incremental chunk (TTFT) and the gaps between incremental chunks, kept as mergeable
-//! quantile sketches that decay over a window. Time comes in as `Instant` arguments.
+//! incremental chunk (TTFT) and the gaps between incremental chunks — from the engine,
+//! each streamed leg's longest gap ([`ScopeLatency::leg_ended`]), so that a quantile
+//! reads directly as a share of legs — kept as mergeable quantile sketches that decay
+//! over a window. Time comes in as `Instant` arguments.
 //!
 //! - [`LatencySketch`]: one distribution. Bins are HdrHistogram's (2 significant
 //!   figures: a value's bin is within 1 % of it, in whole milliseconds, up to
@@ -366,6 +368,33 @@ impl LatencySketch {
         Some(Duration::from_millis(highest))
     }
 
+    /// The expected excess over `c`, `E[(X − c)⁺]` in ms, by the Kaplan–Meier estimate:
+    /// each observed bin weighs its estimated probability mass at its highest value; the
+    /// mass the estimate leaves above the last observed sample (the slowest samples were
+    /// censored) sits at the highest value seen — a lower bound, like [`Self::quantile`]'s.
+    /// `None` when empty. Censored samples never lower it (their mass moves up).
+    pub fn excess_ms(&self, c: Duration) -> Option<f64> {
+        let total = self.samples();
+        if total == 0 {
+            return None;
+        }
+        let c = c.as_secs_f64() * 1000.0;
+        let mut at_risk = total;
+        let mut survival = 1.0f64;
+        let mut highest = 0u64;
+        let mut sum = 0.0f64;
+        for (hi, dead, cens) in self.walk() {
+            if dead > 0 {
+                let after = survival * (at_risk - dead) as f64 / at_risk as f64;
+                sum += (survival - after) * (hi as f64 - c).max(0.0);
+                survival = after;
+            }
+            at_risk -= dead + cens;
+            highest = hi;
+        }
+        Some(sum + survival * (highest as f64 - c).max(0.0))
+    }
+
     /// The compact binary form (see the module docs).
     pub fn to_bytes(&self) -> Vec<u8> {
         let mut out = vec![FORMAT_VERSION];
@@ -644,6 +673,12 @@ pub struct LegTimes {
     pub ended: Instant,
     /// It completed its answer (a success, won or not).
     pub completed: bool,
+    /// It continues an answer another leg delivered in part (a resume leg): its first
+    /// token counts, its gaps do not — it streams only the rest of an answer, so its
+    /// longest gap is of another population, and counting such legs would lower the
+    /// stall threshold as hedging grows (more resume legs, more short legs: the
+    /// feedback loop of SPEC §19.1).
+    pub continues: bool,
 }
 
 /// The gaps between a leg's incremental chunks, tallied as they come (the engine's leg
@@ -893,18 +928,32 @@ impl ScopeLatency {
     pub fn leg_ended(&mut self, source: &str, now: Instant, times: LegTimes, gaps: &GapTally) {
         let since = |a: Instant, b: Instant| b.saturating_duration_since(a);
         match times.first_chunk {
+            Some(first) if times.continues => {
+                self.first_token(source, now, since(times.launched, first), false);
+            }
             Some(first) => {
                 self.first_token(source, now, since(times.launched, first), true);
-                let s = self.source(source);
-                if gaps.small > 0 {
-                    s.sample_n(now, true, SampleKind::Observed, gaps.small_max, gaps.small);
-                }
-                for &g in &gaps.large {
-                    s.sample(now, true, SampleKind::Observed, g);
-                }
-                if !times.completed {
+                // One sample per streamed leg: its longest gap. The stall trigger fires on
+                // a leg whose gap reaches the threshold, so the share of legs it fires on
+                // is the share whose longest gap does — what this distribution's
+                // quantiles give directly (every gap kept, the share of legs had to be
+                // guessed from the share of gaps, and long gaps cluster in few legs).
+                let longest = gaps
+                    .large
+                    .iter()
+                    .copied()
+                    .chain((gaps.small > 0).then_some(gaps.small_max))
+                    .max();
+                if times.completed {
+                    if let Some(g) = longest {
+                        self.gap(source, now, g);
+                    }
+                } else {
+                    // Cut in a gap: the longest is at least that gap (and the longest
+                    // before it) — a censored sample.
                     let last = times.last_chunk.unwrap_or(first);
-                    self.cancelled_in_gap(source, now, since(last, times.ended));
+                    let open = since(last, times.ended);
+                    self.cancelled_in_gap(source, now, longest.unwrap_or_default().max(open));
                 }
             }
             None if times.completed => {

@@ -815,6 +815,7 @@ impl<'a, L: Leg> Exec<'a, L> {
             last_chunk: self.machine.last_chunk(leg),
             ended: self.now(),
             completed,
+            continues: info.resume_of.is_some(),
         };
         engine.latency.leg_ended(
             self.leg.stream(),
