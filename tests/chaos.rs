@@ -3061,7 +3061,8 @@ async fn scenario(
 /// The checks are not vacuous: a small real run passes them, and each way of
 /// tampering with its evidence (a lost or doubled row, a wrong label, token or cost, a
 /// changed answer, a missing or extra terminal row, an over-admitted window, TPM or
-/// concurrency, a slot left in flight) is caught.
+/// concurrency, a slot left in flight; a key's settled spend, a row's key, a key's slot
+/// left open) is caught.
 #[test]
 fn checks_catch_tampered_evidence() {
     let sc = Scenario {
@@ -3075,12 +3076,30 @@ fn checks_catch_tampered_evidence() {
         tpm: true,
         outage: false,
     };
-    let size = size::Size {
-        calls: 250,
-        workers: 16,
-        seed: size::DEFAULT_SEED,
-    };
-    let f = execute(sc, size).expect("memory scenarios never skip");
+    // A sample with every kind of evidence the cases tamper with: a failed call's
+    // terminal row and a key that spent (which calls fail varies with the interleaving:
+    // another seed until one has both).
+    let mut found = None;
+    for k in 0..6u64 {
+        let size = size::Size {
+            calls: 250,
+            workers: 16,
+            seed: size::DEFAULT_SEED.wrapping_add(k),
+        };
+        let f = execute(sc, size).expect("memory scenarios never skip");
+        let ev = &f.evidence;
+        let complete = ev.rows.iter().any(|r| r.kind == RowKind::TerminalFailure)
+            && ev.rows.iter().any(|r| r.client_key_id.is_some())
+            && ev
+                .keys
+                .iter()
+                .any(|k| k.usage.as_ref().is_ok_and(|u| u.day_nanos > 0) && !k.period_changed);
+        if complete {
+            found = Some(f);
+            break;
+        }
+    }
+    let f = found.expect("six sample runs without a failed call or a key that spent");
     let ev = f.evidence;
     let (clean, _) = checks::run(&ev);
     assert!(
@@ -3205,6 +3224,35 @@ fn checks_catch_tampered_evidence() {
     let mut e = ev.clone();
     e.sources[1].conc = 1;
     cases.push(("an over-admitted MAX_CONCURRENCY", e, "MAX_CONCURRENCY is"));
+
+    // Client keys: a settled spend off by one nano, a row charged to no key, a slot of a
+    // key left open.
+    let mut e = ev.clone();
+    let k = e
+        .keys
+        .iter()
+        .position(|k| k.usage.as_ref().is_ok_and(|u| u.day_nanos > 0) && !k.period_changed)
+        .expect("a key that spent");
+    if let Ok(u) = &mut e.keys[k].usage {
+        u.day_nanos += 1;
+        u.month_nanos += 1;
+    }
+    cases.push((
+        "a key's settled spend off by a nano",
+        e,
+        "its rows settle at",
+    ));
+
+    let mut e = ev.clone();
+    let i = find(&|r| r.client_key_id.is_some());
+    e.rows[i].client_key_id = None;
+    cases.push(("a row charged to no key", e, "its call's key is"));
+
+    let mut e = ev.clone();
+    if let Ok(u) = &mut e.keys[0].usage {
+        u.in_flight = 1;
+    }
+    cases.push(("a key's slot left in flight", e, "in flight"));
 
     for (what, e, needle) in cases {
         let (v, _) = checks::run(&e);
