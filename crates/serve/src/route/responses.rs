@@ -315,6 +315,23 @@ fn stores(st: &AppState, key: Option<&ClientKey>) -> Vec<(String, Arc<dyn Respon
         .collect()
 }
 
+/// The stored response `id` of `key`, from whichever scope stored it; the answer to
+/// give when there is none (404) or a store failed.
+async fn find_stored(
+    st: &AppState,
+    key: Option<&ClientKey>,
+    id: &str,
+) -> Result<StoredResponse, Response> {
+    for (scope, store) in stores(st, key) {
+        match store.get(&scope, id, now_ms()).await {
+            Ok(Some(s)) => return Ok(s),
+            Ok(None) => {}
+            Err(e) => return Err(error_response(&store_error(e))),
+        }
+    }
+    Err(error_response(&not_found(id).with_param("response_id")))
+}
+
 /// `GET /v1/responses/{id}`: a stored response, from whichever scope stored it.
 pub async fn get(
     State(st): State<Arc<AppState>>,
@@ -322,14 +339,10 @@ pub async fn get(
     Path(id): Path<String>,
 ) -> Response {
     let key = key.map(|Extension(k)| k);
-    for (scope, store) in stores(&st, key.as_deref()) {
-        match store.get(&scope, &id, now_ms()).await {
-            Ok(Some(s)) => return Json(s.response).into_response(),
-            Ok(None) => {}
-            Err(e) => return error_response(&store_error(e)),
-        }
+    match find_stored(&st, key.as_deref(), &id).await {
+        Ok(s) => Json(s.response).into_response(),
+        Err(r) => r,
     }
-    error_response(&not_found(&id).with_param("response_id"))
 }
 
 /// `GET /v1/responses/{id}/input_items`: the input items a stored response answered.
@@ -339,25 +352,20 @@ pub async fn input_items(
     Path(id): Path<String>,
 ) -> Response {
     let key = key.map(|Extension(k)| k);
-    for (scope, store) in stores(&st, key.as_deref()) {
-        match store.get(&scope, &id, now_ms()).await {
-            Ok(Some(s)) => {
-                let first = s.input_items.first().and_then(|i| i.get("id")).cloned();
-                let last = s.input_items.last().and_then(|i| i.get("id")).cloned();
-                return Json(json!({
-                    "object": "list",
-                    "data": s.input_items,
-                    "first_id": first,
-                    "last_id": last,
-                    "has_more": false,
-                }))
-                .into_response();
-            }
-            Ok(None) => {}
-            Err(e) => return error_response(&store_error(e)),
-        }
-    }
-    error_response(&not_found(&id).with_param("response_id"))
+    let s = match find_stored(&st, key.as_deref(), &id).await {
+        Ok(s) => s,
+        Err(r) => return r,
+    };
+    let first = s.input_items.first().and_then(|i| i.get("id")).cloned();
+    let last = s.input_items.last().and_then(|i| i.get("id")).cloned();
+    Json(json!({
+        "object": "list",
+        "data": s.input_items,
+        "first_id": first,
+        "last_id": last,
+        "has_more": false,
+    }))
+    .into_response()
 }
 
 /// `DELETE /v1/responses/{id}`.
