@@ -1,8 +1,9 @@
-//! Project chores: `cargo xtask test`, `check-layers`, `check-deny`, `bench`.
+//! Project chores: `cargo xtask test`, `check-layers`, `check-deny`, `bench`, `mutants`.
 
 mod bench;
 mod deny;
 mod layers;
+mod mutants;
 mod test;
 
 use std::process::ExitCode;
@@ -14,13 +15,15 @@ fn main() -> ExitCode {
         Some("check-layers") => check_layers(),
         Some("check-deny") => deny::run(),
         Some("bench") => bench::run(&args[1..]),
+        Some("mutants") => mutants::run(&args[1..]),
         _ => {
             eprintln!(
                 "usage: cargo xtask <command>\n\n\
                  commands:\n  test [ARGS…]   every test: cargo nextest run --workspace ARGS… (installs\n                 cargo-nextest when missing; NEXTEST_PROFILE picks the profile), then\n                 the doc tests\n  \
                  check-layers   check the crate layering rules (SPEC §1)\n  \
                  check-deny     cargo deny passes, and fails on scratch copies with a\n                 forbidden edge\n  \
-                 bench [PART…]  run the benchmarks (parts: {})",
+                 bench [PART…]  run the benchmarks (parts: {})\n  \
+                 mutants [FILE…] cargo-mutants on polygw-core (or these files), scores per file",
                 bench::PARTS.join(", ")
             );
             ExitCode::from(2)

@@ -191,10 +191,59 @@ mod tests {
                 v => panic!("{v:?}"),
             }
         }
+        assert_eq!(r.budget_used(), 2, "two consuming rounds so far");
         assert_eq!(
             r.on_round_failed(s, s, &e(ErrorClass::Invalid), false, &rng),
             RoundVerdict::Fail(TerminalReason::RetryExhausted)
         );
+        assert_eq!(r.budget_used(), 3);
+    }
+
+    #[test]
+    fn a_rate_limited_round_is_refunded_even_when_not_flagged_and_starts_the_stall_window() {
+        let rng = SplitMix64::new(1);
+        let s = t0();
+        let later = s + Duration::from_secs(1);
+        let mut r = RetryState::new(&settings(1, 10));
+        assert_eq!(r.stall_since(), None);
+        // A 429 round counts as refunded by its class alone.
+        assert_eq!(
+            r.on_round_failed(later, s, &e(ErrorClass::RateLimited), false, &rng),
+            RoundVerdict::Retry {
+                backoff: Duration::ZERO
+            }
+        );
+        assert_eq!(r.budget_used(), 0);
+        assert_eq!(r.stall_since(), Some(s), "the stretch began with the round");
+    }
+
+    /// The largest draw: every backoff at its cap.
+    #[derive(Debug)]
+    struct Top;
+    impl crate::ports::Rng for Top {
+        fn next_u64(&self) -> u64 {
+            u64::MAX
+        }
+    }
+
+    #[test]
+    fn the_kth_consuming_round_backs_off_within_the_kth_cap() {
+        let s = t0();
+        let mut r = RetryState::new(&settings(4, 60));
+        // Base 100 ms: the first retry waits up to 100 ms, the second up to 200 ms, the
+        // third up to 400 ms — each at its cap (to the nanosecond) with the largest draw.
+        for cap_ms in [100u64, 200, 400] {
+            match r.on_round_failed(s, s, &e(ErrorClass::Transient), false, &Top) {
+                RoundVerdict::Retry { backoff } => {
+                    let cap = Duration::from_millis(cap_ms);
+                    assert!(
+                        backoff <= cap && backoff > cap.mul_f64(0.99),
+                        "{backoff:?} for {cap:?}"
+                    );
+                }
+                v => panic!("{v:?}"),
+            }
+        }
     }
 
     #[test]
