@@ -915,6 +915,20 @@ mod tests {
     use super::stats::tests::fixture;
     use super::*;
 
+    /// The cells of the first line of `text` starting with `prefix` after the heading
+    /// `title`.
+    fn cells(text: &str, title: &str, prefix: &str) -> Vec<String> {
+        text.lines()
+            .skip_while(|l| *l != title)
+            .find(|l| l.starts_with(prefix))
+            .unwrap_or_else(|| panic!("no line {prefix:?} under {title:?} in\n{text}"))
+            .split("  ")
+            .map(str::trim)
+            .filter(|c| !c.is_empty())
+            .map(str::to_string)
+            .collect()
+    }
+
     #[test]
     fn since_accepts_the_four_units() {
         let cases = [
@@ -1038,18 +1052,7 @@ mod tests {
         ] {
             assert!(text.contains(want), "missing {want:?} in\n{text}");
         }
-        // The cells of the first line starting with `prefix` after the heading `title`.
-        let line = |title: &str, prefix: &str| -> Vec<String> {
-            text.lines()
-                .skip_while(|l| *l != title)
-                .find(|l| l.starts_with(prefix))
-                .unwrap_or_else(|| panic!("no line {prefix:?} under {title:?} in\n{text}"))
-                .split("  ")
-                .map(str::trim)
-                .filter(|c| !c.is_empty())
-                .map(str::to_string)
-                .collect()
-        };
+        let line = |title: &str, prefix: &str| cells(&text, title, prefix);
         // Sources row of a-0: 4 attempts, 2 ok, 2 failed, p50 2000 ms, …, stall 50 %.
         assert_eq!(
             line("Sources", "LLM/a-0 ")[..10],
@@ -1083,17 +1086,7 @@ mod tests {
         let mut c = ctx(None, None, 1);
         c.prices = prices_line(&["LLM"], &["OTHER"]);
         let text = render_text(&sum, &c);
-        let line = |title: &str, prefix: &str| -> Vec<String> {
-            text.lines()
-                .skip_while(|l| *l != title)
-                .find(|l| l.starts_with(prefix))
-                .unwrap_or_else(|| panic!("no line {prefix:?} under {title:?} in\n{text}"))
-                .split("  ")
-                .map(str::trim)
-                .filter(|c| !c.is_empty())
-                .map(str::to_string)
-                .collect()
-        };
+        let line = |title: &str, prefix: &str| cells(&text, title, prefix);
         assert!(text.contains(
             "Prices: from the configuration in the environment for LLM; unknown for OTHER"
         ));
@@ -1152,17 +1145,7 @@ mod tests {
             }]),
         );
         let text = render_text(&sum, &ctx(None, None, 5));
-        let line = |title: &str, prefix: &str| -> Vec<String> {
-            text.lines()
-                .skip_while(|l| *l != title)
-                .find(|l| l.starts_with(prefix))
-                .unwrap_or_else(|| panic!("no line {prefix:?} under {title:?} in\n{text}"))
-                .split("  ")
-                .map(str::trim)
-                .filter(|c| !c.is_empty())
-                .map(str::to_string)
-                .collect()
-        };
+        let line = |title: &str, prefix: &str| cells(&text, title, prefix);
         assert_eq!(
             line("Spend per client key", "key_a ")[1..],
             [
