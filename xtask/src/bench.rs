@@ -24,8 +24,22 @@ const BENCHES: &[Part] = &[
     Part {
         name: "serve",
         in_all: true,
-        what: "polygw serve vs calling the upstream directly",
+        what: "polygw serve vs calling the upstream directly (POLYGW_BENCH_SERVE_BASELINE: an earlier binary beside it); per-call syscalls, context switches, allocations (perf, root); RSS after 10 000 and 400 000 calls",
         cargo: &["bench", "-p", "polygw-cli", "--bench", "serve"],
+    },
+    Part {
+        name: "serve-instructions",
+        in_all: true,
+        what: "instructions per proxied plain call and stream (callgrind; POLYGW_BENCH_SERVE_BASELINE for an earlier binary beside it)",
+        cargo: &[
+            "bench",
+            "-p",
+            "polygw-cli",
+            "--bench",
+            "serve",
+            "--",
+            "--instructions",
+        ],
     },
     Part {
         name: "hedging",
@@ -101,6 +115,7 @@ const BENCHES: &[Part] = &[
 pub const PARTS: &[&str] = &[
     "overhead",
     "serve",
+    "serve-instructions",
     "hedging",
     "cache-affinity",
     "governance",

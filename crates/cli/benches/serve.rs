@@ -14,6 +14,9 @@
 #[path = "../../polygw/benches/support/mod.rs"]
 mod support;
 
+#[path = "serve_counts/mod.rs"]
+mod counts;
+
 use std::io::{BufRead, BufReader};
 use std::process::{Child, Command, Stdio};
 use std::sync::mpsc;
@@ -45,18 +48,17 @@ impl Drop for Serve {
 
 // The child is killed and waited for by `Serve`'s drop.
 #[allow(clippy::zombie_processes)]
-fn serve(env: &[(String, String)]) -> Serve {
+fn serve(bin: &str, env: &[(String, String)], wrapper: &str) -> Serve {
     // `POLYGW_BENCH_SERVE_WRAPPER`: a command the proxy runs under (a profiler, e.g.
     // `valgrind --tool=callgrind --callgrind-out-file=/tmp/cg.serve`).
-    let wrapper = std::env::var("POLYGW_BENCH_SERVE_WRAPPER").unwrap_or_default();
     let mut words = wrapper.split_whitespace();
     let mut cmd = match words.next() {
         Some(program) => {
             let mut c = Command::new(program);
-            c.args(words).arg(env!("CARGO_BIN_EXE_polygw"));
+            c.args(words).arg(bin);
             c
         }
-        None => Command::new(env!("CARGO_BIN_EXE_polygw")),
+        None => Command::new(bin),
     };
     let mut child = cmd
         // 64 callers share one client address: lift the per-client connection cap
@@ -98,7 +100,11 @@ fn serve(env: &[(String, String)]) -> Serve {
     let mut seen = Vec::new();
     loop {
         let line = rx
-            .recv_timeout(Duration::from_secs(30))
+            .recv_timeout(Duration::from_secs(if wrapper.is_empty() {
+                30
+            } else {
+                300
+            }))
             .unwrap_or_else(|_| panic!("polygw serve did not start: {seen:?}"));
         if let Some(rest) = line.split("on http://").nth(1) {
             let addr = rest.split('/').next().expect("address").to_string();
@@ -127,34 +133,52 @@ fn scope_env(scope: &str, url: &str, db: &str) -> Vec<(String, String)> {
     ]
 }
 
-/// (name, streamed, through the proxy)
-const VARIANTS: &[(&str, bool, bool)] = &[
-    ("direct to upstream, plain", false, false),
-    ("direct to upstream, streamed", true, false),
-    ("through polygw serve, plain", false, true),
-    ("through polygw serve, streamed", true, true),
-];
+/// One way of calling: directly or through one of the proxies, plain or streamed.
+struct Variant {
+    name: String,
+    streamed: bool,
+    /// Index into the run's proxies; `None` = the upstream directly.
+    proxy: Option<usize>,
+    caller: Direct,
+}
+
+/// A proxy under test: the binary built from this tree, or the baseline binary
+/// (`POLYGW_BENCH_SERVE_BASELINE`), run side by side with the same configuration.
+struct Proxy {
+    label: String,
+    bin: String,
+    serve: Serve,
+    idle_us_per_s: f64,
+}
+
+impl Proxy {
+    fn pid(&self) -> u32 {
+        self.serve.child.id()
+    }
+}
 
 /// Runs every variant `rounds` times (`per_round` calls each, order rotated per round);
 /// round 0 is a warm-up. Returns the per-variant figures and the proxy's CPU per variant.
 async fn level(
-    callers: &[Direct; 4],
-    proxy_pid: u32,
+    variants: &[Variant],
+    proxies: &[Proxy],
     concurrency: usize,
     rounds: usize,
     per_round: usize,
 ) -> (Vec<Acc>, Vec<Duration>) {
-    let mut accs: Vec<Acc> = VARIANTS.iter().map(|_| Acc::default()).collect();
-    let mut proxy_cpu = vec![Duration::ZERO; VARIANTS.len()];
+    let mut accs: Vec<Acc> = variants.iter().map(|_| Acc::default()).collect();
+    let mut proxy_cpu = vec![Duration::ZERO; variants.len()];
     for round in 0..=rounds {
-        for k in 0..VARIANTS.len() {
-            let vi = (k + round) % VARIANTS.len();
-            let streamed = VARIANTS[vi].1;
-            let d = callers[vi].clone();
-            let (cpu0, pcpu0) = (cpu_time(None), cpu_time(Some(proxy_pid)));
+        for k in 0..variants.len() {
+            let vi = (k + round) % variants.len();
+            let v = &variants[vi];
+            let streamed = v.streamed;
+            let d = v.caller.clone();
+            let pid = v.proxy.map(|p| proxies[p].pid());
+            let (cpu0, pcpu0) = (cpu_time(None), pid.and_then(|p| cpu_time(Some(p))));
             let (samples, failures, wall) =
                 drive(per_round, concurrency, move |i| ask(d.clone(), i, streamed)).await;
-            let (cpu1, pcpu1) = (cpu_time(None), cpu_time(Some(proxy_pid)));
+            let (cpu1, pcpu1) = (cpu_time(None), pid.and_then(|p| cpu_time(Some(p))));
             if round > 0 {
                 accs[vi].add(samples, failures, wall);
                 if let (Some(a), Some(b)) = (cpu0, cpu1) {
@@ -174,13 +198,26 @@ async fn level(
     (accs, proxy_cpu)
 }
 
-fn report(concurrency: usize, accs: &[Acc], proxy_cpu: &[Duration], idle_us_per_s: f64) -> bool {
+/// The proxy's own CPU per call of a variant (µs), its idle use taken out.
+fn proxy_cpu_us(v: &Variant, a: &Acc, cpu: Duration, proxies: &[Proxy]) -> Option<f64> {
+    let p = &proxies[v.proxy?];
+    let busy = support::us(cpu) - p.idle_us_per_s * a.wall.as_secs_f64();
+    Some(busy / a.calls.max(1) as f64)
+}
+
+fn report(
+    concurrency: usize,
+    variants: &[Variant],
+    accs: &[Acc],
+    proxy_cpu: &[Duration],
+    proxies: &[Proxy],
+) -> bool {
     println!(
         "\n{concurrency} concurrent caller(s): latency (µs); cpu/call = this process (callers + mock), \
-         proxy cpu = the polygw serve process's CPU per call (µs), its idle use ({idle_us_per_s:.0} µs/s) taken out"
+         proxy cpu = the proxy process's CPU per call (µs), its idle use taken out"
     );
     println!(
-        "  {:<31} {:>6} {:>4} {:>7} {:>7} {:>8} {:>8} {:>8} {:>8} {:>9} | {:>7} {:>7} {:>7} {:>6}",
+        "  {:<40} {:>6} {:>4} {:>7} {:>7} {:>8} {:>8} {:>8} {:>8} {:>9} | {:>7} {:>7} {:>7} {:>6}",
         "variant",
         "calls",
         "fail",
@@ -197,23 +234,25 @@ fn report(concurrency: usize, accs: &[Acc], proxy_cpu: &[Duration], idle_us_per_
         "tput"
     );
     let mut ok = true;
-    for (vi, ((name, streamed, proxied), a)) in VARIANTS.iter().zip(accs).enumerate() {
-        let b = &accs[usize::from(*streamed)];
+    for (vi, (v, a)) in variants.iter().zip(accs).enumerate() {
+        // Variants 0 and 1 are the direct calls, plain and streamed.
+        let b = &accs[usize::from(v.streamed)];
+        let proxied = v.proxy.is_some();
         let t = |x: Option<f64>| x.map_or("-".to_string(), |t| format!("{t:.0}"));
         let d = |x: f64, y: f64| {
-            if *proxied {
+            if proxied {
                 format!("{:+.0}", x - y)
             } else {
                 "-".into()
             }
         };
         let dt = match (a.ttft_p(0.5), b.ttft_p(0.5)) {
-            (Some(x), Some(y)) if *proxied => format!("{:+.0}", x - y),
+            (Some(x), Some(y)) if proxied => format!("{:+.0}", x - y),
             _ => "-".into(),
         };
         println!(
-            "  {:<31} {:>6} {:>4} {:>7.0} {:>7.0} {:>8} {:>8} {:>8.0} {:>8.1} {:>9} | {:>7} {:>7} {:>7} {:>5.2}×",
-            name,
+            "  {:<40} {:>6} {:>4} {:>7.0} {:>7.0} {:>8} {:>8} {:>8.0} {:>8.1} {:>9} | {:>7} {:>7} {:>7} {:>5.2}×",
+            v.name,
             a.calls,
             a.failures.len(),
             a.p(0.5),
@@ -222,12 +261,7 @@ fn report(concurrency: usize, accs: &[Acc], proxy_cpu: &[Duration], idle_us_per_
             t(a.ttft_p(0.99)),
             a.per_s(),
             a.cpu_per_call_us(),
-            if *proxied {
-                let busy = support::us(proxy_cpu[vi]) - idle_us_per_s * a.wall.as_secs_f64();
-                format!("{:.1}", busy / a.calls.max(1) as f64)
-            } else {
-                "-".into()
-            },
+            proxy_cpu_us(v, a, proxy_cpu[vi], proxies).map_or("-".into(), |c| format!("{c:.1}")),
             d(a.p(0.5), b.p(0.5)),
             d(a.p(0.99), b.p(0.99)),
             dt,
@@ -238,16 +272,39 @@ fn report(concurrency: usize, accs: &[Acc], proxy_cpu: &[Duration], idle_us_per_
             ok = false;
         }
     }
-    for (name, a) in VARIANTS.iter().map(|v| v.0).zip(accs) {
+    for (v, a) in variants.iter().zip(accs) {
         if let (Some(s50), Some(s99), Some(t50), Some(t99)) =
             (a.span_p(0.5), a.span_p(0.99), a.tail_p(0.5), a.tail_p(0.99))
         {
             println!(
-                "  {name:<31} first → last content chunk p50 {s50:.0} µs, p99 {s99:.0} µs (upstream: 1 ms pause); \
+                "  {:<40} first → last content chunk p50 {s50:.0} µs, p99 {s99:.0} µs (upstream: 1 ms pause); \
                  last chunk → end p50 {t50:.0} µs, p99 {t99:.0} µs; {} of {} streams arrived in fewer chunks",
+                v.name,
                 a.coalesced,
                 a.calls
             );
+        }
+    }
+    if proxies.len() > 1 {
+        // This tree's proxy against the baseline binary, per kind of call.
+        for streamed in [false, true] {
+            let of = |p: usize| {
+                let vi = variants
+                    .iter()
+                    .position(|v| v.proxy == Some(p) && v.streamed == streamed)?;
+                let cpu = proxy_cpu_us(&variants[vi], &accs[vi], proxy_cpu[vi], proxies)?;
+                Some((cpu, accs[vi].per_s()))
+            };
+            if let (Some((c0, r0)), Some((c1, r1))) = (of(0), of(1)) {
+                println!(
+                    "  {} ÷ {}, {}: proxy CPU per call {:.2}×, calls/s {:.2}×",
+                    proxies[0].label,
+                    proxies[1].label,
+                    if streamed { "streamed" } else { "plain" },
+                    c0 / c1,
+                    r0 / r1
+                );
+            }
         }
     }
     ok
@@ -257,8 +314,8 @@ fn report(concurrency: usize, accs: &[Acc], proxy_cpu: &[Duration], idle_us_per_
 /// and `POLYGW_BENCH_CALLS`, default 20 000): only that variant, for a profiler on the
 /// proxy (`perf record -p`, or `POLYGW_BENCH_SERVE_WRAPPER`); prints calls/s and the
 /// proxy's CPU per call, no baseline.
-async fn profile_one(callers: &[Direct; 4], pid: u32, name: &str) -> bool {
-    let Some(vi) = VARIANTS.iter().position(|v| v.0.contains(name)) else {
+async fn profile_one(variants: &[Variant], proxies: &[Proxy], name: &str) -> bool {
+    let Some(v) = variants.iter().find(|v| v.name.contains(name)) else {
         eprintln!("no variant named like {name:?}");
         return false;
     };
@@ -266,12 +323,13 @@ async fn profile_one(callers: &[Direct; 4], pid: u32, name: &str) -> bool {
         env_count("POLYGW_BENCH_CALLS", 20_000),
         env_count("POLYGW_BENCH_CALLERS", 16),
     );
+    let pid = v.proxy.map(|p| proxies[p].pid());
     println!(
-        "profiling {:?}: {calls} calls, {concurrency} callers (proxy pid {pid})",
-        VARIANTS[vi].0
+        "profiling {:?}: {calls} calls, {concurrency} callers (proxy pid {pid:?})",
+        v.name
     );
-    let (d, streamed) = (callers[vi].clone(), VARIANTS[vi].1);
-    profile_drive(calls, concurrency, Some(pid), move |i| {
+    let (d, streamed) = (v.caller.clone(), v.streamed);
+    profile_drive(calls, concurrency, pid, move |i| {
         ask(d.clone(), i, streamed)
     })
     .await
@@ -285,6 +343,162 @@ async fn ask(d: Direct, i: usize, streamed: bool) -> Result<support::Sample, Str
         CHUNKS,
     )
     .await
+}
+
+/// Calls of one variant, all of which must succeed.
+async fn run_calls(v: &Variant, calls: usize, concurrency: usize) -> Duration {
+    let (d, streamed) = (v.caller.clone(), v.streamed);
+    let (_, failures, wall) = drive(calls, concurrency, move |i| ask(d.clone(), i, streamed)).await;
+    assert!(
+        failures.is_empty(),
+        "{}: {} calls failed, e.g. {}",
+        v.name,
+        failures.len(),
+        failures[0]
+    );
+    wall
+}
+
+/// System calls, context switches and allocations per call of every proxied variant
+/// (16 callers; see `serve_counts`). True when they could be counted.
+async fn count_per_call(variants: &[Variant], proxies: &[Proxy], dir: &std::path::Path) {
+    if let Some(why) = counts::unavailable() {
+        println!("\nper-call counts skipped: {why}");
+        return;
+    }
+    let plain = env_count("POLYGW_BENCH_COUNT_CALLS", 5_000);
+    println!(
+        "\nper call, counted in the proxy process by perf stat (syscalls: raw_syscalls:sys_enter; \
+         allocations: uprobes on glibc's malloc, calloc, realloc, posix_memalign and on the binary's mimalloc when linked), 16 callers, \
+         {plain} plain calls / {} streams, idle rate taken out",
+        plain / 5
+    );
+    println!(
+        "  {:<40} {:>9} {:>9} {:>12}",
+        "variant", "syscalls", "switches", "allocations"
+    );
+    for (p, proxy) in proxies.iter().enumerate() {
+        let pid = proxy.pid();
+        let own = counts::own_allocator_events(&proxy.bin);
+        let idle = tokio::task::block_in_place(|| {
+            counts::idle_rates(pid, &own, dir, Duration::from_secs(2))
+        });
+        for v in variants.iter().filter(|v| v.proxy == Some(p)) {
+            let calls = if v.streamed { plain / 5 } else { plain };
+            // Warm: connections open, the telemetry writer's threads started.
+            run_calls(v, 500, 16).await;
+            let (mut c, mut wall) = ([0.0; 3], [Duration::ZERO; 3]);
+            for allocations in [None, Some(own.as_slice())] {
+                let stat = counts::Stat::start(pid, allocations, dir, "calls");
+                run_calls(v, calls, 16).await;
+                let (n, w) = stat.stop();
+                // Syscalls and switches come from the first phase, allocations from
+                // the second.
+                let counted: &[usize] = if allocations.is_none() { &[0, 1] } else { &[2] };
+                for &i in counted {
+                    c[i] = n[i];
+                    wall[i] = w;
+                }
+            }
+            let pc = counts::per_call(c, wall, idle, calls);
+            println!(
+                "  {:<40} {:>9.2} {:>9.2} {:>12.1}",
+                v.name, pc.syscalls, pc.switches, pc.allocations
+            );
+        }
+    }
+}
+
+/// The resident set of process `pid` (kB, `/proc/PID/status`).
+fn rss_kb(pid: u32) -> Option<u64> {
+    let s = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
+    let line = s.lines().find(|l| l.starts_with("VmRSS:"))?;
+    line.split_whitespace().nth(1)?.parse().ok()
+}
+
+/// RSS of a fresh proxy of each binary after 10 000 plain calls and after
+/// `POLYGW_BENCH_RSS_CALLS` (default 400 000), 16 callers, telemetry to SQLite: a proxy
+/// that keeps something per call grows with the number of calls (issue 27's bound:
+/// ≤ 1.5×).
+async fn rss_growth(bins: &[(String, String)], env: &dyn Fn(usize) -> Vec<(String, String)>) {
+    let total = env_count("POLYGW_BENCH_RSS_CALLS", 400_000).max(20_000);
+    println!(
+        "
+RSS of a fresh proxy (16 callers, plain, telemetry to SQLite)"
+    );
+    for (k, (label, bin)) in bins.iter().enumerate() {
+        let serve = tokio::task::block_in_place(|| serve(bin, &env(20 + k), ""));
+        let pid = serve.child.id();
+        let v = Variant {
+            name: label.clone(),
+            streamed: false,
+            proxy: Some(0),
+            caller: Direct::new(&format!("{}/v1", serve.base), "plain", PROXY_KEY),
+        };
+        run_calls(&v, 10_000, 16).await;
+        let early = rss_kb(pid);
+        run_calls(&v, total - 10_000, 16).await;
+        let late = rss_kb(pid);
+        if let (Some(a), Some(b)) = (early, late) {
+            println!(
+                "  {label:<40} after 10 000 calls {:>7} kB, after {total} {:>7} kB: {:.2}×",
+                a,
+                b,
+                b as f64 / a as f64
+            );
+        }
+        drop(serve);
+    }
+}
+
+/// Instructions per call of each proxy binary under callgrind (1 caller, after a
+/// warm-up; `-- --instructions` or `POLYGW_BENCH_SERVE_CALLGRIND=1`).
+async fn count_instructions(
+    bins: &[(String, String)],
+    env: &[(String, String)],
+    dir: &std::path::Path,
+) {
+    if let Some(why) = counts::callgrind_unavailable() {
+        println!("\ninstructions per call skipped: {why}");
+        return;
+    }
+    let calls = env_count("POLYGW_BENCH_CALLGRIND_CALLS", 2_000);
+    println!(
+        "\ninstructions per call (callgrind on the proxy process, 1 caller, {calls} plain calls / {} streams after 200 warm-up calls)",
+        calls / 2
+    );
+    for (k, (label, bin)) in bins.iter().enumerate() {
+        let prefix = format!("cg-{k}");
+        let out = dir.join(&prefix);
+        let wrapper = format!(
+            "valgrind --tool=callgrind --callgrind-out-file={}",
+            out.display()
+        );
+        let serve = tokio::task::block_in_place(|| serve(bin, env, &wrapper));
+        let pid = serve.child.id();
+        let proxy_url = format!("{}/v1", serve.base);
+        for (model, streamed) in [("plain", false), ("stream", true)] {
+            let v = Variant {
+                name: format!("{label}, {model}"),
+                streamed,
+                proxy: Some(0),
+                caller: Direct::new(&proxy_url, model, PROXY_KEY),
+            };
+            let n = if streamed { calls / 2 } else { calls };
+            run_calls(&v, 200, 1).await;
+            counts::callgrind(pid, true, dir, &prefix);
+            run_calls(&v, n, 1).await;
+            match counts::callgrind(pid, false, dir, &prefix) {
+                Some(ir) => println!(
+                    "  {:<40} {:>10.0} instructions per call",
+                    v.name,
+                    ir as f64 / n as f64
+                ),
+                None => println!("  {:<40} callgrind gave no dump", v.name),
+            }
+        }
+        drop(serve);
+    }
 }
 
 fn main() {
@@ -302,33 +516,93 @@ fn main() {
     ]);
     let urls = host.urls();
     let dir = tempfile::tempdir().expect("temp dir");
-    let db = format!("sqlite://{}", dir.path().join("serve.db").display());
-    let mut env = scope_env("PLAIN", &urls[0], &db);
-    env.extend(scope_env("STREAM", &urls[1], &db));
-    env.push(("POLYGW_PROXY_KEYS".into(), PROXY_KEY.into()));
-    let proxy = serve(&env);
-    let proxy_url = format!("{}/v1", proxy.base);
-    let callers = [
-        Direct::new(&urls[0], MODEL, UPSTREAM_KEY),
-        Direct::new(&urls[1], MODEL, UPSTREAM_KEY),
-        Direct::new(&proxy_url, "plain", PROXY_KEY),
-        Direct::new(&proxy_url, "stream", PROXY_KEY),
-    ];
-    let pid = proxy.child.id();
-    let idle = idle_cpu(pid, Duration::from_secs(if full { 5 } else { 1 })).unwrap_or(0.0);
+    let wrapper = std::env::var("POLYGW_BENCH_SERVE_WRAPPER").unwrap_or_default();
+    // `POLYGW_BENCH_SERVE_BASELINE`: an earlier `polygw` binary, run beside this tree's.
+    let mut bins = vec![(
+        "polygw serve".to_string(),
+        env!("CARGO_BIN_EXE_polygw").to_string(),
+    )];
+    if let Ok(b) = std::env::var("POLYGW_BENCH_SERVE_BASELINE") {
+        if !b.is_empty() {
+            bins.push(("baseline".to_string(), b));
+        }
+    }
+    let env_for = |k: usize| {
+        let db = format!(
+            "sqlite://{}",
+            dir.path().join(format!("serve-{k}.db")).display()
+        );
+        let mut env = scope_env("PLAIN", &urls[0], &db);
+        env.extend(scope_env("STREAM", &urls[1], &db));
+        env.push(("POLYGW_PROXY_KEYS".into(), PROXY_KEY.into()));
+        env
+    };
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
         .build()
         .expect("runtime");
+    // `-- --instructions` (`cargo xtask bench serve-instructions`) or
+    // `POLYGW_BENCH_SERVE_CALLGRIND=1`: only the instruction counts.
+    if std::env::args().any(|a| a == "--instructions")
+        || std::env::var("POLYGW_BENCH_SERVE_CALLGRIND").is_ok_and(|v| v == "1")
+    {
+        rt.block_on(count_instructions(&bins, &env_for(9), dir.path()));
+        drop(rt);
+        host.shutdown();
+        return;
+    }
+    let proxies: Vec<Proxy> = bins
+        .iter()
+        .enumerate()
+        .map(|(k, (label, bin))| {
+            let serve = serve(bin, &env_for(k), &wrapper);
+            let pid = serve.child.id();
+            let idle = idle_cpu(pid, Duration::from_secs(if full { 5 } else { 1 })).unwrap_or(0.0);
+            Proxy {
+                label: label.clone(),
+                bin: bin.clone(),
+                serve,
+                idle_us_per_s: idle,
+            }
+        })
+        .collect();
+    let mut variants = vec![
+        Variant {
+            name: "direct to upstream, plain".into(),
+            streamed: false,
+            proxy: None,
+            caller: Direct::new(&urls[0], MODEL, UPSTREAM_KEY),
+        },
+        Variant {
+            name: "direct to upstream, streamed".into(),
+            streamed: true,
+            proxy: None,
+            caller: Direct::new(&urls[1], MODEL, UPSTREAM_KEY),
+        },
+    ];
+    for (p, proxy) in proxies.iter().enumerate() {
+        let url = format!("{}/v1", proxy.serve.base);
+        for (model, streamed, kind) in [("plain", false, "plain"), ("stream", true, "streamed")] {
+            variants.push(Variant {
+                name: format!("through {}, {kind}", proxy.label),
+                streamed,
+                proxy: Some(p),
+                caller: Direct::new(&url, model, PROXY_KEY),
+            });
+        }
+    }
     if let Ok(name) = std::env::var("POLYGW_BENCH_PROFILE") {
-        let ok = rt.block_on(profile_one(&callers, pid, &name));
+        let ok = rt.block_on(profile_one(&variants, &proxies, &name));
         // A polite stop, so that a profiler wrapping the proxy writes its output.
-        let _ = Command::new("kill")
-            .args(["-TERM", &pid.to_string()])
-            .status();
-        let mut proxy = proxy;
-        let _ = proxy.child.wait();
+        for p in &proxies {
+            let _ = Command::new("kill")
+                .args(["-TERM", &p.pid().to_string()])
+                .status();
+        }
+        for mut p in proxies {
+            let _ = p.serve.child.wait();
+        }
         drop(rt);
         host.shutdown();
         std::process::exit(i32::from(!ok));
@@ -340,19 +614,36 @@ fn main() {
          with 1 caller, {c64} with 16 and with 64; load average {}",
         loadavg()
     );
+    for p in &proxies {
+        println!(
+            "  {}: {} (idle {:.0} µs/s)",
+            p.label, p.bin, p.idle_us_per_s
+        );
+    }
+    // `POLYGW_BENCH_SERVE_COUNTS_ONLY=1`: only the per-call counts.
+    if std::env::var("POLYGW_BENCH_SERVE_COUNTS_ONLY").is_ok_and(|v| v == "1") {
+        rt.block_on(count_per_call(&variants, &proxies, dir.path()));
+        drop(rt);
+        drop(proxies);
+        host.shutdown();
+        return;
+    }
     let ok = rt.block_on(async {
-        let (one, p1) = level(&callers, pid, 1, rounds, c1).await;
-        let mut ok = report(1, &one, &p1, idle);
-        // 16 callers: issue 17's target level for plain calls (≥ 0.5× direct).
-        let (some, p16) = level(&callers, pid, 16, rounds, c64).await;
-        ok &= report(16, &some, &p16, idle);
-        let (many, p64) = level(&callers, pid, 64, rounds, c64).await;
-        ok &= report(64, &many, &p64, idle);
+        let (one, p1) = level(&variants, &proxies, 1, rounds, c1).await;
+        let mut ok = report(1, &variants, &one, &p1, &proxies);
+        let (some, p16) = level(&variants, &proxies, 16, rounds, c64).await;
+        ok &= report(16, &variants, &some, &p16, &proxies);
+        let (many, p64) = level(&variants, &proxies, 64, rounds, c64).await;
+        ok &= report(64, &variants, &many, &p64, &proxies);
+        if full && ok {
+            count_per_call(&variants, &proxies, dir.path()).await;
+            rss_growth(&bins, &env_for).await;
+        }
         ok
     });
     println!("\nload average {}", loadavg());
     drop(rt);
-    drop(proxy);
+    drop(proxies);
     host.shutdown();
     if !ok {
         eprintln!("serve benchmark: some calls failed (see above)");
