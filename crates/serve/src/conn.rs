@@ -622,6 +622,17 @@ impl AsyncRead for ConnIo {
                     return Poll::Ready(Ok(()));
                 }
                 Ok(n) => {
+                    if n < unfilled.len() {
+                        // A read that did not fill the buffer drained the socket (epoll
+                        // is edge-triggered; tokio's own reads assume the same): forget
+                        // the readiness, so that the end-of-client watch
+                        // ([`ConnCtx::closed`]) waits for the next event instead of
+                        // peeking with a system call that finds nothing (issue 27). A
+                        // close the driver has seen stays visible.
+                        let _ = this.stream.try_io(tokio::io::Interest::READABLE, || {
+                            Err::<(), _>(io::ErrorKind::WouldBlock.into())
+                        });
+                    }
                     buf.advance(n);
                     if let Err(status) = this.on_bytes(&buf.filled()[before..]) {
                         // Not handed to hyper: the answer is ours.
