@@ -23,9 +23,12 @@ fn peer(req: &Request) -> Option<std::net::SocketAddr> {
     req.extensions().get::<Arc<ConnCtx>>().map(|c| c.peer)
 }
 
-/// Outermost: the request-target limit; then on the way out an `x-request-id` on
-/// every answer and an OpenAI body on every error answer that has none.
-pub async fn outer(State(st): State<Arc<AppState>>, req: Request, next: Next) -> Response {
+/// The router's one middleware layer (one layer, not three: each costs a boxed
+/// future and a clone of the service per request — issue 27): the request-target
+/// limit, the loopback checks of a keyless proxy ([`keyless`]), client keys on every
+/// `/v1/` path ([`authenticate`]); then on the way out an `x-request-id` on every
+/// answer and an OpenAI body on every error answer that has none.
+pub async fn front(State(st): State<Arc<AppState>>, req: Request, next: Next) -> Response {
     let target = req.uri().path_and_query().map_or(0, |p| p.as_str().len());
     let mut resp = if target > st.cfg.max_uri_bytes {
         st.counters.refused("uri_too_long");
@@ -41,6 +44,13 @@ pub async fn outer(State(st): State<Arc<AppState>>, req: Request, next: Next) ->
                 ),
             ),
         )
+    } else if let Some(refused) = keyless(&st, &req) {
+        refused
+    } else if req.uri().path().starts_with("/v1/") {
+        match authenticate(&st, req) {
+            Ok(req) => next.run(req).await,
+            Err(refused) => *refused,
+        }
     } else {
         next.run(req).await
     };
@@ -113,10 +123,10 @@ fn forbidden(
 /// Without client keys, a request must look like it comes from this machine: `Host`
 /// a loopback name (or allowed), `Origin` absent or loopback (or allowed), and a POST
 /// must carry a JSON `Content-Type` (a cross-site form cannot). This stops a web page
-/// from calling a local proxy, also through DNS rebinding.
-pub async fn keyless(State(st): State<Arc<AppState>>, req: Request, next: Next) -> Response {
+/// from calling a local proxy, also through DNS rebinding. The refusal, or `None`.
+fn keyless(st: &AppState, req: &Request) -> Option<Response> {
     if st.asks_keys() {
-        return next.run(req).await;
+        return None;
     }
     let host = req
         .headers()
@@ -125,13 +135,13 @@ pub async fn keyless(State(st): State<Arc<AppState>>, req: Request, next: Next) 
         .map(str::to_string)
         .or_else(|| req.uri().authority().map(|a| a.as_str().to_string()));
     let Some(host) = host else {
-        return forbidden(
-            &st,
+        return Some(forbidden(
+            st,
             req.uri().path(),
             "host",
             "forbidden_host",
             "a Host header is required".into(),
-        );
+        ));
     };
     let host_ok = is_loopback_host(host_part(&host))
         || st
@@ -140,8 +150,8 @@ pub async fn keyless(State(st): State<Arc<AppState>>, req: Request, next: Next) 
             .iter()
             .any(|a| a.eq_ignore_ascii_case(&host) || a.eq_ignore_ascii_case(host_part(&host)));
     if !host_ok {
-        return forbidden(
-            &st,
+        return Some(forbidden(
+            st,
             req.uri().path(),
             "host",
             "forbidden_host",
@@ -149,7 +159,7 @@ pub async fn keyless(State(st): State<Arc<AppState>>, req: Request, next: Next) 
                 "Host `{host}` is not served: without client keys (POLYGW_PROXY_KEYS) polygw \
                  serve answers loopback names only (add it with --allowed-host)"
             ),
-        );
+        ));
     }
     if let Some(origin) = req.headers().get(header::ORIGIN) {
         let o = origin.to_str().unwrap_or("");
@@ -161,8 +171,8 @@ pub async fn keyless(State(st): State<Arc<AppState>>, req: Request, next: Next) 
                 .iter()
                 .any(|a| a.eq_ignore_ascii_case(o));
         if !ok {
-            return forbidden(
-                &st,
+            return Some(forbidden(
+                st,
                 req.uri().path(),
                 "origin",
                 "forbidden_origin",
@@ -170,7 +180,7 @@ pub async fn keyless(State(st): State<Arc<AppState>>, req: Request, next: Next) 
                     "Origin `{o}` is not allowed: without client keys polygw serve answers \
                      pages of loopback origins only (add it with --allowed-origin)"
                 ),
-            );
+            ));
         }
     }
     if req.method() == Method::POST {
@@ -186,7 +196,7 @@ pub async fn keyless(State(st): State<Arc<AppState>>, req: Request, next: Next) 
             });
         if !json {
             st.counters.refused("content_type");
-            return error_for_path(
+            return Some(error_for_path(
                 req.uri().path(),
                 &ApiError::new(
                     StatusCode::UNSUPPORTED_MEDIA_TYPE,
@@ -194,17 +204,18 @@ pub async fn keyless(State(st): State<Arc<AppState>>, req: Request, next: Next) 
                     "unsupported_media_type",
                     "without client keys polygw serve requires Content-Type: application/json",
                 ),
-            );
+            ));
         }
     }
-    next.run(req).await
+    None
 }
 
 /// Client authentication of `/v1/*`: a bearer key of `client_keys`, compared in
-/// constant time. Failures are counted and logged at a bounded rate.
-pub async fn auth(State(st): State<Arc<AppState>>, mut req: Request, next: Next) -> Response {
+/// constant time. Failures are counted and logged at a bounded rate. The request (with
+/// its key-store key as an extension), or the refusal.
+fn authenticate(st: &AppState, mut req: Request) -> Result<Request, Box<Response>> {
     if !st.asks_keys() {
-        return next.run(req).await;
+        return Ok(req);
     }
     // `Authorization: Bearer <key>` (OpenAI's SDKs), or `x-api-key: <key>`
     // (Anthropic's: SPEC §18.2); either names the same client key.
@@ -227,7 +238,7 @@ pub async fn auth(State(st): State<Arc<AppState>>, mut req: Request, next: Next)
         ok |= k.as_slice().ct_eq(given);
     }
     if bool::from(ok) && !given.is_empty() {
-        return next.run(req).await;
+        return Ok(req);
     }
     // A key of the key store (SPEC §21.1): looked up by its hash.
     let mut revoked = None;
@@ -236,7 +247,7 @@ pub async fn auth(State(st): State<Arc<AppState>>, mut req: Request, next: Next)
         match ring.lookup(std::str::from_utf8(given).unwrap_or("")) {
             Lookup::Valid(k) => {
                 req.extensions_mut().insert(k);
-                return next.run(req).await;
+                return Ok(req);
             }
             Lookup::Revoked(id) => revoked = Some(id),
             Lookup::Unavailable => unavailable = true,
@@ -259,7 +270,7 @@ pub async fn auth(State(st): State<Arc<AppState>>, mut req: Request, next: Next)
             "the client keys could not be loaded yet: retry shortly",
         );
         e.retry_after = Some(2);
-        return error_for_path(req.uri().path(), &e);
+        return Err(Box::new(error_for_path(req.uri().path(), &e)));
     }
     let message = match revoked {
         Some(id) => format!("The API key {id} was revoked"),
@@ -267,7 +278,7 @@ pub async fn auth(State(st): State<Arc<AppState>>, mut req: Request, next: Next)
                  (a key of POLYGW_PROXY_KEYS or of polygw keys)"
             .to_string(),
     };
-    error_for_path(
+    Err(Box::new(error_for_path(
         req.uri().path(),
         &ApiError::new(
             StatusCode::UNAUTHORIZED,
@@ -275,7 +286,7 @@ pub async fn auth(State(st): State<Arc<AppState>>, mut req: Request, next: Next)
             "invalid_api_key",
             message,
         ),
-    )
+    )))
 }
 
 #[cfg(test)]

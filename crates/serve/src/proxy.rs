@@ -95,8 +95,7 @@ impl Proxy {
             .route("/v1/messages/count_tokens", post(messages::count_tokens))
             .route("/v1/embeddings", post(embeddings::handle))
             .route("/v1/models", get(meta::models))
-            .route("/v1/models/{id}", get(meta::model))
-            .route_layer(middleware::from_fn_with_state(st.clone(), guard::auth));
+            .route("/v1/models/{id}", get(meta::model));
         Router::new()
             .merge(api)
             .route("/", get(meta::root).head(meta::root))
@@ -105,8 +104,7 @@ impl Proxy {
             .route("/metrics", get(meta::metrics))
             .fallback(meta::not_found)
             .method_not_allowed_fallback(meta::method_not_allowed)
-            .layer(middleware::from_fn_with_state(st.clone(), guard::keyless))
-            .layer(middleware::from_fn_with_state(st.clone(), guard::outer))
+            .layer(middleware::from_fn_with_state(st.clone(), guard::front))
             .with_state(st)
     }
 

@@ -52,8 +52,10 @@ fn rich_completion() -> Value {
 #[tokio::test]
 async fn plain_answers_pass_every_field_through() {
     let upstream = rich_completion();
+    // Pretty-printed, so that the bytes show whether the answer was re-serialized.
+    let sent = serde_json::to_string_pretty(&upstream).unwrap();
     let m = mock(Behavior {
-        raw_body: Some(upstream.to_string()),
+        raw_body: Some(sent.clone()),
         ..Behavior::default()
     })
     .await;
@@ -68,7 +70,11 @@ async fn plain_answers_pass_every_field_through() {
         .unwrap();
     assert_eq!(r.status(), 200);
     assert_eq!(r.headers()["x-polygw-usage-source"], "measured");
-    let got: Value = r.json().await.unwrap();
+    assert_eq!(r.headers()["content-type"], "application/json");
+    // Its own measured usage: the upstream's bytes, passed on as sent (issue 27).
+    let text = r.text().await.unwrap();
+    assert_eq!(text, sent);
+    let got: Value = serde_json::from_str(&text).unwrap();
     assert_eq!(got, upstream);
 
     // Through an OpenAI client: the fields it exposes are there.
@@ -319,6 +325,21 @@ async fn every_answer_has_a_request_id_and_errors_their_polygw_headers() {
         let v: Value = r.json().await.unwrap();
         assert!(v["error"]["message"].is_string());
     }
+    // Every `/v1/` path asks for a key before it is routed (one guard layer, DECISIONS
+    // 153): an unknown path is 401 without a key, 404 with one; `/healthz` asks none.
+    for (key, status) in [(None, 401), (Some("client-key"), 404)] {
+        let mut rb = h.get(format!("{}/no-such-route", s.v1()));
+        if let Some(k) = key {
+            rb = rb.bearer_auth(k);
+        }
+        let r = rb.send().await.unwrap();
+        assert_eq!(r.status(), status, "key {key:?}");
+        assert!(r.headers().contains_key("x-request-id"));
+        let v: Value = r.json().await.unwrap();
+        assert!(v["error"]["message"].is_string(), "{v}");
+    }
+    let r = h.get(format!("{}/healthz", s.base)).send().await.unwrap();
+    assert_eq!(r.status(), 200);
     // A failed call: the id of its terminal row, and what is known of it.
     m.set_default(Behavior::status(500));
     let r = chat(
