@@ -192,6 +192,9 @@ pub struct LlmResponse {
     /// and transports that do not keep it. Not part of the cached copy.
     #[serde(skip)]
     pub upstream: Option<serde_json::Map<String, serde_json::Value>>,
+    /// The body `upstream` was parsed from, as received (same `None` rule).
+    #[serde(skip)]
+    pub upstream_body: Option<Vec<u8>>,
     /// The committed attempt's upstream response headers that a proxy passes on
     /// (`x-request-id`, `x-ratelimit-*`: SPEC §17.4), as received.
     #[serde(skip)]

@@ -590,6 +590,7 @@ impl GatewayClient {
         let p = call.progress();
         LlmResponse {
             upstream: tr.raw,
+            upstream_body: tr.raw_body,
             content,
             reasoning_content,
             tool_calls,

@@ -681,6 +681,7 @@ mod tests {
             logical_call_id: "lc".into(),
             call_stats: Default::default(),
             upstream: upstream.as_object().cloned(),
+            upstream_body: None,
             upstream_headers: Vec::new(),
         };
         assert_eq!(completion_json(&mut r.clone(), 1), upstream);

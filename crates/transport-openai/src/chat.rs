@@ -193,6 +193,7 @@ fn result_of(a: Aggregate, http_status: u16, salvaged: bool) -> TransportResult 
         stream: None,
         salvaged,
         raw: None,
+        raw_body: None,
         upstream_headers: Vec::new(),
     }
 }
@@ -293,6 +294,7 @@ impl OpenAiTransport {
         let a = plain_aggregate(&obj, &self.inner.cfg).map_err(|e| e.into_error(key))?;
         let mut r = result_of(a, status, false);
         r.raw = Some(obj);
+        r.raw_body = Some(bytes);
         r.upstream_headers = headers;
         Ok(r)
     }

@@ -70,6 +70,10 @@ pub struct TransportResult {
     /// A plain answer: the upstream's completion object as received.
     #[serde(skip)]
     pub raw: Option<serde_json::Map<String, serde_json::Value>>,
+    /// A plain answer: the body `raw` was parsed from, as received (a proxy passes it
+    /// on unchanged when it needs no edit, instead of serializing `raw` again).
+    #[serde(skip)]
+    pub raw_body: Option<Vec<u8>>,
     /// The response headers a proxy passes on ([`crate::ports::passed_headers`]).
     #[serde(skip)]
     pub upstream_headers: Vec<(String, String)>,

@@ -124,7 +124,17 @@ async fn inner(
     }
     match run_plain(st, ctx, client, parsed.request, options, slot).await {
         Ok(mut r) => {
-            let mut resp = Json(completion_json(&mut r, unix_now())).into_response();
+            let mut resp = match passthrough_body(&mut r) {
+                Some(body) => (
+                    [(
+                        axum::http::header::CONTENT_TYPE,
+                        axum::http::HeaderValue::from_static("application/json"),
+                    )],
+                    body,
+                )
+                    .into_response(),
+                None => Json(completion_json(&mut r, unix_now())).into_response(),
+            };
             answer_headers(resp.headers_mut(), &r);
             resp
         }
@@ -141,6 +151,24 @@ async fn inner(
             resp
         }
     }
+}
+
+/// The upstream's plain answer as the bytes it sent, when the client gets it
+/// unchanged: its usage is measured and its own (an object in the body) — what
+/// [`completion_json`] would otherwise parse-serialize back into the same fields. Taken
+/// out of `r` (with the parsed object, not needed then). Issue 27.
+fn passthrough_body(r: &mut LlmResponse) -> Option<Vec<u8>> {
+    let own_usage = r
+        .upstream
+        .as_ref()
+        .and_then(|o| o.get("usage"))
+        .is_some_and(Value::is_object);
+    if r.usage_source != UsageSource::Measured || !own_usage {
+        return None;
+    }
+    let body = r.upstream_body.take()?;
+    r.upstream = None;
+    Some(body)
 }
 
 /// A failed call's log line (server-side errors and rate limits only).
