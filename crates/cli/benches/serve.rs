@@ -406,6 +406,7 @@ async fn count_per_call(variants: &[Variant], proxies: &[Proxy], dir: &std::path
                 v.name, pc.syscalls, pc.switches, pc.allocations
             );
         }
+        counts::remove_events(&own);
     }
 }
 
@@ -619,6 +620,14 @@ fn main() {
             "  {}: {} (idle {:.0} µs/s)",
             p.label, p.bin, p.idle_us_per_s
         );
+    }
+    // `POLYGW_BENCH_SERVE_RSS_ONLY=1`: only the RSS growth.
+    if std::env::var("POLYGW_BENCH_SERVE_RSS_ONLY").is_ok_and(|v| v == "1") {
+        rt.block_on(rss_growth(&bins, &env_for));
+        drop(rt);
+        drop(proxies);
+        host.shutdown();
+        return;
     }
     // `POLYGW_BENCH_SERVE_COUNTS_ONLY=1`: only the per-call counts.
     if std::env::var("POLYGW_BENCH_SERVE_COUNTS_ONLY").is_ok_and(|v| v == "1") {

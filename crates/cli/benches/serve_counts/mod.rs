@@ -88,13 +88,9 @@ pub fn own_allocator_events(bin: &str) -> Vec<String> {
             .filter_map(|l| l.split_whitespace().next().map(str::to_string))
             .collect()
     };
-    let stale = listed(bin);
-    if !stale.is_empty() {
-        let _ = Command::new("perf")
-            .args(["probe", "-q", "-d"])
-            .args(&stale)
-            .status();
-    }
+    // A uprobe on an earlier build points at an offset that may now be inside an
+    // instruction: remove it before the process runs with it.
+    remove_events(&listed(bin));
     for f in [
         "mi_malloc_aligned",
         "mi_zalloc_aligned",
@@ -188,6 +184,18 @@ pub fn per_call(counted: [f64; 3], wall: [Duration; 3], idle: [f64; 3], calls: u
         syscalls: net(0),
         switches: net(1),
         allocations: net(2),
+    }
+}
+
+/// Removes uprobe events (the binary's own, after counting: a probe outliving the
+/// build it points into would trap inside an instruction of the next one).
+pub fn remove_events(events: &[String]) {
+    for e in events {
+        let _ = Command::new("perf")
+            .args(["probe", "-q", "-d", e])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .status();
     }
 }
 
