@@ -189,7 +189,9 @@ pub struct LlmResponse {
     pub call_stats: CallStats,
     /// A plain (non-stream) answer: the upstream's completion object as received, so
     /// a proxy can pass every field through (SPEC §15). `None` for streams, cache hits
-    /// and transports that do not keep it. Not part of the cached copy.
+    /// and transports that do not keep it, and when the transport read the body typed
+    /// and kept only its bytes ([`LlmResponse::upstream_body`]): read it with
+    /// [`LlmResponse::upstream_object`]. Not part of the cached copy.
     #[serde(skip)]
     pub upstream: Option<serde_json::Map<String, serde_json::Value>>,
     /// The body `upstream` was parsed from, as received (same `None` rule).
@@ -201,9 +203,43 @@ pub struct LlmResponse {
     pub upstream_headers: Vec<(String, String)>,
 }
 
+impl LlmResponse {
+    /// The upstream's completion object of a plain answer: [`LlmResponse::upstream`],
+    /// else parsed from [`LlmResponse::upstream_body`]; `None` when there is neither
+    /// (or the bytes are not a JSON object).
+    pub fn upstream_object(
+        &self,
+    ) -> Option<std::borrow::Cow<'_, serde_json::Map<String, serde_json::Value>>> {
+        if let Some(o) = &self.upstream {
+            return Some(std::borrow::Cow::Borrowed(o));
+        }
+        match serde_json::from_slice(self.upstream_body.as_deref()?) {
+            Ok(serde_json::Value::Object(o)) => Some(std::borrow::Cow::Owned(o)),
+            _ => None,
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_upstream_object_is_the_parsed_one_or_read_from_the_bytes() {
+        let mut r = LlmResponse::default();
+        assert!(r.upstream_object().is_none());
+        r.upstream_body = Some(br#"{"id": "x", "choices": []}"#.to_vec());
+        assert_eq!(r.upstream_object().unwrap()["id"], "x");
+        r.upstream = Some(serde_json::Map::from_iter([("id".to_string(), "y".into())]));
+        assert_eq!(
+            r.upstream_object().unwrap()["id"],
+            "y",
+            "the parsed object first"
+        );
+        r.upstream = None;
+        r.upstream_body = Some(b"[1]".to_vec());
+        assert!(r.upstream_object().is_none(), "not an object");
+    }
 
     #[test]
     fn usage_source_merge_table() {

@@ -334,7 +334,11 @@ fn tool_calls_json(r: &LlmResponse) -> Value {
 /// The upstream's object is moved out of `r` (`r.upstream` is `None` afterwards), not
 /// copied: a copy of the whole tree is a visible share of a proxied call's CPU.
 pub fn completion_json(r: &mut LlmResponse, created: u64) -> Value {
-    if let Some(mut o) = r.upstream.take() {
+    let upstream = match r.upstream.take() {
+        Some(o) => Some(o),
+        None => r.upstream_object().map(std::borrow::Cow::into_owned),
+    };
+    if let Some(mut o) = upstream {
         let usage = match o.remove("usage") {
             Some(u) if r.usage_source == UsageSource::Measured && u.is_object() => u,
             _ => usage_value(r),

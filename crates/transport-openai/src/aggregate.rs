@@ -342,6 +342,35 @@ mod typed {
         pub error: Option<IgnoredAny>,
     }
 
+    /// A plain completion in the common shape (see
+    /// [`super::StreamAggregator::absorb_completion_typed`]); every other field is
+    /// skipped without being built.
+    #[derive(Deserialize)]
+    pub(super) struct Completion<'a> {
+        #[serde(borrow, default)]
+        pub model: Option<Str<'a>>,
+        #[serde(borrow, default)]
+        pub choices: Option<Vec<MapOnly<CompletionChoice<'a>>>>,
+        #[serde(default)]
+        pub usage: Option<serde_json::Value>,
+        #[serde(default)]
+        pub error: Option<IgnoredAny>,
+    }
+
+    #[derive(Deserialize)]
+    pub(super) struct CompletionChoice<'a> {
+        #[serde(default)]
+        pub index: Index,
+        #[serde(borrow, default)]
+        pub message: Option<MapOnly<Delta<'a>>>,
+        #[serde(default)]
+        pub delta: Option<IgnoredAny>,
+        #[serde(borrow, default)]
+        pub finish_reason: Option<Str<'a>>,
+        #[serde(default)]
+        pub usage: Option<IgnoredAny>,
+    }
+
     #[derive(Deserialize)]
     pub(super) struct Choice<'a> {
         #[serde(default)]
@@ -681,6 +710,56 @@ impl StreamAggregator {
             self.usage = Some(u);
             self.usage_location = Some(loc);
         }
+    }
+
+    /// Folds a plain completion given as its body, when it has the common shape: a
+    /// JSON object with no `error`, a non-empty `choices` array of objects whose choice
+    /// 0 has a `message` (no usage of its own) with the fields
+    /// [`StreamAggregator::feed_typed`] reads, a string `model`, and `usage` absent,
+    /// null or an object. Parsed into borrowed typed structs — the message's text, the
+    /// logprobs and every other field are not built into a `Value` tree (issue 27).
+    /// Returns `None`, with nothing folded, for any other body: the caller then parses
+    /// it as a `Value` and calls [`StreamAggregator::absorb_completion`], which gives
+    /// the same aggregate for the bodies this accepts.
+    pub fn absorb_completion_typed(&mut self, body: &[u8]) -> Option<()> {
+        let c: typed::MapOnly<typed::Completion<'_>> = serde_json::from_slice(body).ok()?;
+        if c.error.is_some() {
+            return None;
+        }
+        let usage = match &c.usage {
+            None => None,
+            Some(Value::Object(u)) => Some(parse_usage(u)),
+            Some(_) => return None,
+        };
+        let choices = c.choices.as_deref().filter(|c| !c.is_empty())?;
+        let c0 = choices
+            .iter()
+            .enumerate()
+            .find(|(pos, c)| match c.index {
+                typed::Index::Missing => *pos == 0,
+                typed::Index::Zero => true,
+                typed::Index::Other => false,
+            })
+            .map(|(_, c)| c)?;
+        if c0.usage.is_some() || (c0.message.is_none() && c0.delta.is_some()) {
+            return None;
+        }
+        if let Some(m) = c.model.as_deref().filter(|m| !m.is_empty()) {
+            self.model = Some(m.to_string());
+        }
+        if let Some(msg) = &c0.message {
+            if self.absorb_typed(msg, None) {
+                self.incremental_chunks = self.incremental_chunks.saturating_add(1);
+            }
+        }
+        if let Some(fr) = c0.finish_reason.as_deref() {
+            self.finish_reason = Some(fr.to_string());
+        }
+        if let Some(u) = usage {
+            self.usage = Some(u);
+            self.usage_location = Some(UsageLocation::TopLevel);
+        }
+        Some(())
     }
 
     /// Appends one delta's text; returns whether it was incremental.

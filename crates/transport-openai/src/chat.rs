@@ -166,6 +166,19 @@ fn plain_aggregate(
     Ok(a)
 }
 
+/// [`plain_aggregate`] of a body in the common shape, read typed
+/// ([`StreamAggregator::absorb_completion_typed`]); `None` when the body is not in
+/// that shape or the answer fails a check (the general path then says why).
+pub(crate) fn plain_typed(body: &[u8], cfg: &TransportConfig) -> Option<Aggregate> {
+    let mut agg = StreamAggregator::new();
+    agg.absorb_completion_typed(body)?;
+    if agg.content_bytes() > cfg.max_content_bytes {
+        return None;
+    }
+    let a = agg.finish();
+    (a.generated_anything() || a.finish_reason.as_deref() == Some("length")).then_some(a)
+}
+
 /// A failure plus the usage seen before it.
 pub(crate) struct PlainError(Failure, Option<Box<Usage>>);
 
@@ -290,10 +303,18 @@ impl OpenAiTransport {
             r.upstream_headers = headers;
             return Ok(r);
         }
-        let obj = parse_object(&bytes).map_err(|f| fail(f, key))?;
-        let a = plain_aggregate(&obj, &self.inner.cfg).map_err(|e| e.into_error(key))?;
+        // The common shape is read typed, without a `Value` tree; anything else (and
+        // every failure) the general way.
+        let (a, obj) = match plain_typed(&bytes, &self.inner.cfg) {
+            Some(a) => (a, None),
+            None => {
+                let obj = parse_object(&bytes).map_err(|f| fail(f, key))?;
+                let a = plain_aggregate(&obj, &self.inner.cfg).map_err(|e| e.into_error(key))?;
+                (a, Some(obj))
+            }
+        };
         let mut r = result_of(a, status, false);
-        r.raw = Some(obj);
+        r.raw = obj;
         r.raw_body = Some(bytes);
         r.upstream_headers = headers;
         Ok(r)

@@ -8,7 +8,7 @@
 //! (e.g. `POLYGW_FUZZ_CASES=200000`), see docs/CHAOS.md.
 
 use polygw_transport_openai::aggregate::{
-    error_body, frame_usage, in_band_error, StreamAggregator,
+    choice0, error_body, frame_usage, in_band_error, StreamAggregator,
 };
 use polygw_transport_openai::sse::{parse_all, SseError, SseEvent, SseParser};
 use proptest::prelude::*;
@@ -552,6 +552,95 @@ proptest! {
             }
         }
         prop_assert_eq!(typed.finish(), general.finish());
+    }
+}
+
+/// Completion-like bodies: chunk-like objects whose choices mostly carry `message`
+/// (sometimes still `delta`, or both).
+fn completionish() -> BoxedStrategy<Value> {
+    (chunkish(), 0..3u8)
+        .prop_map(|(mut v, how)| {
+            if let Some(cs) = v.get_mut("choices").and_then(Value::as_array_mut) {
+                for c in cs.iter_mut().filter_map(Value::as_object_mut) {
+                    match how {
+                        0 => {}
+                        1 => {
+                            if let Some(d) = c.get("delta").cloned() {
+                                c.insert("message".into(), d);
+                            }
+                        }
+                        _ => {
+                            if let Some(d) = c.remove("delta") {
+                                c.insert("message".into(), d);
+                            }
+                        }
+                    }
+                }
+            }
+            v
+        })
+        .boxed()
+}
+
+proptest! {
+    #![proptest_config(config(1_000))]
+
+    /// A plain completion read typed folds exactly as the general path folds it
+    /// whenever the typed path accepts the body, and folds nothing when it declines.
+    #[test]
+    fn typed_and_general_completion_paths_agree(
+        v in prop_oneof![6 => completionish(), 1 => json_value()],
+    ) {
+        let text = v.to_string();
+        let mut typed = StreamAggregator::new();
+        let accepted = typed.absorb_completion_typed(text.as_bytes()).is_some();
+        if !accepted {
+            prop_assert_eq!(typed.finish(), StreamAggregator::new().finish(), "declined but folded: {}", text);
+            return Ok(());
+        }
+        let o = v.as_object();
+        prop_assert!(o.is_some(), "accepted a non-object: {}", text);
+        let o = o.unwrap();
+        let c = choice0(o);
+        prop_assert!(c.is_some(), "accepted without a choice 0: {}", text);
+        let mut general = StreamAggregator::new();
+        general.absorb_completion(o, c.unwrap());
+        prop_assert_eq!(typed.finish(), general.finish(), "{}", text);
+    }
+}
+
+#[test]
+fn the_typed_completion_path_reads_the_common_shape() {
+    let mut agg = StreamAggregator::new();
+    let body =
+        br#"{"id":"c","model":"m","choices":[{"index":0,"logprobs":{"content":[{"token":"a"}]},
+        "message":{"role":"assistant","content":"hi","tool_calls":[{"id":"t","type":"function",
+        "function":{"name":"f","arguments":"{}"}}]},"finish_reason":"tool_calls"}],
+        "usage":{"prompt_tokens":3,"completion_tokens":2}}"#;
+    assert!(agg.absorb_completion_typed(body).is_some());
+    let a = agg.finish();
+    assert_eq!(a.content, "hi");
+    assert_eq!(a.tool_calls.len(), 1);
+    assert_eq!(a.finish_reason.as_deref(), Some("tool_calls"));
+    assert_eq!(
+        a.usage.map(|u| (u.prompt_tokens, u.completion_tokens)),
+        Some((3, 2))
+    );
+    for declined in [
+        &br#"{"error":{"message":"m"},"choices":[{"message":{"content":"x"}}]}"#[..],
+        br#"{"choices":[]}"#,
+        br#"{"choices":[{"message":{"content":"x"},"usage":{"prompt_tokens":1}}]}"#,
+        br#"{"choices":[{"delta":{"content":"x"}}]}"#,
+        br#"{"usage":7,"choices":[{"message":{"content":"x"}}]}"#,
+        br#"{"choices":[{"message":{"content":[{"type":"text","text":"p"}]}}]}"#,
+        br#"{"model":1,"choices":[{"message":{"content":"x"}}]}"#,
+    ] {
+        let mut agg = StreamAggregator::new();
+        assert!(
+            agg.absorb_completion_typed(declined).is_none(),
+            "{}",
+            String::from_utf8_lossy(declined)
+        );
     }
 }
 

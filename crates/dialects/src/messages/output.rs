@@ -138,9 +138,8 @@ pub fn message_object(id: &str, meta: &MessagesMeta, answer: &LlmResponse) -> Va
         }));
     }
     let matched = answer
-        .upstream
-        .as_ref()
-        .and_then(|u| matched_stop(choice0(u), &meta.stop_sequences));
+        .upstream_object()
+        .and_then(|u| matched_stop(choice0(&u), &meta.stop_sequences));
     let (reason, sequence) = stop_reason(
         answer.finish_reason.as_deref(),
         !answer.tool_calls.is_empty(),

@@ -204,9 +204,8 @@ impl MessagesStream {
         self.close(&mut out);
         let matched = self.matched_stop.clone().or_else(|| {
             answer
-                .upstream
-                .as_ref()
-                .and_then(|u| matched_stop(choice0(u), &self.meta.stop_sequences))
+                .upstream_object()
+                .and_then(|u| matched_stop(choice0(&u), &self.meta.stop_sequences))
         });
         let (reason, sequence) = stop_reason(
             answer.finish_reason.as_deref(),
