@@ -315,16 +315,26 @@ pub fn answer_headers(h: &mut HeaderMap, r: &LlmResponse) {
             "false"
         }),
     );
-    h.insert(names::X_HEDGES, HeaderValue::from(r.call_stats.hedges));
-    h.insert(names::X_ATTEMPTS, HeaderValue::from(r.call_stats.attempts));
+    h.insert(names::X_HEDGES, count_value(r.call_stats.hedges));
+    h.insert(names::X_ATTEMPTS, count_value(r.call_stats.attempts));
     if r.call_stats.resumes > 0 {
-        h.insert(names::X_RESUMES, HeaderValue::from(r.call_stats.resumes));
+        h.insert(names::X_RESUMES, count_value(r.call_stats.resumes));
     }
     h.insert(
         names::X_USAGE_SOURCE,
         HeaderValue::from_static(r.usage_source.as_str()),
     );
     upstream_headers(h, &r.upstream_headers);
+}
+
+/// A count as a header value: the small counts every answer carries (attempts,
+/// hedges, resumes) are static strings, not an allocation each (issue 27).
+pub fn count_value(n: u32) -> HeaderValue {
+    const SMALL: [&str; 10] = ["0", "1", "2", "3", "4", "5", "6", "7", "8", "9"];
+    match SMALL.get(n as usize) {
+        Some(s) => HeaderValue::from_static(s),
+        None => HeaderValue::from(n),
+    }
 }
 
 /// Response headers of a stream whose first leg committed.
@@ -345,7 +355,7 @@ pub fn failure_headers(h: &mut HeaderMap, e: &GatewayError, id: &str) {
     let id = e.context().map_or(id, |c| c.logical_call_id.as_str());
     set_request_id(h, id);
     if let Some(ctx) = e.context() {
-        h.insert(names::X_ATTEMPTS, HeaderValue::from(ctx.attempts));
+        h.insert(names::X_ATTEMPTS, count_value(ctx.attempts));
     }
     if let Some(r) = e.terminal_reason() {
         h.insert(
@@ -363,5 +373,17 @@ pub fn list_header(h: &mut HeaderMap, name: HeaderName, items: &[String]) {
     }
     if let Ok(v) = HeaderValue::from_str(&items.join(", ")) {
         h.insert(name, v);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::count_value;
+
+    #[test]
+    fn counts_are_written_as_decimals() {
+        for n in [0, 1, 9, 10, 11, 4_000_000_000] {
+            assert_eq!(count_value(n).to_str().unwrap(), n.to_string());
+        }
     }
 }

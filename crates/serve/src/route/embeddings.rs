@@ -104,7 +104,10 @@ async fn inner(
             if let Some(s) = e.sources.last().and_then(|s| HeaderValue::from_str(s).ok()) {
                 h.insert(names::X_SOURCE, s);
             }
-            h.insert(names::X_ATTEMPTS, HeaderValue::from(e.call_stats.attempts));
+            h.insert(
+                names::X_ATTEMPTS,
+                crate::http::count_value(e.call_stats.attempts),
+            );
             h.insert(
                 names::X_USAGE_SOURCE,
                 HeaderValue::from_static(e.usage_source.as_str()),
