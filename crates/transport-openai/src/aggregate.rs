@@ -322,12 +322,64 @@ mod typed {
         }
     }
 
+    /// Any JSON value, keeping it when it is a string (borrowed when it has no escapes);
+    /// other values are skipped without being built.
+    pub(super) struct AnyStr<'a>(pub Option<Cow<'a, str>>);
+
+    impl<'de: 'a, 'a> Deserialize<'de> for AnyStr<'a> {
+        fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+            struct V<'a>(PhantomData<&'a ()>);
+            impl<'de: 'a, 'a> Visitor<'de> for V<'a> {
+                type Value = AnyStr<'a>;
+                fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                    f.write_str("any JSON value")
+                }
+                fn visit_borrowed_str<E: de::Error>(self, v: &'de str) -> Result<AnyStr<'a>, E> {
+                    Ok(AnyStr(Some(Cow::Borrowed(v))))
+                }
+                fn visit_str<E: de::Error>(self, v: &str) -> Result<AnyStr<'a>, E> {
+                    Ok(AnyStr(Some(Cow::Owned(v.to_string()))))
+                }
+                fn visit_string<E: de::Error>(self, v: String) -> Result<AnyStr<'a>, E> {
+                    Ok(AnyStr(Some(Cow::Owned(v))))
+                }
+                fn visit_bool<E: de::Error>(self, _: bool) -> Result<AnyStr<'a>, E> {
+                    Ok(AnyStr(None))
+                }
+                fn visit_i64<E: de::Error>(self, _: i64) -> Result<AnyStr<'a>, E> {
+                    Ok(AnyStr(None))
+                }
+                fn visit_u64<E: de::Error>(self, _: u64) -> Result<AnyStr<'a>, E> {
+                    Ok(AnyStr(None))
+                }
+                fn visit_f64<E: de::Error>(self, _: f64) -> Result<AnyStr<'a>, E> {
+                    Ok(AnyStr(None))
+                }
+                fn visit_unit<E: de::Error>(self) -> Result<AnyStr<'a>, E> {
+                    Ok(AnyStr(None))
+                }
+                fn visit_seq<A: de::SeqAccess<'de>>(
+                    self,
+                    mut a: A,
+                ) -> Result<AnyStr<'a>, A::Error> {
+                    while a.next_element::<IgnoredAny>()?.is_some() {}
+                    Ok(AnyStr(None))
+                }
+                fn visit_map<A: MapAccess<'de>>(self, mut a: A) -> Result<AnyStr<'a>, A::Error> {
+                    while a.next_entry::<IgnoredAny, IgnoredAny>()?.is_some() {}
+                    Ok(AnyStr(None))
+                }
+            }
+            d.deserialize_any(V(PhantomData))
+        }
+    }
+
     #[derive(Deserialize)]
     pub(super) struct Frame<'a> {
         // The envelope, read for a frame kept as text (any JSON type, as the `Value`
         // path would take it: these never decline a frame).
-        #[serde(default)]
-        pub id: Option<serde_json::Value>,
+        #[serde(borrow, default)]
+        pub id: Option<AnyStr<'a>>,
         #[serde(default)]
         pub created: Option<serde_json::Value>,
         #[serde(default)]
@@ -520,6 +572,40 @@ impl StreamAggregator {
         want_delta: bool,
         keep_text: bool,
     ) -> Option<FrameOutcome> {
+        let mut out = self.fold_typed(data, want_delta, keep_text)?;
+        if let Some(t) = out.delta.as_mut().and_then(|d| d.raw_text.as_mut()) {
+            t.json = data.to_string();
+        }
+        Some(out)
+    }
+
+    /// [`Self::feed_typed_keeping`] of a frame's text that the caller owns (trimmed):
+    /// a kept text is `data` itself, not a copy. A declined frame's text is given back.
+    pub fn feed_typed_owned(
+        &mut self,
+        data: String,
+        want_delta: bool,
+        keep_text: bool,
+    ) -> Result<FrameOutcome, String> {
+        match self.fold_typed(&data, want_delta, keep_text) {
+            Some(mut out) => {
+                if let Some(t) = out.delta.as_mut().and_then(|d| d.raw_text.as_mut()) {
+                    t.json = data;
+                }
+                Ok(out)
+            }
+            None => Err(data),
+        }
+    }
+
+    /// The typed fold of [`Self::feed_typed_keeping`]; a kept text's `json` is left
+    /// empty for the caller.
+    fn fold_typed(
+        &mut self,
+        data: &str,
+        want_delta: bool,
+        keep_text: bool,
+    ) -> Option<FrameOutcome> {
         let keep_text = keep_text && want_delta;
         if keep_text && data.contains(['\n', '\r']) {
             return None;
@@ -568,11 +654,12 @@ impl StreamAggregator {
             d.model = model.map(str::to_string);
             if keep_text {
                 d.raw_text = Some(Box::new(RawText {
-                    json: data.to_string(),
+                    // Filled by the caller: a copy of `data`, or `data` itself.
+                    json: String::new(),
                     id: frame
                         .id
                         .as_ref()
-                        .and_then(Value::as_str)
+                        .and_then(|i| i.0.as_deref())
                         .map(str::to_string),
                     created: frame.created.as_ref().and_then(Value::as_u64),
                     has_object: frame.object.is_some(),

@@ -629,12 +629,13 @@ impl StreamState<'_> {
     /// Handles one SSE event; returns whether it was an incremental chunk.
     fn on_event(&mut self, ev: SseEvent, at: &mut Option<Instant>) -> Result<bool, Failure> {
         self.events_seen += 1;
-        let data = ev.data.trim();
+        let is_error_event = ev.event.as_deref() == Some("error");
+        let mut text = ev.data;
+        let data = text.trim();
         if data == "[DONE]" {
             self.done = true;
             return Ok(false);
         }
-        let is_error_event = ev.event.as_deref() == Some("error");
         if data.is_empty() {
             if is_error_event {
                 return Err(Failure::InBand {
@@ -651,13 +652,19 @@ impl StreamState<'_> {
         // wants the upstream's frame gets its text (`raw_text`) from this path and a
         // `Value` (`raw`) from the general one.
         if !is_error_event {
-            if let Some(out) = self
-                .agg
-                .feed_typed_keeping(data, self.wants, self.wants_raw)
-            {
-                return self.folded(out, None, at);
+            // The event's own text when it needs no trimming (the common case): a kept
+            // frame text is then not a copy.
+            let owned = if data.len() == text.len() {
+                text
+            } else {
+                data.to_string()
+            };
+            match self.agg.feed_typed_owned(owned, self.wants, self.wants_raw) {
+                Ok(out) => return self.folded(out, None, at),
+                Err(back) => text = back,
             }
         }
+        let data = text.trim();
         let obj = match serde_json::from_str::<Value>(data) {
             Ok(Value::Object(o)) => o,
             Ok(_) if is_error_event => {

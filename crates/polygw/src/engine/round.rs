@@ -228,10 +228,13 @@ impl EventQueue {
         }
     }
 
-    fn take(&self) -> Vec<Event> {
+    /// Moves the queued events into `into` (empty), leaving the queue `into`'s buffer:
+    /// both keep their capacity.
+    fn take_into(&self, into: &mut Vec<Event>) {
+        debug_assert!(into.is_empty());
         let mut q = self.events.lock().unwrap_or_else(|e| e.into_inner());
         q.foldable = None;
-        std::mem::take(&mut q.events)
+        std::mem::swap(&mut q.events, into);
     }
 }
 
@@ -386,6 +389,10 @@ struct Exec<'a, L: Leg> {
     events: VecDeque<Event>,
     /// Per leg: its first token is in the call's trace.
     first_traced: Vec<bool>,
+    /// Buffers kept between events (their capacity: no allocation per chunk, issue 27):
+    /// the machine's actions, and the queue's events being drained.
+    actions: Vec<Action>,
+    drained: Vec<Event>,
 }
 
 impl<'a, L: Leg> Exec<'a, L> {
@@ -396,7 +403,8 @@ impl<'a, L: Leg> Exec<'a, L> {
     /// Feeds an event and everything that follows from it.
     fn feed(&mut self, event: Event) {
         self.events.push_back(event);
-        let mut out = Vec::new();
+        // Taken, so that a nested feed (from an action) gets its own buffer.
+        let mut out = std::mem::take(&mut self.actions);
         while let Some(e) = self.events.pop_front() {
             let now = self.now();
             let chunk_of = match &e {
@@ -418,6 +426,7 @@ impl<'a, L: Leg> Exec<'a, L> {
                 self.apply(a);
             }
         }
+        self.actions = out;
         for (i, (c, _)) in self.controls.iter().enumerate() {
             c.wake_on_chunk
                 .store(self.machine.chunk_wakes(i), Ordering::Relaxed);
@@ -425,9 +434,12 @@ impl<'a, L: Leg> Exec<'a, L> {
     }
 
     fn drain_queue(&mut self) {
-        for e in self.queue.take() {
+        let mut batch = std::mem::take(&mut self.drained);
+        self.queue.take_into(&mut batch);
+        for e in batch.drain(..) {
             self.feed(e);
         }
+        self.drained = batch;
     }
 
     fn apply(&mut self, action: Action) {
@@ -1254,6 +1266,8 @@ impl Engine {
             fallback_cooldown: start.fallback_cooldown,
             events: VecDeque::new(),
             first_traced: Vec::new(),
+            actions: Vec::new(),
+            drained: Vec::new(),
         };
         let queue = exec.queue.clone();
         let run = std::pin::pin!(exec.run(initial));
