@@ -387,11 +387,58 @@ mod typed {
         #[serde(borrow, default)]
         pub model: Option<Str<'a>>,
         #[serde(borrow, default)]
-        pub choices: Option<Vec<MapOnly<Choice<'a>>>>,
+        pub choices: Option<Choices<'a>>,
         #[serde(default)]
         pub usage: Option<IgnoredAny>,
         #[serde(default)]
         pub error: Option<IgnoredAny>,
+    }
+
+    /// A frame's `choices` as the fold needs them, without a vector: how many, choice
+    /// 0 (the first whose `index` is 0, or the first element without an `index` when
+    /// it is the first element), and whether any has usage. Every element must be an
+    /// object (else the parse fails, as for a vector of [`MapOnly`]).
+    pub(super) struct Choices<'a> {
+        pub len: usize,
+        pub c0: Option<Choice<'a>>,
+        pub any_usage: bool,
+    }
+
+    impl<'de: 'a, 'a> Deserialize<'de> for Choices<'a> {
+        fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+            struct V<'a>(PhantomData<&'a ()>);
+            impl<'de: 'a, 'a> Visitor<'de> for V<'a> {
+                type Value = Choices<'a>;
+                fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                    f.write_str("an array of choice objects")
+                }
+                fn visit_seq<A: de::SeqAccess<'de>>(
+                    self,
+                    mut a: A,
+                ) -> Result<Choices<'a>, A::Error> {
+                    let mut out = Choices {
+                        len: 0,
+                        c0: None,
+                        any_usage: false,
+                    };
+                    while let Some(MapOnly(c)) = a.next_element::<MapOnly<Choice<'a>>>()? {
+                        let pos = out.len;
+                        out.len += 1;
+                        out.any_usage |= c.usage.is_some();
+                        let is0 = match c.index {
+                            Index::Missing => pos == 0,
+                            Index::Zero => true,
+                            Index::Other => false,
+                        };
+                        if is0 && out.c0.is_none() {
+                            out.c0 = Some(c);
+                        }
+                    }
+                    Ok(out)
+                }
+            }
+            d.deserialize_seq(V(PhantomData))
+        }
     }
 
     /// A plain completion in the common shape (see
@@ -614,19 +661,14 @@ impl StreamAggregator {
         if frame.error.is_some() || frame.usage.is_some() {
             return None;
         }
-        let choices = frame.choices.as_deref().unwrap_or(&[]);
-        if keep_text && choices.iter().any(|c| c.usage.is_some()) {
+        let (n_choices, any_usage) = frame
+            .choices
+            .as_ref()
+            .map_or((0, false), |c| (c.len, c.any_usage));
+        if keep_text && any_usage {
             return None;
         }
-        let c0 = choices
-            .iter()
-            .enumerate()
-            .find(|(pos, c)| match c.index {
-                typed::Index::Missing => *pos == 0,
-                typed::Index::Zero => true,
-                typed::Index::Other => false,
-            })
-            .map(|(_, c)| c);
+        let c0 = frame.choices.as_ref().and_then(|c| c.c0.as_ref());
         if c0.is_some_and(|c| c.usage.is_some()) {
             return None;
         }
@@ -663,7 +705,7 @@ impl StreamAggregator {
                         .map(str::to_string),
                     created: frame.created.as_ref().and_then(Value::as_u64),
                     has_object: frame.object.is_some(),
-                    choices: choices.len(),
+                    choices: n_choices,
                 }));
             }
         }

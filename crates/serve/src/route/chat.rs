@@ -458,6 +458,9 @@ impl Encoder for ChatEncoder {
     fn delta(&mut self, d: StreamDelta, out: &mut Vec<u8>) {
         if let Some(text) = self.verbatim(&d) {
             self.chunks += 1;
+            // One allocation of the exact size (a grown buffer costs three, and its
+            // spare capacity one more when it becomes `Bytes`).
+            out.reserve(text.len() + 8);
             out.extend_from_slice(b"data: ");
             out.extend_from_slice(text.as_bytes());
             out.extend_from_slice(b"\n\n");
