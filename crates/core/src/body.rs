@@ -33,6 +33,51 @@ pub fn merge_patch(target: &mut Map<String, Value>, patch: &Map<String, Value>) 
 /// source and the request (an overlay cannot change them); streams always ask for
 /// usage (`stream_options.include_usage = true`).
 pub fn chat_body(source: &SourceConfig, req: &ChatRequest) -> Value {
+    let mut body = chat_fields(source, req);
+    body.insert(
+        "messages".into(),
+        serde_json::to_value(&req.messages).unwrap_or(Value::Array(vec![])),
+    );
+    Value::Object(body)
+}
+
+/// [`chat_body`] as the bytes sent, with the messages serialized straight from the
+/// request instead of through a `Value` copy of them (issue 27). The same JSON value
+/// as `chat_body`'s (property-tested); inside a message the keys come in the
+/// struct's order. A message whose extra fields repeat `role` or `content` (which
+/// only code can build) goes through `chat_body`, which keeps one of each.
+pub fn chat_body_bytes(source: &SourceConfig, req: &ChatRequest) -> Vec<u8> {
+    let clash = req
+        .messages
+        .iter()
+        .any(|m| m.extra.contains_key("role") || m.extra.contains_key("content"));
+    if clash {
+        return serde_json::to_vec(&chat_body(source, req)).unwrap_or_default();
+    }
+    let mut body = chat_fields(source, req);
+    // Its place among the keys; the value is written from the request.
+    body.insert("messages".into(), Value::Null);
+    let mut out = Vec::with_capacity(256);
+    out.push(b'{');
+    for (i, (k, v)) in body.iter().enumerate() {
+        if i > 0 {
+            out.push(b',');
+        }
+        // Serializing a string, a `Value` or the messages into a `Vec` cannot fail.
+        let _ = serde_json::to_writer(&mut out, k);
+        out.push(b':');
+        let _ = if k == "messages" {
+            serde_json::to_writer(&mut out, &req.messages)
+        } else {
+            serde_json::to_writer(&mut out, v)
+        };
+    }
+    out.push(b'}');
+    out
+}
+
+/// Every field of the chat body but `messages`.
+fn chat_fields(source: &SourceConfig, req: &ChatRequest) -> Map<String, Value> {
     let mut body = Map::new();
     if let Some(t) = req.temperature {
         body.insert("temperature".into(), json!(t));
@@ -54,10 +99,8 @@ pub fn chat_body(source: &SourceConfig, req: &ChatRequest) -> Value {
     }
     merge_patch(&mut body, &source.extra_body);
     body.insert("model".into(), json!(source.model));
-    body.insert(
-        "messages".into(),
-        serde_json::to_value(&req.messages).unwrap_or(Value::Array(vec![])),
-    );
+    // An overlay or `EXTRA_BODY` cannot set the messages either.
+    body.remove("messages");
     body.insert("stream".into(), json!(req.stream));
     if req.stream {
         let opts = body
@@ -72,7 +115,7 @@ pub fn chat_body(source: &SourceConfig, req: &ChatRequest) -> Value {
     } else {
         body.remove("stream_options");
     }
-    Value::Object(body)
+    body
 }
 
 /// The `/embeddings` body.
@@ -117,6 +160,88 @@ pub fn ocr_body(source: &SourceConfig, data_uri: &str, prompt: &str) -> Value {
 mod tests {
     use super::*;
     use crate::request::Message;
+    use proptest::prelude::*;
+
+    fn small_value() -> impl Strategy<Value = Value> {
+        prop_oneof![
+            Just(Value::Null),
+            any::<bool>().prop_map(Value::Bool),
+            any::<i32>().prop_map(|n| json!(n)),
+            (-1e6f64..1e6).prop_map(|f| json!(f)),
+            "[a-zé\\\"\n ]{0,8}".prop_map(Value::String),
+            Just(
+                json!([{"type": "text", "text": "t"}, {"type": "image_url", "image_url": {"url": "u"}}])
+            ),
+            Just(json!({"nested": {"k": [1, null]}})),
+        ]
+    }
+
+    fn message() -> impl Strategy<Value = Message> {
+        (
+            prop::sample::select(vec!["system", "user", "assistant", "tool", "développeur"]),
+            prop::option::of(small_value()),
+            prop::collection::btree_map(
+                prop::sample::select(vec![
+                    "name",
+                    "tool_call_id",
+                    "tool_calls",
+                    "role",
+                    "content",
+                    "x",
+                ]),
+                small_value(),
+                0..3,
+            ),
+        )
+            .prop_map(|(role, content, extra)| Message {
+                role: role.to_string(),
+                content,
+                extra: extra.into_iter().map(|(k, v)| (k.to_string(), v)).collect(),
+            })
+    }
+
+    #[test]
+    fn a_message_repeating_role_in_its_extra_fields_is_sent_with_one_role() {
+        let mut m = Message::user("hi");
+        m.extra.insert("role".into(), json!("assistant"));
+        let req = ChatRequest::new(vec![m]);
+        let text = String::from_utf8(chat_body_bytes(&src(), &req)).unwrap();
+        assert_eq!(text.matches("\"role\"").count(), 1, "{text}");
+    }
+
+    proptest! {
+        /// The bytes sent are the JSON value of `chat_body`, whatever the messages,
+        /// the overlay and `EXTRA_BODY` hold.
+        #[test]
+        fn the_bytes_are_the_chat_body(
+            messages in prop::collection::vec(message(), 1..4),
+            stream in any::<bool>(),
+            overlay in prop::collection::btree_map(
+                prop::sample::select(vec!["temperature", "messages", "top_p", "stream_options", "model", "n"]),
+                small_value(),
+                0..3,
+            ),
+            extra in prop::collection::btree_map(
+                prop::sample::select(vec!["enable_thinking", "messages", "stream_options", "seed"]),
+                small_value(),
+                0..3,
+            ),
+        ) {
+            let mut req = ChatRequest::new(messages).with_stream(stream);
+            for (k, v) in overlay {
+                req = req.with_overlay(k, v);
+            }
+            let source = SourceConfig::new("p", 0, "http://x", "", "m")
+                .with_extra_body(extra.into_iter().map(|(k, v)| (k.to_string(), v)).collect());
+            let bytes = chat_body_bytes(&source, &req);
+            let parsed: Value = serde_json::from_slice(&bytes).expect("valid JSON");
+            // Both as the upstream reads them (a float read back may differ from the
+            // `Value` by its last bit: the same for both texts).
+            let before = serde_json::to_vec(&chat_body(&source, &req)).unwrap();
+            let expected: Value = serde_json::from_slice(&before).unwrap();
+            prop_assert_eq!(parsed, expected, "{}", String::from_utf8_lossy(&bytes));
+        }
+    }
 
     fn src() -> SourceConfig {
         let mut extra = Map::new();

@@ -5,7 +5,7 @@ use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
 use base64::Engine as _;
-use polygw_core::body::{chat_body, ocr_body};
+use polygw_core::body::{chat_body_bytes, ocr_body};
 use polygw_core::classify::Failure;
 use polygw_core::ports::{
     ChatAttempt, ChunkObserver, Clock, NullObserver, OcrResult, OcrTransport, StreamDelta,
@@ -218,13 +218,12 @@ impl OpenAiTransport {
         &self,
         source: &SourceConfig,
         path: &str,
-        body: &Value,
+        body: Vec<u8>,
         call_id: &str,
     ) -> Result<(u16, bool, Vec<u8>, Vec<(String, String)>), AttemptError> {
         let key = source.api_key.expose();
         let cfg = &self.inner.cfg;
-        let bytes = serde_json::to_vec(body).unwrap_or_default();
-        let rb = self.post(source, path, bytes, call_id, false);
+        let rb = self.post(source, path, body, call_id, false);
         let work = async {
             let resp = rb.send().await.map_err(|e| (send_failure(&e, key), None))?;
             let status = resp.status().as_u16();
@@ -281,6 +280,7 @@ impl OpenAiTransport {
         body: &Value,
         call_id: &str,
     ) -> Result<(u16, Map<String, Value>), AttemptError> {
+        let body = serde_json::to_vec(body).unwrap_or_default();
         let (status, _, bytes, _) = self.plain_bytes(source, path, body, call_id).await?;
         let obj = parse_object(&bytes).map_err(|f| fail(f, source.api_key.expose()))?;
         Ok((status, obj))
@@ -291,7 +291,7 @@ impl OpenAiTransport {
     async fn plain_chat(
         &self,
         source: &SourceConfig,
-        body: &Value,
+        body: Vec<u8>,
         call_id: &str,
     ) -> Result<TransportResult, AttemptError> {
         let key = source.api_key.expose();
@@ -382,17 +382,15 @@ impl OpenAiTransport {
     }
 
     async fn chat_plain(&self, attempt: ChatAttempt<'_>) -> Result<TransportResult, AttemptError> {
-        let body = chat_body(attempt.source, attempt.request);
-        self.plain_chat(attempt.source, &body, attempt.call_id)
-            .await
+        let body = chat_body_bytes(attempt.source, attempt.request);
+        self.plain_chat(attempt.source, body, attempt.call_id).await
     }
 
     async fn chat_stream(&self, attempt: ChatAttempt<'_>) -> Result<TransportResult, AttemptError> {
         let source = attempt.source;
         let key = source.api_key.expose();
         let cfg = &self.inner.cfg;
-        let body = chat_body(source, attempt.request);
-        let bytes = serde_json::to_vec(&body).unwrap_or_default();
+        let bytes = chat_body_bytes(source, attempt.request);
         let rb = self.post(source, "chat/completions", bytes, attempt.call_id, true);
 
         let ttft_budget = source.ttft_budget();
@@ -571,8 +569,8 @@ impl OpenAiTransport {
             "data:{mime};base64,{}",
             base64::engine::general_purpose::STANDARD.encode(image)
         );
-        let body = ocr_body(source, &uri, prompt);
-        let r = self.plain_chat(source, &body, call_id).await?;
+        let body = serde_json::to_vec(&ocr_body(source, &uri, prompt)).unwrap_or_default();
+        let r = self.plain_chat(source, body, call_id).await?;
         Ok(OcrResult {
             text: r.content,
             model: r.model,
