@@ -208,6 +208,8 @@ pub(crate) async fn respond<E: Encoder>(
     tokio::pin!(tick);
     // Until a leg commits, the call ends, or (an attempt running) the keepalives start.
     let mut early_done: Option<Box<LlmResponse>> = None;
+    // When an attempt was first seen running at a tick (reset when none runs).
+    let mut running_since: Option<Instant> = None;
     let commit: Option<Commit> = loop {
         tokio::select! {
             biased;
@@ -242,11 +244,19 @@ pub(crate) async fn respond<E: Encoder>(
                 return r;
             }
             () = &mut tick => {
-                if stream.attempts_running() > 0 {
+                let now = Instant::now();
+                if stream.attempts_running() == 0 {
+                    // Only waiting (admission, a backoff): no 200 yet (SPEC §17.2).
+                    running_since = None;
+                } else if running_since.is_some_and(|t| now >= t + keepalive / 4) {
                     break None;
+                } else if running_since.is_none() {
+                    // Seen running once: the 200 only if it still runs a quarter of the
+                    // keepalive later. An attempt caught in flight that is answered
+                    // at once (a 429 after a hint waited out) must keep its status.
+                    running_since = Some(now);
                 }
-                // Only waiting (admission, a backoff): no 200 yet (SPEC §17.2).
-                tick.as_mut().reset(Instant::now() + keepalive / 4);
+                tick.as_mut().reset(now + keepalive / 4);
             }
         }
     };
