@@ -8,6 +8,7 @@ use std::process::{Command, Output};
 use polygw::core::ports::telemetry::TelemetryRecorder;
 use polygw::core::{RowKind, TelemetryRow, UsageSource};
 use polygw::telemetry::{RecorderConfig, SqlRecorder};
+use polygw_testkit::text::cells;
 
 /// Wall clock in ms (rows must be recent for `--since`).
 #[allow(clippy::disallowed_methods)]
@@ -172,19 +173,6 @@ fn stdout(o: &Output) -> String {
 
 fn stderr(o: &Output) -> String {
     String::from_utf8_lossy(&o.stderr).into_owned()
-}
-
-/// The cells of the first line starting with `prefix` after the heading `title`.
-fn cells(text: &str, title: &str, prefix: &str) -> Vec<String> {
-    text.lines()
-        .skip_while(|l| *l != title)
-        .find(|l| l.starts_with(prefix))
-        .unwrap_or_else(|| panic!("no line {prefix:?} under {title:?} in\n{text}"))
-        .split("  ")
-        .map(str::trim)
-        .filter(|c| !c.is_empty())
-        .map(str::to_string)
-        .collect()
 }
 
 fn assert_self_contained(doc: &str) {

@@ -914,20 +914,7 @@ pub async fn run(args: ReportArgs) -> anyhow::Result<ExitCode> {
 mod tests {
     use super::stats::tests::fixture;
     use super::*;
-
-    /// The cells of the first line of `text` starting with `prefix` after the heading
-    /// `title`.
-    fn cells(text: &str, title: &str, prefix: &str) -> Vec<String> {
-        text.lines()
-            .skip_while(|l| *l != title)
-            .find(|l| l.starts_with(prefix))
-            .unwrap_or_else(|| panic!("no line {prefix:?} under {title:?} in\n{text}"))
-            .split("  ")
-            .map(str::trim)
-            .filter(|c| !c.is_empty())
-            .map(str::to_string)
-            .collect()
-    }
+    use polygw_testkit::text::cells;
 
     #[test]
     fn since_accepts_the_four_units() {

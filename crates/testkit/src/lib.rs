@@ -9,3 +9,4 @@ pub mod fakes;
 pub mod limiter_contract;
 pub mod services;
 pub mod store_contract;
+pub mod text;

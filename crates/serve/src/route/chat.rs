@@ -176,58 +176,16 @@ fn passthrough_body(r: &mut LlmResponse) -> Option<Vec<u8>> {
 /// Whether a JSON object's top-level `usage` is an object, read without building any
 /// of it (a body that is not an object, or names `usage` twice: `false`).
 fn has_usage_object(body: &[u8]) -> bool {
-    use serde::de::{Deserializer, IgnoredAny, MapAccess, Visitor};
-    /// Whether a value is a JSON object (its members skipped).
-    struct IsObject(bool);
-    impl<'de> serde::Deserialize<'de> for IsObject {
-        fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
-            struct V;
-            impl<'de> Visitor<'de> for V {
-                type Value = IsObject;
-                fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-                    f.write_str("any JSON value")
-                }
-                fn visit_map<A: MapAccess<'de>>(self, mut m: A) -> Result<IsObject, A::Error> {
-                    while m.next_entry::<IgnoredAny, IgnoredAny>()?.is_some() {}
-                    Ok(IsObject(true))
-                }
-                fn visit_seq<A: serde::de::SeqAccess<'de>>(
-                    self,
-                    mut s: A,
-                ) -> Result<IsObject, A::Error> {
-                    while s.next_element::<IgnoredAny>()?.is_some() {}
-                    Ok(IsObject(false))
-                }
-                fn visit_bool<E>(self, _: bool) -> Result<IsObject, E> {
-                    Ok(IsObject(false))
-                }
-                fn visit_i64<E>(self, _: i64) -> Result<IsObject, E> {
-                    Ok(IsObject(false))
-                }
-                fn visit_u64<E>(self, _: u64) -> Result<IsObject, E> {
-                    Ok(IsObject(false))
-                }
-                fn visit_f64<E>(self, _: f64) -> Result<IsObject, E> {
-                    Ok(IsObject(false))
-                }
-                fn visit_str<E>(self, _: &str) -> Result<IsObject, E> {
-                    Ok(IsObject(false))
-                }
-                fn visit_unit<E>(self) -> Result<IsObject, E> {
-                    Ok(IsObject(false))
-                }
-            }
-            d.deserialize_any(V)
-        }
-    }
     #[derive(serde::Deserialize)]
-    struct Probe {
-        #[serde(default)]
-        usage: Option<IsObject>,
+    struct Probe<'a> {
+        #[serde(borrow, default)]
+        usage: Option<&'a serde_json::value::RawValue>,
     }
     // A derived struct would also read a JSON array (as its fields in order).
     let is_object = body.iter().find(|b| !b.is_ascii_whitespace()) == Some(&b'{');
-    is_object && serde_json::from_slice::<Probe>(body).is_ok_and(|p| p.usage.is_some_and(|u| u.0))
+    is_object
+        && serde_json::from_slice::<Probe<'_>>(body)
+            .is_ok_and(|p| p.usage.is_some_and(|u| u.get().starts_with('{')))
 }
 
 /// A failed call's log line (server-side errors and rate limits only).
