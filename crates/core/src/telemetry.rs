@@ -190,6 +190,12 @@ impl TelemetryRow {
 
     /// Sets usage columns: tokens only when usage is known.
     pub fn with_usage(mut self, usage: &Usage, source: UsageSource) -> Self {
+        self.set_usage(usage, source);
+        self
+    }
+
+    /// [`TelemetryRow::with_usage`] in place.
+    pub fn set_usage(&mut self, usage: &Usage, source: UsageSource) {
         self.usage_source = source;
         if source != UsageSource::Unavailable {
             self.prompt_tokens = Some(usage.prompt_tokens);
@@ -198,16 +204,20 @@ impl TelemetryRow {
             self.cached_prompt_tokens = usage.cached_prompt_tokens;
             self.cache_write_tokens = usage.cache_write_tokens;
         }
-        self
     }
 
     /// Sets the estimate columns (SPEC §20.4) of a row whose usage the provider did not
     /// report: unavailable, or estimated from the text it received (then they hold the
     /// same figures as its token columns).
     pub fn with_estimate(mut self, e: &LegEstimate) -> Self {
+        self.set_estimate(e);
+        self
+    }
+
+    /// [`TelemetryRow::with_estimate`] in place.
+    pub fn set_estimate(&mut self, e: &LegEstimate) {
         self.est_prompt_tokens = Some(e.prompt_tokens);
         self.est_received_tokens = Some(e.received_tokens);
-        self
     }
 }
 

@@ -173,9 +173,6 @@ impl BreakerStore for MemoryBreakerStore {
             get_or_default(&mut st.states, scope, source)
                 .record(now, outcome, epoch, probe, settings);
         });
-        if probe {
-            crate::lease_gone(&self.store);
-        }
         Ok(())
     }
 
@@ -192,7 +189,6 @@ impl BreakerStore for MemoryBreakerStore {
                 );
             }
         });
-        crate::lease_gone(&self.store);
     }
 
     async fn state(&self, scope: &str, source: &str) -> Result<BreakerState, GovernanceError> {

@@ -97,7 +97,8 @@ impl KeyStore {
         f(&mut st, now)
     }
 
-    /// Starts the lease ticker unless it runs (see `crate::ensure_ticker`).
+    /// Starts the lease ticker unless it runs (see `crate::ensure_ticker`: it ends at the
+    /// first tick that finds no lease held).
     fn ensure_ticker(self: &Arc<Self>) {
         let mut slot = lock(&self.ticker);
         if slot.as_ref().is_some_and(|h| !h.is_finished()) {
@@ -125,16 +126,6 @@ impl KeyStore {
             }
         });
         *slot = Some(task.abort_handle());
-    }
-
-    /// A lease was removed: with none left, the ticker is aborted.
-    fn lease_gone(&self) {
-        let mut slot = lock(&self.ticker);
-        if slot.is_some() && lock(&self.state).leases.is_empty() {
-            if let Some(h) = slot.take() {
-                h.abort();
-            }
-        }
     }
 
     pub(crate) async fn acquire(
@@ -241,7 +232,6 @@ impl MemoryKeyPermit {
             st.model.finish(now, self.id, tokens, cost_nanos);
             st.leases.remove(&self.id);
         });
-        self.keys.lease_gone();
     }
 }
 
@@ -264,7 +254,6 @@ impl Drop for MemoryKeyPermit {
         }
         // Never finished (forgotten): its lease is no longer renewed and ends.
         lock(&self.keys.state).leases.remove(&self.id);
-        self.keys.lease_gone();
     }
 }
 
@@ -290,7 +279,7 @@ mod tests {
 
     /// SPEC §14.4 for keys: a held key lease is renewed by the store's ticker while
     /// nothing else happens (a 100 s call in an idle process keeps its slot and its
-    /// reservation); once finished, the ticker ends.
+    /// reservation); once finished, the ticker ends at its next tick.
     #[tokio::test(start_paused = true)]
     async fn held_key_leases_are_renewed_while_idle() {
         let keys = KeyStore::new(Arc::new(TokioClock));
@@ -306,9 +295,12 @@ mod tests {
         };
         assert_eq!(r.reason, polygw_core::error::RefusalReason::KeyConcurrency);
         p.finish(10, 40).await.unwrap();
+        // It ends at its next tick (a third of the lease) that finds no lease.
+        tokio::time::sleep(Duration::from_millis(10_001)).await;
+        tokio::task::yield_now().await;
         assert!(
             lock(&keys.ticker).is_none(),
-            "no lease left: the ticker is gone"
+            "no lease left at its tick: the ticker is gone"
         );
         assert_eq!(keys.usage("k").unwrap().day_nanos, 40);
     }

@@ -29,7 +29,7 @@
 //! heartbeat runs: before any operation looks at a lease, every registered lease is
 //! renewed if a third of the shortest lease has passed since the last renewal; and while
 //! leases are held, a ticker task of the store (spawned on the runtime of the first
-//! acquire, ended when no lease is left or the store is gone) does the same every third
+//! acquire, ended by the first tick that finds no lease, or the store gone) does the same every third
 //! of the shortest lease, so a long call keeps its slot and its reservation in an idle
 //! scope too. [`MemoryLimiter::stop_heartbeat`] (what a crashed process looks like) lets
 //! the handle's leases end.
@@ -96,9 +96,12 @@ pub(crate) struct Store {
 }
 
 /// Starts the store's lease ticker unless it runs (or no tokio runtime is current: then
-/// the lazy renewal inside operations is what renews). The task holds the store weakly;
-/// it is aborted when the last lease goes ([`lease_gone`]) and ends by itself when no
-/// lease is held or the store is gone, so no task outlives the leases.
+/// the lazy renewal inside operations is what renews). The task holds the store weakly
+/// and ends at the first tick that finds no lease held, or the store gone: it outlives
+/// the last lease by at most one tick (a third of the shortest lease). It is not aborted
+/// when the last lease goes: with one call at a time that was a task spawned and
+/// aborted per call, two wake-ups of another worker thread each time (issue 27,
+/// DECISIONS 158).
 pub(crate) fn ensure_ticker(store: &Arc<Store>) {
     let mut slot = lock(&store.ticker);
     if slot.as_ref().is_some_and(|h| !h.is_finished()) {
@@ -136,20 +139,6 @@ pub(crate) fn ensure_ticker(store: &Arc<Store>) {
         }
     });
     *slot = Some(task.abort_handle());
-}
-
-/// A lease was removed: with none left, the ticker is aborted (not left to its next tick).
-pub(crate) fn lease_gone(store: &Store) {
-    let mut slot = lock(&store.ticker);
-    if slot.is_none() {
-        return;
-    }
-    let held = lock(&store.limiter).holds_leases() || lock(&store.breakers).holds_leases();
-    if !held {
-        if let Some(h) = slot.take() {
-            h.abort();
-        }
-    }
 }
 
 impl Store {
@@ -243,5 +232,48 @@ mod tests {
         let (e, _) = shared("REG_A", clock.clone());
         let (f, _) = shared("REG_A", clock);
         assert!(e.same_store(&f));
+    }
+
+    /// Issue 27: the lease ticker is not spawned and aborted per call. Calls one after
+    /// another (the last lease gone between them) share one ticker; it ends at the first
+    /// tick that finds no lease, a third of the lease after the last one went.
+    #[tokio::test(start_paused = true)]
+    async fn one_ticker_serves_calls_one_after_another_and_ends_a_tick_after_the_last() {
+        use polygw_testkit::limiter_contract::{self as lc, Req};
+        use std::time::Duration;
+        let l = MemoryLimiter::new(Arc::new(polygw_testkit::clock::TokioClock));
+        let r = Req::new("TICK", "a")
+            .source_limits(0, 0, 1)
+            .lease(Duration::from_secs(30));
+        let alive = || {
+            tokio::runtime::Handle::current()
+                .metrics()
+                .num_alive_tasks()
+        };
+        let mut first = lc::admit(&l, &r).await;
+        let ticker = l.ticker_id();
+        assert!(ticker.is_some(), "a held lease starts the ticker");
+        first.finish(10).await.unwrap();
+        tokio::task::yield_now().await;
+        assert_eq!(
+            alive(),
+            1,
+            "the last lease gone: the ticker is left to its tick"
+        );
+        let mut second = lc::admit(&l, &r).await;
+        assert_eq!(
+            l.ticker_id(),
+            ticker,
+            "the next call's lease is renewed by the same ticker"
+        );
+        second.finish(10).await.unwrap();
+        tokio::time::sleep(Duration::from_millis(10_001)).await;
+        tokio::task::yield_now().await;
+        assert!(l.ticker_id().is_none(), "no lease at its tick: it ended");
+        assert_eq!(
+            alive(),
+            0,
+            "no task outlives the leases by more than a tick"
+        );
     }
 }

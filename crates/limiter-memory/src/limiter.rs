@@ -126,6 +126,12 @@ impl MemoryLimiter {
         Arc::ptr_eq(&self.store, &other.store)
     }
 
+    /// The id of the store's lease ticker while one is registered.
+    #[cfg(test)]
+    pub(crate) fn ticker_id(&self) -> Option<tokio::task::Id> {
+        lock(&self.store.ticker).as_ref().map(|h| h.id())
+    }
+
     #[cfg(test)]
     pub(crate) fn same_keys(&self, other: &MemoryLimiter) -> bool {
         Arc::ptr_eq(&self.keys, &other.keys)
@@ -242,8 +248,6 @@ impl MemoryPermit {
         }
         if self.settled.load(Ordering::Acquire) && self.released.load(Ordering::Acquire) {
             st.leases.remove(&self.id);
-            drop(st);
-            crate::lease_gone(&self.store);
         }
     }
 }
@@ -278,6 +282,5 @@ impl Drop for MemoryPermit {
             return;
         }
         lock(&self.store.limiter).leases.remove(&self.id);
-        crate::lease_gone(&self.store);
     }
 }

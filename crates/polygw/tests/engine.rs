@@ -107,9 +107,11 @@ async fn in_flight_all(h: &H, n: usize) -> Vec<u32> {
     v
 }
 
-/// Tasks alive once the runtime has reaped what was aborted (the memory store's lease
-/// ticker is aborted when the last lease goes; one turn of the scheduler drops it).
+/// Tasks alive once the memory store's lease ticker has had its tick: it ends at the
+/// first tick (a third of the lease) that finds no lease held, so after one tick no task
+/// is left of a finished call.
 async fn alive_tasks() -> usize {
+    tokio::time::sleep(polygw_core::settings::DEFAULT_LEASE / 3 + Duration::from_millis(1)).await;
     tokio::task::yield_now().await;
     tokio::runtime::Handle::current()
         .metrics()

@@ -196,8 +196,8 @@ impl LegControl {
 }
 
 /// A row's usage and cost for an estimate the round made (a cut leg's text).
-fn record_estimate(row: TelemetryRow, u: &LegUsage, src: &SourceConfig) -> TelemetryRow {
-    let mut row = row.with_usage(&u.usage, u.source);
+fn record_estimate(row: &mut TelemetryRow, u: &LegUsage, src: &SourceConfig) {
+    row.set_usage(&u.usage, u.source);
     row.cost = cost(
         CostBasis::Tokens {
             usage: &u.usage,
@@ -205,7 +205,6 @@ fn record_estimate(row: TelemetryRow, u: &LegUsage, src: &SourceConfig) -> Telem
         },
         src,
     );
-    row
 }
 
 /// Identity of one leg.
@@ -230,7 +229,9 @@ pub(crate) struct LegInfo {
 /// A decided outcome, not yet carried out.
 struct Decided {
     tokens: u64,
-    row: TelemetryRow,
+    /// Boxed, as in the base: a row is large and a guard moves with its leg's answer
+    /// (issue 27: each move a `memcpy` of the whole row).
+    row: Box<TelemetryRow>,
     outcome: BreakerOutcome,
     /// A cooldown on top of the outcome (a 503 with a `Retry-After` hint).
     cooldown: Option<BreakerOutcome>,
@@ -248,7 +249,7 @@ pub(crate) struct AttemptGuard {
     started: Instant,
     /// The row's fixed part; taken (not cloned) by the one decision, or by the drop of
     /// an undecided attempt.
-    base: Option<TelemetryRow>,
+    base: Option<Box<TelemetryRow>>,
     /// A resume leg's mode (its metric label).
     resume_mode: Option<&'static str>,
     decided: Option<Decided>,
@@ -308,7 +309,7 @@ impl AttemptGuard {
             control,
             permit: Some(permit),
             probe: info.probe,
-            base: Some(base),
+            base: Some(Box::new(base)),
             resume_mode,
             decided: None,
             armed: true,
@@ -333,7 +334,7 @@ impl AttemptGuard {
     /// The attempt's row, from the base. `None` once decided: the round decides a leg
     /// once and then finishes its guard, so a second decision is a bug that must not
     /// overwrite the first (it is logged and ignored).
-    fn row(&mut self, wall: Duration) -> Option<TelemetryRow> {
+    fn row(&mut self, wall: Duration) -> Option<Box<TelemetryRow>> {
         let Some(mut r) = self.base.take() else {
             tracing::error!("an attempt was decided twice; the first decision stands");
             return None;
@@ -358,7 +359,8 @@ impl AttemptGuard {
             )
             .tokens()
         });
-        let mut row = row.with_usage(&facts.usage, facts.usage_source);
+        let mut row = row;
+        row.set_usage(&facts.usage, facts.usage_source);
         row.ok = true;
         row.http_status = Some(facts.http_status);
         if let Some(m) = &facts.model {
@@ -376,7 +378,7 @@ impl AttemptGuard {
             src,
         );
         if let Some(e) = &facts.estimate {
-            row = row.with_estimate(e);
+            row.set_estimate(e);
         }
         if let Some(f) = facts.figures {
             row.ttft_ms = f.ttft_ms;
@@ -414,10 +416,10 @@ impl AttemptGuard {
         row.ttft_ms = ended.ttft_ms;
         if let Some(u) = &ended.usage {
             // A cut leg: its estimate, as the answer counts it (SPEC §17.8).
-            row = record_estimate(row, u, self.source());
+            record_estimate(&mut row, u, self.source());
         }
         if let Some(e) = &ended.estimate {
-            row = row.with_estimate(e);
+            row.set_estimate(e);
         }
         // SPEC §14.1: a hint cools the source down (429 and 503 alike), never for less
         // than the current backoff; without one, the backoff is the cooldown of a 429.
@@ -504,7 +506,7 @@ impl AttemptGuard {
             if self.winner {
                 d.row.trace = Some(self.call.trace_json());
             }
-            engine.ports.telemetry.record(d.row);
+            engine.ports.telemetry.record(*d.row);
         }
         self.armed = false;
         engine.freed.notify_one();
@@ -553,10 +555,10 @@ impl Drop for AttemptGuard {
                 let row = self.row(wall).map(|mut row| {
                     row.ttft_ms = ended.ttft_ms;
                     if let Some(u) = &ended.usage {
-                        row = record_estimate(row, u, src);
+                        record_estimate(&mut row, u, src);
                     }
                     if let Some(e) = &ended.estimate {
-                        row = row.with_estimate(e);
+                        row.set_estimate(e);
                     }
                     row.error = Some(label.as_str().to_string());
                     row.error_detail = Some(match label {
@@ -583,7 +585,7 @@ impl Drop for AttemptGuard {
             if self.winner {
                 row.trace = Some(self.call.trace_json());
             }
-            self.engine.ports.telemetry.record(row);
+            self.engine.ports.telemetry.record(*row);
         }
         if let Some(permit) = self.permit.take() {
             match tokens {

@@ -21,7 +21,7 @@
 //!   round feeds the caller's drop (or the deadline) to the machine so that even then
 //!   every label comes from it.
 
-use std::collections::{BTreeMap, BTreeSet, VecDeque};
+use std::collections::{BTreeSet, VecDeque};
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -379,10 +379,12 @@ struct Exec<'a, L: Leg> {
     ticket: Option<BudgetTicket>,
     picked: Option<Picked>,
     finalizing: FutureSet<BoxFuture<'static, ()>>,
-    /// Ended legs waiting for their fate (within one feed).
-    ended: BTreeMap<LegId, LegDone<L::Output>>,
+    /// Ended legs waiting for their fate (within one feed), in launch order. A round
+    /// has a handful of legs: a vector searched by leg, not a map (a `BTreeMap` node
+    /// holds room for eleven of these: a 20 KB allocation per call, issue 27).
+    ended: Vec<LegDone<L::Output>>,
     /// Outputs of legs that ended successfully, kept for the winner.
-    outputs: BTreeMap<LegId, (L::Output, SuccessFacts, Duration)>,
+    outputs: Vec<(LegId, L::Output, SuccessFacts, Duration)>,
     /// Per leg: the usage its row records (SPEC §17.8; `None` = unavailable).
     usage: Vec<Option<LegUsage>>,
     fallback_cooldown: Duration,
@@ -839,10 +841,11 @@ impl<'a, L: Leg> Exec<'a, L> {
     }
 
     fn finalize(&mut self, leg: LegId, fate: Fate) {
-        let Some(done) = self.ended.remove(&leg) else {
+        let Some(at) = self.ended.iter().position(|d| d.info.index == leg) else {
             tracing::error!(leg, "a fate for a leg that has not ended");
             return;
         };
+        let done = self.ended.remove(at);
         let LegDone {
             info,
             mut guard,
@@ -873,7 +876,7 @@ impl<'a, L: Leg> Exec<'a, L> {
                 }
                 guard.decide_success(&facts, wall);
                 self.usage[leg] = Some(LegUsage::new(facts.usage, facts.usage_source));
-                self.outputs.insert(leg, (out, facts, wall));
+                self.outputs.push((leg, out, facts, wall));
                 self.infos[leg] = info;
             }
             (Fate::Failed(e), result) => {
@@ -962,7 +965,8 @@ impl<'a, L: Leg> Exec<'a, L> {
         &mut self,
         first: Option<Result<LegDone<L::Output>, futures_util::future::Aborted>>,
     ) {
-        let mut batch: Vec<LegDone<L::Output>> = Vec::new();
+        let mut batch = std::mem::take(&mut self.ended);
+        batch.clear();
         let mut next = first;
         loop {
             match next {
@@ -989,9 +993,7 @@ impl<'a, L: Leg> Exec<'a, L> {
                 )
             })
             .collect();
-        for d in batch {
-            self.ended.insert(d.info.index, d);
-        }
+        self.ended = batch;
         for (leg, end) in order {
             self.feed(Event::Ended { leg, end });
         }
@@ -1035,7 +1037,12 @@ impl<'a, L: Leg> Exec<'a, L> {
     fn outcome(&mut self) -> RoundOutcome<L::Output> {
         match self.machine.result().cloned() {
             Some(RoundResult::Won { leg }) => {
-                let Some((output, facts, wall)) = self.outputs.remove(&leg) else {
+                let Some((_, output, facts, wall)) = self
+                    .outputs
+                    .iter()
+                    .position(|o| o.0 == leg)
+                    .map(|at| self.outputs.swap_remove(at))
+                else {
                     return RoundOutcome::Failed {
                         error: AttemptError::new(
                             polygw_core::ErrorClass::Invalid,
@@ -1260,8 +1267,8 @@ impl Engine {
             ticket: None,
             picked: None,
             finalizing: FutureSet::default(),
-            ended: BTreeMap::new(),
-            outputs: BTreeMap::new(),
+            ended: Vec::new(),
+            outputs: Vec::new(),
             usage: Vec::new(),
             fallback_cooldown: start.fallback_cooldown,
             events: VecDeque::new(),
@@ -1276,5 +1283,20 @@ impl Engine {
             inner: run,
         }
         .await
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use polygw_core::ports::transport::TransportResult;
+
+    /// Issue 27: an ended leg moves by value (out of its future, into the round's list,
+    /// out again); with the telemetry row inline in its guard that was 1.8 KB copied at
+    /// each step. The row is boxed, so a guard stays small.
+    #[test]
+    fn an_ended_leg_is_small_enough_to_move() {
+        assert!(std::mem::size_of::<AttemptGuard>() <= 256);
+        assert!(std::mem::size_of::<LegDone<TransportResult>>() <= 768);
     }
 }
