@@ -18,8 +18,16 @@ const BENCHES: &[Part] = &[
     Part {
         name: "overhead",
         in_all: true,
-        what: "GatewayClient vs direct reqwest: added µs, TTFT, calls/s, telemetry on/off",
-        cargo: &["bench", "-p", "polygw", "--bench", "overhead"],
+        what: "GatewayClient vs direct reqwest: added µs, TTFT, calls/s, telemetry on/off; on glibc's malloc, then the same program on mimalloc",
+        cargo: &[
+            "bench",
+            "-p",
+            "polygw",
+            "--bench",
+            "overhead",
+            "--bench",
+            "overhead_mimalloc",
+        ],
     },
     Part {
         name: "serve",

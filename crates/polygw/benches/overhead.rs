@@ -351,7 +351,7 @@ async fn profile_one(callers: &Callers, name: &str) -> bool {
     .await
 }
 
-fn main() {
+pub fn main() {
     let full = full_run();
     let mock = |b: Behavior| MockConfig {
         record_bodies: false,

@@ -181,8 +181,9 @@ impl Direct {
         b
     }
 
-    /// One call; `expect_chunks` content chunks must arrive (streams), or non-empty
-    /// content (plain).
+    /// One call; `expect_chunks` content chunks must arrive (streams), or as many words
+    /// of content (plain: the check the gateway variants make of their answer, so that
+    /// both sides pay for it).
     pub async fn call(
         &self,
         prompt: &str,
@@ -208,8 +209,8 @@ impl Direct {
             let bytes = resp.bytes().await.map_err(|e| format!("body: {e}"))?;
             let v: Value = serde_json::from_slice(&bytes).map_err(|e| format!("json: {e}"))?;
             let content = v["choices"][0]["message"]["content"].as_str().unwrap_or("");
-            if content.is_empty() {
-                return Err(format!("empty content: {v}"));
+            if content.split_whitespace().count() != expect_chunks {
+                return Err(format!("unexpected content: {v}"));
             }
             return Ok(Sample {
                 total: start.elapsed(),
