@@ -304,6 +304,7 @@ fn recorder(rows: &Rows, times: usize) -> MockTelemetryRecorder {
     t.expect_record()
         .times(times)
         .returning(move |row| rows.0.lock().unwrap().push(row));
+    t.expect_keeps_rows().return_const(true);
     t.expect_dropped().returning(|| 0);
     t.expect_flush().returning(|| Ok(FlushReport::default()));
     t

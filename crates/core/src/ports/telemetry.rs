@@ -25,6 +25,12 @@ pub trait TelemetryRecorder: Send + Sync + std::fmt::Debug {
     /// Queues a row; never blocks, never fails the caller.
     fn record(&self, row: TelemetryRow);
 
+    /// Whether recorded rows are kept at all. `false` (telemetry off) lets the engine
+    /// skip what only a row would hold, such as the call's trace as JSON (issue 27).
+    fn keeps_rows(&self) -> bool {
+        true
+    }
+
     /// Rows dropped so far because the queue overflowed.
     fn dropped(&self) -> u64;
 
@@ -47,6 +53,9 @@ pub struct NullRecorder;
 #[async_trait]
 impl TelemetryRecorder for NullRecorder {
     fn record(&self, _row: TelemetryRow) {}
+    fn keeps_rows(&self) -> bool {
+        false
+    }
     fn dropped(&self) -> u64 {
         0
     }

@@ -503,7 +503,7 @@ impl AttemptGuard {
         if let Some(mut d) = self.decided.take() {
             self.count(d.row.error.as_deref().unwrap_or("ok"), ttft);
             self.call.charge(d.tokens, d.row.cost);
-            if self.winner {
+            if self.winner && engine.ports.telemetry.keeps_rows() {
                 d.row.trace = Some(self.call.trace_json());
             }
             engine.ports.telemetry.record(*d.row);
@@ -582,7 +582,7 @@ impl Drop for AttemptGuard {
             // Undecided: its reservation is what it settles (and its cost is unknown).
             self.call
                 .charge(tokens.unwrap_or_else(|| self.permit_est()), row.cost);
-            if self.winner {
+            if self.winner && self.engine.ports.telemetry.keeps_rows() {
                 row.trace = Some(self.call.trace_json());
             }
             self.engine.ports.telemetry.record(*row);

@@ -117,7 +117,9 @@ impl Engine {
         call.trace_now(polygw_core::trace::TraceEvent::End {
             why: reason.as_str().to_string(),
         });
-        r.trace = Some(call.trace_json());
+        if self.ports.telemetry.keeps_rows() {
+            r.trace = Some(call.trace_json());
+        }
         self.ports.telemetry.record(r);
     }
 

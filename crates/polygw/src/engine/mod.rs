@@ -73,6 +73,10 @@ pub(crate) struct Engine {
     pub scope_metrics: Arc<ScopeMetrics>,
     /// Each source's counters, indexed like `scope.sources`.
     pub source_metrics: Vec<Arc<SourceMetrics>>,
+    /// Each source's base URL with its credentials redacted (an attempt span's
+    /// `server.address`), computed once: 6 000 instructions per attempt otherwise
+    /// (issue 27).
+    pub source_addresses: Vec<String>,
     /// Signalled (`notify_one`) whenever an attempt of this client ends, freeing its slot
     /// and settling its reservation: one call waiting for a runnable source looks again
     /// at once (SPEC §14.6).
@@ -102,6 +106,11 @@ impl Engine {
             .iter()
             .map(|s| scope_metrics.source(&s.name))
             .collect();
+        let source_addresses = scope
+            .sources
+            .iter()
+            .map(|s| polygw_core::secret::redact_url(&s.base_url))
+            .collect();
         Engine {
             scope,
             kind,
@@ -111,6 +120,7 @@ impl Engine {
             metrics,
             scope_metrics,
             source_metrics,
+            source_addresses,
             freed: tokio::sync::Notify::new(),
         }
     }

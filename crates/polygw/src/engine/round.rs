@@ -602,7 +602,7 @@ impl<'a, L: Leg> Exec<'a, L> {
             gen_ai.operation.name = engine.kind.operation(),
             gen_ai.system = "openai",
             gen_ai.request.model = %src.model,
-            server.address = %polygw_core::secret::redact_url(&src.base_url),
+            server.address = %engine.source_addresses[info.source_idx],
             polygw.source = %src.name,
             polygw.hedge = is_hedge,
             polygw.attempt_index = info.attempt_index,
