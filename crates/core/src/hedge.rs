@@ -13,6 +13,7 @@
 //!
 //! A trigger launches at most one extra leg; a new extra leg needs a new trigger.
 
+use std::collections::VecDeque;
 use std::time::{Duration, Instant};
 
 use serde::Serialize;
@@ -448,23 +449,35 @@ pub fn thresholds(
 }
 
 /// The scope's hedge budget (SPEC §19.1): a token bucket. Each call adds `BUDGET_PCT`/100
-/// of a leg, up to a burst of `HEDGE__BURST` legs; each extra leg takes one. It starts
-/// full, so a quiet scope can rescue `burst` consecutive stalls; over any run the extra
-/// legs stay within `BUDGET_PCT` % of the calls plus the burst. `BUDGET_PCT` 0 = no cap
-/// (every leg is allowed and nothing is taken).
+/// of a leg; each extra leg takes one. It starts with `HEDGE__BURST` legs and holds the
+/// more of that burst and the budget of the calls of the last [`BANK_WINDOW`]: a quiet
+/// scope can rescue `burst` consecutive stalls, and a busy one banks what its last
+/// minute of calls allowed, so stalls that cluster in a minute are each rescued at
+/// their threshold instead of waiting for the bucket to refill (a bucket of 3 legs in
+/// front of a hundred streams runs dry whenever a few stall together, and the stalls
+/// that find it empty are the tail the budget is for). Banked legs expire with the
+/// calls that earned them. Over any run the extra legs stay within `BUDGET_PCT` % of the
+/// calls plus the burst: the bank only keeps what the calls added. `BUDGET_PCT` 0 = no
+/// cap (every leg is allowed and nothing is taken).
 ///
-/// Exact: levels are counted in hundredths of a leg. Calls are credited lazily, with the
-/// `pct` of the next [`HedgeBudget::try_take`] (adding up to a cap commutes, so this is
-/// the same as crediting each call as it comes).
+/// Exact: levels are counted in hundredths of a leg; calls are counted per second.
 #[derive(Debug, Clone)]
 pub struct HedgeBudget {
-    /// Capacity, hundredths of a leg.
-    cap: u64,
-    /// Available, hundredths of a leg (≤ `cap`).
+    /// The burst, hundredths of a leg.
+    burst: u64,
+    /// Available, hundredths of a leg (≤ the capacity in force).
     level: u64,
-    /// Calls not yet credited.
-    pending_calls: u64,
+    /// The capacity at the last operation, hundredths of a leg.
+    cap: u64,
+    /// Calls per second of the last [`BANK_WINDOW`]: (second since `origin`, calls),
+    /// oldest first, strictly increasing seconds.
+    recent: VecDeque<(u64, u64)>,
+    /// The first instant seen.
+    origin: Option<Instant>,
 }
+
+/// How long the budget of a call stays in the bank of a [`HedgeBudget`].
+pub const BANK_WINDOW: Duration = Duration::from_secs(60);
 
 /// One extra leg taken from a [`HedgeBudget`]; give it back with
 /// [`HedgeBudget::give_back`] when the leg is not launched after all.
@@ -492,43 +505,71 @@ impl HedgeBudget {
 
     /// A full budget holding `burst` legs (at least 1).
     pub fn with_burst(burst: u32) -> Self {
-        let cap = u64::from(burst.max(1)) * LEG;
+        let burst = u64::from(burst.max(1)) * LEG;
         HedgeBudget {
-            cap,
-            level: cap,
-            pending_calls: 0,
+            burst,
+            level: burst,
+            cap: burst,
+            recent: VecDeque::new(),
+            origin: None,
         }
     }
 
     /// The burst, in legs.
     pub fn burst(&self) -> u32 {
-        (self.cap / LEG) as u32
+        (self.burst / LEG) as u32
     }
 
-    fn credit(&mut self, pct: u32) {
-        let add = self.pending_calls.saturating_mul(u64::from(pct));
-        self.level = self.level.saturating_add(add).min(self.cap);
-        self.pending_calls = 0;
+    /// Forgets the calls older than [`BANK_WINDOW`] at `now`; the second `now` falls in.
+    fn advance(&mut self, now: Instant) -> u64 {
+        let origin = *self.origin.get_or_insert(now);
+        let sec = now.saturating_duration_since(origin).as_secs();
+        let sec = self.recent.back().map_or(sec, |&(last, _)| sec.max(last));
+        let window = BANK_WINDOW.as_secs();
+        while self
+            .recent
+            .front()
+            .is_some_and(|&(s, _)| s.saturating_add(window) <= sec)
+        {
+            self.recent.pop_front();
+        }
+        sec
     }
 
-    /// A logical call started (`now` is not needed by the bucket; kept for the engine).
-    pub fn record_call(&mut self, _now: Instant) {
-        self.pending_calls = self.pending_calls.saturating_add(1);
+    /// The capacity in force: the more of the burst and `pct` % of a leg per call of the
+    /// window; the level above it expires.
+    fn set_cap(&mut self, pct: u32) {
+        let calls: u64 = self.recent.iter().map(|&(_, n)| n).sum();
+        self.cap = self.burst.max(calls.saturating_mul(u64::from(pct)));
+        self.level = self.level.min(self.cap);
     }
 
-    /// Legs available now with `pct` (fractional; `burst` at most).
-    pub fn available(&mut self, pct: u32) -> f64 {
-        self.credit(pct);
+    /// A logical call started at `now`: it adds `pct` % of a leg.
+    pub fn record_call(&mut self, now: Instant, pct: u32) {
+        let sec = self.advance(now);
+        match self.recent.back_mut() {
+            Some((s, n)) if *s == sec => *n = n.saturating_add(1),
+            _ => self.recent.push_back((sec, 1)),
+        }
+        self.set_cap(pct);
+        self.level = self.level.saturating_add(u64::from(pct)).min(self.cap);
+    }
+
+    /// Legs available at `now` with `pct` (fractional).
+    pub fn available(&mut self, now: Instant, pct: u32) -> f64 {
+        self.advance(now);
+        self.set_cap(pct);
         self.level as f64 / LEG as f64
     }
 
     /// Takes one extra leg if a whole one is available (`pct` 0 = no cap: always, and
     /// nothing is taken).
-    pub fn try_take(&mut self, _now: Instant, pct: u32) -> Option<BudgetTicket> {
+    pub fn try_take(&mut self, now: Instant, pct: u32) -> Option<BudgetTicket> {
         if pct == 0 {
             return Some(BudgetTicket { amount: 0 });
         }
-        self.credit(pct);
+        self.advance(now);
+        self.set_cap(pct);
         if self.level < LEG {
             return None;
         }
@@ -625,15 +666,15 @@ mod tests {
     fn budget_is_a_token_bucket() {
         let s = t0();
         let mut b = HedgeBudget::with_burst(2);
-        b.record_call(s);
+        b.record_call(s, 20);
         assert!(b.try_take(s, 20).is_some(), "starts full");
         assert!(b.try_take(s, 20).is_some(), "a burst of 2");
         assert!(b.try_take(s, 20).is_none());
         for _ in 0..4 {
-            b.record_call(s);
+            b.record_call(s, 20);
         }
         assert!(b.try_take(s, 20).is_none(), "4 calls × 20 % < 1 leg");
-        b.record_call(s);
+        b.record_call(s, 20);
         assert!(b.try_take(s, 20).is_some(), "5 calls × 20 % = 1 leg");
         assert!(b.try_take(s, 20).is_none());
         assert!(
@@ -651,7 +692,7 @@ mod tests {
         let t = b.try_take(s, 10).expect("full");
         assert!(b.try_take(s, 10).is_none());
         b.give_back(t);
-        assert_eq!(b.available(10), 1.0);
+        assert_eq!(b.available(s, 10), 1.0);
         assert!(b.try_take(s, 10).is_some());
     }
 
@@ -806,39 +847,47 @@ mod tests {
         proptest::collection::vec(prop_oneof![0u64..300, 0u64..10_000, 0u64..200_000], 0..80)
     }
 
-    /// One step of a scope's budget: a call, a trigger, or giving back the oldest ticket.
+    /// One step of a scope's budget: a call, a trigger, giving back the oldest ticket,
+    /// or time passing (seconds).
     #[derive(Debug, Clone, Copy)]
     enum Op {
         Call,
         Take,
         GiveBack,
+        Wait(u64),
     }
 
     fn ops() -> impl Strategy<Value = Vec<Op>> {
         proptest::collection::vec(
-            prop_oneof![4 => Just(Op::Call), 3 => Just(Op::Take), 1 => Just(Op::GiveBack)],
+            prop_oneof![
+                4 => Just(Op::Call),
+                3 => Just(Op::Take),
+                1 => Just(Op::GiveBack),
+                1 => (0u64..90).prop_map(Op::Wait)
+            ],
             0..300,
         )
     }
 
-    /// Runs `ops`; returns (calls, legs kept) after each step.
+    /// Runs `ops` from `clock` on (moving it); returns (calls, legs kept) after each
+    /// step.
     fn run(
         b: &mut HedgeBudget,
         ops: &[Op],
         pct: u32,
         mut tickets: Vec<BudgetTicket>,
+        clock: &mut Instant,
     ) -> Vec<(u64, u64)> {
-        let s = t0();
         let (mut calls, mut kept) = (0u64, 0u64);
         ops.iter()
             .map(|op| {
                 match op {
                     Op::Call => {
-                        b.record_call(s);
+                        b.record_call(*clock, pct);
                         calls += 1;
                     }
                     Op::Take => {
-                        if let Some(t) = b.try_take(s, pct) {
+                        if let Some(t) = b.try_take(*clock, pct) {
                             tickets.push(t);
                             kept += 1;
                         }
@@ -849,6 +898,7 @@ mod tests {
                             kept = kept.saturating_sub(1);
                         }
                     }
+                    Op::Wait(secs) => *clock += Duration::from_secs(*secs),
                 }
                 (calls, kept)
             })
@@ -1044,7 +1094,7 @@ mod tests {
             let s = t0();
             let mut b = HedgeBudget::with_burst(burst);
             for i in 0..burst {
-                b.record_call(s);
+                b.record_call(s, pct);
                 prop_assert!(b.try_take(s, pct).is_some(), "stall {} of a burst of {}", i + 1, burst);
             }
             // the calls since the first stall may have refilled whole legs, no more
@@ -1055,38 +1105,65 @@ mod tests {
             prop_assert!(100 * more <= u64::from(burst - 1) * u64::from(pct));
             // and ⌈100 / pct⌉ calls later the next stall is served again
             for _ in 0..100_u32.div_ceil(pct) {
-                b.record_call(s);
+                b.record_call(s, pct);
             }
             prop_assert!(b.try_take(s, pct).is_some());
         }
 
-        /// Over any run, extra legs kept ≤ BUDGET_PCT % of the calls + the burst.
+        /// Over any run, extra legs kept ≤ BUDGET_PCT % of the calls + the burst —
+        /// whatever the calls' timing (the bank only keeps what they added).
         #[test]
         fn extra_legs_stay_within_the_budget(ops in ops(), burst in 1u32..6, pct in 1u32..=100) {
             let mut b = HedgeBudget::with_burst(burst);
-            for (calls, kept) in run(&mut b, &ops, pct, Vec::new()) {
+            for (calls, kept) in run(&mut b, &ops, pct, Vec::new(), &mut t0()) {
                 prop_assert!(100 * kept <= u64::from(pct) * calls + 100 * u64::from(burst),
                     "{} legs for {} calls at {} % with a burst of {}", kept, calls, pct, burst);
             }
+        }
+
+        /// A busy scope banks exactly the budget of its last minute of calls (or the
+        /// burst, if more), and the bank expires with the calls that earned it.
+        #[test]
+        fn a_busy_scope_banks_a_minute_of_its_budget(
+            n in 0u64..3000, burst in 1u32..6, pct in 1u32..=100, spread in 0u64..60,
+        ) {
+            let s = t0();
+            let mut b = HedgeBudget::with_burst(burst);
+            // n calls over `spread` seconds (all within one minute of the last)
+            for i in 0..n {
+                b.record_call(s + Duration::from_secs(spread * i / n.max(1)), pct);
+            }
+            let last = s + Duration::from_secs(spread * n.saturating_sub(1) / n.max(1));
+            let banked = (u64::from(burst) * 100).max(n * u64::from(pct));
+            let first_out = s + BANK_WINDOW;
+            let hundredths = |x: f64| (x * 100.0).round() as u64;
+            prop_assert_eq!(hundredths(b.available(last, pct)), banked);
+            if first_out > last {
+                prop_assert_eq!(hundredths(b.available(first_out - Duration::from_millis(1), pct)), banked,
+                    "nothing expires within a minute of the first call");
+            }
+            prop_assert!(b.available(last + BANK_WINDOW, pct) <= f64::from(burst),
+                "a quiet minute later only the burst is left");
         }
 
         /// A leg taken and given back leaves the bucket exactly as if never taken, however
         /// many calls and takes happened in between.
         #[test]
         fn give_back_restores_exactly(before in ops(), between in ops(), after in ops(), burst in 1u32..6, pct in 1u32..=100) {
-            let s = t0();
+            let mut cw = t0();
+            let mut cwo = cw;
             let mut with = HedgeBudget::with_burst(burst);
             let mut without = HedgeBudget::with_burst(burst);
-            run(&mut with, &before, pct, Vec::new());
-            run(&mut without, &before, pct, Vec::new());
-            let Some(ticket) = with.try_take(s, pct) else { return Ok(()); };
-            // between: both see the same calls; `with` is one leg short meanwhile
-            let calls: Vec<Op> = between.iter().copied().filter(|o| matches!(o, Op::Call)).collect();
-            run(&mut with, &calls, pct, Vec::new());
-            run(&mut without, &calls, pct, Vec::new());
+            run(&mut with, &before, pct, Vec::new(), &mut cw);
+            run(&mut without, &before, pct, Vec::new(), &mut cwo);
+            let Some(ticket) = with.try_take(cw, pct) else { return Ok(()); };
+            // between: both see the same calls and time; `with` is one leg short meanwhile
+            let calls: Vec<Op> = between.iter().copied().filter(|o| matches!(o, Op::Call | Op::Wait(_))).collect();
+            run(&mut with, &calls, pct, Vec::new(), &mut cw);
+            run(&mut without, &calls, pct, Vec::new(), &mut cwo);
             with.give_back(ticket);
-            prop_assert_eq!(with.available(pct), without.available(pct));
-            prop_assert_eq!(run(&mut with, &after, pct, Vec::new()), run(&mut without, &after, pct, Vec::new()));
+            prop_assert_eq!(with.available(cw, pct), without.available(cwo, pct));
+            prop_assert_eq!(run(&mut with, &after, pct, Vec::new(), &mut cw), run(&mut without, &after, pct, Vec::new(), &mut cwo));
         }
 
         /// `BUDGET_PCT` 0 = no cap: every leg is allowed and none is counted.
@@ -1097,7 +1174,7 @@ mod tests {
             for _ in 0..takes {
                 prop_assert!(b.try_take(s, 0).is_some());
             }
-            prop_assert_eq!(b.available(10), f64::from(burst));
+            prop_assert_eq!(b.available(s, 10), f64::from(burst));
         }
     }
 

@@ -203,6 +203,9 @@ pub struct PickRequest {
     pub require_prefill: bool,
     /// Take one extra leg from the scope's hedge budget (stall/first-token triggers).
     pub hedge_budget: bool,
+    /// The leg whose trigger asks, and which trigger (`first_token`, `stall`); `None`
+    /// for a pick that no trigger asked for (a continuation after a failure).
+    pub fired_by: Option<(LegId, &'static str)>,
 }
 
 /// An admitted source, answering a [`PickRequest`].
@@ -377,6 +380,10 @@ struct Leg {
     last_chunk: Option<Instant>,
     first_token_fired: bool,
     stall_fired_at: Option<u32>,
+    /// A trigger of this leg that fired but got no leg (the hedge budget was empty, no
+    /// other source admitted): it fires again at `due` if the leg is still silent
+    /// ([`REARM_DIVISOR`]).
+    rearm: Option<Rearm>,
     /// The leg's own output.
     text: Transcript,
     /// Chunks held until the leg is committed (non-incremental ones; for a prefill leg
@@ -433,6 +440,33 @@ enum Trigger {
     FirstToken,
     Stall,
 }
+
+impl Trigger {
+    /// As the trace names it.
+    fn name(self) -> &'static str {
+        match self {
+            Trigger::FirstToken => "first_token",
+            Trigger::Stall => "stall",
+        }
+    }
+}
+
+/// A trigger due again after its pick launched nothing.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Rearm {
+    trigger: Trigger,
+    /// The leg's chunk count when it fired (a chunk since ends the silence: no re-fire).
+    chunks: u32,
+    due: Instant,
+}
+
+/// A trigger whose pick launched nothing (the hedge budget was empty, no other source
+/// admitted) fires again after this fraction (an eighth) of its
+/// threshold, as long as its leg stays silent: a budget that refills or a quota that
+/// frees still rescues a long stall, and the longer a silence lasts the more often it
+/// asks (a short stall ends before it asks again). Without it a stall that met an
+/// empty bucket went unrescued to its end — the tail a budget-capped hedge is for.
+pub const REARM_DIVISOR: u32 = 8;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Purpose {
@@ -582,10 +616,7 @@ impl Round {
         self.legs
             .get(leg)
             .and_then(|l| l.fired_by)
-            .map(|t| match t {
-                Trigger::FirstToken => "first_token",
-                Trigger::Stall => "stall",
-            })
+            .map(Trigger::name)
     }
 
     /// Arrival of a leg's latest incremental chunk.
@@ -699,7 +730,9 @@ impl Round {
             Event::Ended { leg, end } => self.on_ended(leg, end, out),
             Event::Picked(p) => self.on_picked(p, now, out),
             Event::PickFailed => {
-                // Fail closed: nothing launched for it; whatever runs goes on.
+                // Fail closed: nothing launched for it; whatever runs goes on. Its
+                // trigger does not ask again in this silence: a backend that failed is
+                // not polled by every silent leg (a refusal is: `on_picked`).
                 if self.pending.take().is_none() {
                     return;
                 }
@@ -755,6 +788,7 @@ impl Round {
             last_chunk: None,
             first_token_fired: false,
             stall_fired_at: None,
+            rearm: None,
             text: Transcript::default(),
             buffered: Vec::new(),
             buffered_bytes: 0,
@@ -1143,6 +1177,7 @@ impl Round {
                     prefer_prefill: false,
                     require_prefill: false,
                     hedge_budget: false,
+                    fired_by: None,
                 }));
             }
         }
@@ -1353,20 +1388,64 @@ impl Round {
         for leg in self.running() {
             let l = &self.legs[leg];
             let (after, stall_after) = self.triggers_for(l.source);
-            if let (Some(after), 0, false) = (after, l.chunks, l.first_token_fired) {
-                if self.trigger_purpose(leg, Trigger::FirstToken).is_some() {
-                    consider(leg, Trigger::FirstToken, l.launched_at + after);
+            let rearmed = |t: Trigger| {
+                l.rearm
+                    .filter(|r| r.trigger == t && r.chunks == l.chunks)
+                    .map(|r| r.due)
+            };
+            if let (Some(after), 0) = (after, l.chunks) {
+                let due = if l.first_token_fired {
+                    rearmed(Trigger::FirstToken)
+                } else {
+                    Some(l.launched_at + after)
+                };
+                if let Some(due) = due {
+                    if self.trigger_purpose(leg, Trigger::FirstToken).is_some() {
+                        consider(leg, Trigger::FirstToken, due);
+                    }
                 }
             }
             if let (Some(stall), Some(last)) = (stall_after, l.last_chunk) {
-                if l.stall_fired_at != Some(l.chunks)
-                    && self.trigger_purpose(leg, Trigger::Stall).is_some()
-                {
-                    consider(leg, Trigger::Stall, last + stall);
+                let due = if l.stall_fired_at == Some(l.chunks) {
+                    rearmed(Trigger::Stall)
+                } else {
+                    Some(last + stall)
+                };
+                if let Some(due) = due {
+                    if self.trigger_purpose(leg, Trigger::Stall).is_some() {
+                        consider(leg, Trigger::Stall, due);
+                    }
                 }
             }
         }
         best
+    }
+
+    /// A trigger's pick launched nothing: it fires again [`REARM_DIVISOR`]-th of its
+    /// threshold from `now`, if its leg is still running and silent.
+    fn rearm(&mut self, pending: Pending, now: Instant) {
+        let (Some((leg, chunks)), Some(trigger)) = (pending.trigger, pending.fired) else {
+            return;
+        };
+        let Some(l) = self.legs.get(leg) else {
+            return;
+        };
+        if l.state != LegState::Running || l.chunks != chunks {
+            return;
+        }
+        let (after, stall) = self.triggers_for(l.source);
+        let threshold = match trigger {
+            Trigger::FirstToken => after,
+            Trigger::Stall => stall,
+        };
+        if let Some(th) = threshold {
+            let wait = (th / REARM_DIVISOR).max(Duration::from_millis(1));
+            self.legs[leg].rearm = Some(Rearm {
+                trigger,
+                chunks,
+                due: now + wait,
+            });
+        }
     }
 
     fn fire_triggers(&mut self, now: Instant, out: &mut Vec<Action>) {
@@ -1381,13 +1460,15 @@ impl Round {
         };
         {
             let l = &mut self.legs[leg];
+            l.rearm = None;
             match trigger {
                 Trigger::FirstToken => l.first_token_fired = true,
                 Trigger::Stall => l.stall_fired_at = Some(l.chunks),
             }
         }
         let chunks = self.legs[leg].chunks;
-        let request = self.pick_request(purpose);
+        let mut request = self.pick_request(purpose);
+        request.fired_by = Some((leg, trigger.name()));
         self.pending = Some(Pending {
             purpose,
             trigger: Some((leg, chunks)),
@@ -1406,6 +1487,7 @@ impl Round {
                 prefer_prefill: false,
                 require_prefill: false,
                 hedge_budget: true,
+                fired_by: None,
             },
             Purpose::Resume => {
                 let mut exclude = running;
@@ -1418,6 +1500,7 @@ impl Round {
                     prefer_prefill: true,
                     require_prefill: self.spec.resume == ResumeSetting::Prefill,
                     hedge_budget: true,
+                    fired_by: None,
                 }
             }
             Purpose::Continue { .. } => PickRequest {
@@ -1426,6 +1509,7 @@ impl Round {
                 prefer_prefill: self.spec.resume != ResumeSetting::Off,
                 require_prefill: false,
                 hedge_budget: true,
+                fired_by: None,
             },
             Purpose::AfterReject { source, .. } => PickRequest {
                 exclude: BTreeSet::new(),
@@ -1433,6 +1517,7 @@ impl Round {
                 prefer_prefill: false,
                 require_prefill: false,
                 hedge_budget: false,
+                fired_by: None,
             },
         }
     }
@@ -1444,7 +1529,10 @@ impl Round {
             }
             return;
         };
-        let Some(p) = picked else { return };
+        let Some(p) = picked else {
+            self.rearm(pending, now);
+            return;
+        };
         let moot = self.result.is_some()
             || pending.trigger.is_some_and(|(leg, chunks)| {
                 let l = &self.legs[leg];

@@ -49,6 +49,18 @@ pub enum TraceEvent {
         #[serde(skip_serializing_if = "Option::is_none")]
         mode: Option<String>,
     },
+    /// A leg's trigger fired but no extra leg could start: `why` is `hedge_budget` (the
+    /// scope's budget was empty), `no_source` (no other source admitted) or
+    /// `governance` (the governance backend failed). The trigger asks again while the
+    /// leg stays silent; the trace keeps the first refusal of a run of them.
+    NoLeg {
+        /// The leg whose trigger fired.
+        leg: usize,
+        /// `first_token` or `stall`.
+        by: String,
+        /// Why no leg started.
+        why: String,
+    },
     /// A leg's first incremental chunk.
     FirstToken {
         /// Leg.
@@ -195,6 +207,18 @@ pub fn describe(e: &TraceEvent) -> String {
                 .map(|m| format!(" by {m}"))
                 .unwrap_or_default();
             format!("leg {leg} launched on {src}: {why}{mode}{by}")
+        }
+        TraceEvent::NoLeg { leg, by, why } => {
+            let why = match why.as_str() {
+                "hedge_budget" => "the hedge budget is spent",
+                "no_source" => "no other source admits it",
+                "governance" => "the governance backend failed",
+                other => other,
+            };
+            format!(
+                "leg {leg}: its {} trigger fired, no extra leg ({why}); it asks again while the leg is silent",
+                by.replace('_', " ")
+            )
         }
         TraceEvent::FirstToken { leg } => format!("leg {leg}: first token"),
         TraceEvent::Commit { leg } => format!("leg {leg} committed: its chunks reach the caller"),

@@ -304,6 +304,24 @@ impl GatewayClient {
             .collect()
     }
 
+    /// The live latency distributions `auto` thresholds come from (SPEC §19.1), per
+    /// source: time to first token and each streamed leg's longest gap, observed and
+    /// censored samples (legs cancelled or cut before the event), for streamed
+    /// (`stream`) or plain requests. Empty sketches when no trigger is `auto`.
+    pub fn hedge_latency(
+        &self,
+        stream: bool,
+    ) -> Vec<(String, polygw_core::latency::LatencySnapshot)> {
+        let e = &self.engine;
+        let v = e.latency.views(stream, e.ports.clock.now());
+        e.scope
+            .sources
+            .iter()
+            .map(|s| s.name.clone())
+            .zip(v)
+            .collect()
+    }
+
     /// Exchanges the sources' latency distributions with the shared store now (with Redis
     /// governance this happens every 5 s by itself): this process's samples out, every
     /// process's merge in.
@@ -503,7 +521,9 @@ impl GatewayClient {
             }
         }
         if call.count_in_budget() {
-            engine.budget().record_call(engine.ports.clock.now());
+            engine
+                .budget()
+                .record_call(engine.ports.clock.now(), engine.scope.hedge.budget_pct);
         }
         if engine.affinity_applies() && call.affinity().is_none() {
             // A structured call's re-asks (or any call without options): the request's.

@@ -1035,6 +1035,133 @@ mod hedge_auto {
         }
     }
 
+    /// SPEC §19.1, the no-feedback-loop rule carried out by the engine: a leg the hedge
+    /// beats is cancelled before its first token, and it stays in its source's
+    /// distribution as a censored sample. Dropped instead, every cancellation would take
+    /// the slowest answers out, the 90th percentile would fall, more calls would be
+    /// hedged and cancelled — the threshold would spiral down. Here 300 answers of
+    /// 100..=1981 ms, each slow one hedged: the threshold stays at the true p90.
+    #[tokio::test(start_paused = true)]
+    async fn hedging_never_pulls_its_own_threshold_down() {
+        let h = harness(2, prioritized).await;
+        h.fake.set_default("s-1", Script::ok(ms(100), "rescued"));
+        let mut hedged = 0;
+        for i in 0..300u64 {
+            h.fake
+                .push("s-0", Script::ok(ms(100 + 19 * (i * 37 % 100)), "ok"));
+            let r = h
+                .client
+                .chat(ChatRequest::user(format!("{i}")))
+                .await
+                .unwrap();
+            hedged += r.call_stats.hedges;
+        }
+        assert!(hedged >= 20, "the slow answers were hedged: {hedged}");
+        let t = h.client.hedge_thresholds(false)[0].1.after.value.unwrap();
+        assert!(
+            t >= ms(1_780),
+            "the threshold stays at the true p90 (≈ 1.81 s): {t:?}"
+        );
+        let latency = h.client.hedge_latency(false);
+        let (name, s0) = &latency[0];
+        assert_eq!(name, "s-0");
+        let s1 = &latency[1].1;
+        assert_eq!(
+            s0.ttft.samples(),
+            300,
+            "one sample per leg, cancelled or not"
+        );
+        assert_eq!(
+            s1.ttft.samples(),
+            u64::from(hedged),
+            "the hedge legs' too, won or cancelled"
+        );
+        assert_eq!(
+            s0.ttft.censored() + s1.ttft.censored(),
+            u64::from(hedged),
+            "each hedged call cancelled one leg before its first token: a censored sample"
+        );
+        assert!(s0.ttft.censored() >= 10, "{}", s0.ttft.censored());
+    }
+
+    /// A trigger that finds the hedge budget spent asks again while its leg stays silent
+    /// (every eighth of the threshold): a stall is rescued once the calls that start
+    /// meanwhile refill the budget, instead of waiting out the whole stall. The call's
+    /// trace says why the first attempt launched nothing.
+    #[tokio::test(start_paused = true)]
+    async fn a_stall_that_finds_the_budget_spent_is_rescued_once_it_refills() {
+        use polygw_core::hedge::ThresholdSetting;
+        let h = harness(2, |s| {
+            prioritized(s);
+            s.hedge.after = ThresholdSetting::Off;
+            s.hedge.stall_after = ThresholdSetting::Static(secs(1));
+            s.hedge.budget_pct = 50;
+            s.hedge.burst = 1;
+            s.hedge.max_extra = 1;
+        })
+        .await;
+        let mut stall = vec![ms(50); 9];
+        stall[3] = secs(60);
+        let gaps = [ms(50); 9];
+        // Call 1 takes the bucket's one leg; call 2 finds half a leg.
+        for _ in 0..2 {
+            h.fake
+                .push("s-0", Script::stream(ms(100), &stall, "abcdefghij"));
+            h.fake
+                .push("s-1", Script::stream(ms(100), &gaps, "abcdefghij"));
+        }
+        let r = h
+            .client
+            .chat(ChatRequest::user("one").with_stream(true))
+            .await
+            .unwrap();
+        assert_eq!(r.call_stats.hedges, 1, "the burst rescues the first stall");
+        let client = h.client.clone();
+        let two = tokio::spawn(async move {
+            client
+                .chat(ChatRequest::user("two").with_stream(true))
+                .await
+        });
+        // Call 2 stalls at 250 ms; its trigger at 1.25 s finds half a leg. At 5 s a
+        // third call starts and adds the other half.
+        tokio::time::sleep(secs(5)).await;
+        h.fake.push("s-0", Script::ok(ms(100), "three"));
+        let r3 = h
+            .client
+            .chat(ChatRequest::user("three").with_stream(true))
+            .await
+            .unwrap();
+        assert_eq!(r3.call_stats.hedges, 0);
+        let r = two.await.unwrap().unwrap();
+        assert_eq!(r.content, "abcdefghij");
+        assert_eq!(r.call_stats.hedges, 1, "rescued: {:?}", r.call_stats);
+        let t = r.call_stats.total_latency_ms;
+        assert!(
+            (5_000..=5_900).contains(&t),
+            "rescued within an eighth of the threshold of the refill, not after the 60 s stall: {t} ms"
+        );
+        let rows = h.rows.rows_of(&r.logical_call_id);
+        let last = rows.iter().find(|x| x.trace.is_some()).unwrap();
+        let trace =
+            polygw_core::trace::CallTrace::from_json(last.trace.as_deref().unwrap()).unwrap();
+        let lines = trace.timeline().join("\n");
+        let refusals = trace
+            .events
+            .iter()
+            .filter(|e| matches!(e.event, polygw_core::trace::TraceEvent::NoLeg { .. }))
+            .count();
+        assert_eq!(
+            refusals, 1,
+            "the first refusal of the silence only:\n{lines}"
+        );
+        for want in [
+            "leg 0: its stall trigger fired, no extra leg (the hedge budget is spent)",
+            "leg 1 launched on s-1",
+        ] {
+            assert!(lines.contains(want), "{want:?} in\n{lines}");
+        }
+    }
+
     /// A single-source scope never hedges `auto` (no other source); `off` turns it off.
     #[tokio::test(start_paused = true)]
     async fn auto_needs_two_sources_and_off_turns_it_off() {

@@ -1,6 +1,7 @@
 //! The legs of a logical call from its decision trace (SPEC §19.4): when each leg was
-//! launched and why, its first token and commit, the stalls that fired a hedge while it
-//! led, and how it ended — for the HTML report's timeline chart and `polygw report
+//! launched and why, its first token and commit, the stalls that fired the stall trigger
+//! while it led (an extra leg launched, or none because the budget was spent), and how it
+//! ended — for the HTML report's timeline chart and `polygw report
 //! --call`. Pure functions over rows; definitions: docs/REPORT.md.
 
 use std::collections::{HashMap, HashSet};
@@ -94,7 +95,7 @@ pub struct LegSpan {
     /// Its chunks reached the caller from here on.
     pub commit: Option<u64>,
     /// When a stall of this leg fired the stall trigger (an extra leg launched `by`
-    /// `stall` while it led the round).
+    /// `stall` while it led the round, or the trigger's first refusal in that silence).
     pub stalls: Vec<u64>,
     /// How it ended.
     pub outcome: LegEnd,
@@ -227,6 +228,14 @@ impl CallTimeline {
                         row: None,
                     });
                     ended.push(false);
+                }
+                TraceEvent::NoLeg { leg, by, .. } => {
+                    // A stall detected that no leg could rescue yet: marked on the leg.
+                    if by == "stall" {
+                        if let Some(i) = find(&legs, round, *leg) {
+                            legs[i].stalls.push(e.t);
+                        }
+                    }
                 }
                 TraceEvent::FirstToken { leg } => {
                     if let Some(i) = find(&legs, round, *leg) {

@@ -207,39 +207,93 @@ fn the_stall_trigger_fires_at_its_own_time() {
     assert_eq!(picks(&out), 1, "{out:?}");
 }
 
-/// The first-token trigger fires once, at its threshold, even when no leg could be
-/// admitted; never after the leg's first chunk.
+/// The first-token trigger fires at its threshold; when its pick launches nothing (no
+/// budget, no source) it fires again every [`REARM_DIVISOR`]-th of the threshold while
+/// the leg has no chunk; never after the leg's first chunk, not again once a leg
+/// launched, and not again after a failed governance backend.
 #[test]
-fn first_token_trigger_fires_once() {
-    let mut h = Hand::new(spec(false, policy(Some(100), None, 1)));
-    assert_eq!(h.r.next_wakeup(), Some(h.r.legs[0].launched_at + ms(100)));
+fn first_token_trigger_fires_at_its_threshold_and_again_when_refused() {
+    let th = 800;
+    let again = th / u64::from(REARM_DIVISOR);
+    let mut h = Hand::new(spec(false, policy(Some(th), None, 1)));
+    let start = h.r.legs[0].launched_at;
+    assert_eq!(h.r.next_wakeup(), Some(start + ms(th)));
     assert_eq!(picks(&h.at(50).on(Event::Tick)), 0);
-    assert_eq!(picks(&h.at(100).on(Event::Tick)), 1);
+    assert_eq!(picks(&h.at(th).on(Event::Tick)), 1);
+    assert_eq!(h.r.next_wakeup(), None, "one pick at a time");
+    h.at(th + 3).on(Event::Picked(None));
+    assert_eq!(
+        h.r.next_wakeup(),
+        Some(start + ms(th + 3 + again)),
+        "refused: due again a fraction of the threshold after the refusal"
+    );
+    assert_eq!(picks(&h.at(th + 2 + again).on(Event::Tick)), 0);
+    assert_eq!(picks(&h.at(th + 3 + again).on(Event::Tick)), 1);
+    h.at(th + 4 + again).on(Event::Picked(None));
+    assert_eq!(picks(&h.at(th + 4 + 2 * again).on(Event::Tick)), 1);
+    h.on(Event::Picked(Some(Picked {
+        source: 1,
+        prefill_capable: false,
+    })));
+    assert_eq!(h.r.legs(), 2);
+    assert_eq!(h.r.next_wakeup(), None, "MAX_EXTRA reached");
+    // A failed governance backend is not asked again by the same silence.
+    let mut h = Hand::new(spec(false, policy(Some(th), None, 1)));
+    assert_eq!(picks(&h.at(th).on(Event::Tick)), 1);
+    h.on(Event::PickFailed);
+    assert_eq!(h.r.next_wakeup(), None);
+    assert_eq!(picks(&h.at(10 * th).on(Event::Tick)), 0);
+    // A chunk ends the wait: a refused trigger is not due again.
+    let mut h = Hand::new(spec(false, policy(Some(th), None, 2)));
+    assert_eq!(picks(&h.at(th).on(Event::Tick)), 1);
     h.on(Event::Picked(None));
-    assert_eq!(h.r.next_wakeup(), None, "consumed");
-    let mut h = Hand::new(spec(false, policy(Some(100), None, 1)));
+    h.at(th + 10).chunk(0, text("x"));
+    assert_eq!(h.r.next_wakeup(), None);
+    assert_eq!(picks(&h.at(10 * th).on(Event::Tick)), 0);
+    let mut h = Hand::new(spec(false, policy(Some(th), None, 1)));
     h.at(20).chunk(0, text("x"));
     assert_eq!(h.r.next_wakeup(), None);
-    assert_eq!(picks(&h.at(500).on(Event::Tick)), 0);
+    assert_eq!(picks(&h.at(10 * th).on(Event::Tick)), 0);
 }
 
-/// The stall trigger arms on the first chunk, fires once per silence, and re-arms on
-/// the next chunk.
+/// The stall trigger arms on the first chunk and fires once per silence when its leg
+/// launches; refused, it fires again every [`REARM_DIVISOR`]-th of the threshold while
+/// the silence lasts; the next chunk re-arms it at the full threshold.
 #[test]
-fn stall_trigger_rearms_on_each_chunk() {
-    let mut h = Hand::new(spec(false, policy(None, Some(100), 3)));
+fn stall_trigger_rearms_on_each_chunk_and_after_a_refusal() {
+    let th = 800;
+    let again = th / u64::from(REARM_DIVISOR);
+    let mut h = Hand::new(spec(false, policy(None, Some(th), 3)));
     assert_eq!(h.r.next_wakeup(), None, "no chunk yet: no stall");
     h.at(1000).chunk(0, text("a"));
-    assert_eq!(picks(&h.at(1050).on(Event::Tick)), 0);
-    assert_eq!(picks(&h.at(1100).on(Event::Tick)), 1);
+    assert_eq!(picks(&h.at(1000 + th - 1).on(Event::Tick)), 0);
+    assert_eq!(picks(&h.at(1000 + th).on(Event::Tick)), 1);
     h.on(Event::Picked(None));
+    assert_eq!(picks(&h.at(1000 + th + again - 1).on(Event::Tick)), 0);
     assert_eq!(
-        picks(&h.at(1150).on(Event::Tick)),
-        0,
-        "same silence fires once"
+        picks(&h.at(1000 + th + again).on(Event::Tick)),
+        1,
+        "refused: asks again a fraction of the threshold later"
     );
-    h.at(1200).chunk(0, text("b"));
-    assert_eq!(picks(&h.at(1300).on(Event::Tick)), 1);
+    h.on(Event::Picked(None));
+    let b = 1000 + th + again + 1;
+    h.at(b).chunk(0, text("b"));
+    assert_eq!(
+        picks(&h.at(b + again).on(Event::Tick)),
+        0,
+        "the chunk ended that silence"
+    );
+    assert_eq!(picks(&h.at(b + th).on(Event::Tick)), 1);
+    h.on(Event::Picked(Some(Picked {
+        source: 1,
+        prefill_capable: false,
+    })));
+    assert_eq!(h.r.legs(), 2);
+    assert!(
+        h.r.next_wakeup()
+            .is_none_or(|w| w > h.r.legs[0].launched_at + ms(b + 2 * th)),
+        "a silence that got its leg does not fire again"
+    );
 }
 
 /// A ladder of extra legs: each needs its own trigger; MAX_EXTRA stops it.

@@ -7,7 +7,7 @@ use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use polygw_core::hedge::{ThresholdSetting, Thresholds};
-use polygw_core::latency::{GapTally, LegTimes, ScopeLatency};
+use polygw_core::latency::{GapTally, LatencySnapshot, LegTimes, ScopeLatency};
 use polygw_core::ports::SourceSketch;
 use polygw_core::HedgeSettings;
 
@@ -139,6 +139,17 @@ impl EngineLatency {
     /// The sources' names.
     pub(crate) fn sources(&self) -> &[String] {
         &self.sources
+    }
+
+    /// Each source's distributions at `now` (indexed like the scope's sources), for
+    /// streamed or plain legs.
+    pub(crate) fn views(&self, stream: bool, now: Instant) -> Vec<LatencySnapshot> {
+        let mut books = self.books();
+        let book = &mut books[idx(stream)];
+        self.sources
+            .iter()
+            .map(|s| book.latency.view(s, now))
+            .collect()
     }
 
     /// `HEDGE__WINDOW_S`.

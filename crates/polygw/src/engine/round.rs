@@ -378,6 +378,11 @@ struct Exec<'a, L: Leg> {
     pick: Option<BoxFuture<'a, Result<Pick, GovernanceError>>>,
     ticket: Option<BudgetTicket>,
     picked: Option<Picked>,
+    /// The trigger that asked for the pick in flight (leg, `first_token`/`stall`).
+    pick_for: Option<(LegId, &'static str)>,
+    /// The last refusal traced: (leg, trigger, the leg's last chunk then) — a trigger
+    /// that asks again in the same silence is not traced again.
+    refusal_traced: Option<(LegId, &'static str, Option<Instant>)>,
     finalizing: FutureSet<BoxFuture<'static, ()>>,
     /// Ended legs waiting for their fate (within one feed), in launch order. A round
     /// has a handful of legs: a vector searched by leg, not a map (a `BTreeMap` node
@@ -511,6 +516,7 @@ impl<'a, L: Leg> Exec<'a, L> {
                     leg,
                     why: reason.label().as_str().to_string(),
                 });
+                self.record_latency(leg, false);
                 let ended = self.cancelled_leg(leg, reason);
                 if let Some((c, h)) = self.controls.get(leg) {
                     c.set_label(reason.label());
@@ -722,7 +728,26 @@ impl<'a, L: Leg> Exec<'a, L> {
         }
     }
 
+    /// A trigger's pick launched nothing (SPEC §19.4: the call says why); the first
+    /// refusal of a silence is traced, not the trigger's repeats.
+    fn trace_refusal(&mut self, why: &str) {
+        let Some((leg, by)) = self.pick_for.take() else {
+            return;
+        };
+        let key = (leg, by, self.machine.last_chunk(leg));
+        if self.refusal_traced == Some(key) {
+            return;
+        }
+        self.refusal_traced = Some(key);
+        self.call.trace_now(TraceEvent::NoLeg {
+            leg,
+            by: by.to_string(),
+            why: why.to_string(),
+        });
+    }
+
     fn start_pick(&mut self, req: PickRequest) {
+        self.pick_for = req.fired_by;
         let engine = self.engine;
         if engine.kind != ScopeKind::Chat {
             self.events.push_back(Event::Picked(None));
@@ -736,6 +761,7 @@ impl<'a, L: Leg> Exec<'a, L> {
                 Some(t) => self.ticket = Some(t),
                 None => {
                     tracing::debug!("extra leg skipped: hedge budget");
+                    self.trace_refusal("hedge_budget");
                     self.events.push_back(Event::Picked(None));
                     return;
                 }
@@ -770,10 +796,12 @@ impl<'a, L: Leg> Exec<'a, L> {
                     prefill_capable: self.engine.prefill_capable(p.source_idx),
                 };
                 self.picked = Some(p);
+                self.pick_for = None;
                 self.feed(Event::Picked(Some(picked)));
             }
             Ok(_) => {
                 tracing::debug!("extra leg skipped: no other source admitted");
+                self.trace_refusal("no_source");
                 if let Some(t) = self.ticket.take() {
                     self.engine.budget().give_back(t);
                 }
@@ -783,6 +811,7 @@ impl<'a, L: Leg> Exec<'a, L> {
                 // Fail closed: no extra leg; the legs running go on (a backend error
                 // never cuts a healthy stream).
                 tracing::warn!(error = %e, "governance backend failed on an extra leg's admission: no extra leg");
+                self.trace_refusal("governance");
                 if let Some(t) = self.ticket.take() {
                     self.engine.budget().give_back(t);
                 }
@@ -812,12 +841,18 @@ impl<'a, L: Leg> Exec<'a, L> {
         );
     }
 
-    /// The leg's samples into its source's live distributions (SPEC §19.1).
-    fn record_latency(&self, leg: LegId, info: &LegInfo, completed: bool) {
+    /// The leg's samples into its source's live distributions (SPEC §19.1), once per
+    /// leg: when it ends, or — a cancelled leg — when it is cancelled (a censored
+    /// sample: dropping cancelled legs would leave only the survivors, which pulls every
+    /// quantile down and closes the feedback loop the censoring guards against).
+    fn record_latency(&self, leg: LegId, completed: bool) {
         let engine = self.engine;
         if !engine.latency.keeps() {
             return;
         }
+        let Some(info) = self.infos.get(leg) else {
+            return;
+        };
         let gaps = self
             .controls
             .get(leg)
@@ -829,7 +864,7 @@ impl<'a, L: Leg> Exec<'a, L> {
             last_chunk: self.machine.last_chunk(leg),
             ended: self.now(),
             completed,
-            continues: info.resume_of.is_some(),
+            continues: info.kind.resume_mode().is_some(),
         };
         engine.latency.leg_ended(
             self.leg.stream(),
@@ -852,11 +887,13 @@ impl<'a, L: Leg> Exec<'a, L> {
             result,
             wall,
         } = done;
-        self.record_latency(
-            leg,
-            &info,
-            matches!(fate, Fate::Won | Fate::Succeeded) && result.is_ok(),
-        );
+        if !matches!(fate, Fate::Cancelled(_)) {
+            // (A cancelled leg gave its samples when it was cancelled.)
+            self.record_latency(
+                leg,
+                matches!(fate, Fate::Won | Fate::Succeeded) && result.is_ok(),
+            );
+        }
         match &fate {
             Fate::Won => {
                 guard.mark_winner();
@@ -1214,6 +1251,7 @@ impl<L: Leg> Drop for Exec<'_, L> {
             for a in out {
                 if let Action::Cancel { leg, reason } = a {
                     guard_label(&self.controls, leg, reason.label());
+                    self.record_latency(leg, false);
                     // What the round holds of it: its row's estimate (SPEC §20.4).
                     let estimate = self.leg_estimate(leg);
                     if let Some((c, _)) = self.controls.get(leg) {
@@ -1266,6 +1304,8 @@ impl Engine {
             pick: None,
             ticket: None,
             picked: None,
+            pick_for: None,
+            refusal_traced: None,
             finalizing: FutureSet::default(),
             ended: Vec::new(),
             outputs: Vec::new(),
