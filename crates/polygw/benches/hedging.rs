@@ -642,6 +642,13 @@ async fn run_config(
         (med(a), med(b))
     });
     let thresholds = s.auto().then(|| client.hedge_thresholds(true));
+    let dbg_pool = {
+        let mut p = polygw_core::latency::LatencySnapshot::default();
+        for (_, v) in client.hedge_latency(true) {
+            p.merge(&v);
+        }
+        p
+    };
     client.shutdown().await;
     // Every leg has ended (losers are cancelled before chat() returns); give the
     // upstreams a moment to notice the last disconnects, then read their logs.
@@ -673,6 +680,29 @@ async fn run_config(
         .filter_map(|a| a.ttft_ms)
         .map(|t| t as f64 / w.time_scale / 1000.0)
         .collect();
+    if std::env::var("DBG").is_ok() {
+        let mut slow: Vec<(f64, String)> = recs
+            .iter()
+            .filter_map(|r| {
+                r.result.as_ref().ok().map(|a| {
+                    (
+                        r.ms / w.time_scale / 1000.0,
+                        format!(
+                            "att {} hedg {} res {} ttft {:.1}",
+                            a.attempts,
+                            a.hedges,
+                            a.resumes,
+                            a.ttft_ms.unwrap_or(0) as f64 / w.time_scale / 1000.0
+                        ),
+                    )
+                })
+            })
+            .collect();
+        slow.sort_by(|a, b| b.0.total_cmp(&a.0));
+        for (ms, d) in slow.iter().take(35) {
+            println!("DBG slow {ms:.1} s: {d}");
+        }
+    }
     for r in recs {
         match r.result {
             Ok(a) => {
@@ -719,6 +749,55 @@ async fn run_config(
                 o.late_ms.push(took - planned_ms(b));
             }
         }
+    }
+    if std::env::var("DBG").is_ok() && s.auto() {
+        let mut truth: Vec<f64> = Vec::new();
+        for m in host.mocks() {
+            for r in m
+                .requests()
+                .iter()
+                .filter(|r| r.arrived_at >= measured_from)
+            {
+                let Some(b) = &r.behavior else { continue };
+                let mut g = b.gaps_ms.clone();
+                for st in &b.stalls {
+                    let i = st.before_chunk as usize;
+                    if i >= 1 && i - 1 < g.len() {
+                        g[i - 1] += st.ms;
+                    }
+                }
+                truth.push(g.iter().copied().fold(0.0, f64::max) / w.time_scale / 1000.0);
+            }
+        }
+        let gp = &dbg_pool.gap;
+        let mut line = format!(
+            "DBG gap pool: obs {} cens {} legs {} | S(t) est/truth:",
+            gp.observed(),
+            gp.censored(),
+            gp.legs()
+        );
+        for t in [
+            1.0f64, 2.0, 3.0, 4.0, 5.0, 10.0, 20.0, 30.0, 40.0, 50.0, 60.0,
+        ] {
+            let est = gp
+                .cdf(Duration::from_secs_f64(t * w.time_scale))
+                .map_or(f64::NAN, |c| 1.0 - c);
+            let tr = truth.iter().filter(|&&x| x > t).count() as f64 / truth.len().max(1) as f64;
+            line += &format!(" {t}:{est:.3}/{tr:.3}");
+        }
+        println!("{line}");
+        let cens: Vec<String> = gp
+            .bins()
+            .filter(|b| b.kind == polygw_core::latency::SampleKind::Censored)
+            .map(|b| {
+                format!(
+                    "{:.1}x{}",
+                    b.value_ms as f64 / w.time_scale / 1000.0,
+                    b.count
+                )
+            })
+            .collect();
+        println!("DBG censored bins: {}", cens.join(" "));
     }
     if std::env::var("DBG").is_ok() && s.auto() {
         use polygw_core::latency::LatencySketch;
