@@ -19,7 +19,7 @@ use std::time::{Duration, Instant};
 use serde::Serialize;
 
 use crate::error::{AttemptError, ErrorClass};
-use crate::latency::{LatencySketch, LatencySnapshot};
+use crate::latency::{LatencySketch, LatencySnapshot, Tail};
 use crate::settings::HedgeSettings;
 
 /// The hedge settings as they apply to one request.
@@ -174,7 +174,12 @@ pub fn describe(h: &HedgeSettings, chat: bool, sources: usize) -> String {
     let budget = if e.budget_pct == 0 {
         "no budget cap".to_string()
     } else {
-        format!("budget {} % of calls, burst {}", e.budget_pct, e.burst)
+        format!(
+            "budget {} % of calls, burst {}, banks {} s of calls",
+            e.budget_pct,
+            e.burst,
+            e.bank.as_secs_f64()
+        )
     };
     let auto = if e.uses_auto() {
         format!(
@@ -290,6 +295,62 @@ pub fn threshold_in_force(
     ThresholdInForce { value, origin }
 }
 
+/// How much of its expected saving an `auto` threshold gives up to spend less: from the
+/// threshold the budget allows, [`knee`] moves to the latest one that saves at most this
+/// share less.
+pub const KNEE_SLACK: f64 = 0.03;
+
+/// The deciles of a first-token distribution: the new leg's own wait `Y` in a saving
+/// `E[(X − T − Y)⁺]` (ten points; none without a distribution).
+fn deciles(ttft: Option<&LatencySketch>) -> Vec<Duration> {
+    let qs: Vec<f64> = (0..10).map(|i| (f64::from(i) + 0.5) / 10.0).collect();
+    ttft.map(|t| t.quantiles(&qs)).unwrap_or_default()
+}
+
+/// The waiting a trigger at `t` saves per sample of a distribution (its
+/// [`LatencySketch::tail`]), ms: `E[(X − t − Y)⁺]` over the points `y` of the new leg's
+/// own wait (`Y` = 0 without them).
+fn saving(tail: &Tail, t: Duration, y: &[Duration]) -> f64 {
+    if y.is_empty() {
+        return tail.excess_ms(t);
+    }
+    let e: f64 = y.iter().map(|&y| tail.excess_ms(t + y)).sum();
+    e / y.len() as f64
+}
+
+/// The cheapest threshold worth as much as `t` (SPEC §19.1, DECISIONS 162): the latest
+/// threshold in `t..=max` whose saving (`E[(X − T − Y)⁺]`, `y` the new leg's own wait)
+/// is at least `1 − KNEE_SLACK` of `t`'s. Where the distribution is flat above `t` — a
+/// gap between short pauses and long stalls, say — firing later rescues the same
+/// samples and spends less (a threshold in the short pauses' tail fires on pauses that
+/// end before the new leg could help); where it is steep it moves by a fraction of a
+/// second. Never below `t`, never above `max`; found to within 0.5 % (a sketch's bins
+/// are 1 % wide).
+pub fn knee(sk: &LatencySketch, t: Duration, y: &[Duration], max: Duration) -> Duration {
+    if t >= max {
+        return t;
+    }
+    let tail = sk.tail();
+    let want = saving(&tail, t, y) * (1.0 - KNEE_SLACK);
+    if want <= 0.0 {
+        return t;
+    }
+    if saving(&tail, max, y) >= want {
+        return max;
+    }
+    // saving(lo) ≥ want > saving(hi); the saving falls as the threshold rises.
+    let (mut lo, mut hi) = (t, max);
+    while (hi - lo) * 200 > lo.max(Duration::from_millis(1)) {
+        let mid = lo + (hi - lo) / 2;
+        if saving(&tail, mid, y) >= want {
+            lo = mid;
+        } else {
+            hi = mid;
+        }
+    }
+    Duration::from_millis(lo.as_millis() as u64).max(t)
+}
+
 /// How many parts of the budget [`split_budget`] weighs (steps of a tenth).
 pub const SPLIT_STEPS: u32 = 10;
 
@@ -333,9 +394,7 @@ pub fn split_budget(
     }
     // The new leg's own first token, by its deciles (the saving is `E[(X − T − Y)⁺]`
     // over independent `X` and `Y`: ten points of `Y` are enough for a split in tenths).
-    let y: Vec<Duration> = (0..10)
-        .filter_map(|i| ttft.quantile((f64::from(i) + 0.5) / 10.0))
-        .collect();
+    let y = deciles(Some(ttft));
     let saved = |sk: &LatencySketch, bp: u32, bounds: Bounds| -> f64 {
         if bp == 0 || y.is_empty() {
             return 0.0;
@@ -343,8 +402,7 @@ pub fn split_budget(
         let Some(t) = auto_threshold_bp(sk, bp, bounds) else {
             return 0.0;
         };
-        let e: f64 = y.iter().filter_map(|&y| sk.excess_ms(t + y)).sum();
-        e / y.len() as f64 * sk.samples_per_leg()
+        saving(&sk.tail(), t, &y) * sk.samples_per_leg()
     };
     // (saving, first-token part, its saving, the stall part's saving) per candidate.
     let candidates: Vec<(f64, u32, f64, f64)> = (0..=SPLIT_STEPS)
@@ -400,21 +458,38 @@ pub fn trigger_share_bp(budget_bp: u32, max_extra: u32) -> u32 {
     ((lo * 10_000.0).floor() as u32).min(budget_bp)
 }
 
+/// The share of calls the `auto` thresholds aim at, basis points, from the budget's and
+/// how full its bucket is (`fill`: level ÷ capacity, 0..=1; DECISIONS 163): the whole
+/// budget while the bucket is at least half full, down to 80 % of it as the bucket
+/// empties. Aimed at exactly the budget, the triggers spend as fast as the calls refill
+/// the bucket — a random walk that spends long stretches empty, and the triggers that
+/// find it empty are the slow calls; a bucket that drains raises the thresholds until
+/// the triggers spend less than the refill, so it stays off empty. Monotone in both.
+pub fn aim_bp(budget_bp: u32, fill: f64) -> u32 {
+    let fill = if fill.is_nan() {
+        1.0
+    } else {
+        fill.clamp(0.0, 1.0)
+    };
+    let share = if fill >= 0.5 { 1.0 } else { 0.8 + 0.4 * fill };
+    ((f64::from(budget_bp) * share).floor() as u32).min(budget_bp)
+}
+
 /// Both thresholds in force for a leg on a source, from its two distributions (`ttft`,
-/// `gap`) and the scope's pool (see [`crate::latency::ScopeLatency::thresholds`]).
+/// `gap`) and the scope's pool (see [`crate::latency::ScopeLatency::thresholds`]), for
+/// a share of calls of `budget_bp` basis points.
 pub fn thresholds(
     auto: &HedgeSettings,
     ttft: &LatencySketch,
     gap: &LatencySketch,
     pool: &LatencySnapshot,
-    budget_pct: u32,
+    budget_bp: u32,
 ) -> Thresholds {
     // The triggers share the budget: with both `auto`, each gets the part of the share
     // of calls the budget allows where it saves the most waiting (`split_budget`), so
     // together they stay within it (a shared bucket drained by the first-token trigger
     // alone would leave stalls unrescued, and an even split starves the trigger that
     // carries the tail).
-    let budget_bp = budget_pct.saturating_mul(100);
     let (after_bp, stall_bp) = match (auto.after, auto.stall_after) {
         (ThresholdSetting::Auto, ThresholdSetting::Auto) => split_budget(
             auto,
@@ -428,39 +503,63 @@ pub fn thresholds(
         trigger_share_bp(after_bp, auto.max_extra),
         trigger_share_bp(stall_bp, auto.max_extra),
     );
+    // Each `auto` threshold then moves to the cheapest one worth as much (`knee`), on the
+    // distribution it was read from; `Y` is the new leg's first token.
+    let y = deciles(evidence_of(ttft, &pool.ttft, auto.min_samples));
+    let cheapest = |mut t: ThresholdInForce, own: &LatencySketch, pooled: &LatencySketch, max| {
+        let from = match t.origin {
+            ThresholdOrigin::Source => own,
+            ThresholdOrigin::Pooled => pooled,
+            _ => return t,
+        };
+        t.value = t.value.map(|v| knee(from, v, &y, max));
+        t
+    };
     Thresholds {
-        after: threshold_in_force(
-            auto.after,
+        after: cheapest(
+            threshold_in_force(
+                auto.after,
+                ttft,
+                &pool.ttft,
+                after_bp,
+                auto.after_bounds,
+                auto.min_samples,
+            ),
             ttft,
             &pool.ttft,
-            after_bp,
-            auto.after_bounds,
-            auto.min_samples,
+            auto.after_bounds.max,
         ),
-        stall_after: threshold_in_force(
-            auto.stall_after,
+        stall_after: cheapest(
+            threshold_in_force(
+                auto.stall_after,
+                gap,
+                &pool.gap,
+                stall_bp,
+                auto.stall_bounds,
+                auto.min_samples,
+            ),
             gap,
             &pool.gap,
-            stall_bp,
-            auto.stall_bounds,
-            auto.min_samples,
+            auto.stall_bounds.max,
         ),
     }
 }
 
 /// The scope's hedge budget (SPEC §19.1): a token bucket. Each call adds `BUDGET_PCT`/100
 /// of a leg; each extra leg takes one. It starts with `HEDGE__BURST` legs and holds the
-/// more of that burst and the budget of the calls of the last [`BANK_WINDOW`]: a quiet
-/// scope can rescue `burst` consecutive stalls, and a busy one banks what its last
-/// minute of calls allowed, so stalls that cluster in a minute are each rescued at
-/// their threshold instead of waiting for the bucket to refill (a bucket of 3 legs in
-/// front of a hundred streams runs dry whenever a few stall together, and the stalls
-/// that find it empty are the tail the budget is for). Banked legs expire with the
-/// calls that earned them. Over any run the extra legs stay within `BUDGET_PCT` % of the
-/// calls plus the burst: the bank only keeps what the calls added. `BUDGET_PCT` 0 = no
-/// cap (every leg is allowed and nothing is taken).
+/// more of that burst and the budget of the calls of the last `HEDGE__BANK_S` (default
+/// [`DEFAULT_BANK`]): a quiet scope can rescue `burst` consecutive stalls, and a busy one
+/// banks what its last minute of calls allowed, so stalls that cluster in a minute are
+/// each rescued at their threshold instead of waiting for the bucket to refill (a bucket
+/// of 3 legs in front of a hundred streams runs dry whenever a few stall together, and
+/// the stalls that find it empty are the tail the budget is for). Banked legs expire
+/// with the calls that earned them. Over any run the extra legs stay within
+/// `BUDGET_PCT` % of the calls plus the burst: the bank only keeps what the calls added.
+/// `BUDGET_PCT` 0 = no cap (every leg is allowed and nothing is taken).
 ///
-/// Exact: levels are counted in hundredths of a leg; calls are counted per second.
+/// Exact: levels are counted in hundredths of a leg; calls are counted in
+/// [`BANK_SLOTS`] slots of the bank (a call leaves the bank between 59/60 and 1 × the
+/// bank after it started).
 #[derive(Debug, Clone)]
 pub struct HedgeBudget {
     /// The burst, hundredths of a leg.
@@ -469,15 +568,21 @@ pub struct HedgeBudget {
     level: u64,
     /// The capacity at the last operation, hundredths of a leg.
     cap: u64,
-    /// Calls per second of the last [`BANK_WINDOW`]: (second since `origin`, calls),
-    /// oldest first, strictly increasing seconds.
+    /// One slot of the bank (zero: no bank).
+    slot: Duration,
+    /// Calls per slot of the bank: (slot since `origin`, calls), oldest first, strictly
+    /// increasing slots.
     recent: VecDeque<(u64, u64)>,
     /// The first instant seen.
     origin: Option<Instant>,
 }
 
-/// How long the budget of a call stays in the bank of a [`HedgeBudget`].
-pub const BANK_WINDOW: Duration = Duration::from_secs(60);
+/// Default `HEDGE__BANK_S`: how long the budget of a call stays in the bank of a
+/// [`HedgeBudget`].
+pub const DEFAULT_BANK: Duration = Duration::from_secs(60);
+
+/// Slots a [`HedgeBudget`]'s bank counts its calls in.
+pub const BANK_SLOTS: u64 = 60;
 
 /// One extra leg taken from a [`HedgeBudget`]; give it back with
 /// [`HedgeBudget::give_back`] when the leg is not launched after all.
@@ -498,18 +603,25 @@ impl Default for HedgeBudget {
 }
 
 impl HedgeBudget {
-    /// A full budget with the default burst ([`DEFAULT_BURST`]).
+    /// A full budget with the default burst and bank.
     pub fn new() -> Self {
-        Self::with_burst(DEFAULT_BURST)
+        Self::banking(DEFAULT_BURST, DEFAULT_BANK)
     }
 
-    /// A full budget holding `burst` legs (at least 1).
+    /// A full budget holding `burst` legs (at least 1), with the default bank.
     pub fn with_burst(burst: u32) -> Self {
+        Self::banking(burst, DEFAULT_BANK)
+    }
+
+    /// A full budget holding `burst` legs (at least 1) that banks the budget of the
+    /// calls of the last `bank` (zero: none; the burst only).
+    pub fn banking(burst: u32, bank: Duration) -> Self {
         let burst = u64::from(burst.max(1)) * LEG;
         HedgeBudget {
             burst,
             level: burst,
             cap: burst,
+            slot: bank / BANK_SLOTS as u32,
             recent: VecDeque::new(),
             origin: None,
         }
@@ -520,24 +632,29 @@ impl HedgeBudget {
         (self.burst / LEG) as u32
     }
 
-    /// Forgets the calls older than [`BANK_WINDOW`] at `now`; the second `now` falls in.
-    fn advance(&mut self, now: Instant) -> u64 {
+    /// Forgets the calls older than the bank at `now`; the slot `now` falls in (`None`
+    /// without a bank).
+    fn advance(&mut self, now: Instant) -> Option<u64> {
+        if self.slot.is_zero() {
+            return None;
+        }
         let origin = *self.origin.get_or_insert(now);
-        let sec = now.saturating_duration_since(origin).as_secs();
-        let sec = self.recent.back().map_or(sec, |&(last, _)| sec.max(last));
-        let window = BANK_WINDOW.as_secs();
+        let at = (now.saturating_duration_since(origin).as_nanos() / self.slot.as_nanos())
+            .try_into()
+            .unwrap_or(u64::MAX);
+        let at = self.recent.back().map_or(at, |&(last, _)| at.max(last));
         while self
             .recent
             .front()
-            .is_some_and(|&(s, _)| s.saturating_add(window) <= sec)
+            .is_some_and(|&(s, _)| s.saturating_add(BANK_SLOTS) <= at)
         {
             self.recent.pop_front();
         }
-        sec
+        Some(at)
     }
 
-    /// The capacity in force: the more of the burst and `pct` % of a leg per call of the
-    /// window; the level above it expires.
+    /// The capacity in force: the more of the burst and `pct` % of a leg per call in the
+    /// bank; the level above it expires.
     fn set_cap(&mut self, pct: u32) {
         let calls: u64 = self.recent.iter().map(|&(_, n)| n).sum();
         self.cap = self.burst.max(calls.saturating_mul(u64::from(pct)));
@@ -546,13 +663,21 @@ impl HedgeBudget {
 
     /// A logical call started at `now`: it adds `pct` % of a leg.
     pub fn record_call(&mut self, now: Instant, pct: u32) {
-        let sec = self.advance(now);
-        match self.recent.back_mut() {
-            Some((s, n)) if *s == sec => *n = n.saturating_add(1),
-            _ => self.recent.push_back((sec, 1)),
+        if let Some(at) = self.advance(now) {
+            match self.recent.back_mut() {
+                Some((s, n)) if *s == at => *n = n.saturating_add(1),
+                _ => self.recent.push_back((at, 1)),
+            }
         }
         self.set_cap(pct);
         self.level = self.level.saturating_add(u64::from(pct)).min(self.cap);
+    }
+
+    /// How full the bucket is at `now` with `pct`: level ÷ capacity (0..=1).
+    pub fn fill(&mut self, now: Instant, pct: u32) -> f64 {
+        self.advance(now);
+        self.set_cap(pct);
+        self.level as f64 / self.cap as f64
     }
 
     /// Legs available at `now` with `pct` (fractional).
@@ -925,6 +1050,63 @@ mod tests {
         (t, g)
     }
 
+    /// The knee crosses a flat stretch of the distribution: pauses of 1–5 s in 30 % of
+    /// legs, stalls of 20–120 s in 19 %. The budget's threshold at a fifth of the legs
+    /// falls in the pauses' tail (about 4.8 s), where a trigger fires on pauses that end
+    /// before a new leg could help; the knee is past the pauses (5 s), saving within
+    /// 3 % of it, and on a distribution with no flat stretch it moves little.
+    #[test]
+    fn the_knee_crosses_the_gap_between_pauses_and_stalls() {
+        let mut g = LatencySketch::new();
+        for i in 0..1000u64 {
+            let v = match i % 100 {
+                0..=18 => 20_000 + (i * 104_729) % 100_000,
+                19..=48 => 1_000 + (i * 7_919) % 4_000,
+                _ => 100 + i % 200,
+            };
+            g.observe(ms(v));
+        }
+        g.add_legs(1000);
+        let y = vec![ms(1_600); 10];
+        let t = auto_threshold_bp(&g, 2_000, DEFAULT_STALL_BOUNDS).unwrap();
+        assert!((ms(4_000)..ms(5_000)).contains(&t), "{t:?}");
+        let k = knee(&g, t, &y, DEFAULT_STALL_BOUNDS.max);
+        assert!(k >= ms(5_000), "past the pauses: {k:?}");
+        assert!(k < ms(20_000), "not past the stalls' start: {k:?}");
+        // A steep distribution (uniform 0–100 s): the knee stays within a second.
+        let mut u = LatencySketch::new();
+        for i in 0..1000u64 {
+            u.observe(ms(i * 100));
+        }
+        u.add_legs(1000);
+        let t = auto_threshold_bp(
+            &u,
+            1_000,
+            Bounds {
+                min: ms(0),
+                max: ms(200_000),
+            },
+        )
+        .unwrap();
+        let k = knee(&u, t, &y, ms(200_000));
+        assert!(k >= t && k - t < ms(1_000), "{t:?} → {k:?}");
+    }
+
+    #[test]
+    fn quantiles_are_each_quantile() {
+        let mut s = LatencySketch::new();
+        for i in 0..500u64 {
+            s.observe(ms(i * 37 % 3_000));
+            if i % 7 == 0 {
+                s.censor(ms(i * 11 % 4_000));
+            }
+        }
+        let qs = [0.9, 0.1, 0.5, 0.999, 0.0, 1.0, f64::NAN, 0.5];
+        let each: Vec<Duration> = qs.iter().map(|&q| s.quantile(q).unwrap()).collect();
+        assert_eq!(s.quantiles(&qs), each);
+        assert!(LatencySketch::new().quantiles(&qs).is_empty());
+    }
+
     #[test]
     fn the_budget_goes_to_the_trigger_that_carries_the_tail() {
         let auto = HedgeSettings::default();
@@ -980,6 +1162,60 @@ mod tests {
                 prop_assert!(auto_threshold(&s, hi, bounds) <= auto_threshold(&s, lo, bounds),
                     "{} % → {:?} later than {} % → {:?}", hi, auto_threshold(&s, hi, bounds), lo, auto_threshold(&s, lo, bounds));
             }
+        }
+
+        /// The aim (DECISIONS 163): the whole budget while the bucket is at least half
+        /// full, never less than 80 % of it, and monotone in the fill and the budget.
+        #[test]
+        fn the_aim_is_the_budget_until_the_bucket_drains(b1 in 0u32..30_000, b2 in 0u32..30_000, f1 in 0.0f64..=1.0, f2 in 0.0f64..=1.0) {
+            let (blo, bhi) = (b1.min(b2), b1.max(b2));
+            let (flo, fhi) = (f1.min(f2), f1.max(f2));
+            for b in [blo, bhi] {
+                for f in [flo, fhi] {
+                    let a = aim_bp(b, f);
+                    prop_assert!(a <= b && u64::from(a) * 10 >= u64::from(b) * 8 - 10, "{b} at {f} → {a}");
+                    if f >= 0.5 {
+                        prop_assert_eq!(a, b);
+                    }
+                }
+                prop_assert!(aim_bp(b, flo) <= aim_bp(b, fhi));
+            }
+            for f in [flo, fhi] {
+                prop_assert!(aim_bp(blo, f) <= aim_bp(bhi, f));
+            }
+            prop_assert_eq!(aim_bp(bhi, f64::NAN), bhi);
+        }
+
+        /// The knee (DECISIONS 162): never earlier than the threshold the budget allows,
+        /// never past the bound, worth at least `1 − KNEE_SLACK` of that threshold's
+        /// saving, and monotone — a later starting threshold never gives an earlier
+        /// knee (so `auto` stays monotone in the budget).
+        #[test]
+        fn the_knee_is_later_never_worth_less_and_monotone(
+            o in values(), c in values(), y in proptest::collection::vec(0u64..20_000, 0..10),
+            t1 in 0u64..150_000, t2 in 0u64..150_000, max in 1u64..200_000,
+        ) {
+            let s = sketch(&o, &c, 0);
+            let y: Vec<Duration> = y.into_iter().map(ms).collect();
+            let max = ms(max);
+            let tail = s.tail();
+            let (lo, hi) = (ms(t1.min(t2)), ms(t1.max(t2)));
+            for t in [lo, hi] {
+                let k = knee(&s, t, &y, max);
+                prop_assert!(k >= t, "{k:?} < {t:?}");
+                if t <= max {
+                    prop_assert!(k <= max);
+                    let (at_t, at_k) = (saving(&tail, t, &y), saving(&tail, k, &y));
+                    prop_assert!(at_k >= at_t * (1.0 - KNEE_SLACK) - 1e-6,
+                        "the knee {k:?} saves {at_k} ms, {t:?} saves {at_t} ms");
+                } else {
+                    prop_assert_eq!(k, t);
+                }
+            }
+            // (up to the search's 0.5 % precision)
+            let (k_lo, k_hi) = (knee(&s, lo, &y, max), knee(&s, hi, &y, max));
+            prop_assert!(k_lo <= k_hi + k_hi / 190 + ms(1),
+                "{lo:?} → {k_lo:?} is later than {hi:?} → {k_hi:?}");
         }
 
         /// The two triggers' parts always add up to the budget, and the split does not
@@ -1135,15 +1371,27 @@ mod tests {
             }
             let last = s + Duration::from_secs(spread * n.saturating_sub(1) / n.max(1));
             let banked = (u64::from(burst) * 100).max(n * u64::from(pct));
-            let first_out = s + BANK_WINDOW;
+            let first_out = s + DEFAULT_BANK;
             let hundredths = |x: f64| (x * 100.0).round() as u64;
             prop_assert_eq!(hundredths(b.available(last, pct)), banked);
             if first_out > last {
                 prop_assert_eq!(hundredths(b.available(first_out - Duration::from_millis(1), pct)), banked,
                     "nothing expires within a minute of the first call");
             }
-            prop_assert!(b.available(last + BANK_WINDOW, pct) <= f64::from(burst),
+            prop_assert!(b.available(last + DEFAULT_BANK, pct) <= f64::from(burst),
                 "a quiet minute later only the burst is left");
+        }
+
+        /// Without a bank (`HEDGE__BANK_S` 0) the bucket holds the burst only, however
+        /// busy the scope.
+        #[test]
+        fn without_a_bank_the_bucket_holds_the_burst(n in 0u64..500, burst in 1u32..6, pct in 1u32..=100) {
+            let s = t0();
+            let mut b = HedgeBudget::banking(burst, Duration::ZERO);
+            for _ in 0..n {
+                b.record_call(s, pct);
+            }
+            prop_assert_eq!(b.available(s, pct), f64::from(burst));
         }
 
         /// A leg taken and given back leaves the bucket exactly as if never taken, however

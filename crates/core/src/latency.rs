@@ -346,26 +346,49 @@ impl LatencySketch {
     /// leave the estimate short of `q` (the slowest samples are all lower bounds), the
     /// highest value seen: a lower bound of the quantile.
     pub fn quantile(&self, q: f64) -> Option<Duration> {
+        self.quantiles(&[q]).into_iter().next()
+    }
+
+    /// [`Self::quantile`] of each of `qs`, in one walk of the bins (empty when the
+    /// sketch is).
+    pub fn quantiles(&self, qs: &[f64]) -> Vec<Duration> {
         let total = self.samples();
         if total == 0 {
-            return None;
+            return Vec::new();
         }
-        let q = if q.is_nan() { 1.0 } else { q.clamp(0.0, 1.0) };
-        let target = 1.0 - q + EPS;
+        // (target survival, position in `qs`), highest target (lowest quantile) first.
+        let mut targets: Vec<(f64, usize)> = qs
+            .iter()
+            .enumerate()
+            .map(|(i, &q)| {
+                let q = if q.is_nan() { 1.0 } else { q.clamp(0.0, 1.0) };
+                (1.0 - q + EPS, i)
+            })
+            .collect();
+        targets.sort_by(|a, b| b.0.total_cmp(&a.0));
+        let mut out = vec![Duration::ZERO; qs.len()];
+        let mut next = 0;
         let mut at_risk = total;
         let mut survival = 1.0f64;
         let mut highest = 0;
         for (hi, dead, cens) in self.walk() {
             if dead > 0 {
                 survival *= (at_risk - dead) as f64 / at_risk as f64;
-                if survival <= target {
-                    return Some(Duration::from_millis(hi));
+                while next < targets.len() && survival <= targets[next].0 {
+                    out[targets[next].1] = Duration::from_millis(hi);
+                    next += 1;
+                }
+                if next == targets.len() {
+                    return out;
                 }
             }
             at_risk -= dead + cens;
             highest = hi;
         }
-        Some(Duration::from_millis(highest))
+        for &(_, i) in &targets[next..] {
+            out[i] = Duration::from_millis(highest);
+        }
+        out
     }
 
     /// The expected excess over `c`, `E[(X − c)⁺]` in ms, by the Kaplan–Meier estimate:
@@ -374,25 +397,34 @@ impl LatencySketch {
     /// censored) sits at the highest value seen — a lower bound, like [`Self::quantile`]'s.
     /// `None` when empty. Censored samples never lower it (their mass moves up).
     pub fn excess_ms(&self, c: Duration) -> Option<f64> {
+        (self.samples() > 0).then(|| self.tail().excess_ms(c))
+    }
+
+    /// The Kaplan–Meier probability masses as [`Self::excess_ms`] weighs them — one per
+    /// observed bin at its highest value, and what the estimate leaves above the last
+    /// observation at the highest value seen — ready for many excess queries
+    /// ([`Tail::excess_ms`], a binary search each).
+    pub fn tail(&self) -> Tail {
+        let mut masses: Vec<(f64, f64)> = Vec::new();
         let total = self.samples();
-        if total == 0 {
-            return None;
-        }
-        let c = c.as_secs_f64() * 1000.0;
-        let mut at_risk = total;
-        let mut survival = 1.0f64;
-        let mut highest = 0u64;
-        let mut sum = 0.0f64;
-        for (hi, dead, cens) in self.walk() {
-            if dead > 0 {
-                let after = survival * (at_risk - dead) as f64 / at_risk as f64;
-                sum += (survival - after) * (hi as f64 - c).max(0.0);
-                survival = after;
+        if total > 0 {
+            let mut at_risk = total;
+            let mut survival = 1.0f64;
+            let mut highest = 0u64;
+            for (hi, dead, cens) in self.walk() {
+                if dead > 0 {
+                    let after = survival * (at_risk - dead) as f64 / at_risk as f64;
+                    masses.push((hi as f64, survival - after));
+                    survival = after;
+                }
+                at_risk -= dead + cens;
+                highest = hi;
             }
-            at_risk -= dead + cens;
-            highest = hi;
+            if survival > 0.0 {
+                masses.push((highest as f64, survival));
+            }
         }
-        Some(sum + survival * (highest as f64 - c).max(0.0))
+        Tail::of(&masses)
     }
 
     /// The compact binary form (see the module docs).
@@ -506,6 +538,44 @@ impl LatencySketch {
             }
         }
         Ok(s)
+    }
+}
+
+/// A distribution's probability masses with their suffix sums (see
+/// [`LatencySketch::tail`]): `E[(X − c)⁺]` for any `c` by one binary search.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Tail {
+    /// Values (ms), ascending (equal values allowed).
+    values: Vec<f64>,
+    /// `Σ mass` over the values from index `i` on (one more entry: 0).
+    mass_from: Vec<f64>,
+    /// `Σ mass × value` over the values from index `i` on (one more entry: 0).
+    moment_from: Vec<f64>,
+}
+
+impl Tail {
+    /// From (value ms, mass) pairs in ascending order of value.
+    fn of(masses: &[(f64, f64)]) -> Tail {
+        let n = masses.len();
+        let mut mass_from = vec![0.0; n + 1];
+        let mut moment_from = vec![0.0; n + 1];
+        for i in (0..n).rev() {
+            let (v, m) = masses[i];
+            mass_from[i] = mass_from[i + 1] + m;
+            moment_from[i] = moment_from[i + 1] + m * v;
+        }
+        Tail {
+            values: masses.iter().map(|&(v, _)| v).collect(),
+            mass_from,
+            moment_from,
+        }
+    }
+
+    /// `E[(X − c)⁺]` in ms (0 for an empty distribution).
+    pub fn excess_ms(&self, c: Duration) -> f64 {
+        let c = c.as_secs_f64() * 1000.0;
+        let i = self.values.partition_point(|&v| v <= c);
+        (self.moment_from[i] - c * self.mass_from[i]).max(0.0)
     }
 }
 
@@ -991,13 +1061,14 @@ impl ScopeLatency {
     }
 
     /// The thresholds in force for a leg on `source` ([`hedge::thresholds`] over its
-    /// view and, when it has too few samples, the pooled view).
+    /// view and, when it has too few samples, the pooled view), for a share of calls of
+    /// `budget_bp` basis points (the budget as [`hedge::aim_bp`] aims it).
     pub fn thresholds(
         &mut self,
         source: &str,
         now: Instant,
         auto: &HedgeSettings,
-        budget_pct: u32,
+        budget_bp: u32,
     ) -> Thresholds {
         let short = |setting, s: &LatencySketch| {
             setting == ThresholdSetting::Auto && s.evidence() < auto.min_samples
@@ -1019,7 +1090,7 @@ impl ScopeLatency {
             Some(s) => s.view(now),
             None => (&empty, &empty),
         };
-        hedge::thresholds(auto, ttft, gap, &pool, budget_pct)
+        hedge::thresholds(auto, ttft, gap, &pool, budget_bp)
     }
 
     /// What was recorded since the last call, per source with any (to add to the shared

@@ -193,8 +193,12 @@ pub struct HedgeSettings {
     pub max_extra: u32,
     /// The budget's refill: extra legs as % of the scope's calls (0 = no cap).
     pub budget_pct: u32,
-    /// `HEDGE__BURST`: the budget's capacity, in legs.
+    /// `HEDGE__BURST`: the budget's start and least capacity, in legs.
     pub burst: u32,
+    /// `HEDGE__BANK_S`: the budget banks what the calls of this long added (0: the
+    /// burst only).
+    #[serde(with = "crate::durations::secs")]
+    pub bank: Duration,
     /// `HEDGE__WINDOW_S`: the live distributions decay over this.
     #[serde(with = "crate::durations::secs")]
     pub window: Duration,
@@ -215,6 +219,7 @@ impl Default for HedgeSettings {
             max_extra: 1,
             budget_pct: DEFAULT_BUDGET_PCT,
             burst: DEFAULT_BURST,
+            bank: crate::hedge::DEFAULT_BANK,
             window: crate::latency::DEFAULT_WINDOW,
             min_samples: DEFAULT_MIN_SAMPLES,
             after_bounds: DEFAULT_AFTER_BOUNDS,

@@ -22,8 +22,9 @@
 //! against their plan for every config.
 //!
 //! Time scaling: every duration of the workload is multiplied by its time scale — the
-//! profile, `TIMEOUT_S`, backoffs, static thresholds, and `auto`'s bounds and window
-//! (`HEDGE__MIN_S`/`MAX_S`, `STALL_MIN_S`/`STALL_MAX_S`, `WINDOW_S`): `auto` sees the
+//! profile, `TIMEOUT_S`, backoffs, static thresholds, and `auto`'s bounds, window and
+//! the budget's bank (`HEDGE__MIN_S`/`MAX_S`, `STALL_MIN_S`/`STALL_MAX_S`, `WINDOW_S`,
+//! `BANK_S`): `auto` sees the
 //! workload exactly as it would unscaled. Counts (`MIN_SAMPLES`, `BURST`, `BUDGET_PCT`)
 //! are not durations. Not scaled: the engine's 1 s threshold cache (`THRESHOLDS_TTL`)
 //! and timer granularity (1 ms) — hence each workload's scale keeps its thresholds
@@ -368,6 +369,7 @@ fn vars(scope: &str, urls: &[String], w: &Workload, s: &Setting) -> Vec<(String,
     set("HEDGE__STALL_MAX_S", scaled(60.0));
     set("HEDGE__MIN_SAMPLES", "50".into());
     set("HEDGE__BURST", "3".into());
+    set("HEDGE__BANK_S", scaled(60.0));
     if s.resume {
         set("STREAM__RESUME", "auto".into());
         set("STREAM__MAX_RESUMES", s.max_extra.to_string());

@@ -295,7 +295,9 @@ impl GatewayClient {
     /// distribution, the scope's pooled one, or not yet: too few samples).
     pub fn hedge_thresholds(&self, stream: bool) -> Vec<(String, polygw_core::hedge::Thresholds)> {
         let e = &self.engine;
-        let t = e.latency.thresholds(stream, e.ports.clock.now());
+        let now = e.ports.clock.now();
+        let fill = e.budget().fill(now, e.scope.hedge.budget_pct);
+        let t = e.latency.thresholds(stream, now, fill);
         e.scope
             .sources
             .iter()

@@ -61,7 +61,7 @@ pub const SOURCE_FIELDS: [&str; 21] = [
 ];
 
 /// Scope keys: (group or "" for two-segment keys, field).
-pub const SCOPE_KEYS: [(&str, &str); 40] = [
+pub const SCOPE_KEYS: [(&str, &str); 41] = [
     ("", "CALL_DEADLINE_S"),
     ("", "MODEL_ALIASES"),
     ("", "KIND"),
@@ -84,6 +84,7 @@ pub const SCOPE_KEYS: [(&str, &str); 40] = [
     ("HEDGE", "MAX_EXTRA"),
     ("HEDGE", "BUDGET_PCT"),
     ("HEDGE", "BURST"),
+    ("HEDGE", "BANK_S"),
     ("HEDGE", "WINDOW_S"),
     ("HEDGE", "MIN_SAMPLES"),
     ("HEDGE", "MIN_S"),
@@ -492,6 +493,9 @@ fn apply_scope_keys(
             ("HEDGE", "BURST") => run(parse_int::<u32>(k, v)
                 .and_then(|x| guards::int_in(k, x, &guards::BURST_RANGE))
                 .map(|x| s.hedge.burst = x)),
+            ("HEDGE", "BANK_S") => run(parse_secs(k, v)
+                .and_then(|x| guards::hedge_bank(k, x))
+                .map(|x| s.hedge.bank = x)),
             ("HEDGE", "WINDOW_S") => run(parse_secs(k, v)
                 .and_then(|x| guards::hedge_window(k, x))
                 .map(|x| s.hedge.window = x)),

@@ -207,6 +207,22 @@ pub fn lease(key: &str, d: Duration) -> Result<Duration, ConfigError> {
     }
 }
 
+/// The longest `HEDGE__BANK_S`.
+pub const MAX_HEDGE_BANK: Duration = Duration::from_secs(3600);
+
+/// `HEDGE__BANK_S`: 0 (the burst only) up to [`MAX_HEDGE_BANK`].
+pub fn hedge_bank(key: &str, d: Duration) -> Result<Duration, ConfigError> {
+    if d <= MAX_HEDGE_BANK {
+        Ok(d)
+    } else {
+        Err(invalid(
+            key,
+            format!("{}", d.as_secs_f64()),
+            "0 to 3600 seconds",
+        ))
+    }
+}
+
 /// `HEDGE__WINDOW_S`: at least [`MIN_HEDGE_WINDOW`].
 pub fn hedge_window(key: &str, d: Duration) -> Result<Duration, ConfigError> {
     if d >= MIN_HEDGE_WINDOW {
@@ -445,6 +461,7 @@ pub fn check(s: &ScopeSettings, kind: ScopeKind) -> Result<Vec<ConfigWarning>, C
         .map(|_| ()),
     );
     push(hedge_window(&scope_key(scope, "HEDGE__WINDOW_S"), h.window).map(|_| ()));
+    push(hedge_bank(&scope_key(scope, "HEDGE__BANK_S"), h.bank).map(|_| ()));
     for (b, min_key, max_key) in [
         (h.after_bounds, "HEDGE__MIN_S", "HEDGE__MAX_S"),
         (h.stall_bounds, "HEDGE__STALL_MIN_S", "HEDGE__STALL_MAX_S"),

@@ -358,7 +358,7 @@ fn run_two_source_loop(seed: u64, pct: u32, calls: usize) -> [Duration; 2] {
         let (p, o) = (call % 2, 1 - call % 2);
         // thresholds refreshed every 8 calls, as an engine may cache them
         if call % 16 < 2 {
-            th[p] = book.thresholds(names[p], now, &auto, pct).after.value;
+            th[p] = book.thresholds(names[p], now, &auto, pct * 100).after.value;
         }
         let th = th[p];
         let x = rng.lognormal(1.6, 0.8);
@@ -378,8 +378,8 @@ fn run_two_source_loop(seed: u64, pct: u32, calls: usize) -> [Duration; 2] {
         }
     }
     let end = s + ms(calls as u64 * 100);
-    let a = book.thresholds("a", end, &auto, pct).after;
-    let b = book.thresholds("b", end, &auto, pct).after;
+    let a = book.thresholds("a", end, &auto, pct * 100).after;
+    let b = book.thresholds("b", end, &auto, pct * 100).after;
     assert_eq!(
         (a.origin, b.origin),
         (ThresholdOrigin::Source, ThresholdOrigin::Source)
@@ -463,7 +463,7 @@ fn a_new_source_uses_the_pool_then_its_own_distribution() {
     let s = t0();
     let auto = HedgeSettings::default();
     let mut book = ScopeLatency::default();
-    let th = |book: &mut ScopeLatency, src| book.thresholds(src, s, &auto, 10);
+    let th = |book: &mut ScopeLatency, src| book.thresholds(src, s, &auto, 1_000);
     assert_eq!(th(&mut book, "fast").after.origin, ThresholdOrigin::NotYet);
     for i in 0..50 {
         book.first_token("fast", s, ms(1000 + i), false);
@@ -512,7 +512,7 @@ fn stall_threshold_fires_on_about_the_budget_share_of_streams() {
         }
     }
     let t = book
-        .thresholds("a", s, &HedgeSettings::default(), 10)
+        .thresholds("a", s, &HedgeSettings::default(), 1_000)
         .stall_after;
     assert_eq!(t.origin, ThresholdOrigin::Source);
     // Both triggers auto share the 10 % by what each saves (`hedge::split_budget`): every
@@ -527,7 +527,7 @@ fn stall_threshold_fires_on_about_the_budget_share_of_streams() {
         after: crate::hedge::ThresholdSetting::Off,
         ..HedgeSettings::default()
     };
-    let t = book.thresholds("a", s, &alone, 10).stall_after;
+    let t = book.thresholds("a", s, &alone, 1_000).stall_after;
     let above = (0..100u64)
         .filter(|leg| leg % 5 < 2 && ms(2000 + leg * 100) > t.value.unwrap())
         .count();
@@ -575,10 +575,10 @@ proptest! {
                 merged.merge(&LatencySnapshot::from_bytes(b).unwrap());
             }
             book.set_remote("a", merged);
-            let t = book.thresholds("a", s, &auto, 10);
+            let t = book.thresholds("a", s, &auto, 1_000);
             prop_assert_eq!(*expected.get_or_insert(t), t);
         }
-        prop_assert_eq!(expected.unwrap(), single.thresholds("a", s, &auto, 10));
+        prop_assert_eq!(expected.unwrap(), single.thresholds("a", s, &auto, 1_000));
         // a sample recorded after the read counts at once in its own process
         procs[0].first_token("a", s, ms(1), false);
         prop_assert_eq!(procs[0].view("a", s).ttft.samples(), single.view("a", s).ttft.samples() + 1);

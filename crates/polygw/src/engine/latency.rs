@@ -84,8 +84,9 @@ impl EngineLatency {
     }
 
     /// The thresholds in force per source (indexed like the scope's sources) for a
-    /// request streamed or not, and the round's triggers from them.
-    pub(crate) fn thresholds(&self, stream: bool, now: Instant) -> Vec<Thresholds> {
+    /// request streamed or not, and the round's triggers from them; `fill` is how full
+    /// the scope's hedge budget is (the share they aim at: `hedge::aim_bp`).
+    pub(crate) fn thresholds(&self, stream: bool, now: Instant, fill: f64) -> Vec<Thresholds> {
         let mut books = self.books();
         let book = &mut books[idx(stream)];
         if let Some((at, t)) = &book.cached {
@@ -97,13 +98,11 @@ impl EngineLatency {
         if !stream {
             settings.stall_after = ThresholdSetting::Off;
         }
+        let aim = polygw_core::hedge::aim_bp(settings.budget_pct.saturating_mul(100), fill);
         let t: Vec<Thresholds> = self
             .sources
             .iter()
-            .map(|s| {
-                book.latency
-                    .thresholds(s, now, &settings, settings.budget_pct)
-            })
+            .map(|s| book.latency.thresholds(s, now, &settings, aim))
             .collect();
         book.cached = Some((now, t.clone()));
         t

@@ -95,7 +95,7 @@ impl Engine {
             kind == ScopeKind::Chat,
             scope.sources.len(),
         );
-        let budget = HedgeBudget::with_burst(scope.hedge.burst);
+        let budget = HedgeBudget::banking(scope.hedge.burst, scope.hedge.bank);
         let latency = latency::EngineLatency::new(
             scope.hedge,
             scope.sources.iter().map(|s| s.name.clone()).collect(),

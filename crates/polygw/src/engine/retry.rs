@@ -309,8 +309,12 @@ impl Engine {
             let fallback_cooldown = retry.cooldown();
             let carried_from = cont.as_ref().and_then(|c| c.from.clone());
             // The `auto` thresholds in force per source (static ones are the policy's).
-            let thresholds = (self.scope.hedge.uses_auto() && policy.max_extra > 0)
-                .then(|| self.latency.thresholds(leg.stream(), round_started));
+            let thresholds = (self.scope.hedge.uses_auto() && policy.max_extra > 0).then(|| {
+                let fill = self
+                    .budget()
+                    .fill(round_started, self.scope.hedge.budget_pct);
+                self.latency.thresholds(leg.stream(), round_started, fill)
+            });
             let ((after_ms, after_from), (stall_ms, stall_from)) =
                 match thresholds.as_ref().and_then(|t| t.get(picked.source_idx)) {
                     Some(t) => (
