@@ -506,13 +506,21 @@ pub fn thresholds(
     // Each `auto` threshold then moves to the cheapest one worth as much (`knee`), on the
     // distribution it was read from; `Y` is the new leg's first token.
     let y = deciles(evidence_of(ttft, &pool.ttft, auto.min_samples));
-    let cheapest = |mut t: ThresholdInForce, own: &LatencySketch, pooled: &LatencySketch, max| {
+    // The knee trades at most half of the legs the quantile fires on: it stops at the
+    // quantile of half the share (on a sparse tail the saving's last mass sits at the
+    // highest value seen, a lower bound, and the knee would chase it).
+    let cheapest = |mut t: ThresholdInForce,
+                    own: &LatencySketch,
+                    pooled: &LatencySketch,
+                    share_bp: u32,
+                    bounds: Bounds| {
         let from = match t.origin {
             ThresholdOrigin::Source => own,
             ThresholdOrigin::Pooled => pooled,
             _ => return t,
         };
-        t.value = t.value.map(|v| knee(from, v, &y, max));
+        let limit = auto_threshold_bp(from, share_bp / 2, bounds).unwrap_or(bounds.max);
+        t.value = t.value.map(|v| knee(from, v, &y, limit));
         t
     };
     Thresholds {
@@ -527,7 +535,8 @@ pub fn thresholds(
             ),
             ttft,
             &pool.ttft,
-            auto.after_bounds.max,
+            after_bp,
+            auto.after_bounds,
         ),
         stall_after: cheapest(
             threshold_in_force(
@@ -540,7 +549,8 @@ pub fn thresholds(
             ),
             gap,
             &pool.gap,
-            auto.stall_bounds.max,
+            stall_bp,
+            auto.stall_bounds,
         ),
     }
 }

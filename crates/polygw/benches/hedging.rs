@@ -641,7 +641,18 @@ async fn run_config(
             }
         };
         let (a, b) = &mut *r;
-        (med(a), med(b))
+        let m = (med(a), med(b));
+        if std::env::var("DBG").is_ok() {
+            let q = |v: &Vec<f64>, x: f64| if v.is_empty() { f64::NAN } else { pct(v, x) };
+            println!(
+                "DBG stall thresholds in force: min {:.2} p10 {:.2} p90 {:.2} max {:.2}",
+                q(b, 0.0),
+                q(b, 0.1),
+                q(b, 0.9),
+                q(b, 1.0)
+            );
+        }
+        m
     });
     let thresholds = s.auto().then(|| client.hedge_thresholds(true));
     let dbg_pool = {
