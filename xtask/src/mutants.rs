@@ -1,5 +1,6 @@
 //! `cargo xtask mutants [FILE…]`: cargo-mutants on `polygw-core` (every file, or the
-//! files named), then the score of each file — caught ÷ (caught + missed + timed out),
+//! files named; one run per file into `target/mutants/<file>`, skipping what an earlier
+//! run of that file caught: `--iterate`), then the score of each file — caught ÷ (caught + missed + timed out),
 //! unviable mutants left out — against the 90 % a core file must reach (issue 22).
 //! cargo-mutants reads `.cargo/mutants.toml`, where mutants known to be equivalent (no
 //! test can tell them from the original) are to be excluded, each with its reason. Not
@@ -55,6 +56,64 @@ pub fn scores(lists: &[(&str, &str)]) -> BTreeMap<String, Score> {
     out
 }
 
+/// Where a file's run writes: `target/mutants/<path with / as ->`.
+fn out_dir(file: &str) -> std::path::PathBuf {
+    let slug = file
+        .trim_start_matches("crates/core/src/")
+        .trim_end_matches(".rs")
+        .replace('/', "-");
+    Path::new(OUT).join(slug)
+}
+
+/// Each mutant's latest outcome, kept across runs in `<dir>/ledger.txt` (`outcome\tmutant`
+/// lines): the last run's lists (`<dir>/mutants.out/*.txt`) overwrite what they name;
+/// mutants an `--iterate` run skipped keep their earlier outcome.
+fn update_ledger(dir: &Path) -> std::io::Result<BTreeMap<String, String>> {
+    let path = dir.join("ledger.txt");
+    let mut ledger: BTreeMap<String, String> = BTreeMap::new();
+    if let Ok(text) = std::fs::read_to_string(&path) {
+        for line in text.lines() {
+            if let Some((outcome, mutant)) = line.split_once('\t') {
+                ledger.insert(mutant.to_string(), outcome.to_string());
+            }
+        }
+    }
+    let out = dir.join("mutants.out");
+    for k in ["caught", "missed", "timeout", "unviable"] {
+        let text = std::fs::read_to_string(out.join(format!("{k}.txt"))).unwrap_or_default();
+        for m in text.lines().filter(|l| !l.trim().is_empty()) {
+            ledger.insert(m.to_string(), k.to_string());
+        }
+    }
+    let text: String = ledger.iter().map(|(m, o)| format!("{o}\t{m}\n")).collect();
+    std::fs::write(&path, text)?;
+    Ok(ledger)
+}
+
+/// Every `.rs` file under `crates/core/src` (test modules in their own files excluded:
+/// cargo-mutants does not mutate them), sorted.
+fn core_files() -> Vec<String> {
+    fn walk(dir: &Path, out: &mut Vec<String>) {
+        let Ok(entries) = std::fs::read_dir(dir) else {
+            return;
+        };
+        for e in entries.flatten() {
+            let p = e.path();
+            if p.is_dir() {
+                walk(&p, out);
+            } else if p.extension().is_some_and(|x| x == "rs")
+                && p.file_name().is_some_and(|n| n != "tests.rs")
+            {
+                out.push(p.to_string_lossy().into_owned());
+            }
+        }
+    }
+    let mut out = Vec::new();
+    walk(Path::new("crates/core/src"), &mut out);
+    out.sort();
+    out
+}
+
 pub fn run(files: &[String]) -> ExitCode {
     let installed = Command::new("cargo")
         .args(["mutants", "--version"])
@@ -66,35 +125,62 @@ pub fn run(files: &[String]) -> ExitCode {
         );
         return ExitCode::FAILURE;
     }
-    let mut cmd = Command::new("cargo");
-    cmd.args([
-        "mutants",
-        "-p",
-        "polygw-core",
-        "--timeout",
-        "120",
-        "-o",
-        OUT,
-    ]);
-    for f in files {
-        cmd.args(["--file", f]);
+    let files: Vec<String> = if files.is_empty() {
+        core_files()
+    } else {
+        files.to_vec()
+    };
+    // One run per file, each in its own directory: a file's outcomes stay when another
+    // file is run again, and `--iterate` skips what an earlier run of it caught.
+    for f in &files {
+        let mut cmd = Command::new("cargo");
+        cmd.args([
+            "mutants",
+            "-p",
+            "polygw-core",
+            "--timeout",
+            "120",
+            "--test-tool",
+            "nextest",
+            "--profile",
+            "mutants",
+            "--iterate",
+            "--file",
+            f,
+            "-o",
+        ])
+        .arg(out_dir(f))
+        // nextest's `mutants` profile: fail fast (a mutant is caught at its first
+        // failing test).
+        .env("NEXTEST_PROFILE", "mutants");
+        // cargo-mutants exits non-zero when a mutant is missed: the scores say which.
+        if let Err(e) = cmd.status() {
+            eprintln!("mutants: cargo mutants could not run: {e}");
+            return ExitCode::FAILURE;
+        }
     }
-    // cargo-mutants exits non-zero when a mutant is missed: the scores say which.
-    if let Err(e) = cmd.status() {
-        eprintln!("mutants: cargo mutants could not run: {e}");
-        return ExitCode::FAILURE;
+    let mut lists: Vec<(&str, String)> = Vec::new();
+    for f in &files {
+        let ledger = match update_ledger(&out_dir(f)) {
+            Ok(l) => l,
+            Err(e) => {
+                eprintln!("mutants: {f}: {e}");
+                return ExitCode::FAILURE;
+            }
+        };
+        for k in ["caught", "missed", "timeout", "unviable"] {
+            let text: String = ledger
+                .iter()
+                .filter(|(_, o)| o.as_str() == k)
+                .map(|(m, _)| format!("{m}\n"))
+                .collect();
+            lists.push((k, text));
+        }
     }
-    let dir = Path::new(OUT).join("mutants.out");
-    let read =
-        |name: &str| std::fs::read_to_string(dir.join(format!("{name}.txt"))).unwrap_or_default();
-    let lists: Vec<(&str, String)> = ["caught", "missed", "timeout", "unviable"]
-        .into_iter()
-        .map(|k| (k, read(k)))
-        .collect();
     let borrowed: Vec<(&str, &str)> = lists.iter().map(|(k, t)| (*k, t.as_str())).collect();
     let scores = scores(&borrowed);
     if scores.is_empty() {
-        eprintln!("mutants: no outcome in {}", dir.display());
+        eprintln!("mutants: no outcome in {OUT}");
         return ExitCode::FAILURE;
     }
     println!(
@@ -117,9 +203,8 @@ pub fn run(files: &[String]) -> ExitCode {
     }
     if below > 0 {
         eprintln!(
-            "mutants: {below} file(s) below {:.0} % (missed mutants: {})",
+            "mutants: {below} file(s) below {:.0} % (missed mutants: {OUT}/<file>/mutants.out/missed.txt)",
             100.0 * TARGET,
-            dir.join("missed.txt").display()
         );
         ExitCode::FAILURE
     } else {
