@@ -234,4 +234,53 @@ mod tests {
         assert_eq!((b.caught, b.unviable, b.share()), (1, 1, Some(1.0)));
         assert_eq!(Score::default().share(), None);
     }
+
+    #[test]
+    fn the_ledger_keeps_what_a_later_run_skipped_and_takes_what_it_ran() {
+        let dir = tempfile::tempdir().unwrap();
+        let out = dir.path().join("mutants.out");
+        std::fs::create_dir_all(&out).unwrap();
+        let write =
+            |k: &str, text: &str| std::fs::write(out.join(format!("{k}.txt")), text).unwrap();
+        write("caught", "a.rs:1:1: x\n");
+        write("missed", "a.rs:2:1: y\na.rs:3:1: z\n");
+        write("unviable", "a.rs:4:1: w\n");
+        let first = update_ledger(dir.path()).unwrap();
+        assert_eq!(first["a.rs:2:1: y"], "missed");
+        // An `--iterate` run: only the missed ones again; y is caught now.
+        write("caught", "a.rs:2:1: y\n");
+        write("missed", "a.rs:3:1: z\n");
+        write("unviable", "");
+        let second = update_ledger(dir.path()).unwrap();
+        let outcomes: Vec<(&str, &str)> = second
+            .iter()
+            .map(|(m, o)| (m.as_str(), o.as_str()))
+            .collect();
+        assert_eq!(
+            outcomes,
+            [
+                ("a.rs:1:1: x", "caught"),
+                ("a.rs:2:1: y", "caught"),
+                ("a.rs:3:1: z", "missed"),
+                ("a.rs:4:1: w", "unviable"),
+            ]
+        );
+        assert_eq!(
+            update_ledger(dir.path()).unwrap(),
+            second,
+            "read back the same"
+        );
+    }
+
+    #[test]
+    fn every_core_file_has_its_own_output_dir() {
+        assert_eq!(
+            out_dir("crates/core/src/config/env.rs"),
+            Path::new("target/mutants/config-env")
+        );
+        assert_eq!(
+            out_dir("crates/core/src/round.rs"),
+            Path::new("target/mutants/round")
+        );
+    }
 }
