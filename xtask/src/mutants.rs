@@ -1,6 +1,6 @@
 //! `cargo xtask mutants [FILE…]`: cargo-mutants on `polygw-core` (every file, or the
-//! files named; one run per file into `target/mutants/<file>`, skipping what an earlier
-//! run of that file caught: `--iterate`), then the score of each file — caught ÷ (caught + missed + timed out),
+//! files named; a run skips what an earlier one caught: `--iterate`, and each mutant's
+//! latest outcome is kept in `target/mutants/ledger.txt`), then the score of each file — caught ÷ (caught + missed + timed out),
 //! unviable mutants left out — against the 90 % a core file must reach (issue 22).
 //! cargo-mutants reads `.cargo/mutants.toml`, where mutants known to be equivalent (no
 //! test can tell them from the original) are to be excluded, each with its reason. Not
@@ -56,15 +56,6 @@ pub fn scores(lists: &[(&str, &str)]) -> BTreeMap<String, Score> {
     out
 }
 
-/// Where a file's run writes: `target/mutants/<path with / as ->`.
-fn out_dir(file: &str) -> std::path::PathBuf {
-    let slug = file
-        .trim_start_matches("crates/core/src/")
-        .trim_end_matches(".rs")
-        .replace('/', "-");
-    Path::new(OUT).join(slug)
-}
-
 /// Each mutant's latest outcome, kept across runs in `<dir>/ledger.txt` (`outcome\tmutant`
 /// lines): the last run's lists (`<dir>/mutants.out/*.txt`) overwrite what they name;
 /// mutants an `--iterate` run skipped keep their earlier outcome.
@@ -90,30 +81,6 @@ fn update_ledger(dir: &Path) -> std::io::Result<BTreeMap<String, String>> {
     Ok(ledger)
 }
 
-/// Every `.rs` file under `crates/core/src` (test modules in their own files excluded:
-/// cargo-mutants does not mutate them), sorted.
-fn core_files() -> Vec<String> {
-    fn walk(dir: &Path, out: &mut Vec<String>) {
-        let Ok(entries) = std::fs::read_dir(dir) else {
-            return;
-        };
-        for e in entries.flatten() {
-            let p = e.path();
-            if p.is_dir() {
-                walk(&p, out);
-            } else if p.extension().is_some_and(|x| x == "rs")
-                && p.file_name().is_some_and(|n| n != "tests.rs")
-            {
-                out.push(p.to_string_lossy().into_owned());
-            }
-        }
-    }
-    let mut out = Vec::new();
-    walk(Path::new("crates/core/src"), &mut out);
-    out.sort();
-    out
-}
-
 pub fn run(files: &[String]) -> ExitCode {
     let installed = Command::new("cargo")
         .args(["mutants", "--version"])
@@ -125,58 +92,55 @@ pub fn run(files: &[String]) -> ExitCode {
         );
         return ExitCode::FAILURE;
     }
-    let files: Vec<String> = if files.is_empty() {
-        core_files()
-    } else {
-        files.to_vec()
-    };
-    // One run per file, each in its own directory: a file's outcomes stay when another
-    // file is run again, and `--iterate` skips what an earlier run of it caught.
-    for f in &files {
-        let mut cmd = Command::new("cargo");
-        cmd.args([
-            "mutants",
-            "-p",
-            "polygw-core",
-            "--timeout",
-            "120",
-            "--test-tool",
-            "nextest",
-            "--profile",
-            "mutants",
-            "--iterate",
-            "--file",
-            f,
-            "-o",
-        ])
-        .arg(out_dir(f))
-        // nextest's `mutants` profile: fail fast (a mutant is caught at its first
-        // failing test).
-        .env("NEXTEST_PROFILE", "mutants");
-        // cargo-mutants exits non-zero when a mutant is missed: the scores say which.
-        if let Err(e) = cmd.status() {
-            eprintln!("mutants: cargo mutants could not run: {e}");
+    if let Err(e) = std::fs::create_dir_all(OUT) {
+        eprintln!("mutants: {OUT}: {e}");
+        return ExitCode::FAILURE;
+    }
+    let mut cmd = Command::new("cargo");
+    cmd.args([
+        "mutants",
+        "-p",
+        "polygw-core",
+        "--timeout",
+        "120",
+        "--test-tool",
+        "nextest",
+        "--profile",
+        "mutants",
+        // Skip what an earlier run caught (or found unviable): the ledger keeps it.
+        "--iterate",
+        "-o",
+        OUT,
+    ])
+    // nextest's `mutants` profile: fail fast (a mutant is caught at its first failing
+    // test).
+    .env("NEXTEST_PROFILE", "mutants");
+    for f in files {
+        cmd.args(["--file", f]);
+    }
+    // cargo-mutants exits non-zero when a mutant is missed: the scores say which.
+    if let Err(e) = cmd.status() {
+        eprintln!("mutants: cargo mutants could not run: {e}");
+        return ExitCode::FAILURE;
+    }
+    let ledger = match update_ledger(Path::new(OUT)) {
+        Ok(l) => l,
+        Err(e) => {
+            eprintln!("mutants: {OUT}/ledger.txt: {e}");
             return ExitCode::FAILURE;
         }
-    }
-    let mut lists: Vec<(&str, String)> = Vec::new();
-    for f in &files {
-        let ledger = match update_ledger(&out_dir(f)) {
-            Ok(l) => l,
-            Err(e) => {
-                eprintln!("mutants: {f}: {e}");
-                return ExitCode::FAILURE;
-            }
-        };
-        for k in ["caught", "missed", "timeout", "unviable"] {
+    };
+    let lists: Vec<(&str, String)> = ["caught", "missed", "timeout", "unviable"]
+        .into_iter()
+        .map(|k| {
             let text: String = ledger
                 .iter()
                 .filter(|(_, o)| o.as_str() == k)
                 .map(|(m, _)| format!("{m}\n"))
                 .collect();
-            lists.push((k, text));
-        }
-    }
+            (k, text)
+        })
+        .collect();
     let borrowed: Vec<(&str, &str)> = lists.iter().map(|(k, t)| (*k, t.as_str())).collect();
     let scores = scores(&borrowed);
     if scores.is_empty() {
@@ -203,7 +167,7 @@ pub fn run(files: &[String]) -> ExitCode {
     }
     if below > 0 {
         eprintln!(
-            "mutants: {below} file(s) below {:.0} % (missed mutants: {OUT}/<file>/mutants.out/missed.txt)",
+            "mutants: {below} file(s) below {:.0} % (missed mutants: {OUT}/ledger.txt)",
             100.0 * TARGET,
         );
         ExitCode::FAILURE
@@ -269,18 +233,6 @@ mod tests {
             update_ledger(dir.path()).unwrap(),
             second,
             "read back the same"
-        );
-    }
-
-    #[test]
-    fn every_core_file_has_its_own_output_dir() {
-        assert_eq!(
-            out_dir("crates/core/src/config/env.rs"),
-            Path::new("target/mutants/config-env")
-        );
-        assert_eq!(
-            out_dir("crates/core/src/round.rs"),
-            Path::new("target/mutants/round")
         );
     }
 }
