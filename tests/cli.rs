@@ -424,6 +424,57 @@ async fn a_client_that_disconnects_cancels_its_call() {
     assert_eq!(rows[0].error.as_deref(), Some("cancelled"));
 }
 
+/// Issue 22, item 16: two scopes that share one telemetry database print its figures
+/// once at shutdown, naming both scopes — not the shared total under each scope.
+#[tokio::test]
+async fn scopes_sharing_a_database_print_its_figures_once() {
+    let a = mock(Behavior::text(&["hi"])).await;
+    let dir = tempfile::tempdir().unwrap();
+    let db = format!("sqlite://{}", dir.path().join("t.db").display());
+    let mut env = source("LLM", "a", &a, &[]);
+    env.extend(source("OTHER", "a", &a, &[]));
+    env.push(("LLM__TELEMETRY__URL".into(), db.clone()));
+    env.push(("OTHER__TELEMETRY__URL".into(), db.clone()));
+    let s = serve(&env);
+    let http = reqwest::Client::new();
+    for model in ["llm", "other"] {
+        let r = http
+            .post(format!("{}/v1/chat/completions", s.base))
+            .json(&serde_json::json!({"model": model, "messages": [{"role": "user", "content": "x"}]}))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status(), 200, "{model}");
+    }
+    let pid = s.child.id().to_string();
+    assert!(Command::new("kill")
+        .args(["-TERM", &pid])
+        .status()
+        .unwrap()
+        .success());
+    let mut lines = Vec::new();
+    while let Ok(l) = s.lines.recv_timeout(Duration::from_secs(10)) {
+        lines.push(l);
+    }
+    let figures: Vec<&String> = lines
+        .iter()
+        .filter(|l| l.starts_with("telemetry ") && l.contains("written"))
+        .collect();
+    assert_eq!(
+        figures.len(),
+        1,
+        "one line for the one database: {lines:#?}"
+    );
+    assert!(
+        figures[0].contains("LLM") && figures[0].contains("OTHER"),
+        "{}",
+        figures[0]
+    );
+    assert!(figures[0].contains("written 2,"), "{}", figures[0]);
+    let rows = polygw::telemetry::read_rows(&db, None).await.unwrap();
+    assert_eq!(rows.len(), 2);
+}
+
 // ---------------------------------------------------------------- demo
 
 #[test]

@@ -298,6 +298,51 @@ async fn a_prefill_capable_source_is_preferred_over_priority() {
     assert!(b.requests().is_empty(), "b (replay only) was not needed");
 }
 
+/// Issue 22, item 16: with `RETRY__PREFER=same`, a stream cut after its first chunk is
+/// resumed on another source — a prefill-capable one first — never first on the source
+/// that cut it; the resume's log line names its mode as a word, and the call that
+/// succeeded only thanks to the resume says so in one info line.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn prefer_same_never_resumes_a_cut_stream_on_the_source_that_cut_it() {
+    let a = mock(with_fault(words(60), Fault::ResetAfter { chunks: 30 })).await;
+    let b = mock(words(60)).await;
+    let s = serve(&env(
+        &a,
+        &b,
+        &[("PREFILL", "assistant")],
+        &[("LLM__RETRY__PREFER", "same"), ("POLYGW_LOG", "info")],
+    ));
+    let seen = stream_through(&s.base, "cut me").await;
+    let full = planned(&a).await;
+    assert_eq!(seen.error, None);
+    assert_eq!(seen.content, full);
+    let rb = b.wait_for_ended(1, Duration::from_secs(5)).await;
+    assert_eq!(
+        rb[0].prefill.as_ref().map(|p| p.outcome),
+        Some(PrefillOutcome::Continued),
+        "resumed on b by prefill"
+    );
+    assert_eq!(
+        a.requests().len(),
+        1,
+        "a, which cut the stream, was not asked again"
+    );
+    let log = lines_so_far(&s, "call succeeded thanks to", 1);
+    let resume = log
+        .iter()
+        .find(|l| l.contains("resuming the stream"))
+        .unwrap_or_else(|| panic!("{log:#?}"));
+    assert!(
+        resume.contains("resume_mode=prefill") && !resume.contains("Some("),
+        "{resume}"
+    );
+    let rescued = log
+        .iter()
+        .find(|l| l.contains("call succeeded thanks to"))
+        .unwrap();
+    assert!(rescued.contains("1 resume(s) of its stream"), "{rescued}");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_fallback_without_prefill_replays_and_forwards_only_the_remainder() {
     let a = mock(with_fault(words(60), Fault::ResetAfter { chunks: 30 })).await;

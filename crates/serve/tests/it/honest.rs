@@ -346,6 +346,39 @@ async fn long_histories_and_null_contents_are_served_as_sent() {
     assert!(null_msg["content"].is_null());
 }
 
+/// Item 17: an agent's history of 7 000 tool-call pairs (1.5 MB: each assistant
+/// turn a `content: null` message with a tool call, each answer a `tool` message) is a
+/// valid request, not too many JSON values, and reaches the upstream as sent.
+#[tokio::test(start_paused = true)]
+async fn an_agent_history_of_seven_thousand_tool_calls_is_served() {
+    let m = mock(Behavior::text(&["ok"])).await;
+    let s = serve(vec![chat_scope("LLM", &m).await]).await;
+    let mut messages: Vec<Value> = vec![json!({"role": "user", "content": "fix the build"})];
+    for i in 0..7_000 {
+        let id = format!("call_{i:05}");
+        messages.push(
+            json!({"role": "assistant", "content": null, "tool_calls": [{
+                "id": id, "type": "function",
+                "function": {"name": "sh", "arguments": format!(r#"{{"cmd":"ls {i}"}}"#)}
+            }]}),
+        );
+        messages.push(json!({"role": "tool", "tool_call_id": id, "content": format!("ok {i}")}));
+    }
+    let body = json!({"model": "llm", "messages": messages, "tools": [{"type": "function",
+        "function": {"name": "sh", "parameters": {"type": "object",
+        "properties": {"cmd": {"type": "string"}}}}}]});
+    let size = body.to_string().len();
+    assert!((1_400_000..1_600_000).contains(&size), "{size} bytes");
+    let r = post_json(&s, "/chat/completions", body).await;
+    assert_eq!(r.status(), 200, "{}", r.text().await.unwrap());
+    let sent = m.requests()[0].body["messages"].clone();
+    let sent = sent.as_array().unwrap();
+    assert_eq!(sent.len(), 14_001);
+    assert_eq!(sent[1]["tool_calls"][0]["id"], "call_00000");
+    assert!(sent[13_999]["content"].is_null());
+    assert_eq!(sent[14_000]["tool_call_id"], "call_06999");
+}
+
 /// Item 18: the upstream's `x-request-id` and `x-ratelimit-*` headers reach the
 /// client (plain and streamed), and a stream's synthesized final usage chunk carries
 /// the stream's `system_fingerprint` and `service_tier`.
