@@ -454,4 +454,54 @@ mod tests {
         let w = jittered(Duration::from_secs(3600), &rng);
         assert!(w <= Duration::from_secs(3601));
     }
+
+    /// The boundaries: a window equal to the one that rejected is no larger; a window
+    /// equal to what the request needs is not too small; a hint equal to the wait left
+    /// is still within it.
+    #[test]
+    fn context_and_wait_boundaries() {
+        let mut s = vec![src("a", 0, 1), src("b", 0, 1), src("c", 0, 1)];
+        s[0].context_window = Some(8_000);
+        s[1].context_window = Some(8_000);
+        s[2].context_window = Some(8_001);
+        assert_eq!(larger_context_candidates(&s, 0, &BTreeSet::new()), vec![2]);
+        assert_eq!(too_small_for(&s, 8_000), BTreeSet::new());
+        assert_eq!(too_small_for(&s, 8_001), BTreeSet::from([0, 1]));
+        let cooling = vec![(
+            "x".to_string(),
+            Refusal {
+                reason: RefusalReason::Cooldown,
+                retry_after: Some(Duration::from_secs(10)),
+            },
+        )];
+        assert_eq!(
+            NoRunnable::within(&cooling, OnNoRunnable::Wait, Duration::from_secs(10)),
+            NoRunnable::Wait(Duration::from_secs(10))
+        );
+    }
+
+    /// The jitter reaches its whole spread: with the highest draw, the hint plus a
+    /// tenth of it (at least 1 ms, at most [`MAX_JITTER`]), to the microsecond.
+    #[test]
+    fn the_jitter_spans_a_tenth_of_the_hint_exactly() {
+        #[derive(Debug)]
+        struct Highest;
+        impl Rng for Highest {
+            fn next_u64(&self) -> u64 {
+                u64::MAX
+            }
+            fn below(&self, n: u64) -> u64 {
+                n.saturating_sub(1)
+            }
+        }
+        assert_eq!(
+            jittered(Duration::from_secs(20), &Highest),
+            Duration::from_secs(21),
+            "a tenth, at most MAX_JITTER"
+        );
+        assert_eq!(
+            jittered(Duration::from_millis(5), &Highest),
+            Duration::from_millis(6)
+        );
+    }
 }

@@ -413,6 +413,19 @@ mod tests {
         // Nothing to key on.
         let none = ChatRequest::new(vec![Message::assistant("a")]);
         assert_eq!(call_key(None, &none), None);
+        // The system and developer prompts are part of the key; a conversation that
+        // has only one of them is keyed on it.
+        let other_sys = ChatRequest::new(vec![Message::system("sys 2"), Message::user("q1")]);
+        assert_ne!(Some(&k1), call_key(None, &other_sys).as_ref());
+        let dev =
+            |t: &str| ChatRequest::new(vec![Message::new("developer", t), Message::user("q1")]);
+        assert_ne!(call_key(None, &dev("d1")), call_key(None, &dev("d2")));
+        let only_sys = ChatRequest::new(vec![Message::system("sys")]);
+        assert!(call_key(None, &only_sys).is_some());
+        // The keys and modes print as they are written.
+        assert_eq!(k1.to_string(), k1.as_str());
+        assert_eq!(AffinityMode::Session.to_string(), "session");
+        assert_eq!(AffinityMode::Off.to_string(), "off");
     }
 
     #[test]

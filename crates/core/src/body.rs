@@ -304,5 +304,27 @@ mod tests {
         let e = embedding_body(&src(), &["a".into(), "b".into()]);
         assert_eq!(e["input"], json!(["a", "b"]));
         assert_eq!(e["model"], "qwen");
+        let e = embedding_body_inputs(
+            &src(),
+            &[
+                crate::EmbeddingInput::Tokens(vec![1, 2]),
+                crate::EmbeddingInput::Text("c".into()),
+            ],
+        );
+        assert_eq!(e["input"], json!([[1, 2], "c"]), "token arrays as sent");
+        assert_eq!(e["model"], "qwen");
+        assert_eq!(e["enable_thinking"], false, "EXTRA_BODY too");
+    }
+
+    /// RFC 7396: objects merge key by key at every depth; `null` removes.
+    #[test]
+    fn objects_merge_recursively() {
+        let mut target = json!({"a": {"x": 1, "y": {"p": 1, "q": 2}}, "b": 1});
+        let patch = json!({"a": {"y": {"q": 3, "p": null}, "z": 4}, "b": {"new": true}});
+        merge_patch(target.as_object_mut().unwrap(), patch.as_object().unwrap());
+        assert_eq!(
+            target,
+            json!({"a": {"x": 1, "y": {"q": 3}, "z": 4}, "b": {"new": true}})
+        );
     }
 }

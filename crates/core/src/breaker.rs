@@ -658,4 +658,102 @@ mod tests {
         b.renew_probe(36_000, p, 1000);
         assert_eq!(allowed(b.admit(36_001, 1000)), Some(true));
     }
+
+    /// A failed probe re-opens the breaker under a new epoch, above the probe's: nothing
+    /// admitted before — the probe included — counts any more (the epoch never goes
+    /// back, or an old attempt's success would close a breaker that just re-opened).
+    #[test]
+    fn a_reopen_moves_the_epoch_on() {
+        let s = settings();
+        let mut b = BreakerState::default();
+        for _ in 0..3 {
+            b.record(0, BreakerOutcome::Failure, b.epoch, false, &s);
+        }
+        let tripped = b.epoch;
+        let probe = epoch(b.admit(30_000, 1000));
+        assert_eq!(probe, tripped + 1);
+        b.record(30_010, BreakerOutcome::Failure, probe, true, &s);
+        assert_eq!(b.epoch, probe + 1, "re-opened under a new epoch");
+        for stale in [tripped, probe] {
+            b.record(30_020, BreakerOutcome::Success, stale, false, &s);
+            assert!(
+                b.is_tripped(),
+                "a success under epoch {stale} closes nothing"
+            );
+        }
+    }
+
+    /// A success while the breaker is closed does not move the epoch: the other attempts
+    /// admitted meanwhile still count.
+    #[test]
+    fn a_success_while_closed_keeps_the_epoch() {
+        let s = settings();
+        let mut b = BreakerState::default();
+        let one = epoch(b.admit(0, 1000));
+        let two = epoch(b.admit(0, 1000));
+        b.record(1, BreakerOutcome::Success, one, false, &s);
+        assert_eq!(b.epoch, one);
+        b.record(2, BreakerOutcome::Failure, two, false, &s);
+        assert_eq!(
+            b.consecutive_failures, 1,
+            "the other attempt's failure counts"
+        );
+    }
+
+    /// While a probe is out, another caller is told when its lease ends.
+    #[test]
+    fn a_refusal_behind_a_probe_says_when_its_lease_ends() {
+        let s = settings();
+        let mut b = BreakerState::default();
+        for _ in 0..3 {
+            b.record(0, BreakerOutcome::Failure, b.epoch, false, &s);
+        }
+        assert_eq!(allowed(b.admit(30_000, 1_000)), Some(true));
+        assert_eq!(
+            b.admit(30_400, 1_000),
+            BreakerAdmit::Refused {
+                reason: RefusalReason::CircuitOpen,
+                retry_after_ms: 600
+            }
+        );
+    }
+
+    /// A heartbeat extends a lease that has not ended, and not one that ended this very
+    /// millisecond.
+    #[test]
+    fn a_heartbeat_renews_only_a_lease_still_running() {
+        let s = settings();
+        let mut b = BreakerState::default();
+        for _ in 0..3 {
+            b.record(0, BreakerOutcome::Failure, b.epoch, false, &s);
+        }
+        let p = epoch(b.admit(30_000, 1_000));
+        b.renew_probe(30_999, p, 1_000);
+        assert_eq!(
+            b.probe_until, 31_999,
+            "renewed a millisecond before its end"
+        );
+        b.renew_probe(31_999, p, 1_000);
+        assert_eq!(b.probe_until, 31_999, "not at its end");
+    }
+
+    /// Only the default state is initial (a store may forget it).
+    #[test]
+    fn only_the_default_state_is_initial() {
+        let s = settings();
+        let mut b = BreakerState::default();
+        assert!(b.is_initial());
+        b.record(0, BreakerOutcome::Failure, b.epoch, false, &s);
+        assert!(!b.is_initial());
+        b.record(1, BreakerOutcome::Success, b.epoch, false, &s);
+        assert!(b.is_initial(), "a success forgets the failure");
+        b.record(
+            2,
+            BreakerOutcome::RateLimited { cooldown_ms: 10 },
+            b.epoch,
+            false,
+            &s,
+        );
+        assert!(!b.is_initial());
+    }
 }

@@ -58,6 +58,18 @@ mod tests {
     use super::*;
     use serde_json::json;
 
+    /// The canonical form, byte for byte: keys sorted at every level, commas between
+    /// members and elements only (a stored cache key depends on it).
+    #[test]
+    fn canonical_json_is_sorted_compact_json() {
+        let mut out = String::new();
+        canonical_json(
+            &json!({"b": [1, 2, {"z": null, "y": "s"}], "a": {}, "c": []}),
+            &mut out,
+        );
+        assert_eq!(out, r#"{"a":{},"b":[1,2,{"y":"s","z":null}],"c":[]}"#);
+    }
+
     #[test]
     fn key_covers_generation_parameters_not_stream() {
         let base = ChatRequest::user("hi");

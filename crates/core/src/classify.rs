@@ -99,14 +99,12 @@ pub fn classify_status(status: u16) -> Option<(ErrorClass, ErrorLabel)> {
         200..=299 => return None,
         429 => (C::RateLimited, L::RateLimited),
         408 => (C::Transient, L::Timeout),
-        // 409 Conflict is about the request (SPEC §17.4): passed through, not retried.
-        409 => (C::Rejected, L::Rejected),
         500..=599 => (C::Transient, L::ServerError),
-        400 | 413 | 422 => (C::Rejected, L::Rejected),
         401 | 403 | 404 => (C::Dead, L::Dead),
         // 402 Payment Required: the account cannot pay; retrying it is pointless.
         402 => (C::Dead, L::Dead),
-        // Any other 4xx is about the request.
+        // Any other 4xx is about the request (400, 413, 422; 409 Conflict too, SPEC
+        // §17.4): passed through, not retried.
         400..=499 => (C::Rejected, L::Rejected),
         // 1xx/3xx that reached us (redirects are not followed): the source misbehaves.
         _ => (C::Invalid, L::Invalid),
@@ -403,6 +401,12 @@ mod tests {
         assert_eq!(e.retry_after, Some(MAX_RETRY_HINT));
         assert_eq!(millis(Duration::MAX), u64::MAX);
         assert_eq!(clamp_hint(Duration::from_secs(5)), Duration::from_secs(5));
+        // The bound is a day: an hour-long hint is kept as it is.
+        assert_eq!(MAX_RETRY_HINT, Duration::from_secs(86_400));
+        assert_eq!(
+            clamp_hint(Duration::from_secs(7_200)),
+            Duration::from_secs(7_200)
+        );
     }
 
     #[test]

@@ -346,5 +346,48 @@ mod tests {
         assert!(!looks_like_key(&format!("sk-{}", "A".repeat(43))));
         assert!(!looks_like_key(&format!("pgw-{}=", "A".repeat(42))));
         assert_eq!(shown_prefix(&k), "pgw-AAAAAA");
+        // URL-safe base64 has `-` and `_`.
+        let k = format!("pgw-{}-_{}", "a".repeat(20), "9".repeat(21));
+        assert!(looks_like_key(&k));
+        assert!(!looks_like_key(&format!("pgw-{}+", "a".repeat(42))));
+    }
+
+    /// Only the limits that are set limit: an unlimited key needs no governance call.
+    #[test]
+    fn limits_and_budgets_are_what_is_set() {
+        let none = KeyLimits::default();
+        assert!(none.is_unlimited() && !none.has_budget());
+        let each = [
+            KeyLimits { rpm: 1, ..none },
+            KeyLimits { tpm: 1, ..none },
+            KeyLimits {
+                max_concurrency: 1,
+                ..none
+            },
+            KeyLimits {
+                budget_day_nanos: Some(0),
+                ..none
+            },
+            KeyLimits {
+                budget_month_nanos: Some(5),
+                ..none
+            },
+        ];
+        for (i, l) in each.iter().enumerate() {
+            assert!(!l.is_unlimited(), "{l:?}");
+            assert_eq!(l.has_budget(), i >= 3, "{l:?}");
+        }
+        assert_eq!(BudgetPeriod::Day.as_str(), "day");
+        assert_eq!(BudgetPeriod::Month.as_str(), "month");
+    }
+
+    /// What is not a decimal number is named so (not mistaken for a number too big).
+    #[test]
+    fn an_amount_that_is_no_number_says_so() {
+        for bad in ["a", "", ".5", "1.", "1.x", "x.5", "-1"] {
+            let e = parse_amount(bad).unwrap_err();
+            assert!(e.contains("not a decimal number"), "{bad:?}: {e}");
+        }
+        assert_eq!(parse_amount("25"), Ok(25 * NANOS_PER_UNIT));
     }
 }
