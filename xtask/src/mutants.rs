@@ -1,10 +1,11 @@
 //! `cargo xtask mutants [FILE…]`: cargo-mutants on `polygw-core` (every file, or the
 //! files named; a run skips what an earlier one caught: `--iterate`, and each mutant's
-//! latest outcome is kept in `target/mutants/ledger.txt`), then the score of each file — caught ÷ (caught + missed + timed out),
-//! unviable mutants left out — against the 90 % a core file must reach (issue 22).
-//! cargo-mutants reads `.cargo/mutants.toml`, where mutants known to be equivalent (no
-//! test can tell them from the original) are to be excluded, each with its reason. Not
-//! run by CI: a whole run takes most of an hour on the 2-core VM. Results:
+//! latest outcome is kept in `target/mutants/ledger.txt`), then the score of each file —
+//! caught ÷ (caught + missed + timed out), unviable mutants left out — against the 90 %
+//! a core file must reach (issue 22). Mutants known to be equivalent (no test can tell
+//! them from the original) are listed, each under its reason, in
+//! [`EQUIVALENT`]: they are not run, and the scores leave them out and count them
+//! apart. Not run by CI: a whole run takes hours on the 2-core VM. Results:
 //! docs/MUTANTS.md.
 
 use std::collections::BTreeMap;
@@ -20,6 +21,32 @@ pub const TARGET: f64 = 0.9;
 /// Where the run writes (`<dir>/mutants.out`).
 const OUT: &str = "target/mutants";
 
+/// The equivalent mutants: one mutant name per line as cargo-mutants writes it
+/// (`path:line:col: what`), `#` lines giving the reasons.
+pub const EQUIVALENT: &str = ".cargo/mutants-equivalent.txt";
+
+/// The mutant names of an equivalents list (comments and blank lines left out).
+pub fn equivalents(text: &str) -> Vec<String> {
+    text.lines()
+        .map(str::trim)
+        .filter(|l| !l.is_empty() && !l.starts_with('#'))
+        .map(str::to_string)
+        .collect()
+}
+
+/// A regex matching exactly `name` (cargo-mutants' `--exclude-re`).
+pub fn exact_re(name: &str) -> String {
+    let mut re = String::from("^");
+    for c in name.chars() {
+        if "\\.+*?()|[]{}^$#&-~".contains(c) {
+            re.push('\\');
+        }
+        re.push(c);
+    }
+    re.push('$');
+    re
+}
+
 /// One file's outcomes.
 #[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
 pub struct Score {
@@ -27,6 +54,8 @@ pub struct Score {
     pub missed: u32,
     pub timeout: u32,
     pub unviable: u32,
+    /// Listed as equivalent (not viable for the score).
+    pub equivalent: u32,
 }
 
 impl Score {
@@ -49,6 +78,7 @@ pub fn scores(lists: &[(&str, &str)]) -> BTreeMap<String, Score> {
                 "caught" => s.caught += 1,
                 "missed" => s.missed += 1,
                 "timeout" => s.timeout += 1,
+                "equivalent" => s.equivalent += 1,
                 _ => s.unviable += 1,
             }
         }
@@ -115,6 +145,10 @@ pub fn run(files: &[String]) -> ExitCode {
     // nextest's `mutants` profile: fail fast (a mutant is caught at its first failing
     // test).
     .env("NEXTEST_PROFILE", "mutants");
+    let equivalent = equivalents(&std::fs::read_to_string(EQUIVALENT).unwrap_or_default());
+    for name in &equivalent {
+        cmd.args(["--exclude-re", &exact_re(name)]);
+    }
     for f in files {
         cmd.args(["--file", f]);
     }
@@ -130,12 +164,19 @@ pub fn run(files: &[String]) -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
-    let lists: Vec<(&str, String)> = ["caught", "missed", "timeout", "unviable"]
+    let outcome = |m: &String, o: &String| {
+        if equivalent.contains(m) {
+            "equivalent".to_string()
+        } else {
+            o.clone()
+        }
+    };
+    let lists: Vec<(&str, String)> = ["caught", "missed", "timeout", "unviable", "equivalent"]
         .into_iter()
         .map(|k| {
             let text: String = ledger
                 .iter()
-                .filter(|(_, o)| o.as_str() == k)
+                .filter(|(m, o)| outcome(m, o) == k)
                 .map(|(m, _)| format!("{m}\n"))
                 .collect();
             (k, text)
@@ -148,7 +189,7 @@ pub fn run(files: &[String]) -> ExitCode {
         return ExitCode::FAILURE;
     }
     println!(
-        "| file | caught | missed | timeout | unviable | score |\n|---|---:|---:|---:|---:|---:|"
+        "| file | caught | missed | timeout | unviable | equivalent | score |\n|---|---:|---:|---:|---:|---:|---:|"
     );
     let mut below = 0;
     for (file, s) in &scores {
@@ -157,11 +198,12 @@ pub fn run(files: &[String]) -> ExitCode {
             below += 1;
         }
         println!(
-            "| {file} | {} | {} | {} | {} | {} |",
+            "| {file} | {} | {} | {} | {} | {} | {} |",
             s.caught,
             s.missed,
             s.timeout,
             s.unviable,
+            s.equivalent,
             share.map_or("–".to_string(), |x| format!("{:.0} %", 100.0 * x))
         );
     }
@@ -234,5 +276,26 @@ mod tests {
             second,
             "read back the same"
         );
+    }
+
+    #[test]
+    fn equivalents_are_read_and_matched_exactly() {
+        let list = equivalents(
+            "# why\ncrates/core/src/breaker.rs:195:49: replace > with >= in BreakerState::record\n\n  # more\na.rs:1:2: replace || with && in f\n",
+        );
+        assert_eq!(
+            list,
+            [
+                "crates/core/src/breaker.rs:195:49: replace > with >= in BreakerState::record",
+                "a.rs:1:2: replace || with && in f"
+            ]
+        );
+        assert_eq!(
+            exact_re(&list[1]),
+            r"^a\.rs:1:2: replace \|\| with \&\& in f$"
+        );
+        let s = scores(&[("equivalent", "a.rs:1:2: x\n"), ("caught", "a.rs:3:1: y\n")]);
+        assert_eq!(s["a.rs"].equivalent, 1);
+        assert_eq!(s["a.rs"].share(), Some(1.0), "not viable for the score");
     }
 }

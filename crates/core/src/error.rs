@@ -717,7 +717,25 @@ mod tests {
             assert_eq!(class.consumes_budget(), budget, "{class:?} budget");
             assert_eq!(class.feeds_breaker(), breaker, "{class:?} breaker");
             assert_eq!(class.is_terminal_for_call(), terminal, "{class:?} terminal");
+            // Its stable name is serde's.
+            assert_eq!(
+                serde_json::to_value(class).unwrap(),
+                serde_json::Value::from(class.as_str())
+            );
         }
+        assert_eq!(ErrorClass::RateLimited.as_str(), "rate_limited");
+    }
+
+    /// The telemetry detail: the text, the provider's code in brackets, at most 256
+    /// characters.
+    #[test]
+    fn the_short_detail_carries_the_provider_code() {
+        let mut e = AttemptError::new(ErrorClass::Rejected, ErrorLabel::Rejected, "bad input");
+        assert_eq!(e.short_detail(), "bad input");
+        e.provider_code = Some("invalid_request_error".into());
+        assert_eq!(e.short_detail(), "bad input [invalid_request_error]");
+        e.detail = "x".repeat(1000);
+        assert_eq!(e.short_detail().chars().count(), 256);
     }
 
     /// The stable names, and serde's, of every refusal reason (metrics labels, telemetry,

@@ -295,6 +295,10 @@ mod tests {
         .unwrap();
         assert_eq!(l.warnings.len(), 1);
         assert_eq!(l.warnings[0].key, "LLM__HEDGE__AFTER_S");
+        assert_eq!(
+            l.warnings[0].to_string(),
+            format!("LLM__HEDGE__AFTER_S: {}", l.warnings[0].message)
+        );
         let text = err_text(&[
             ("LLM__DEEPSEEK__0__TIMEOUT_S", "2"),
             ("LLM__HEDGE__AFTER_S", "3"),
