@@ -1,7 +1,7 @@
 //! `cargo xtask mutants [FILE…]`: cargo-mutants on `polygw-core` (every file, or the
 //! files named; a run skips what an earlier one caught: `--iterate`, and each mutant's
 //! latest outcome is kept in `target/mutants/ledger.txt`), then the score of each file —
-//! caught ÷ (caught + missed + timed out), unviable mutants left out — against the 90 %
+//! (caught + timed out) ÷ (caught + missed + timed out), unviable mutants left out — against the 90 %
 //! a core file must reach (issue 22). Mutants known to be equivalent (no test can tell
 //! them from the original) are listed, each under its reason, in
 //! [`EQUIVALENT`]: they are not run, and the scores leave them out and count them
@@ -59,10 +59,11 @@ pub struct Score {
 }
 
 impl Score {
-    /// Caught ÷ viable (`None` with no viable mutant).
+    /// Detected ÷ viable (`None` with no viable mutant): a mutant that makes the suite
+    /// hang past its timeout is detected (the suite does not pass), as one a test fails.
     pub fn share(&self) -> Option<f64> {
         let viable = self.caught + self.missed + self.timeout;
-        (viable > 0).then(|| f64::from(self.caught) / f64::from(viable))
+        (viable > 0).then(|| f64::from(self.caught + self.timeout) / f64::from(viable))
     }
 }
 
@@ -239,6 +240,13 @@ mod tests {
         let b = s["crates/core/src/backoff.rs"];
         assert_eq!((b.caught, b.unviable, b.share()), (1, 1, Some(1.0)));
         assert_eq!(Score::default().share(), None);
+        let hang = Score {
+            caught: 1,
+            timeout: 1,
+            missed: 2,
+            ..Score::default()
+        };
+        assert_eq!(hang.share(), Some(0.5), "a hang is detected");
     }
 
     #[test]

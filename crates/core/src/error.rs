@@ -805,7 +805,26 @@ mod tests {
         let cut = shorten(s, 6);
         assert!(cut.len() <= 6);
         assert!(cut.ends_with("..."));
+        assert_eq!(cut, "é...", "as much as fits, cut at a character");
         assert_eq!(shorten("abc".into(), 6), "abc");
+        assert_eq!(shorten("abcdefgh".into(), 6), "abc...");
+    }
+
+    /// An attempt error reads as its label, class, status and detail, then the
+    /// provider's code, then the provider's message unless the detail says it already.
+    #[test]
+    fn an_attempt_error_reads_in_full_without_repeating_itself() {
+        let mut e = AttemptError::new(ErrorClass::Rejected, ErrorLabel::Rejected, "HTTP 400");
+        e.http_status = Some(400);
+        e.provider_code = Some("bad_request".into());
+        e.provider_message = Some("max_tokens is too large".into());
+        e.retry_after = Some(std::time::Duration::from_millis(1500));
+        assert_eq!(
+            e.to_string(),
+            "rejected (rejected) HTTP 400: HTTP 400 [code bad_request] — max_tokens is too large (retry after 1.500s)"
+        );
+        e.detail = "upstream said: max_tokens is too large".into();
+        assert!(!e.to_string().contains(" — "), "{e}");
     }
 
     #[test]
