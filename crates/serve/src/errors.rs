@@ -347,8 +347,11 @@ pub fn from_key_refusal(
     let id = key.key_id;
     let reset = r.retry_after.map(|d| {
         let at = now_unix_ms.saturating_add(u64::try_from(d.as_millis()).unwrap_or(u64::MAX));
-        // Up to the whole second: `now` may be truncated to one (a day's reset read 23:59:59).
-        format_utc(at.div_ceil(1000).saturating_mul(1000))
+        // To the nearest whole second: the limiter decided a moment before `now` (on its
+        // own clock: Redis's, for a shared one), so `at` is a few milliseconds past the
+        // instant it meant; a period's end is on a whole second. Rounding up made a day's
+        // end read 00:00:01 whenever the two readings straddled a second.
+        format_utc(at.saturating_add(500) / 1000 * 1000)
     });
     let resets = reset.as_deref().map_or_else(
         || "it cannot pass: retrying will not help".to_string(),
@@ -539,6 +542,20 @@ mod tests {
         let mut h = axum::http::HeaderMap::new();
         e.set_headers(&mut h);
         assert_eq!(h[header::RETRY_AFTER], "60");
+        // The limiter decided at 23:59:00.999 (a day's end 59.001 s away); the proxy read
+        // its clock 3 ms later, in the next second: the reset is still midnight, not 00:00:01.
+        let late = Refusal {
+            reason: RefusalReason::KeyBudgetDay,
+            retry_after: Some(Duration::from_millis(59_001)),
+        };
+        for proxy_now in [now + 1_002, now + 999, now + 1_400] {
+            let e = from_key_refusal(&late, &key, proxy_now);
+            assert!(
+                e.message.contains("resets at 2024-02-01T00:00:00Z"),
+                "{proxy_now}: {}",
+                e.message
+            );
+        }
         // beyond the client's horizon, or never: no client retry
         let e = from_key_refusal(
             &refusal(RefusalReason::KeyBudgetMonth, Some(86_400)),

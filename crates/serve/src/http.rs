@@ -25,11 +25,17 @@ pub type Conn = Option<Extension<Arc<ConnCtx>>>;
 
 /// Seconds since the Unix epoch (`created` of a synthesized answer).
 pub fn unix_now() -> u64 {
-    // The proxy's only wall-clock reading: the `created` fields of answers it writes.
+    unix_now_ms() / 1000
+}
+
+/// The wall clock in milliseconds since the Unix epoch.
+pub fn unix_now_ms() -> u64 {
+    // The proxy's only wall-clock reading: the `created` fields of answers it writes and
+    // the reset instants its refusals name.
     #[allow(clippy::disallowed_methods)]
     std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
-        .map(|d| d.as_secs())
+        .map(|d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
         .unwrap_or(0)
 }
 

@@ -172,7 +172,7 @@ pub async fn admit(
             Err(crate::errors::from_key_refusal(
                 &refusal,
                 &req,
-                crate::http::unix_now().saturating_mul(1000),
+                crate::http::unix_now_ms(),
             ))
         }
         Err(polygw::client_keys::KeyAdmitError::Backend(e)) => {
