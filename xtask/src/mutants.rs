@@ -87,6 +87,17 @@ pub fn scores(lists: &[(&str, &str)]) -> BTreeMap<String, Score> {
     out
 }
 
+/// The listed equivalent mutants of the files the ledger has outcomes for, one per line.
+fn measured_equivalents(ledger: &BTreeMap<String, String>, equivalent: &[String]) -> String {
+    let file = |m: &str| m.split(':').next().unwrap_or(m).to_string();
+    let measured: std::collections::BTreeSet<String> = ledger.keys().map(|m| file(m)).collect();
+    equivalent
+        .iter()
+        .filter(|m| measured.contains(&file(m)))
+        .map(|m| format!("{m}\n"))
+        .collect()
+}
+
 /// Each mutant's latest outcome, kept across runs in `<dir>/ledger.txt` (`outcome\tmutant`
 /// lines): the last run's lists (`<dir>/mutants.out/*.txt`) overwrite what they name;
 /// mutants an `--iterate` run skipped keep their earlier outcome.
@@ -172,7 +183,7 @@ pub fn run(files: &[String]) -> ExitCode {
             o.clone()
         }
     };
-    let lists: Vec<(&str, String)> = ["caught", "missed", "timeout", "unviable", "equivalent"]
+    let mut lists: Vec<(&str, String)> = ["caught", "missed", "timeout", "unviable"]
         .into_iter()
         .map(|k| {
             let text: String = ledger
@@ -183,6 +194,8 @@ pub fn run(files: &[String]) -> ExitCode {
             (k, text)
         })
         .collect();
+    // The listed equivalents were not run (excluded): counted for the files measured.
+    lists.push(("equivalent", measured_equivalents(&ledger, &equivalent)));
     let borrowed: Vec<(&str, &str)> = lists.iter().map(|(k, t)| (*k, t.as_str())).collect();
     let scores = scores(&borrowed);
     if scores.is_empty() {
@@ -305,5 +318,15 @@ mod tests {
         let s = scores(&[("equivalent", "a.rs:1:2: x\n"), ("caught", "a.rs:3:1: y\n")]);
         assert_eq!(s["a.rs"].equivalent, 1);
         assert_eq!(s["a.rs"].share(), Some(1.0), "not viable for the score");
+    }
+
+    #[test]
+    fn listed_equivalents_count_for_the_files_measured_only() {
+        let ledger: BTreeMap<String, String> = [("a.rs:3:1: y", "caught")]
+            .into_iter()
+            .map(|(m, o)| (m.to_string(), o.to_string()))
+            .collect();
+        let listed = equivalents("a.rs:1:2: x\nb.rs:4:4: z\n");
+        assert_eq!(measured_equivalents(&ledger, &listed), "a.rs:1:2: x\n");
     }
 }

@@ -597,6 +597,36 @@ mod tests {
     }
 
     #[test]
+    fn settings_are_named_as_configured_and_parse_back() {
+        let dialects: Vec<String> = PrefillDialect::ALL.iter().map(|d| d.to_string()).collect();
+        assert_eq!(dialects, ["assistant", "prefix", "partial", "vllm"]);
+        for d in PrefillDialect::ALL {
+            assert_eq!(d.to_string(), d.as_str());
+            assert_eq!(format!(" {} ", d.as_str().to_uppercase()).parse(), Ok(d));
+        }
+        assert_eq!("xyzzy".parse::<PrefillDialect>(), Err(()));
+        assert_eq!("".parse::<PrefillDialect>(), Err(()));
+        for (s, name) in [
+            (ResumeSetting::Auto, "auto"),
+            (ResumeSetting::Prefill, "prefill"),
+            (ResumeSetting::Off, "off"),
+        ] {
+            assert_eq!(s.as_str(), name);
+            assert_eq!(format!(" {} ", name.to_uppercase()).parse(), Ok(s));
+        }
+        assert_eq!("".parse::<ResumeSetting>(), Err(()));
+        assert_eq!("xyzzy".parse::<ResumeSetting>(), Err(()));
+        for (m, name) in [
+            (ResumeMode::Prefill, "prefill"),
+            (ResumeMode::Replay, "replay"),
+        ] {
+            assert_eq!((m.as_str(), m.to_string()), (name, name.to_string()));
+            // the stored name is the serialized one
+            assert_eq!(serde_json::to_value(m).unwrap(), name);
+        }
+    }
+
+    #[test]
     fn replay_of_content() {
         let delivered = tr(&[d("Hello, "), d("wor")]);
         assert_eq!(
