@@ -800,6 +800,24 @@ mod tests {
     }
 
     #[test]
+    fn terminal_reasons_are_the_spec_names() {
+        use TerminalReason::*;
+        for (r, name) in [
+            (RetryExhausted, "retry_exhausted"),
+            (Stalled, "stalled"),
+            (DeadlineExceeded, "deadline_exceeded"),
+            (Rejected, "rejected"),
+            (NoRunnableSource, "no_runnable_source"),
+            (GovernanceBackend, "governance_backend"),
+            (StructuredInvalid, "structured_invalid"),
+        ] {
+            assert_eq!((r.as_str(), r.to_string()), (name, name.to_string()));
+            // the telemetry `error` of a terminal row is the serialized name
+            assert_eq!(serde_json::to_value(r).unwrap(), name);
+        }
+    }
+
+    #[test]
     fn shorten_cuts_at_char_boundary() {
         let s = "ééééé".to_string(); // 10 bytes
         let cut = shorten(s, 6);
@@ -848,6 +866,32 @@ mod tests {
             err.terminal_reason(),
             Some(TerminalReason::NoRunnableSource)
         );
+        // the context's parts, as the facade and the proxy read them
+        assert_eq!(
+            err.context().map(|c| c.logical_call_id.as_str()),
+            Some("lc1")
+        );
+        assert_eq!(err.reasons().len(), 2);
+        assert_eq!(
+            err.reasons()["b-0"],
+            SourceReason::Failed(ErrorLabel::ServerError)
+        );
+        assert_eq!(err.last_error(), None);
+        let last = AttemptError::new(ErrorClass::Transient, ErrorLabel::ServerError, "boom");
+        let err = GatewayError::terminal(
+            TerminalReason::RetryExhausted,
+            FailureContext {
+                last_error: Some(Box::new(last.clone())),
+                ..Default::default()
+            },
+        );
+        assert_eq!(err.last_error(), Some(&last));
+        let bad = GatewayError::InvalidRequest {
+            field: "messages".into(),
+            message: "empty".into(),
+        };
+        assert_eq!((bad.context(), bad.last_error()), (None, None));
+        assert!(bad.reasons().is_empty());
     }
 
     #[test]

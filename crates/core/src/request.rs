@@ -230,5 +230,44 @@ mod tests {
         let r = ChatRequest::user("hi").with_max_tokens(0);
         assert_eq!(r.validate().unwrap_err().0, "max_tokens");
         assert!(ChatRequest::user("hi").validate().is_ok());
+        let mut r = ChatRequest::user("hi");
+        r.messages[0].role = " ".into();
+        assert_eq!(r.validate().unwrap_err().0, "messages[0].role");
+        for t in [0.0, 2.0] {
+            assert!(
+                ChatRequest::user("hi")
+                    .with_temperature(t)
+                    .validate()
+                    .is_ok(),
+                "{t}"
+            );
+        }
+        for t in [-0.1, f64::NAN, f64::INFINITY] {
+            assert_eq!(
+                ChatRequest::user("hi")
+                    .with_temperature(t)
+                    .validate()
+                    .unwrap_err()
+                    .0,
+                "temperature"
+            );
+        }
+        let mut r = ChatRequest::user("hi");
+        r.response_format = Some(json!({"type": "json_object"}));
+        assert!(r.validate().is_ok());
+        r.response_format = Some(json!("json"));
+        assert_eq!(r.validate().unwrap_err().0, "response_format");
+    }
+
+    #[test]
+    fn an_embedding_input_counts_its_tokens() {
+        assert_eq!(EmbeddingInput::Tokens(vec![1, 2, 3]).estimate_tokens(), 3);
+        assert_eq!(EmbeddingInput::Tokens(vec![]).estimate_tokens(), 0);
+        let text = "the quick brown fox jumps over the lazy dog ".repeat(20);
+        assert_eq!(
+            EmbeddingInput::Text(text.clone()).estimate_tokens(),
+            crate::resume::estimate_tokens(&text)
+        );
+        assert!(crate::resume::estimate_tokens(&text) > 1);
     }
 }
