@@ -748,6 +748,63 @@ mod tests {
     use super::*;
     use proptest::prelude::*;
 
+    /// The RPM hint waits for as many requests to leave as put the window over its limit
+    /// — more than one when the limit was lowered below what the window holds (a reload).
+    #[test]
+    fn the_rpm_hint_waits_for_the_requests_over_a_lowered_limit() {
+        let mut r = Requests::default();
+        for t in [0, 10, 20] {
+            r.push(t);
+        }
+        assert_eq!(r.count(), 3);
+        assert_eq!(r.hint(30, 4), None, "room for one more");
+        assert_eq!(r.hint(30, 3), Some(WINDOW_MS - 30), "the oldest leaves");
+        assert_eq!(r.hint(30, 2), Some(WINDOW_MS + 10 - 30), "two must leave");
+        assert_eq!(r.hint(30, 1), Some(WINDOW_MS + 20 - 30), "all three");
+        r.push(20);
+        assert_eq!(r.hint(30, 2), Some(WINDOW_MS + 20 - 30), "one ms, two requests");
+    }
+
+    /// The id hasher's promise: sequential ids vary both the low bits (hashbrown's bucket
+    /// index) and the high seven (its control bytes), and no two keys of a small dense
+    /// set collide — as words, as two words, and as bytes (whole words and a remainder).
+    #[test]
+    fn the_id_hasher_spreads_dense_keys() {
+        fn hash(f: impl FnOnce(&mut IdHasher)) -> u64 {
+            let mut h = IdHasher::default();
+            f(&mut h);
+            h.finish()
+        }
+        let distinct = |v: Vec<u64>| v.iter().collect::<HashSet<_>>().len();
+        let ids: Vec<u64> = (1..=4096u64).map(|n| hash(|h| h.write_u64(n))).collect();
+        assert_eq!(distinct(ids.clone()), 4096);
+        assert!(distinct(ids.iter().map(|x| x & 0xfff).collect()) > 2000);
+        assert!(distinct(ids.iter().map(|x| x >> 57).collect()) > 100);
+        let pairs: Vec<u64> = (0..64u64)
+            .flat_map(|a| (0..64u64).map(move |b| (a, b)))
+            .map(|(a, b)| {
+                hash(|h| {
+                    h.write_u64(a);
+                    h.write_u64(b)
+                })
+            })
+            .collect();
+        assert_eq!(distinct(pairs), 4096);
+        let words: Vec<u64> = (0..64u64)
+            .flat_map(|a| (0..64u64).map(move |b| (a, b)))
+            .map(|(a, b)| {
+                let mut bytes = a.to_le_bytes().to_vec();
+                bytes.extend(b.to_le_bytes());
+                hash(|h| h.write(&bytes))
+            })
+            .collect();
+        assert_eq!(distinct(words), 4096);
+        let short: Vec<u64> = (0..=u16::MAX)
+            .map(|n| hash(|h| h.write(&n.to_le_bytes())))
+            .collect();
+        assert_eq!(distinct(short), 65_536);
+    }
+
     /// Issue 22, item 10 (SPEC §17.7, §22.2): what the limiter keeps does not grow with
     /// the number of calls — calls finished in one millisecond take one entry per
     /// window, whatever their number, and a finished permit is forgotten.
