@@ -762,7 +762,39 @@ mod tests {
         assert_eq!(r.hint(30, 2), Some(WINDOW_MS + 10 - 30), "two must leave");
         assert_eq!(r.hint(30, 1), Some(WINDOW_MS + 20 - 30), "all three");
         r.push(20);
-        assert_eq!(r.hint(30, 2), Some(WINDOW_MS + 20 - 30), "one ms, two requests");
+        assert_eq!(
+            r.hint(30, 2),
+            Some(WINDOW_MS + 20 - 30),
+            "one ms, two requests"
+        );
+    }
+
+    /// The TPM hint takes what leaves the window in expiry order, reservations and
+    /// settlements merged; an estimate of exactly the limit waits for the window to empty;
+    /// a lease renewed at the very ms it ends has ended (as for a source's slot).
+    #[test]
+    fn the_tpm_hint_merges_expiries_and_a_lease_ends_at_its_end() {
+        let mut t = Tokens::default();
+        t.reserve(1, 100, 5);
+        t.reserve(2, 1_000, 5);
+        t.settle(500, 2, 5);
+        assert_eq!(t.total, 10);
+        // the reservation (out at 100 + window) leaves before the settlement (500 + window)
+        assert_eq!(t.hint(600, 10, 5), Some(WINDOW_MS + 100 - 600));
+        assert_eq!(
+            t.hint(600, 10, 10),
+            Some(WINDOW_MS + 500 - 600),
+            "all of it"
+        );
+        assert_eq!(t.hint(600, 10, 11), None, "never");
+        t.renew(100, 1, 5_000);
+        t.prune(WINDOW_MS + 100);
+        assert!(!t.holds(1), "renewed at its end: not renewed");
+        assert_eq!(t.total, 5);
+        t.reserve(3, 200, 7);
+        t.renew(199, 3, 5_000);
+        t.prune(WINDOW_MS + 4_999);
+        assert!(t.holds(3), "renewed before its end");
     }
 
     /// The id hasher's promise: sequential ids vary both the low bits (hashbrown's bucket
