@@ -891,6 +891,24 @@ mod tests {
         assert!(q.is_empty() && q.permits.is_empty());
         q.finish(JAN31_2359 + 60_001, a, 1, 1); // a forgotten permit changes nothing
         assert!(q.is_empty());
+        // Tokens settled late in a call outlive its request in the window: a key without
+        // budget is kept while they count, so its TPM is not forgotten by a compaction.
+        let mut q = KeyQuotas::new();
+        let r = KeyAcquire {
+            tpm: 100,
+            est_tokens: 10,
+            ..key("t")
+        };
+        let b = q.acquire(0, &r).unwrap();
+        q.finish(30_000, b, 100, 0);
+        q.compact(WINDOW_MS + 1);
+        assert_eq!(q.len(), 1, "the tokens settled at 30 s count until 90 s");
+        assert_eq!(
+            q.acquire(WINDOW_MS + 1, &r).unwrap_err().reason,
+            RefusalReason::KeyTpm
+        );
+        q.compact(30_000 + WINDOW_MS);
+        assert!(q.is_empty());
     }
 
     // --- property test: the model against a plain reference ---
