@@ -880,6 +880,29 @@ mod tests {
         }
     }
 
+    /// A permit acts on its own scope's and source's state, whichever was interned first.
+    #[test]
+    fn a_permit_acts_on_its_own_source() {
+        let mut l = WindowLimiter::new();
+        let on = |scope, source| AcquireRequest {
+            scope,
+            source,
+            ..req(0, 0, 1, 5)
+        };
+        let a = l.acquire(0, &on("S", "a")).unwrap();
+        let b = l.acquire(0, &on("S", "b")).unwrap();
+        let c = l.acquire(0, &on("T", "c")).unwrap();
+        l.release(b);
+        assert_eq!(l.in_flight(1, "S", "b"), 0, "b's slot is freed");
+        assert_eq!(l.in_flight(1, "S", "a"), 1, "a's is not");
+        l.acquire(1, &on("S", "b")).unwrap();
+        l.release(c);
+        assert_eq!(l.in_flight(1, "T", "c"), 0);
+        assert!(l.holds(1, a));
+        l.release(a);
+        assert_eq!(l.in_flight(2, "S", "a"), 0);
+    }
+
     #[test]
     fn rpm_window_and_hint() {
         let mut l = WindowLimiter::new();
