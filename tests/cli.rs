@@ -407,16 +407,7 @@ async fn a_client_that_disconnects_cancels_its_call() {
     let ended = a.wait_for_ended(1, Duration::from_secs(5)).await;
     assert_eq!(ended[0].end, EndKind::ClientDisconnected);
     // SIGTERM: graceful shutdown flushes telemetry; the cancelled attempt has its row.
-    let pid = s.child.id().to_string();
-    assert!(Command::new("kill")
-        .args(["-TERM", &pid])
-        .status()
-        .unwrap()
-        .success());
-    let mut lines = Vec::new();
-    while let Ok(l) = s.lines.recv_timeout(Duration::from_secs(10)) {
-        lines.push(l);
-    }
+    let lines = s.terminate();
     let all = lines.join("\n");
     assert!(all.contains("(scope(s) LLM): written 1"), "{all}");
     let rows = polygw::telemetry::read_rows(&db, None).await.unwrap();
@@ -446,16 +437,7 @@ async fn scopes_sharing_a_database_print_its_figures_once() {
             .unwrap();
         assert_eq!(r.status(), 200, "{model}");
     }
-    let pid = s.child.id().to_string();
-    assert!(Command::new("kill")
-        .args(["-TERM", &pid])
-        .status()
-        .unwrap()
-        .success());
-    let mut lines = Vec::new();
-    while let Ok(l) = s.lines.recv_timeout(Duration::from_secs(10)) {
-        lines.push(l);
-    }
+    let lines = s.terminate();
     let figures: Vec<&String> = lines
         .iter()
         .filter(|l| l.starts_with("telemetry ") && l.contains("written"))

@@ -88,6 +88,24 @@ pub struct Serve {
     pub lines: mpsc::Receiver<String>,
 }
 
+impl Serve {
+    /// Sends SIGTERM (a graceful shutdown) and returns every line printed until the
+    /// process's output ends (or 10 s pass without a line).
+    pub fn terminate(&self) -> Vec<String> {
+        let pid = self.child.id().to_string();
+        assert!(Command::new("kill")
+            .args(["-TERM", &pid])
+            .status()
+            .unwrap()
+            .success());
+        let mut lines = Vec::new();
+        while let Ok(l) = self.lines.recv_timeout(Duration::from_secs(10)) {
+            lines.push(l);
+        }
+        lines
+    }
+}
+
 impl Drop for Serve {
     fn drop(&mut self) {
         let _ = self.child.kill();
