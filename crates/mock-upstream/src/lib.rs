@@ -55,8 +55,8 @@ pub use prefill::{
     VLLM_CONFLICT_MESSAGE,
 };
 pub use profile::{
-    exponential, lognormal, LongTail, Profile, ProfileError, ProfileFile, ProfileKind, Weighted,
-    PROFILE_NAMES,
+    exponential, lognormal, LongTail, PairedDraws, Profile, ProfileError, ProfileFile, ProfileKind,
+    Weighted, PROFILE_NAMES,
 };
 pub use record::{EndKind, ImageSeen, RecordedRequest};
 pub use text::embedding_of;
@@ -95,6 +95,9 @@ pub struct MockConfig {
     pub prefix_cache: Option<PrefixCache>,
     /// Prices of the billing log's costs (default: none, costs unknown).
     pub prices: Option<Prices>,
+    /// The profile is sampled from these draws, keyed by question and shared with other
+    /// mocks (default: none, each mock draws from its own RNG in arrival order).
+    pub paired: Option<PairedDraws>,
 }
 
 impl std::fmt::Debug for MockConfig {
@@ -118,6 +121,7 @@ impl std::fmt::Debug for MockConfig {
             .field("prefill", &self.prefill)
             .field("prefix_cache", &self.prefix_cache)
             .field("prices", &self.prices)
+            .field("paired", &self.paired.is_some())
             .finish()
     }
 }
@@ -137,6 +141,7 @@ impl Default for MockConfig {
             prefill: PrefillPolicy::default(),
             prefix_cache: None,
             prices: None,
+            paired: None,
         }
     }
 }

@@ -11,7 +11,9 @@
 //! - `reasoning`: a reasoning model that thinks before its first visible token — TTFT
 //!   median 15 s, p99 90 s — then streams steadily (no stalls): its tail is the TTFT.
 
+use std::collections::HashMap;
 use std::path::Path;
+use std::sync::{Arc, Mutex};
 
 use serde::{Deserialize, Serialize};
 
@@ -628,9 +630,78 @@ impl Profile {
     }
 }
 
+/// Draws keyed by question, shared by the mocks of one workload (common random
+/// numbers): the `k`-th request of a question — at whichever mock sharing these draws it
+/// arrives — plays the `k`-th behavior of that question's own sequence. What a request
+/// plays then depends on its question and on how many requests of it came before, not
+/// on the order in which concurrent requests arrive or on which source a gateway picked:
+/// two gateway settings (or two runs of one) face the same first leg, the same second
+/// leg, … for every question, so their latencies are compared pair by pair.
+#[derive(Clone, Debug)]
+pub struct PairedDraws {
+    seed: u64,
+    seen: Arc<Mutex<HashMap<u64, u32>>>,
+}
+
+impl PairedDraws {
+    /// Fresh draws (no question seen yet) from `seed`.
+    pub fn new(seed: u64) -> Self {
+        PairedDraws {
+            seed,
+            seen: Arc::default(),
+        }
+    }
+
+    /// The RNG of the next request of the question whose seed is `request_seed`.
+    fn next_rng(&self, request_seed: u64) -> fastrand::Rng {
+        let k = {
+            let mut seen = self.seen.lock().unwrap_or_else(|e| e.into_inner());
+            let n = seen.entry(request_seed).or_insert(0);
+            *n += 1;
+            *n - 1
+        };
+        let key = crate::text::mix(request_seed ^ self.seed)
+            ^ crate::text::mix(u64::from(k).wrapping_add(0x9e37_79b9_7f4a_7c15));
+        fastrand::Rng::with_seed(crate::text::mix(key))
+    }
+}
+
+impl Profile {
+    /// Draws the behavior of the next request of question `request_seed` from `draws`
+    /// (see [`PairedDraws`]), already scaled by `time_scale`.
+    pub fn sample_paired(&self, draws: &PairedDraws, request_seed: u64) -> Behavior {
+        self.sample_for(&mut draws.next_rng(request_seed), Some(request_seed))
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn paired_draws_follow_the_question_and_its_count_not_the_arrival_order() {
+        let p = Profile::named("long-tail", 1.0, 7).unwrap();
+        let (a, b) = (PairedDraws::new(1), PairedDraws::new(1));
+        // Questions 10, 11, 12, each asked three times, in two different orders.
+        let order_a = [10, 11, 12, 10, 11, 12, 10, 11, 12];
+        let order_b = [12, 12, 11, 10, 12, 10, 11, 11, 10];
+        let play = |d: &PairedDraws, order: &[u64]| {
+            let mut by_q: HashMap<u64, Vec<Behavior>> = HashMap::new();
+            for &q in order {
+                by_q.entry(q).or_default().push(p.sample_paired(d, q));
+            }
+            by_q
+        };
+        let (ra, rb) = (play(&a, &order_a), play(&b, &order_b));
+        assert_eq!(ra, rb);
+        // A question's second request is not a replay of its first, nor another
+        // question's first: each leg is a draw of its own.
+        assert_ne!(ra[&10][0], ra[&10][1]);
+        assert_ne!(ra[&10][0], ra[&11][0]);
+        // Another seed, other draws.
+        let c = PairedDraws::new(2);
+        assert_ne!(p.sample_paired(&c, 10), ra[&10][0]);
+    }
 
     fn percentile(v: &mut [f64], p: f64) -> f64 {
         v.sort_by(|a, b| a.total_cmp(b));

@@ -132,7 +132,11 @@ impl Shared {
         match &mut *self.default.lock().unwrap_or_else(|e| e.into_inner()) {
             DefaultPlay::Fixed(b) => (**b).clone(),
             DefaultPlay::Profile { profile, rng } => {
-                profile.sample_for(rng, Some(text::request_seed(body)))
+                let seed = text::request_seed(body);
+                match &self.cfg.paired {
+                    Some(draws) => profile.sample_paired(draws, seed),
+                    None => profile.sample_for(rng, Some(seed)),
+                }
             }
         }
     }

@@ -54,7 +54,7 @@ use std::time::Duration;
 
 use polygw::{ChatRequest, GatewayClient};
 use polygw_core::hedge::{ThresholdInForce, ThresholdOrigin, Thresholds};
-use polygw_mock_upstream::{Behavior, EndKind, MockConfig, Profile, ProfileKind};
+use polygw_mock_upstream::{Behavior, EndKind, MockConfig, PairedDraws, Profile, ProfileKind};
 use support::{cpu_time, full_run, loadavg, pct, MockHost};
 use tokio::time::Instant;
 
@@ -566,11 +566,17 @@ impl Outcome {
     }
 }
 
+/// The upstreams of one config: three mocks of the workload's profile sharing one set of
+/// draws keyed by question ([`PairedDraws`]), fresh for every config — every config faces
+/// the same first leg, second leg, … of every question, whichever source serves it and
+/// in whatever order concurrent calls reach it.
 fn mock_configs(w: &Workload, coalesced: bool, capacity: usize) -> Vec<MockConfig> {
+    let draws = PairedDraws::new(SEED);
     (0..SOURCES)
         .map(|i| MockConfig {
             record_bodies: false,
             log_capacity: capacity,
+            paired: Some(draws.clone()),
             ..MockConfig::with_profile(profile(w, SEED + i as u64, coalesced))
         })
         .collect()
