@@ -351,6 +351,80 @@ pub fn knee(sk: &LatencySketch, t: Duration, y: &[Duration], max: Duration) -> D
     Duration::from_millis(lo.as_millis() as u64).max(t)
 }
 
+/// How many more legs than the budget's threshold an [`earlier`] one may fire on: at
+/// most `1 + EARLIER_SPEND` times as many, and never below the quantile of
+/// `1 + EARLIER_SPEND` times the share. With the aim at 80 % of the budget while the
+/// bucket drains ([`aim_bp`]), `0.8 × 1.2` < 1: an earlier threshold never spends the
+/// bucket faster than it refills.
+pub const EARLIER_SPEND: f64 = 0.2;
+
+/// The earliest threshold worth its extra legs (SPEC §19.1, DECISIONS 166): from `t`,
+/// the threshold the budget allows, an earlier `T` fires on more legs (`P(X > T)`
+/// instead of `P(X > t)`) and saves more waiting (`E[(X − T − Y)⁺]`). `T` is taken when
+/// what it adds is worth its legs at the rate of `t`'s own — the saving less `λ` per
+/// leg, `λ` = `t`'s saving per leg it fires on — is highest and more than
+/// [`KNEE_SLACK`] of `t`'s saving (what the knee gives up the other way), among thresholds firing on
+/// at most `1 + EARLIER_SPEND` times `t`'s legs, never below `floor` (the caller's: the
+/// quantile of `1 + EARLIER_SPEND` times the share, within the bounds).
+///
+/// Where `t` sits on a flat stretch of the distribution (nothing between short pauses
+/// and long stalls), a share of legs a little below the stalls' own puts the quantile
+/// tens of seconds into the stalls: one more leg in twenty brings the threshold back to
+/// the stalls' start, and every stall is rescued that much sooner. On a smooth tail the
+/// legs an earlier threshold adds are worth less than the average leg at `t` (they end
+/// sooner), and `t` stays. Never above `t`; `t` itself when nothing is worth more.
+pub fn earlier(sk: &LatencySketch, t: Duration, y: &[Duration], floor: Duration) -> Duration {
+    let tail = sk.tail();
+    let fires = tail.survival(t);
+    let saves = saving(&tail, t, y);
+    if fires <= 0.0 || saves <= 0.0 || t <= floor {
+        return t;
+    }
+    let rate = saves / fires;
+    let most = fires * (1.0 + EARLIER_SPEND);
+    // Between two values that carry mass the legs fired on stay the same and the saving
+    // falls: each value (ms) is the best threshold of its step.
+    let (lo, hi) = (floor.as_secs_f64() * 1000.0, t.as_secs_f64() * 1000.0);
+    let mut best = (0.0f64, t);
+    let points: Vec<f64> = tail.points().filter(|&v| v >= lo && v < hi).collect();
+    for &v in points.iter().rev() {
+        let at = Duration::from_millis(v.ceil() as u64).max(floor);
+        let f = tail.survival(at);
+        if f > most {
+            break;
+        }
+        let gain = (saving(&tail, at, y) - saves) - rate * (f - fires);
+        // Worth moving for: more than the knee gives up the other way.
+        if gain > best.0.max(saves * KNEE_SLACK) {
+            best = (gain, at);
+        }
+    }
+    best.1
+}
+
+/// An `auto` threshold from a distribution and the share of legs it may fire on (basis
+/// points): the quantile that share allows ([`auto_threshold_bp`]), moved
+/// [`earlier`] back across a flat stretch, then to the [`knee`]. It stays within the
+/// quantiles of `1 + EARLIER_SPEND` times the share and of half the share (the knee
+/// trades at most half of the legs: on a sparse tail the saving's last mass sits at the
+/// highest value seen, a lower bound, and the knee would chase it), within `bounds`;
+/// `None` for an empty distribution. The quantile is monotone in the share; this is
+/// too wherever the windows of two shares do not overlap (one share at least
+/// `2 × (1 + EARLIER_SPEND)` times the other) — closer shares may pick either way
+/// inside their windows (DECISIONS 166).
+pub fn auto_in_force(
+    sk: &LatencySketch,
+    share_bp: u32,
+    y: &[Duration],
+    bounds: Bounds,
+) -> Option<Duration> {
+    let t = auto_threshold_bp(sk, share_bp, bounds)?;
+    let wider = (f64::from(share_bp) * (1.0 + EARLIER_SPEND)).round() as u32;
+    let floor = auto_threshold_bp(sk, wider, bounds).unwrap_or(bounds.min);
+    let limit = auto_threshold_bp(sk, share_bp / 2, bounds).unwrap_or(bounds.max);
+    Some(knee(sk, earlier(sk, t, y, floor), y, limit))
+}
+
 /// How many parts of the budget [`split_budget`] weighs (steps of a tenth).
 pub const SPLIT_STEPS: u32 = 10;
 
@@ -503,12 +577,9 @@ pub fn thresholds(
         trigger_share_bp(after_bp, auto.max_extra),
         trigger_share_bp(stall_bp, auto.max_extra),
     );
-    // Each `auto` threshold then moves to the cheapest one worth as much (`knee`), on the
-    // distribution it was read from; `Y` is the new leg's first token.
+    // Each `auto` threshold, read from the distribution it came from, then moves
+    // `earlier` and to the `knee` (`auto_in_force`); `Y` is the new leg's first token.
     let y = deciles(evidence_of(ttft, &pool.ttft, auto.min_samples));
-    // The knee trades at most half of the legs the quantile fires on: it stops at the
-    // quantile of half the share (on a sparse tail the saving's last mass sits at the
-    // highest value seen, a lower bound, and the knee would chase it).
     let cheapest = |mut t: ThresholdInForce,
                     own: &LatencySketch,
                     pooled: &LatencySketch,
@@ -519,8 +590,9 @@ pub fn thresholds(
             ThresholdOrigin::Pooled => pooled,
             _ => return t,
         };
-        let limit = auto_threshold_bp(from, share_bp / 2, bounds).unwrap_or(bounds.max);
-        t.value = t.value.map(|v| knee(from, v, &y, limit));
+        if t.value.is_some() {
+            t.value = auto_in_force(from, share_bp, &y, bounds);
+        }
         t
     };
     Thresholds {
@@ -1102,6 +1174,61 @@ mod tests {
         assert!(k >= t && k - t < ms(1_000), "{t:?} → {k:?}");
     }
 
+    /// Pauses of 1–5 s in 30 % of legs, stalls of 20–120 s in 19 %, nothing between.
+    fn pauses_and_stalls() -> LatencySketch {
+        let mut g = LatencySketch::new();
+        for i in 0..1000u64 {
+            let v = match i % 100 {
+                0..=18 => 20_000 + (i * 104_729) % 100_000,
+                19..=48 => 1_000 + (i * 7_919) % 4_000,
+                _ => 100 + i % 200,
+            };
+            g.observe(ms(v));
+        }
+        g.add_legs(1000);
+        g
+    }
+
+    /// A share of legs a little below the stalls' own (16 % against 19 %) puts the
+    /// quantile into the stalls, 20 s past their start; `earlier` brings it back to the
+    /// stalls' start for the 3 % more legs (the knee then keeps it before any stall).
+    /// On a smooth distribution it stays where it is.
+    #[test]
+    fn a_threshold_in_a_flat_stretch_comes_back_to_its_start() {
+        let g = pauses_and_stalls();
+        let y = vec![ms(1_600); 10];
+        let t = auto_threshold_bp(&g, 1_600, DEFAULT_STALL_BOUNDS).unwrap();
+        assert!(t > ms(20_000), "the quantile is in the stalls: {t:?}");
+        let e = earlier(&g, t, &y, DEFAULT_STALL_BOUNDS.min);
+        assert!(
+            (ms(4_900)..ms(5_100)).contains(&e),
+            "the stalls' start: {e:?}"
+        );
+        // Through the threshold in force: the same, then the knee.
+        let k = auto_in_force(&g, 1_600, &y, DEFAULT_STALL_BOUNDS).unwrap();
+        assert!((ms(4_900)..ms(20_000)).contains(&k), "{k:?}");
+        let tail = g.tail();
+        assert!(tail.survival(e) <= tail.survival(t) * (1.0 + EARLIER_SPEND));
+        let k = knee(&g, e, &y, DEFAULT_STALL_BOUNDS.max);
+        assert!((ms(4_900)..ms(20_000)).contains(&k), "{k:?}");
+        // Already at the stalls' start (a fifth of the legs: the pauses' tail), nothing
+        // earlier is worth its legs: the pauses it would add end before a new leg helps.
+        let t = auto_threshold_bp(&g, 2_000, DEFAULT_STALL_BOUNDS).unwrap();
+        assert_eq!(earlier(&g, t, &y, DEFAULT_STALL_BOUNDS.min), t);
+        // A smooth tail (exponential, mean 10 s): the earlier legs are worth less than
+        // the average one; it stays.
+        let mut x = LatencySketch::new();
+        for i in 0..2000u64 {
+            let u = (f64::from(i as u32) + 0.5) / 2000.0;
+            x.observe(ms((-10_000.0 * (1.0 - u).ln()) as u64));
+        }
+        x.add_legs(2000);
+        for bp in [500, 1_000, 2_500] {
+            let t = auto_threshold_bp(&x, bp, DEFAULT_STALL_BOUNDS).unwrap();
+            assert_eq!(earlier(&x, t, &[], DEFAULT_STALL_BOUNDS.min), t, "{bp} bp");
+        }
+    }
+
     #[test]
     fn quantiles_are_each_quantile() {
         let mut s = LatencySketch::new();
@@ -1183,7 +1310,7 @@ mod tests {
             for b in [blo, bhi] {
                 for f in [flo, fhi] {
                     let a = aim_bp(b, f);
-                    prop_assert!(a <= b && u64::from(a) * 10 >= u64::from(b) * 8 - 10, "{b} at {f} → {a}");
+                    prop_assert!(a <= b && u64::from(a) * 10 + 10 >= u64::from(b) * 8, "{b} at {f} → {a}");
                     if f >= 0.5 {
                         prop_assert_eq!(a, b);
                     }
@@ -1226,6 +1353,70 @@ mod tests {
             let (k_lo, k_hi) = (knee(&s, lo, &y, max), knee(&s, hi, &y, max));
             prop_assert!(k_lo <= k_hi + k_hi / 190 + ms(1),
                 "{lo:?} → {k_lo:?} is later than {hi:?} → {k_hi:?}");
+        }
+
+        /// `earlier` (DECISIONS 166): never later than the threshold it starts from, never
+        /// below the bound, firing on at most `1 + EARLIER_SPEND` times its legs, and
+        /// worth its extra legs at the starting threshold's rate.
+        #[test]
+        fn an_earlier_threshold_is_worth_its_extra_legs(
+            o in values(), c in values(), y in proptest::collection::vec(0u64..20_000, 0..10),
+            t in 0u64..150_000, min in 0u64..5_000,
+        ) {
+            let s = sketch(&o, &c, 0);
+            let y: Vec<Duration> = y.into_iter().map(ms).collect();
+            let (t, min) = (ms(t), ms(min));
+            let e = earlier(&s, t, &y, min);
+            prop_assert!(e <= t);
+            if t >= min {
+                prop_assert!(e >= min, "{e:?} below {min:?}");
+            } else {
+                prop_assert_eq!(e, t);
+            }
+            let tail = s.tail();
+            let (f_t, f_e) = (tail.survival(t), tail.survival(e));
+            prop_assert!(f_e <= f_t * (1.0 + EARLIER_SPEND) + 1e-9, "fires on {f_e}, {t:?} on {f_t}");
+            if e < t {
+                let (s_t, s_e) = (saving(&tail, t, &y), saving(&tail, e, &y));
+                prop_assert!(s_e - s_t >= s_t / f_t * (f_e - f_t),
+                    "{e:?} adds {} ms for {} more legs at {} ms each", s_e - s_t, f_e - f_t, s_t / f_t);
+            }
+        }
+
+        /// The threshold in force from a share (DECISIONS 166): within the quantiles of
+        /// `1 + EARLIER_SPEND` times the share and of half of it, and never later for a
+        /// share at least `2 × (1 + EARLIER_SPEND)` times another (their windows do not
+        /// overlap); `thresholds` reads it.
+        #[test]
+        fn the_threshold_in_force_stays_in_its_window(
+            o in values(), c in values(), y in proptest::collection::vec(0u64..20_000, 0..10),
+            p in 1u32..5_000, times in 2.4f64..20.0,
+        ) {
+            let s = sketch(&o, &c, 0);
+            let y: Vec<Duration> = y.into_iter().map(ms).collect();
+            for bounds in [DEFAULT_AFTER_BOUNDS, DEFAULT_STALL_BOUNDS] {
+                let at = |p: u32| auto_in_force(&s, p, &y, bounds);
+                let q = |p: u32| auto_threshold_bp(&s, p, bounds);
+                let Some(v) = at(p) else {
+                    prop_assert!(q(p).is_none());
+                    continue;
+                };
+                let wider = (f64::from(p) * (1.0 + EARLIER_SPEND)).round() as u32;
+                prop_assert!(q(wider).unwrap() <= v && v <= q(p / 2).unwrap(),
+                    "{v:?} outside {:?}..={:?}", q(wider), q(p / 2));
+                let big = (f64::from(p) * times).ceil() as u32;
+                let w = at(big).unwrap();
+                prop_assert!(w <= v, "{big} bp → {w:?} later than {p} bp → {v:?}");
+            }
+            let auto = HedgeSettings {
+                after: ThresholdSetting::Off,
+                stall_after: ThresholdSetting::Auto,
+                min_samples: 1,
+                ..HedgeSettings::default()
+            };
+            let none = LatencySketch::new();
+            let t = thresholds(&auto, &none, &s, &LatencySnapshot::default(), p);
+            prop_assert_eq!(t.stall_after.value, auto_in_force(&s, trigger_share_bp(p, auto.max_extra), &[], DEFAULT_STALL_BOUNDS));
         }
 
         /// The two triggers' parts always add up to the budget, and the split does not

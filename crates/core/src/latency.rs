@@ -571,6 +571,22 @@ impl Tail {
         }
     }
 
+    /// `P(X > c)` (0 for an empty distribution).
+    pub fn survival(&self, c: Duration) -> f64 {
+        let c = c.as_secs_f64() * 1000.0;
+        self.mass_from[self.values.partition_point(|&v| v <= c)]
+    }
+
+    /// The distinct values that carry mass (ms), ascending: where `P(X > c)` steps down.
+    pub fn points(&self) -> impl Iterator<Item = f64> + '_ {
+        let mut last = f64::NAN;
+        self.values.iter().copied().filter(move |&v| {
+            let new = v != last;
+            last = v;
+            new
+        })
+    }
+
     /// `E[(X − c)⁺]` in ms (0 for an empty distribution).
     pub fn excess_ms(&self, c: Duration) -> f64 {
         let c = c.as_secs_f64() * 1000.0;
