@@ -409,9 +409,19 @@ fn answer_tokens(content: &str, reasoning: &str) -> u64 {
 
 #[derive(Clone, Copy)]
 enum Stop {
+    /// This many calls, then the callers stop.
     Count(usize),
+    /// This many calls, recorded; the callers keep the load up with calls of another
+    /// tag, not recorded, until the last of them has ended (the cool-down: the last
+    /// recorded calls run in the steady state, not in a scope emptying out, where no new
+    /// call adds to the hedge budget).
+    Measured(usize),
+    /// Calls until then.
     Until(Instant),
 }
+
+/// The tag of the cool-down calls of [`Stop::Measured`].
+const COOL_DOWN: &str = "Cool-down";
 
 /// Closed loop: `concurrency` callers, each taking the next question until `stop`.
 async fn drive(
@@ -422,19 +432,35 @@ async fn drive(
     t0: Instant,
 ) -> Vec<Rec> {
     let next = Arc::new(AtomicUsize::new(0));
+    // Recorded calls ended, and cool-down calls started (Stop::Measured).
+    let (ended, cooling) = (Arc::new(AtomicUsize::new(0)), Arc::new(AtomicUsize::new(0)));
     let mut set = tokio::task::JoinSet::new();
     for _ in 0..concurrency {
-        let (client, next) = (client.clone(), next.clone());
+        let (client, next, ended, cooling) =
+            (client.clone(), next.clone(), ended.clone(), cooling.clone());
         set.spawn(async move {
             let mut out = Vec::new();
             loop {
                 let i = next.fetch_add(1, Ordering::Relaxed);
                 let more = match stop {
-                    Stop::Count(n) => i < n,
+                    Stop::Count(n) | Stop::Measured(n) => i < n,
                     Stop::Until(t) => Instant::now() < t,
                 };
                 if !more {
-                    break;
+                    let Stop::Measured(n) = stop else { break };
+                    if ended.load(Ordering::Relaxed) >= n {
+                        break;
+                    }
+                    let j = cooling.fetch_add(1, Ordering::Relaxed);
+                    // Unrecorded; a failure here shows in no figure (the mocks' logs
+                    // are read by answer text, which a cool-down call never shares).
+                    let _ = client
+                        .chat(
+                            ChatRequest::user(format!("{COOL_DOWN} {j}: tell me something."))
+                                .with_stream(true),
+                        )
+                        .await;
+                    continue;
                 }
                 let t = Instant::now();
                 let r = client
@@ -474,6 +500,7 @@ async fn drive(
                     ms,
                     result,
                 });
+                ended.fetch_add(1, Ordering::Relaxed);
             }
             out
         });
@@ -630,7 +657,24 @@ async fn run_config(
             }
         })
     });
-    let recs = drive(&client, w.concurrency, Stop::Count(calls), "Question", t0).await;
+    let recs = drive(
+        &client,
+        w.concurrency,
+        Stop::Measured(calls),
+        "Question",
+        t0,
+    )
+    .await;
+    // The upstream requests of the measured calls: those whose planned answer is one of
+    // theirs (every question has its own text; cool-down calls are left out).
+    let answers: std::collections::HashSet<String> = recs
+        .iter()
+        .filter_map(|r| r.result.as_ref().ok())
+        .map(|a| a.content.clone())
+        .collect();
+    let measured = |r: &&polygw_mock_upstream::RecordedRequest| {
+        r.arrived_at >= measured_from && answers.contains(&r.full_content)
+    };
     let wall = t0.elapsed();
     stop.store(true, Ordering::Relaxed);
     if let Some(r) = reader {
@@ -707,11 +751,13 @@ async fn run_config(
                     (
                         r.ms / w.time_scale / 1000.0,
                         format!(
-                            "att {} hedg {} res {} ttft {:.1}",
+                            "att {} hedg {} res {} ttft {:.1} started {:.1} s q {}",
                             a.attempts,
                             a.hedges,
                             a.resumes,
-                            a.ttft_ms.unwrap_or(0) as f64 / w.time_scale / 1000.0
+                            a.ttft_ms.unwrap_or(0) as f64 / w.time_scale / 1000.0,
+                            r.start.as_secs_f64() / w.time_scale,
+                            a.index
                         ),
                     )
                 })
@@ -743,11 +789,9 @@ async fn run_config(
         tt.sort_by(f64::total_cmp);
         let mut d: Vec<f64> = Vec::new();
         for m in host.mocks() {
-            for r in m.requests() {
-                if r.arrived_at >= measured_from {
-                    if let Some(b) = &r.behavior {
-                        d.push(b.ttft_ms / w.time_scale / 1000.0);
-                    }
+            for r in m.requests().iter().filter(measured) {
+                if let Some(b) = &r.behavior {
+                    d.push(b.ttft_ms / w.time_scale / 1000.0);
                 }
             }
         }
@@ -756,8 +800,7 @@ async fn run_config(
     }
     for m in host.mocks() {
         let log = m.requests();
-        let measured = log.iter().filter(|r| r.arrived_at >= measured_from);
-        for r in measured {
+        for r in log.iter().filter(measured) {
             if let Some(b) = &r.behavior {
                 drawn_ttft.push(b.ttft_ms / w.time_scale / 1000.0);
             }
@@ -772,11 +815,7 @@ async fn run_config(
     if std::env::var("DBG").is_ok() && s.auto() {
         let mut truth: Vec<f64> = Vec::new();
         for m in host.mocks() {
-            for r in m
-                .requests()
-                .iter()
-                .filter(|r| r.arrived_at >= measured_from)
-            {
+            for r in m.requests().iter().filter(measured) {
                 let Some(b) = &r.behavior else { continue };
                 let mut g = b.gaps_ms.clone();
                 for st in &b.stalls {
@@ -824,11 +863,7 @@ async fn run_config(
         let (mut all, mut surv) = (LatencySketch::new(), LatencySketch::new());
         let (mut n_cancel_nochunk, mut n_cancel_chunk, mut n_done) = (0, 0, 0);
         for m in host.mocks() {
-            for r in m
-                .requests()
-                .iter()
-                .filter(|r| r.arrived_at >= measured_from)
-            {
+            for r in m.requests().iter().filter(measured) {
                 let Some(b) = &r.behavior else { continue };
                 let ttft = Duration::from_secs_f64(b.ttft_ms / 1000.0);
                 let end = r
