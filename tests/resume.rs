@@ -343,6 +343,66 @@ async fn prefer_same_never_resumes_a_cut_stream_on_the_source_that_cut_it() {
     assert!(rescued.contains("1 resume(s) of its stream"), "{rescued}");
 }
 
+/// Issue 22, item 16: a call that succeeded only thanks to a failover, or to a hedge,
+/// says so in one info line naming what happened (the resume case is above).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_call_rescued_by_a_failover_or_a_hedge_says_so_in_one_info_line() {
+    // A failover: the primary answers 500, the fallback the whole answer.
+    let a = mock(Behavior {
+        status: 500,
+        ..words(10)
+    })
+    .await;
+    let b = mock(words(10)).await;
+    let s = serve(&env(&a, &b, &[], &[("POLYGW_LOG", "info")]));
+    let seen = stream_through(&s.base, "fail over").await;
+    assert_eq!(seen.error, None);
+    assert_eq!(seen.content, planned(&b).await);
+    let log = lines_so_far(&s, "call succeeded thanks to", 1);
+    let rescued: Vec<&String> = log
+        .iter()
+        .filter(|l| l.contains("call succeeded thanks to"))
+        .collect();
+    assert_eq!(rescued.len(), 1, "{rescued:#?}");
+    assert!(
+        rescued[0].contains("a failover (failed: a-0: server_error)"),
+        "{}",
+        rescued[0]
+    );
+    drop(s);
+    // A hedge: the primary's first token takes 5 s, a static 0.2 s threshold launches
+    // the fallback, which wins.
+    let a = mock(Behavior {
+        ttft_ms: 5_000.0,
+        ..words(10)
+    })
+    .await;
+    let b = mock(words(10)).await;
+    let s = serve(&env(
+        &a,
+        &b,
+        &[],
+        &[
+            ("POLYGW_LOG", "info"),
+            ("LLM__HEDGE__AFTER_S", "0.2"),
+            ("LLM__HEDGE__STALL_AFTER_S", "off"),
+            ("LLM__HEDGE__BUDGET_PCT", "0"),
+        ],
+    ));
+    let seen = stream_through(&s.base, "hedge me").await;
+    assert_eq!(seen.error, None);
+    assert_eq!(seen.content, planned(&b).await);
+    let log = lines_so_far(&s, "call succeeded thanks to", 1);
+    let rescued = log
+        .iter()
+        .find(|l| l.contains("call succeeded thanks to"))
+        .unwrap();
+    assert!(
+        rescued.contains("a hedge (1 extra leg(s), one won)") && !rescued.contains("failover"),
+        "{rescued}"
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_fallback_without_prefill_replays_and_forwards_only_the_remainder() {
     let a = mock(with_fault(words(60), Fault::ResetAfter { chunks: 30 })).await;
