@@ -464,13 +464,23 @@ fn demo_finishes_and_prints_its_table() {
     let dir = tempfile::tempdir().unwrap();
     let db = dir.path().join("demo.db");
     let o = Command::new(BIN)
-        .args(["demo", "--calls", "60", "--concurrency", "12", "--db"])
+        .args([
+            "demo",
+            "--calls",
+            "60",
+            "--warmup",
+            "30",
+            "--concurrency",
+            "12",
+            "--db",
+        ])
         .arg(&db)
         .output()
         .unwrap();
     let (out, err) = text(&o);
     assert!(o.status.success(), "{out}\n{err}");
     for needle in [
+        "60 streamed calls per run after 30 warm-up calls",
         "hedging off",
         "hedging on",
         "latency p99",
@@ -487,6 +497,9 @@ fn demo_finishes_and_prints_its_table() {
     ] {
         assert!(out.contains(needle), "missing {needle}: {out}");
     }
+    // The table counts the measured calls only, not the warm-up's.
+    let ok = out.lines().find(|l| l.starts_with("calls ok")).unwrap();
+    assert_eq!(ok.matches("60/60").count(), 2, "{ok}");
     assert!(db.exists());
 }
 

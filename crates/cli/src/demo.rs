@@ -13,7 +13,7 @@ use indicatif::{ProgressBar, ProgressStyle};
 use polygw::core::telemetry::RowKind;
 use polygw::core::TelemetryRow;
 use polygw::{ChatRequest, GatewayClient, LlmResponse, UsageSource};
-use polygw_mock_upstream::{LongTail, MockConfig, MockUpstream, Profile, ProfileKind};
+use polygw_mock_upstream::{LongTail, MockConfig, MockUpstream, PairedDraws, Profile, ProfileKind};
 
 use crate::table::{money, ms, pct, quantile, Table};
 
@@ -23,6 +23,11 @@ pub struct DemoArgs {
     /// Streamed calls per run (one run with hedging off, one with it on).
     #[arg(long, default_value_t = 300)]
     pub calls: usize,
+    /// Calls each run makes first, left out of the table and the telemetry figures: `auto`
+    /// thresholds fire once a source has `HEDGE__MIN_SAMPLES` (50) legs of evidence, so
+    /// the table shows both runs in their steady state.
+    #[arg(long, default_value_t = 150)]
+    pub warmup: usize,
     /// Concurrent callers.
     #[arg(long, default_value_t = 24)]
     pub concurrency: usize,
@@ -140,12 +145,17 @@ pub fn demo_profile(scale: f64, seed: u64) -> Profile {
     }
 }
 
+/// `n` simulated upstreams sharing one set of draws keyed by question (DECISIONS 167):
+/// the `k`-th request of a question plays the same behavior in both runs, whichever
+/// upstream gets it and whenever it arrives, so the runs are compared call by call.
 async fn start_mocks(n: usize, scale: f64, seed: u64) -> Result<Vec<MockUpstream>> {
     let mut mocks = Vec::new();
+    let draws = PairedDraws::new(seed);
     for i in 0..n {
         let profile = demo_profile(scale, seed.wrapping_add(i as u64));
         let mock = MockUpstream::start(MockConfig {
             record_bodies: false,
+            paired: Some(draws.clone()),
             ..MockConfig::with_profile(profile)
         })
         .await
@@ -162,13 +172,31 @@ async fn run_once(
     db_url: &str,
     bar: &ProgressBar,
 ) -> Result<Run> {
-    // Fresh upstreams with the same seeds: both runs face the same draws.
+    // Fresh upstreams with the same draws: both runs face the same legs per question.
     let mocks = start_mocks(args.sources, args.time_scale, args.seed).await?;
     let urls: Vec<String> = mocks.iter().map(|m| m.base_url()).collect();
     let client =
         GatewayClient::from_vars(vars(scope, &urls, args.time_scale, db_url, hedged), scope)
             .await
             .with_context(|| format!("building the {scope} client"))?;
+    // The warm-up: other questions (so the measured ones face the same draws in both
+    // runs), the same concurrency; its calls count nowhere below.
+    let warm: Vec<Result<LlmResponse, polygw::GatewayError>> = stream::iter(0..args.warmup)
+        .map(|i| {
+            let c = client.clone();
+            async move {
+                c.chat(
+                    ChatRequest::user(format!("Warm-up {i}: tell me something.")).with_stream(true),
+                )
+                .await
+            }
+        })
+        .buffer_unordered(args.concurrency.max(1))
+        .collect()
+        .await;
+    if let Some(Err(e)) = warm.iter().find(|r| r.is_err()) {
+        bar.println(format!("{scope}: a warm-up call failed: {e}"));
+    }
     let results: Vec<Result<LlmResponse, polygw::GatewayError>> = stream::iter(0..args.calls)
         .map(|i| {
             let c = client.clone();
@@ -194,11 +222,19 @@ async fn run_once(
     }
     let mut responses = Vec::new();
     let mut failures = 0;
+    // The measured calls, whose rows the figures read.
+    let mut measured = std::collections::HashSet::new();
     for r in results {
         match r {
-            Ok(x) => responses.push(x),
+            Ok(x) => {
+                measured.insert(x.logical_call_id.clone());
+                responses.push(x);
+            }
             Err(e) => {
                 failures += 1;
+                if let Some(c) = e.context() {
+                    measured.insert(c.logical_call_id.clone());
+                }
                 bar.println(format!("{scope}: call failed: {e}"));
             }
         }
@@ -213,7 +249,7 @@ async fn run_once(
         .await
         .context("reading the telemetry back")?
         .into_iter()
-        .filter(|r| r.scope == scope)
+        .filter(|r| r.scope == scope && measured.contains(&r.logical_call_id))
         .collect();
     Ok(Run {
         scope,
@@ -345,10 +381,11 @@ pub async fn run(args: DemoArgs) -> Result<ExitCode> {
     let db_url = format!("sqlite://{}", args.db.display());
     println!(
         "polygw demo: {} simulated upstreams on 127.0.0.1 (long-tail profile of SPEC §12, 1 s → {} ms), \
-         {} streamed calls per run, {} concurrent",
+         {} streamed calls per run after {} warm-up calls, {} concurrent",
         args.sources,
         1000.0 * args.time_scale,
         args.calls,
+        args.warmup,
         args.concurrency
     );
     println!(
@@ -415,11 +452,12 @@ pub async fn run(args: DemoArgs) -> Result<ExitCode> {
         1.0 / args.time_scale
     );
     println!(
-        "Telemetry: {} rows in {} (scopes {} and {}), one per attempt.",
-        a.rows + b.rows,
+        "Telemetry: one row per attempt in {} (scopes {} and {}): {} for the calls above, \
+         the warm-up's too.",
         args.db.display(),
         off.scope,
-        on.scope
+        on.scope,
+        a.rows + b.rows
     );
     println!("Next: polygw report --db {db_url} --html polygw-demo.html");
     let failed = off.failures + on.failures;
