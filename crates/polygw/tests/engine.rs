@@ -1040,7 +1040,9 @@ mod hedge_auto {
     /// distribution as a censored sample. Dropped instead, every cancellation would take
     /// the slowest answers out, the 90th percentile would fall, more calls would be
     /// hedged and cancelled — the threshold would spiral down. Here 300 answers of
-    /// 100..=1981 ms, each slow one hedged: the threshold stays at the true p90.
+    /// 100..=1981 ms, each slow one hedged: the threshold stays at the true p90, or no
+    /// lower than `earlier` may take it on the true distribution (the quantile of 1.2 ×
+    /// the share, p88 ≈ 1.75 s; DECISIONS 166).
     #[tokio::test(start_paused = true)]
     async fn hedging_never_pulls_its_own_threshold_down() {
         let h = harness(2, prioritized).await;
@@ -1059,8 +1061,8 @@ mod hedge_auto {
         assert!(hedged >= 20, "the slow answers were hedged: {hedged}");
         let t = h.client.hedge_thresholds(false)[0].1.after.value.unwrap();
         assert!(
-            t >= ms(1_780),
-            "the threshold stays at the true p90 (≈ 1.81 s): {t:?}"
+            t >= ms(1_740),
+            "the threshold stays at the true p90 (≈ 1.81 s) or p88 (≈ 1.75 s): {t:?}"
         );
         let latency = h.client.hedge_latency(false);
         let (name, s0) = &latency[0];

@@ -518,20 +518,26 @@ fn stall_threshold_fires_on_about_the_budget_share_of_streams() {
     // Both triggers auto share the 10 % by what each saves (`hedge::split_budget`): every
     // first token takes 500 ms, so a first-token hedge saves nothing and the stall
     // trigger has the whole 10 % of the 100 streams — the 10 longest stalls.
+    // The stalls come in pairs 0.5 s apart with nothing between: the quantile falls
+    // in such a gap, and `earlier` (DECISIONS 166) may take the next pair too — at most
+    // 1.2 × the budget's share of streams.
     let above = (0..100u64)
         .filter(|leg| leg % 5 < 2 && ms(2000 + leg * 100) > t.value.unwrap())
         .count();
-    assert!((9..=11).contains(&above), "{above} streams above {t:?}");
+    assert!((9..=12).contains(&above), "{above} streams above {t:?}");
     // Alone (first token off), the stall trigger has the whole 10 %.
     let alone = HedgeSettings {
         after: crate::hedge::ThresholdSetting::Off,
         ..HedgeSettings::default()
     };
     let t = book.thresholds("a", s, &alone, 1_000).stall_after;
+    // The stalls come in pairs 0.5 s apart with nothing between: the quantile falls
+    // in such a gap, and `earlier` (DECISIONS 166) may take the next pair too — at most
+    // 1.2 × the budget's share of streams.
     let above = (0..100u64)
         .filter(|leg| leg % 5 < 2 && ms(2000 + leg * 100) > t.value.unwrap())
         .count();
-    assert!((9..=11).contains(&above), "{above} streams above {t:?}");
+    assert!((9..=12).contains(&above), "{above} streams above {t:?}");
 }
 
 proptest! {
