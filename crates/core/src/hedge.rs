@@ -845,6 +845,66 @@ mod tests {
         assert!(describe(&d, false, 2).contains("chat-only"));
         assert!(describe(&HedgeSettings::off(), true, 2).contains("are off"));
         assert!(describe(&st, true, 1).contains("first token 2 s, stalls off"));
+        // Off by configuration with one source: off, not "auto needs a second source".
+        let off = describe(&HedgeSettings::off(), true, 1);
+        assert!(
+            off.contains("are off") && !off.contains("second source"),
+            "{off}"
+        );
+        // The budget's part: a cap, or none.
+        assert!(describe(&d, true, 2).contains("budget 10 % of calls, burst 3"));
+        let uncapped = HedgeSettings {
+            budget_pct: 0,
+            ..st
+        };
+        let line = describe(&uncapped, true, 2);
+        assert!(
+            line.contains("no budget cap") && !line.contains("% of calls"),
+            "{line}"
+        );
+    }
+
+    /// The new leg's wait `Y` is taken at the first-token distribution's ten deciles
+    /// (the middle of each tenth), and a saving is the mean over them.
+    #[test]
+    fn the_saving_averages_over_the_deciles_of_the_new_legs_wait() {
+        let mut u = LatencySketch::new();
+        for i in 0..1000u64 {
+            u.observe(ms(i * 10)); // 0..10 s, uniform
+        }
+        let d = deciles(Some(&u));
+        assert_eq!(d.len(), 10);
+        for (i, y) in d.iter().enumerate() {
+            let mid = 500 + 1000 * i as u64;
+            // (a sketch's bins are 1 % wide)
+            let near = ms(mid / 100 + 20);
+            assert!(
+                y.abs_diff(ms(mid)) <= near,
+                "decile {i}: {y:?}, not ≈ {mid} ms"
+            );
+        }
+        assert!(deciles(None).is_empty());
+        let tail = u.tail();
+        let t = ms(2_000);
+        assert_eq!(saving(&tail, t, &[]), tail.excess_ms(t));
+        let y = [ms(1_000), ms(3_000)];
+        let mean = (tail.excess_ms(ms(3_000)) + tail.excess_ms(ms(5_000))) / 2.0;
+        assert!((saving(&tail, t, &y) - mean).abs() < 1e-9);
+    }
+
+    /// A policy fires only with a trigger and room for an extra leg.
+    #[test]
+    fn a_policy_needs_a_trigger_and_an_extra_leg() {
+        let p = |after: Option<Duration>, stall: Option<Duration>, max_extra| HedgePolicy {
+            after,
+            stall_after: stall,
+            max_extra,
+        };
+        let s = Some(Duration::from_secs(1));
+        assert!(p(s, None, 1).enabled());
+        assert!(p(None, s, 1).enabled());
+        assert!(!p(s, s, 0).enabled(), "no extra leg allowed");
+        assert!(!p(None, None, 2).enabled(), "no trigger");
     }
     use crate::error::ErrorLabel;
     use proptest::prelude::*;
