@@ -1199,16 +1199,7 @@ mod tests {
     /// 3 % of it, and on a distribution with no flat stretch it moves little.
     #[test]
     fn the_knee_crosses_the_gap_between_pauses_and_stalls() {
-        let mut g = LatencySketch::new();
-        for i in 0..1000u64 {
-            let v = match i % 100 {
-                0..=18 => 20_000 + (i * 104_729) % 100_000,
-                19..=48 => 1_000 + (i * 7_919) % 4_000,
-                _ => 100 + i % 200,
-            };
-            g.observe(ms(v));
-        }
-        g.add_legs(1000);
+        let g = pauses_and_stalls();
         let y = vec![ms(1_600); 10];
         let t = auto_threshold_bp(&g, 2_000, DEFAULT_STALL_BOUNDS).unwrap();
         assert!((ms(4_000)..ms(5_000)).contains(&t), "{t:?}");
