@@ -892,6 +892,30 @@ mod tests {
         assert!((saving(&tail, t, &y) - mean).abs() < 1e-9);
     }
 
+    /// A threshold that saves nothing (the new leg's wait is longer than any wait
+    /// beyond it) stays where it is, even where an earlier one would save something:
+    /// there is no rate of its own to weigh the earlier legs at.
+    #[test]
+    fn a_threshold_that_saves_nothing_stays() {
+        let mut g = LatencySketch::new();
+        for (v, n) in [(100, 83), (4_000, 2), (10_000, 15)] {
+            for _ in 0..n {
+                g.observe(ms(v));
+            }
+        }
+        g.add_legs(100);
+        let (t, y) = (ms(4_500), [ms(6_000)]);
+        let tail = g.tail();
+        assert!(tail.survival(t) > 0.0);
+        assert_eq!(saving(&tail, t, &y), 0.0);
+        assert!(
+            saving(&tail, ms(100), &y) > 0.0,
+            "an earlier one would save"
+        );
+        assert!(tail.survival(ms(100)) <= tail.survival(t) * (1.0 + EARLIER_SPEND));
+        assert_eq!(earlier(&g, t, &y, Duration::ZERO), t);
+    }
+
     /// A policy fires only with a trigger and room for an extra leg.
     #[test]
     fn a_policy_needs_a_trigger_and_an_extra_leg() {
@@ -1425,6 +1449,10 @@ mod tests {
                 prop_assert_eq!(e, t);
             }
             let tail = s.tail();
+            // `t` itself, or one of the values that carry mass (the best threshold of its
+            // step), never a point between them or below the floor.
+            prop_assert!(e == t || tail.points().any(|v| ms(v.ceil() as u64) == e && e >= min),
+                "{e:?} is neither {t:?} nor a value of the sketch");
             let (f_t, f_e) = (tail.survival(t), tail.survival(e));
             prop_assert!(f_e <= f_t * (1.0 + EARLIER_SPEND) + 1e-9, "fires on {f_e}, {t:?} on {f_t}");
             if e < t {
