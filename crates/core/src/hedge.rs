@@ -892,6 +892,35 @@ mod tests {
         assert!((saving(&tail, t, &y) - mean).abs() < 1e-9);
     }
 
+    /// The knee stops at the quantile of half the share: on a tail whose saving sits
+    /// in a few huge values it would otherwise chase them far past the waits it fires
+    /// on (DECISIONS 162).
+    #[test]
+    fn the_knee_stops_at_the_quantile_of_half_the_share() {
+        let mut g = LatencySketch::new();
+        for i in 0..900u64 {
+            g.observe(ms(100 + i % 7));
+        }
+        for i in 0..90u64 {
+            g.observe(ms(1_000 + i * 22)); // 1–3 s
+        }
+        for _ in 0..10 {
+            g.observe(ms(1_000_000));
+        }
+        g.add_legs(1000);
+        let wide = Bounds {
+            min: Duration::ZERO,
+            max: Duration::from_secs(7200),
+        };
+        let t = auto_threshold_bp(&g, 1_000, wide).unwrap();
+        let half = auto_threshold_bp(&g, 500, wide).unwrap();
+        assert!(half < ms(3_000), "{half:?}");
+        // Unbounded, the knee would go tens of seconds past every wait but the huge ones.
+        assert!(knee(&g, t, &[], wide.max) > ms(10_000));
+        let v = auto_in_force(&g, 1_000, &[], wide).unwrap();
+        assert!(t <= v && v <= half, "{t:?} ≤ {v:?} ≤ {half:?}");
+    }
+
     /// A threshold that saves nothing (the new leg's wait is longer than any wait
     /// beyond it) stays where it is, even where an earlier one would save something:
     /// there is no rate of its own to weigh the earlier legs at.
