@@ -919,6 +919,33 @@ mod tests {
         assert!(knee(&g, t, &[], wide.max) > ms(10_000));
         let v = auto_in_force(&g, 1_000, &[], wide).unwrap();
         assert!(t <= v && v <= half, "{t:?} ≤ {v:?} ≤ {half:?}");
+        // Where the knee has room below that quantile, it moves: past the pauses.
+        let p = pauses_and_stalls();
+        let v = auto_in_force(&p, 2_000, &[ms(1_600); 10], DEFAULT_STALL_BOUNDS).unwrap();
+        assert!(v >= ms(5_000), "past the pauses: {v:?}");
+    }
+
+    /// The distribution the split and the new leg's wait are read from: the source's
+    /// once it has the evidence, else the pool's, never an empty one.
+    #[test]
+    fn evidence_comes_from_the_source_then_the_pool() {
+        let filled = |n: u64| {
+            let mut s = LatencySketch::new();
+            for i in 0..n {
+                s.observe(ms(100 + i));
+            }
+            s.add_legs(n);
+            s
+        };
+        let (few, many, none) = (filled(3), filled(60), LatencySketch::new());
+        let is = |got: Option<&LatencySketch>, want: &LatencySketch| {
+            got.is_some_and(|g| std::ptr::eq(g, want))
+        };
+        assert!(is(evidence_of(&many, &few, 50), &many));
+        assert!(is(evidence_of(&few, &many, 50), &many), "too few: the pool");
+        assert!(evidence_of(&few, &few, 50).is_none());
+        assert!(is(evidence_of(&none, &few, 0), &few), "never an empty one");
+        assert!(evidence_of(&none, &none, 0).is_none());
     }
 
     /// A threshold that saves nothing (the new leg's wait is longer than any wait
