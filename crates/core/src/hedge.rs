@@ -925,6 +925,24 @@ mod tests {
         assert!(v >= ms(5_000), "past the pauses: {v:?}");
     }
 
+    /// The per-leg share is the `p` with `p + p² + … + p^max_extra` = the budget, to a
+    /// basis point (below it, never above): with two extra legs, `(√(1 + 4b) − 1) / 2`.
+    #[test]
+    fn the_trigger_share_solves_the_chain_of_extra_legs() {
+        for (b, want) in [(2_500u32, 2_071u32), (1_000, 916), (500, 477)] {
+            assert_eq!(trigger_share_bp(b, 2), want, "{b} bp");
+            let x = f64::from(b) / 10_000.0;
+            let exact = ((1.0 + 4.0 * x).sqrt() - 1.0) / 2.0 * 10_000.0;
+            assert!((exact - f64::from(want)).abs() < 1.0, "{b}: {exact}");
+        }
+        // Three extra legs: p + p² + p³ = 0.25 at p ≈ 0.2056.
+        let p = f64::from(trigger_share_bp(2_500, 3)) / 10_000.0;
+        let cost = |p: f64| p + p * p + p * p * p;
+        assert!(cost(p) <= 0.25 && cost(p + 0.0001) > 0.25, "{p}");
+        assert_eq!(trigger_share_bp(2_500, 1), 2_500);
+        assert_eq!(trigger_share_bp(0, 2), 0);
+    }
+
     /// The distribution the split and the new leg's wait are read from: the source's
     /// once it has the evidence, else the pool's, never an empty one.
     #[test]
