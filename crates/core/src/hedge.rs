@@ -925,6 +925,14 @@ mod tests {
         assert!(v >= ms(5_000), "past the pauses: {v:?}");
     }
 
+    /// The aim falls linearly from the budget at half full to 80 % of it at empty.
+    #[test]
+    fn the_aim_falls_linearly_below_half_full() {
+        for (fill, want) in [(1.0, 10_000), (0.5, 10_000), (0.25, 9_000), (0.0, 8_000)] {
+            assert_eq!(aim_bp(10_000, fill), want, "at {fill}");
+        }
+    }
+
     /// The per-leg share is the `p` with `p + p² + … + p^max_extra` = the budget, to a
     /// basis point (below it, never above): with two extra legs, `(√(1 + 4b) − 1) / 2`.
     #[test]
