@@ -925,6 +925,54 @@ mod tests {
         assert!(v >= ms(5_000), "past the pauses: {v:?}");
     }
 
+    /// A call's credit leaves the bank with its own slot: 100 calls at 0 s and 100 at
+    /// 30 s bank 200 × the budget until a minute after the first, then the second
+    /// hundred's alone.
+    #[test]
+    fn banked_calls_leave_with_their_own_slot() {
+        let s = t0();
+        let mut b = HedgeBudget::with_burst(1);
+        for _ in 0..100 {
+            b.record_call(s, 10);
+        }
+        for _ in 0..100 {
+            b.record_call(s + Duration::from_secs(30), 10);
+        }
+        assert_eq!(b.available(s + Duration::from_secs(59), 10).round(), 20.0);
+        let later = b.available(s + Duration::from_secs(61), 10);
+        assert_eq!(
+            later.round(),
+            10.0,
+            "the first hundred left the bank: {later}"
+        );
+        assert_eq!(b.available(s + Duration::from_secs(91), 10).round(), 1.0);
+    }
+
+    /// A pooled threshold moves `earlier` and to the knee like a source's own.
+    #[test]
+    fn a_pooled_threshold_is_the_threshold_in_force_of_the_pool() {
+        let auto = HedgeSettings {
+            after: ThresholdSetting::Off,
+            stall_after: ThresholdSetting::Auto,
+            ..HedgeSettings::default()
+        };
+        let pool = LatencySnapshot {
+            ttft: LatencySketch::new(),
+            gap: pauses_and_stalls(),
+        };
+        let none = LatencySketch::new();
+        let t = thresholds(&auto, &none, &none, &pool, 2_500);
+        assert_eq!(t.stall_after.origin, ThresholdOrigin::Pooled);
+        let share = trigger_share_bp(2_500, auto.max_extra);
+        let want = auto_in_force(&pool.gap, share, &[], auto.stall_bounds);
+        assert_eq!(t.stall_after.value, want);
+        assert_ne!(
+            want,
+            auto_threshold_bp(&pool.gap, share, auto.stall_bounds),
+            "it moved"
+        );
+    }
+
     /// The aim falls linearly from the budget at half full to 80 % of it at empty.
     #[test]
     fn the_aim_falls_linearly_below_half_full() {
