@@ -948,6 +948,21 @@ mod tests {
         assert_eq!(b.available(s + Duration::from_secs(91), 10).round(), 1.0);
     }
 
+    /// How full the bucket is: its level over its capacity.
+    #[test]
+    fn the_fill_is_the_level_over_the_capacity() {
+        let s = t0();
+        let mut b = HedgeBudget::with_burst(4);
+        assert_eq!(b.fill(s, 10), 1.0);
+        let t = b.try_take(s, 10).unwrap();
+        assert_eq!(b.fill(s, 10), 0.75);
+        b.give_back(t);
+        for _ in 0..4 {
+            let _ = b.try_take(s, 10).unwrap();
+        }
+        assert_eq!(b.fill(s, 10), 0.0);
+    }
+
     /// A pooled threshold moves `earlier` and to the knee like a source's own.
     #[test]
     fn a_pooled_threshold_is_the_threshold_in_force_of_the_pool() {
