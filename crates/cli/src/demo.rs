@@ -165,6 +165,36 @@ async fn start_mocks(n: usize, scale: f64, seed: u64) -> Result<Vec<MockUpstream
     Ok(mocks)
 }
 
+/// `n` streamed calls `"{tag} {i}: …"`, `concurrency` at a time, each counted on `bar`.
+async fn ask(
+    client: &GatewayClient,
+    tag: &str,
+    n: usize,
+    concurrency: usize,
+    bar: Option<&ProgressBar>,
+) -> Vec<Result<LlmResponse, polygw::GatewayError>> {
+    stream::iter(0..n)
+        .map(|i| {
+            let c = client.clone();
+            let bar = bar.cloned();
+            async move {
+                let r = c
+                    .chat(
+                        ChatRequest::user(format!("{tag} {i}: tell me something."))
+                            .with_stream(true),
+                    )
+                    .await;
+                if let Some(bar) = bar {
+                    bar.inc(1);
+                }
+                r
+            }
+        })
+        .buffer_unordered(concurrency.max(1))
+        .collect()
+        .await
+}
+
 async fn run_once(
     args: &DemoArgs,
     scope: &'static str,
@@ -181,40 +211,11 @@ async fn run_once(
             .with_context(|| format!("building the {scope} client"))?;
     // The warm-up: other questions (so the measured ones face the same draws in both
     // runs), the same concurrency; its calls count nowhere below.
-    let warm: Vec<Result<LlmResponse, polygw::GatewayError>> = stream::iter(0..args.warmup)
-        .map(|i| {
-            let c = client.clone();
-            async move {
-                c.chat(
-                    ChatRequest::user(format!("Warm-up {i}: tell me something.")).with_stream(true),
-                )
-                .await
-            }
-        })
-        .buffer_unordered(args.concurrency.max(1))
-        .collect()
-        .await;
+    let warm = ask(&client, "Warm-up", args.warmup, args.concurrency, None).await;
     if let Some(Err(e)) = warm.iter().find(|r| r.is_err()) {
         bar.println(format!("{scope}: a warm-up call failed: {e}"));
     }
-    let results: Vec<Result<LlmResponse, polygw::GatewayError>> = stream::iter(0..args.calls)
-        .map(|i| {
-            let c = client.clone();
-            let bar = bar.clone();
-            async move {
-                let r = c
-                    .chat(
-                        ChatRequest::user(format!("Question {i}: tell me something."))
-                            .with_stream(true),
-                    )
-                    .await;
-                bar.inc(1);
-                r
-            }
-        })
-        .buffer_unordered(args.concurrency.max(1))
-        .collect()
-        .await;
+    let results = ask(&client, "Question", args.calls, args.concurrency, Some(bar)).await;
     let thresholds = client.hedge_thresholds(true);
     let report = client.shutdown().await;
     for m in mocks {
