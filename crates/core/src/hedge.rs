@@ -216,6 +216,9 @@ pub enum ThresholdOrigin {
     Pooled,
     /// `auto`, but not even the pool has enough samples yet: no hedge.
     NotYet,
+    /// `auto`, from the prior alone (`HEDGE__AFTER_PRIOR_S` / `HEDGE__STALL_PRIOR_S`):
+    /// no distribution has enough samples yet (SPEC §25.1).
+    Prior,
 }
 
 /// A threshold in force and its origin.
@@ -226,6 +229,14 @@ pub struct ThresholdInForce {
     pub value: Option<Duration>,
     /// Where it comes from.
     pub origin: ThresholdOrigin,
+    /// The prior's weight in the value, basis points (0: none; 10 000: the prior alone;
+    /// see [`crate::threshold`]).
+    #[serde(skip_serializing_if = "is_zero")]
+    pub prior_bp: u16,
+}
+
+fn is_zero(x: &u16) -> bool {
+    *x == 0
 }
 
 fn opt_ms<S: serde::Serializer>(d: &Option<Duration>, s: S) -> Result<S::Ok, S::Error> {
@@ -292,7 +303,11 @@ pub fn threshold_in_force(
                 .unwrap_or((None, ThresholdOrigin::NotYet))
         }
     };
-    ThresholdInForce { value, origin }
+    ThresholdInForce {
+        value,
+        origin,
+        prior_bp: 0,
+    }
 }
 
 /// How much of its expected saving an `auto` threshold gives up to spend less: from the
@@ -1156,14 +1171,16 @@ mod tests {
             t(ThresholdSetting::Off, &many, &many),
             ThresholdInForce {
                 value: None,
-                origin: ThresholdOrigin::Off
+                origin: ThresholdOrigin::Off,
+                prior_bp: 0,
             }
         );
         assert_eq!(
             t(Static(ms(7)), &many, &many),
             ThresholdInForce {
                 value: Some(ms(7)),
-                origin: Configured
+                origin: Configured,
+                prior_bp: 0,
             },
             "a configured threshold wins, even outside the auto bounds"
         );
@@ -1173,7 +1190,8 @@ mod tests {
             t(Auto, &few, &few),
             ThresholdInForce {
                 value: None,
-                origin: NotYet
+                origin: NotYet,
+                prior_bp: 0,
             }
         );
         // 60 samples 1.0 s … 6.9 s: the 0.9 quantile is the 54th, 6.3 s (its bin's top)
@@ -1210,10 +1228,12 @@ mod tests {
             after: ThresholdInForce {
                 value: Some(ms(900)),
                 origin: ThresholdOrigin::Source,
+                prior_bp: 0,
             },
             stall_after: ThresholdInForce {
                 value: Some(ms(2000)),
                 origin: ThresholdOrigin::Pooled,
+                prior_bp: 0,
             },
         };
         let plain = HedgePolicy::with_thresholds(&t, 1, false);

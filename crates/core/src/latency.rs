@@ -48,7 +48,7 @@ use std::time::{Duration, Instant};
 
 use hdrhistogram::Histogram;
 
-use crate::hedge::{self, ThresholdSetting, Thresholds};
+use crate::hedge::{self, ThresholdOrigin, ThresholdSetting, Thresholds};
 use crate::settings::HedgeSettings;
 
 /// Largest sample kept, in ms (one hour); longer samples count at this value.
@@ -933,6 +933,33 @@ impl SourceLatency {
     }
 }
 
+/// An `auto` threshold blended with its prior (SPEC §25.1, [`crate::threshold`]): the
+/// learned value weighs by the evidence of the distribution it was read from (the
+/// source's own, or the pool's), the prior the rest; within `bounds`.
+fn with_prior(
+    t: &mut hedge::ThresholdInForce,
+    setting: ThresholdSetting,
+    prior: Option<Duration>,
+    (own, pool): (&LatencySketch, &LatencySketch),
+    auto: &HedgeSettings,
+    bounds: hedge::Bounds,
+) {
+    if setting != ThresholdSetting::Auto || prior.is_none() {
+        return;
+    }
+    let evidence = match t.origin {
+        ThresholdOrigin::Source => own.evidence(),
+        ThresholdOrigin::Pooled => pool.evidence(),
+        _ => 0,
+    };
+    let w = crate::threshold::learned_weight(t.value.is_some(), evidence, auto.min_samples);
+    t.value = crate::threshold::blend(prior, t.value, w).map(|d| bounds.apply(d));
+    t.prior_bp = ((1.0 - w) * 10_000.0).round().clamp(0.0, 10_000.0) as u16;
+    if t.origin == ThresholdOrigin::NotYet {
+        t.origin = ThresholdOrigin::Prior;
+    }
+}
+
 /// A scope's live latency: per source (by name), TTFT and gap distributions over the
 /// window. The engine records every leg's events into it and asks it for the thresholds
 /// in force ([`ScopeLatency::thresholds`]).
@@ -1106,7 +1133,24 @@ impl ScopeLatency {
             Some(s) => s.view(now),
             None => (&empty, &empty),
         };
-        hedge::thresholds(auto, ttft, gap, &pool, budget_bp)
+        let mut t = hedge::thresholds(auto, ttft, gap, &pool, budget_bp);
+        with_prior(
+            &mut t.after,
+            auto.after,
+            auto.priors.after,
+            (ttft, &pool.ttft),
+            auto,
+            auto.after_bounds,
+        );
+        with_prior(
+            &mut t.stall_after,
+            auto.stall_after,
+            auto.priors.stall,
+            (gap, &pool.gap),
+            auto,
+            auto.stall_bounds,
+        );
+        t
     }
 
     /// What was recorded since the last call, per source with any (to add to the shared

@@ -13,7 +13,7 @@
 //! - decisions: [`classify`], [`settlement`], [`stall`], [`backoff`], [`admission`],
 //!   [`affinity`] (prompt-cache affinity), [`hedge`], [`latency`] (live latency
 //!   sketches), [`round`] (the round state machine),
-//!   [`resume`], [`retry`], [`breaker`], [`window`], [`key_quota`] (client keys' limits
+//!   [`threshold`] (priors, blend, stability), [`resume`], [`retry`], [`retry_throttle`], [`breaker`], [`window`], [`key_quota`] (client keys' limits
 //!   and budgets), [`body`], [`cache_key`], [`usage`]
 //! - ports: [`ports`]
 
@@ -36,6 +36,7 @@ pub mod request;
 pub mod response;
 pub mod resume;
 pub mod retry;
+pub mod retry_throttle;
 pub mod round;
 pub mod secret;
 pub mod settings;
@@ -43,6 +44,7 @@ pub mod settlement;
 pub mod source;
 pub mod stall;
 pub mod telemetry;
+pub mod threshold;
 pub mod trace;
 pub mod usage;
 pub mod window;

@@ -1634,5 +1634,7 @@ impl Round {
     }
 }
 
+pub mod gate;
+
 #[cfg(test)]
 mod tests;

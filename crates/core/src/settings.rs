@@ -92,6 +92,8 @@ pub struct RetrySettings {
     pub on_no_runnable: OnNoRunnable,
     /// Which source a retry round tries first (`RETRY__PREFER`).
     pub prefer: RetryPrefer,
+    /// `RETRY__THROTTLE_MAX` / `RETRY__THROTTLE_RATIO` (SPEC §25.4).
+    pub throttle: crate::retry_throttle::ThrottleSettings,
 }
 
 /// `RETRY__PREFER` (SPEC §14.8).
@@ -116,6 +118,7 @@ impl Default for RetrySettings {
             backoff_max: Duration::from_secs(8),
             on_no_runnable: OnNoRunnable::Wait,
             prefer: RetryPrefer::Other,
+            throttle: crate::retry_throttle::ThrottleSettings::default(),
         }
     }
 }
@@ -209,6 +212,9 @@ pub struct HedgeSettings {
     pub after_bounds: Bounds,
     /// Bounds of the `auto` stall threshold (`HEDGE__STALL_MIN_S` / `HEDGE__STALL_MAX_S`).
     pub stall_bounds: Bounds,
+    /// Where `auto` thresholds start before there is evidence (`HEDGE__AFTER_PRIOR_S`,
+    /// `HEDGE__STALL_PRIOR_S`; SPEC §25.1).
+    pub priors: crate::threshold::Priors,
 }
 
 impl Default for HedgeSettings {
@@ -224,6 +230,7 @@ impl Default for HedgeSettings {
             min_samples: DEFAULT_MIN_SAMPLES,
             after_bounds: DEFAULT_AFTER_BOUNDS,
             stall_bounds: DEFAULT_STALL_BOUNDS,
+            priors: crate::threshold::Priors::default(),
         }
     }
 }

@@ -167,6 +167,7 @@ fn origin(o: ThresholdOrigin) -> &'static str {
         ThresholdOrigin::Source => "from the source's latency",
         ThresholdOrigin::Pooled => "from the scope's pooled latency",
         ThresholdOrigin::NotYet => "auto, too few samples yet",
+        ThresholdOrigin::Prior => "auto, from the prior: no evidence yet",
     }
 }
 

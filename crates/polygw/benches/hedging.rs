@@ -935,6 +935,7 @@ fn fmt_threshold(t: &ThresholdInForce, scale: f64) -> String {
         ThresholdOrigin::Source => "source",
         ThresholdOrigin::Pooled => "pooled",
         ThresholdOrigin::NotYet => "not yet",
+        ThresholdOrigin::Prior => "prior",
     };
     match t.value {
         Some(v) => format!("{} s ({origin})", fmt_s(v.as_secs_f64() / scale)),

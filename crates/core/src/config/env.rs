@@ -61,7 +61,7 @@ pub const SOURCE_FIELDS: [&str; 21] = [
 ];
 
 /// Scope keys: (group or "" for two-segment keys, field).
-pub const SCOPE_KEYS: [(&str, &str); 41] = [
+pub const SCOPE_KEYS: [(&str, &str); 45] = [
     ("", "CALL_DEADLINE_S"),
     ("", "MODEL_ALIASES"),
     ("", "KIND"),
@@ -71,6 +71,8 @@ pub const SCOPE_KEYS: [(&str, &str); 41] = [
     ("RETRY", "BACKOFF_MAX_S"),
     ("RETRY", "ON_NO_RUNNABLE"),
     ("RETRY", "PREFER"),
+    ("RETRY", "THROTTLE_MAX"),
+    ("RETRY", "THROTTLE_RATIO"),
     ("LIMITS", "RPM"),
     ("LIMITS", "TPM"),
     ("LIMITS", "LEASE_S"),
@@ -91,6 +93,8 @@ pub const SCOPE_KEYS: [(&str, &str); 41] = [
     ("HEDGE", "MAX_S"),
     ("HEDGE", "STALL_MIN_S"),
     ("HEDGE", "STALL_MAX_S"),
+    ("HEDGE", "AFTER_PRIOR_S"),
+    ("HEDGE", "STALL_PRIOR_S"),
     ("STREAM", "STALL_THRESHOLD_MS"),
     ("STREAM", "RESUME"),
     ("STREAM", "MAX_RESUMES"),
@@ -468,6 +472,21 @@ fn apply_scope_keys(
             ("RETRY", "STALL_WINDOW_S") => run(parse_secs(k, v).map(|x| s.retry.stall_window = x)),
             ("RETRY", "BACKOFF_BASE_S") => run(parse_secs(k, v).map(|x| s.retry.backoff_base = x)),
             ("RETRY", "BACKOFF_MAX_S") => run(parse_secs(k, v).map(|x| s.retry.backoff_max = x)),
+            ("RETRY", "THROTTLE_MAX") => run(parse_int::<u32>(k, v)
+                .and_then(|x| guards::int_in(k, x, &guards::THROTTLE_MAX_RANGE))
+                .map(|x| s.retry.throttle.max_tokens = x)),
+            ("RETRY", "THROTTLE_RATIO") => run(v
+                .parse::<f64>()
+                .ok()
+                .filter(|x| x.is_finite() && *x > 0.0 && *x <= 10.0)
+                .ok_or_else(|| {
+                    invalid(
+                        k,
+                        v,
+                        "a number of tokens a success gives back, above 0 and at most 10, e.g. 0.2",
+                    )
+                })
+                .map(|x| s.retry.throttle.ratio = x)),
             ("RETRY", "PREFER") => run(parse_prefer(k, v).map(|x| s.retry.prefer = x)),
             ("RETRY", "ON_NO_RUNNABLE") => {
                 run(parse_on_no_runnable(k, v).map(|x| s.retry.on_no_runnable = x))
@@ -490,6 +509,8 @@ fn apply_scope_keys(
             ("HEDGE", "STALL_AFTER_S") => {
                 run(parse_threshold(k, v).map(|x| s.hedge.stall_after = x))
             }
+            ("HEDGE", "AFTER_PRIOR_S") => run(parse_prior(k, v).map(|x| s.hedge.priors.after = x)),
+            ("HEDGE", "STALL_PRIOR_S") => run(parse_prior(k, v).map(|x| s.hedge.priors.stall = x)),
             ("HEDGE", "BURST") => run(parse_int::<u32>(k, v)
                 .and_then(|x| guards::int_in(k, x, &guards::BURST_RANGE))
                 .map(|x| s.hedge.burst = x)),
@@ -602,6 +623,16 @@ fn parse_threshold(key: &str, v: &str) -> Result<ThresholdSetting, ConfigError> 
                 v,
                 "auto, off, or a number of seconds, e.g. 2.5",
             )),
+        },
+    }
+}
+
+fn parse_prior(key: &str, v: &str) -> Result<Option<Duration>, ConfigError> {
+    match v.trim().to_ascii_lowercase().as_str() {
+        "off" => Ok(None),
+        _ => match v.parse::<f64>() {
+            Ok(x) => guards::seconds(key, x).map(Some),
+            Err(_) => Err(invalid(key, v, "off, or a number of seconds, e.g. 15")),
         },
     }
 }

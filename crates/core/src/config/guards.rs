@@ -17,6 +17,8 @@ pub const MAX_EXTRA_RANGE: RangeInclusive<u32> = 1..=3;
 pub const BUDGET_PCT_RANGE: RangeInclusive<u32> = 0..=300;
 /// Range of `HEDGE__BURST` (legs).
 pub const BURST_RANGE: RangeInclusive<u32> = 1..=100;
+/// `RETRY__THROTTLE_MAX`: 0 turns the throttle off.
+pub const THROTTLE_MAX_RANGE: RangeInclusive<u32> = 0..=1000;
 /// Range of `HEDGE__MIN_SAMPLES`.
 pub const MIN_SAMPLES_RANGE: RangeInclusive<u64> = 1..=1_000_000;
 /// The shortest `HEDGE__WINDOW_S` (ten slots of at least a second).

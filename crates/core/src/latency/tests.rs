@@ -461,7 +461,14 @@ fn a_scope_records_every_event_of_a_leg() {
 #[test]
 fn a_new_source_uses_the_pool_then_its_own_distribution() {
     let s = t0();
-    let auto = HedgeSettings::default();
+    // Without priors (the learned part alone; with them, see the next test).
+    let auto = HedgeSettings {
+        priors: crate::threshold::Priors {
+            after: None,
+            stall: None,
+        },
+        ..HedgeSettings::default()
+    };
     let mut book = ScopeLatency::default();
     let th = |book: &mut ScopeLatency, src| book.thresholds(src, s, &auto, 1_000);
     assert_eq!(th(&mut book, "fast").after.origin, ThresholdOrigin::NotYet);
@@ -487,6 +494,62 @@ fn a_new_source_uses_the_pool_then_its_own_distribution() {
     assert_eq!(
         th(&mut book, "new").stall_after.origin,
         ThresholdOrigin::NotYet
+    );
+}
+
+#[test]
+fn priors_protect_from_the_first_call_and_give_way_to_evidence() {
+    let s = t0();
+    let auto = HedgeSettings::default();
+    let mut book = ScopeLatency::default();
+    let th = |book: &mut ScopeLatency, src| book.thresholds(src, s, &auto, 1_000);
+    // No evidence at all: both priors, in full.
+    let t = th(&mut book, "a");
+    assert_eq!(
+        (t.after.value, t.after.origin, t.after.prior_bp),
+        (
+            Some(Duration::from_secs(15)),
+            ThresholdOrigin::Prior,
+            10_000
+        )
+    );
+    assert_eq!(
+        (t.stall_after.value, t.stall_after.origin),
+        (Some(Duration::from_secs(10)), ThresholdOrigin::Prior)
+    );
+    // 50 legs of 1 s first tokens: a quarter learned, geometric.
+    for _ in 0..50 {
+        book.first_token("a", s, ms(1000), false);
+    }
+    let quarter = th(&mut book, "a").after;
+    assert_eq!(
+        (quarter.origin, quarter.prior_bp),
+        (ThresholdOrigin::Source, 7_500)
+    );
+    let learned = quarter.value.unwrap();
+    assert!(
+        learned > Duration::from_secs(7) && learned < Duration::from_secs(8),
+        "15^0.75 × 1.0x^0.25 ≈ 7.6 s: {learned:?}"
+    );
+    // 4 × MIN_SAMPLES legs: the learned value alone.
+    for _ in 0..150 {
+        book.first_token("a", s, ms(1000), false);
+    }
+    let full = th(&mut book, "a").after;
+    assert_eq!((full.origin, full.prior_bp), (ThresholdOrigin::Source, 0));
+    assert!(
+        full.value.unwrap() < Duration::from_millis(1100),
+        "{full:?}"
+    );
+    // A trigger that is off has no prior.
+    let off = HedgeSettings {
+        stall_after: crate::hedge::ThresholdSetting::Off,
+        ..auto
+    };
+    let t = book.thresholds("b", s, &off, 1_000);
+    assert_eq!(
+        (t.stall_after.value, t.stall_after.origin),
+        (None, ThresholdOrigin::Off)
     );
 }
 
