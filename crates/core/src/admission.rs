@@ -182,14 +182,30 @@ impl NoRunnable {
     /// with that earliest admission, at once, instead of holding the caller. Refusals
     /// that can clear sooner (a freed slot, tokens settled below their reservation) keep
     /// the call waiting.
+    ///
+    /// SPEC §25.4: while every source is known to be failing — each refused for an open
+    /// breaker or as dead — the call is answered at once from that knowledge, whatever
+    /// its bound: waiting for a half-open probe would only hold the caller while its
+    /// own library (or agent) waits to retry anyway.
     pub fn within(refusals: &[(String, Refusal)], policy: OnNoRunnable, left: Duration) -> Self {
         match on_no_runnable(refusals, policy) {
             NoRunnable::Wait(hint) if hint > left && refusals.iter().all(|(_, r)| is_firm(r)) => {
                 NoRunnable::Beyond(hint)
             }
+            NoRunnable::Wait(hint) if all_failing(refusals) => NoRunnable::Beyond(hint),
             other => other,
         }
     }
+}
+
+/// Whether every refusal says its source is failing (an open breaker, a dead source):
+/// see [`NoRunnable::within`].
+pub fn all_failing(refusals: &[(String, Refusal)]) -> bool {
+    use crate::error::RefusalReason as R;
+    !refusals.is_empty()
+        && refusals
+            .iter()
+            .all(|(_, r)| matches!(r.reason, R::CircuitOpen | R::Dead))
 }
 
 /// Whether a refusal cannot clear before its hint (see [`NoRunnable::within`]).
@@ -374,6 +390,27 @@ mod tests {
         assert_eq!(
             NoRunnable::within(&cooling, OnNoRunnable::Fail, left),
             NoRunnable::Fail
+        );
+        // SPEC §25.4: every source known to be failing (open, dead) ends the call at
+        // once, even when a probe is due within the bound.
+        let failing = vec![
+            r(RefusalReason::CircuitOpen, 2),
+            r(RefusalReason::Dead, 300),
+        ];
+        assert!(all_failing(&failing));
+        assert_eq!(
+            NoRunnable::within(&failing, w, left),
+            NoRunnable::Beyond(Duration::from_secs(2))
+        );
+        // One source merely cooling down (a 429's hint) keeps the call waiting.
+        let mixed = vec![
+            r(RefusalReason::CircuitOpen, 2),
+            r(RefusalReason::Cooldown, 3),
+        ];
+        assert!(!all_failing(&mixed) && !all_failing(&[]));
+        assert_eq!(
+            NoRunnable::within(&mixed, w, left),
+            NoRunnable::Wait(Duration::from_secs(2))
         );
     }
 

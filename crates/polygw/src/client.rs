@@ -165,6 +165,15 @@ impl Leg for ChatLeg<'_> {
         estimate_prompt_tokens(self.request)
     }
 
+    fn reasoning_effort(&self) -> Option<&str> {
+        self.request.reasoning_effort.as_deref().or_else(|| {
+            let o = self.request.overlay.as_ref()?;
+            o.get("reasoning_effort")
+                .or_else(|| o.get("reasoning").and_then(|r| r.get("effort")))
+                .and_then(serde_json::Value::as_str)
+        })
+    }
+
     fn single_choice(&self) -> bool {
         self.request
             .overlay

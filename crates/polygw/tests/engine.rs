@@ -997,10 +997,19 @@ mod hedge_auto {
 
     /// SPEC §19.1, item 3 of issue 24: a quiet scope rescues consecutive stalls, each at
     /// the stall threshold (the bucket's burst), and the `auto` stall threshold is the
-    /// gap distribution's (ordinary gaps of 50 ms: the 1 s floor).
+    /// gap distribution's (ordinary gaps of 50 ms: the 1 s floor). Without priors: with
+    /// them (the default), 60 legs give the learned value 30 % of the weight, and a
+    /// threshold moves from its prior at most ×1.5 per window (see the next test).
     #[tokio::test(start_paused = true)]
     async fn consecutive_stalls_in_a_quiet_scope_are_each_rescued() {
-        let h = harness(2, prioritized).await;
+        let h = harness(2, |s| {
+            prioritized(s);
+            s.hedge.priors = polygw::core::threshold::Priors {
+                after: None,
+                stall: None,
+            };
+        })
+        .await;
         let gaps = [ms(50); 9];
         for i in 0..60 {
             h.fake
@@ -1033,6 +1042,79 @@ mod hedge_auto {
                 st.total_latency_ms
             );
         }
+    }
+
+    /// SPEC §25.1: a fresh process is protected from its first call. With the defaults
+    /// alone, the first stream that goes silent for 40 s mid-answer is continued on the
+    /// second source at the stall prior (10 s), and the next two likewise (the budget's
+    /// burst); a first token that takes 20 s is hedged at the first-token prior (15 s).
+    #[tokio::test(start_paused = true)]
+    async fn a_fresh_process_is_protected_by_the_priors() {
+        let h = harness(2, prioritized).await;
+        let gaps = [ms(50); 9];
+        for i in 0..3 {
+            let mut stall = vec![ms(50); 9];
+            stall[3] = secs(40);
+            h.fake
+                .push("s-0", Script::stream(ms(100), &stall, "abcdefghij"));
+            h.fake
+                .push("s-1", Script::stream(ms(100), &gaps, "abcdefghij"));
+            let r = h
+                .client
+                .chat(ChatRequest::user(format!("stall {i}")).with_stream(true))
+                .await
+                .unwrap();
+            assert_eq!(r.content, "abcdefghij");
+            let st = r.call_stats;
+            assert_eq!(st.hedges + st.resumes, 1, "stall {i} rescued: {st:?}");
+            // Silent from 250 ms; the stall prior 10 s later; a 550 ms leg after it.
+            assert!(
+                (10_000..11_500).contains(&st.total_latency_ms),
+                "stall {i}: {} ms",
+                st.total_latency_ms
+            );
+        }
+        // The three legs spent the budget's burst: a fresh process for the first token.
+        let h = harness(2, prioritized).await;
+        h.fake
+            .push("s-0", Script::stream(secs(20), &gaps, "slow first token"));
+        h.fake
+            .push("s-1", Script::stream(ms(100), &gaps, "abcdefghij"));
+        let r = h
+            .client
+            .chat(ChatRequest::user("slow first token").with_stream(true))
+            .await
+            .unwrap();
+        let st = r.call_stats;
+        assert_eq!((st.hedges, r.content.as_str()), (1, "abcdefghij"), "{st:?}");
+        assert!(
+            (15_000..16_000).contains(&st.total_latency_ms),
+            "hedged at the first-token prior: {} ms",
+            st.total_latency_ms
+        );
+    }
+
+    /// SPEC §25.1: a long prompt or a high reasoning effort is not slow at the plain
+    /// first-token prior: 20 s to the first token of a high-effort call is waited out
+    /// (its prior is 45 s).
+    #[tokio::test(start_paused = true)]
+    async fn the_first_token_prior_grows_with_the_reasoning_effort() {
+        let h = harness(2, prioritized).await;
+        let gaps = [ms(50); 9];
+        h.fake
+            .push("s-0", Script::stream(secs(20), &gaps, "abcdefghij"));
+        h.fake
+            .push("s-1", Script::stream(ms(100), &gaps, "0123456789"));
+        let r = h
+            .client
+            .chat(
+                ChatRequest::user("think hard")
+                    .with_stream(true)
+                    .with_reasoning_effort("high"),
+            )
+            .await
+            .unwrap();
+        assert_eq!((r.call_stats.hedges, r.content.as_str()), (0, "abcdefghij"));
     }
 
     /// SPEC §19.1, the no-feedback-loop rule carried out by the engine: a leg the hedge
@@ -1245,6 +1327,92 @@ mod recovery {
             eprintln!("outage {outage:?} (timeouts): primary again {back:?} after its end");
             assert!(back <= secs(36), "outage {outage:?}: back after {back:?}");
         }
+    }
+}
+
+// ---------------------------------------------------------------- retry throttle
+
+mod retry_throttle {
+    use super::*;
+
+    /// SPEC §25.4, measured: every source answering 503, ten calls one second apart
+    /// cost at most 15 upstream requests, and each call is answered within 1.5 s (the
+    /// throttle stops polygw's retries once the bucket is at half; failovers to untried
+    /// sources go on; the breakers open, and then the calls are answered at once).
+    #[tokio::test(start_paused = true)]
+    async fn an_outage_is_not_multiplied() {
+        let h = harness(2, |_| {}).await;
+        for src in ["s-0", "s-1"] {
+            h.fake.set_default(src, Script::http(ms(20), 503));
+        }
+        let mut answered = vec![];
+        for i in 0..10 {
+            let t0 = tokio::time::Instant::now();
+            let e = h
+                .client
+                .chat(ChatRequest::user(format!("{i}")).with_stream(true))
+                .await
+                .unwrap_err();
+            let took = t0.elapsed();
+            answered.push((took, e.context().map_or(0, |c| c.attempts)));
+            assert!(took <= ms(1_500), "call {i} answered after {took:?}: {e}");
+            tokio::time::sleep(secs(1).saturating_sub(took)).await;
+        }
+        let upstream = h.fake.calls().len();
+        eprintln!("upstream requests {upstream}; (time, attempts) per call {answered:?}");
+        assert!(upstream <= 15, "{upstream} upstream requests for 10 calls");
+    }
+
+    /// SPEC §25.4: a failover to a source not yet tried is never throttled, and goes at
+    /// once: after one 529 from the only busy source, a fresh scope serving one user
+    /// fails over with no backoff.
+    #[tokio::test(start_paused = true)]
+    async fn a_quiet_scope_fails_over_at_once() {
+        let h = harness(2, |s| {
+            s.sources
+                .iter_mut()
+                .enumerate()
+                .for_each(|(i, x)| x.priority = i as u32);
+        })
+        .await;
+        h.fake.push("s-0", Script::http(ms(30), 529));
+        h.fake
+            .set_default("s-1", Script::ok(ms(50), "from the other source"));
+        let r = h.client.chat(ChatRequest::user("hi")).await.unwrap();
+        assert_eq!(r.content, "from the other source");
+        assert_eq!(r.call_stats.attempts, 2);
+        assert!(
+            r.call_stats.total_latency_ms <= 90,
+            "no backoff before the failover: {} ms",
+            r.call_stats.total_latency_ms
+        );
+    }
+
+    /// The throttle never stops a retry while the bucket is above half: a single
+    /// source failing once is retried (after its backoff), as before.
+    #[tokio::test(start_paused = true)]
+    async fn a_retry_goes_while_the_bucket_is_full() {
+        let h = harness(1, |_| {}).await;
+        h.fake.push("s-0", Script::http(ms(10), 500));
+        h.fake.set_default("s-0", Script::ok(ms(10), "ok"));
+        let r = h.client.chat(ChatRequest::user("hi")).await.unwrap();
+        assert_eq!((r.content.as_str(), r.call_stats.attempts), ("ok", 2));
+    }
+
+    /// Once the bucket is at half, a call whose only source failed is answered at once
+    /// with its error (`retry_exhausted`, the throttle named), not retried.
+    #[tokio::test(start_paused = true)]
+    async fn a_drained_bucket_stops_retries_of_tried_sources() {
+        let h = harness(1, |s| s.breaker.failures = 100).await;
+        h.fake.set_default("s-0", Script::http(ms(10), 500));
+        // 3 + 2: the bucket falls from 10 to 5 (retries go while above half).
+        let _ = h.client.chat(ChatRequest::user("a")).await.unwrap_err();
+        let _ = h.client.chat(ChatRequest::user("b")).await.unwrap_err();
+        let before = h.fake.calls().len();
+        let e = h.client.chat(ChatRequest::user("c")).await.unwrap_err();
+        assert_eq!(h.fake.calls().len() - before, 1, "the first attempt only");
+        assert_eq!(e.terminal_reason(), Some(TerminalReason::RetryExhausted));
+        assert!(e.to_string().contains("RETRY__THROTTLE_MAX"), "{e}");
     }
 }
 

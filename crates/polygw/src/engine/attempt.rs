@@ -73,6 +73,11 @@ pub(crate) trait Leg: Send + Sync {
     fn estimate_prompt_tokens(&self) -> u64 {
         0
     }
+    /// The request's reasoning effort, when it sets one (the first-token prior grows
+    /// with it: SPEC §25.1).
+    fn reasoning_effort(&self) -> Option<&str> {
+        None
+    }
     /// Whether the request asks for one choice (`n` ≤ 1): only then may hedge and
     /// resume legs join it.
     fn single_choice(&self) -> bool {
@@ -347,6 +352,7 @@ impl AttemptGuard {
     /// Decides a success: tokens to settle, breaker success, the row.
     pub(crate) fn decide_success(&mut self, facts: &SuccessFacts, wall: Duration) {
         let Some(row) = self.row(wall) else { return };
+        self.engine.throttle().on_attempt(Ok(()));
         let src = &self.engine.scope.sources[self.source_idx];
         let est = self.engine.scope.est_tokens(src);
         let tokens = facts.settle_override.unwrap_or_else(|| {
@@ -407,6 +413,7 @@ impl AttemptGuard {
         let Some(mut row) = self.row(wall) else {
             return;
         };
+        self.engine.throttle().on_attempt(Err(error));
         let est = self.engine.scope.est_tokens(self.source());
         let tokens = settle(AttemptOutcome::Failed(error), est).tokens();
         row.error = Some(error.label.as_str().to_string());

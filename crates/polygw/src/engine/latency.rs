@@ -9,6 +9,7 @@ use std::time::{Duration, Instant};
 use polygw_core::hedge::{ThresholdSetting, Thresholds};
 use polygw_core::latency::{GapTally, LatencySnapshot, LegTimes, ScopeLatency};
 use polygw_core::ports::SourceSketch;
+use polygw_core::threshold::{self, Steady};
 use polygw_core::HedgeSettings;
 
 /// How long computed thresholds are used before they are computed again.
@@ -19,14 +20,37 @@ struct Book {
     latency: ScopeLatency,
     /// (computed at, per source) for the thresholds of `latency`.
     cached: Option<(Instant, Vec<Thresholds>)>,
+    /// Per source, the `auto` thresholds in force as they last were (first token,
+    /// stall): each moves at most ×1.5 per `HEDGE__WINDOW_S` (SPEC §25.2).
+    steady: Vec<[Option<Steady>; 2]>,
 }
 
 impl Book {
-    fn new(window: Duration) -> Book {
+    fn new(window: Duration, sources: usize) -> Book {
         Book {
             latency: ScopeLatency::new(window),
             cached: None,
+            steady: vec![[None, None]; sources],
         }
+    }
+}
+
+/// An `auto` threshold moved at most as fast as SPEC §25.2 allows from where it last
+/// was; configured and off ones as they are.
+fn steadied(
+    t: &mut polygw_core::hedge::ThresholdInForce,
+    state: &mut Option<Steady>,
+    now: Instant,
+    window: Duration,
+) {
+    use polygw_core::hedge::ThresholdOrigin as O;
+    if !matches!(t.origin, O::Source | O::Pooled | O::Prior) {
+        return;
+    }
+    if let Some(target) = t.value {
+        let next = Steady::next(*state, target, now, window);
+        t.value = Some(next.value);
+        *state = Some(next);
     }
 }
 
@@ -45,10 +69,11 @@ fn idx(stream: bool) -> usize {
 
 impl EngineLatency {
     pub(crate) fn new(settings: HedgeSettings, sources: Vec<String>) -> EngineLatency {
+        let n = sources.len();
         EngineLatency {
             settings,
             sources,
-            books: Mutex::new([Book::new(settings.window), Book::new(settings.window)]),
+            books: Mutex::new([Book::new(settings.window, n), Book::new(settings.window, n)]),
         }
     }
 
@@ -97,14 +122,51 @@ impl EngineLatency {
         let mut settings = self.settings;
         if !stream {
             settings.stall_after = ThresholdSetting::Off;
+            // A plain answer's "first token" is the whole answer, as long as its output:
+            // no fixed prior fits it, so plain calls hedge once there is evidence, as
+            // before (DECISIONS 169).
+            settings.priors.after = None;
         }
         let aim = polygw_core::hedge::aim_bp(settings.budget_pct.saturating_mul(100), fill);
-        let t: Vec<Thresholds> = self
+        let mut t: Vec<Thresholds> = self
             .sources
             .iter()
             .map(|s| book.latency.thresholds(s, now, &settings, aim))
             .collect();
+        for (t, state) in t.iter_mut().zip(book.steady.iter_mut()) {
+            steadied(&mut t.after, &mut state[0], now, settings.window);
+            steadied(&mut t.stall_after, &mut state[1], now, settings.window);
+        }
         book.cached = Some((now, t.clone()));
+        t
+    }
+
+    /// The thresholds of [`EngineLatency::thresholds`] for one request: the prior's
+    /// part of each first-token threshold scaled by the request's prompt and reasoning
+    /// effort (SPEC §25.1, `threshold::request_prior_factor`), within the bounds.
+    pub(crate) fn for_request(
+        &self,
+        mut t: Vec<Thresholds>,
+        stream: bool,
+        prompt_tokens: u64,
+        effort: Option<&str>,
+    ) -> Vec<Thresholds> {
+        let Some(prior) = self.settings.priors.after.filter(|_| stream) else {
+            return t;
+        };
+        let factor = threshold::request_prior_factor(prior, prompt_tokens, effort);
+        if factor <= 1.0 {
+            return t;
+        }
+        for t in &mut t {
+            if t.after.prior_bp > 0 {
+                t.after.value = t.after.value.map(|v| {
+                    let w = f64::from(t.after.prior_bp) / 10_000.0;
+                    let scaled = threshold::for_request(v, w, factor);
+                    scaled.min(self.settings.after_bounds.max.max(v))
+                });
+            }
+        }
         t
     }
 

@@ -26,6 +26,7 @@ use polygw_core::ports::{
     AffinityStore, BreakerStore, Clock, EmbeddingTransport, LatencyStore, OcrTransport,
     RateLimiter, ResponseCache, ResponseStore, Rng, TelemetryRecorder, Transport,
 };
+use polygw_core::retry_throttle::RetryThrottle;
 use polygw_core::{ScopeKind, ScopeSettings};
 
 use crate::metrics::{Metrics, ScopeMetrics, SourceMetrics};
@@ -66,6 +67,9 @@ pub(crate) struct Engine {
     pub kind: ScopeKind,
     pub ports: Ports,
     pub hedge_budget: Mutex<HedgeBudget>,
+    /// The scope's retry throttle (SPEC §25.4): every attempt's outcome feeds it; a
+    /// retry round asks core's leg gate with it.
+    pub retry_throttle: Mutex<RetryThrottle>,
     /// The live latency of the scope's sources, and the `auto` thresholds from it.
     pub latency: latency::EngineLatency,
     pub metrics: Arc<Metrics>,
@@ -96,6 +100,7 @@ impl Engine {
             scope.sources.len(),
         );
         let budget = HedgeBudget::banking(scope.hedge.burst, scope.hedge.bank);
+        let throttle = RetryThrottle::new(scope.retry.throttle);
         let latency = latency::EngineLatency::new(
             scope.hedge,
             scope.sources.iter().map(|s| s.name.clone()).collect(),
@@ -116,6 +121,7 @@ impl Engine {
             kind,
             ports,
             hedge_budget: Mutex::new(budget),
+            retry_throttle: Mutex::new(throttle),
             latency,
             metrics,
             scope_metrics,
@@ -195,5 +201,12 @@ impl Engine {
 
     pub(crate) fn budget(&self) -> std::sync::MutexGuard<'_, HedgeBudget> {
         self.hedge_budget.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// The scope's retry throttle.
+    pub(crate) fn throttle(&self) -> std::sync::MutexGuard<'_, RetryThrottle> {
+        self.retry_throttle
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
     }
 }

@@ -16,6 +16,7 @@ use polygw_core::classify::is_context_length;
 use polygw_core::hedge::HedgePolicy;
 use polygw_core::resume::{ResumeBudget, ResumeMode, ResumeSetting};
 use polygw_core::retry::{RetryState, RoundVerdict};
+use polygw_core::round::gate::{leg_gate, Gate, GateAsk, RoundKind};
 use polygw_core::round::{Carried, LegKind, RoundSpec};
 use polygw_core::usage::LegUsage;
 use polygw_core::{AttemptError, GatewayError, RetryPrefer, ScopeKind, TerminalReason};
@@ -215,6 +216,12 @@ impl Engine {
         }
         // The source the call's affinity key last went to (SPEC §20.2).
         let recall = self.recall(call).await;
+        // After a failed round: the backoff before the next, and whether that round
+        // first tries a failover to a source the call has not tried, at once (SPEC
+        // §25.4; only if one admits now, else the backoff applies as before).
+        let mut pending: Option<(std::time::Duration, bool)> = None;
+        // The retry throttle allows only failovers to untried sources (core's leg gate).
+        let mut only_untried = false;
         loop {
             let mut prefs = match &cont {
                 Some(c) => PickPrefs {
@@ -252,7 +259,32 @@ impl Engine {
                     "STREAM__RESUME=prefill and no source of the scope accepts a prefill",
                 ));
             }
-            let picked = match self.admit(call, &mut retry, leg.stream(), &prefs).await {
+            if std::mem::take(&mut only_untried) {
+                let untried = self.untried(call);
+                prefs.allowed = Some(match prefs.allowed.take() {
+                    Some(a) => a.intersection(&untried).copied().collect(),
+                    None => untried,
+                });
+                prefs.first = prefs
+                    .first
+                    .filter(|f| prefs.allowed.as_ref().is_some_and(|a| a.contains(f)));
+            }
+            let mut prepicked = None;
+            if let Some((wait, failover)) = pending.take() {
+                if failover {
+                    prepicked = self
+                        .failover_now(call, &mut retry, leg.stream(), &prefs)
+                        .await?;
+                }
+                if prepicked.is_none() && !wait.is_zero() {
+                    tokio::time::sleep(wait).await;
+                }
+            }
+            let admitted = match prepicked {
+                Some(p) => Ok(p),
+                None => self.admit(call, &mut retry, leg.stream(), &prefs).await,
+            };
+            let picked = match admitted {
                 Ok(p) => p,
                 Err(e) => {
                     // A continuation that cannot be admitted ends with the stream's
@@ -313,7 +345,13 @@ impl Engine {
                 let fill = self
                     .budget()
                     .fill(round_started, self.scope.hedge.budget_pct);
-                self.latency.thresholds(leg.stream(), round_started, fill)
+                let t = self.latency.thresholds(leg.stream(), round_started, fill);
+                self.latency.for_request(
+                    t,
+                    leg.stream(),
+                    leg.estimate_prompt_tokens(),
+                    leg.reasoning_effort(),
+                )
             });
             let ((after_ms, after_from), (stall_ms, stall_from)) =
                 match thresholds.as_ref().and_then(|t| t.get(picked.source_idx)) {
@@ -456,6 +494,42 @@ impl Engine {
                         self.ports.rng.as_ref(),
                     ) {
                         RoundVerdict::Retry { backoff } => {
+                            // SPEC §25.4: retries do not multiply an outage.
+                            let untried_left = !self.untried(call).is_empty();
+                            let gate = leg_gate(GateAsk {
+                                round: RoundKind::Retry,
+                                throttle_allows: self.throttle().allows_retry(),
+                                untried_left,
+                            });
+                            match gate {
+                                Gate::Throttled => {
+                                    let why = format!(
+                                        "retries are throttled (the scope's retry bucket is at {:.1} of {} tokens: too many attempts failed lately; RETRY__THROTTLE_MAX) and every source was tried",
+                                        self.throttle().tokens(),
+                                        self.scope.retry.throttle.max_tokens
+                                    );
+                                    tracing::info!(scope = %self.scope.name, "{why}");
+                                    if let Some(c) = cont.filter(|c| c.delivered_to_caller) {
+                                        return Err(self.unresumable(
+                                            call,
+                                            c.carried.original,
+                                            TerminalReason::RetryExhausted,
+                                            &why,
+                                        ));
+                                    }
+                                    return Err(
+                                        call.terminal(TerminalReason::RetryExhausted, Some(why))
+                                    );
+                                }
+                                Gate::UntriedOnly => {
+                                    // A failover, never throttled: at once.
+                                    only_untried = true;
+                                    prefer_same = None;
+                                    pending = Some((std::time::Duration::ZERO, false));
+                                    continue;
+                                }
+                                Gate::Launch => {}
+                            }
                             let mut wait = backoff;
                             // A stream that broke after its first chunk resumes on
                             // another source, prefill-capable first (docs/HEDGING.md),
@@ -473,9 +547,11 @@ impl Engine {
                                 // or admission would pass it over for the next source.
                                 wait = wait.max(same_source_cooldown(&error, fallback_cooldown));
                             }
-                            if !wait.is_zero() {
-                                tokio::time::sleep(wait).await;
-                            }
+                            // A failover to a source the call has not tried goes at
+                            // once when one admits; otherwise the backoff applies.
+                            let failover =
+                                prefer_same.is_none() && restrict.is_none() && untried_left;
+                            pending = Some((wait, failover));
                         }
                         RoundVerdict::Fail(reason) => {
                             if let Some(c) = cont.filter(|c| c.delivered_to_caller) {
@@ -492,6 +568,49 @@ impl Engine {
                 }
             }
         }
+    }
+
+    /// The sources the call has not tried and may still pick.
+    fn untried(&self, call: &CallShared) -> BTreeSet<usize> {
+        let tried = call.tried_sources(&self.scope.sources);
+        let excluded = call.excluded_sources();
+        (0..self.scope.sources.len())
+            .filter(|i| !tried.contains(i) && !excluded.contains(&self.scope.sources[*i].name))
+            .collect()
+    }
+
+    /// One pick without waiting among the sources the call has not tried (SPEC §25.4:
+    /// a failover goes at once): the admitted source, or none (the backoff then
+    /// applies and admission goes on as usual).
+    async fn failover_now(
+        &self,
+        call: &Arc<CallShared>,
+        retry: &mut RetryState,
+        stream: bool,
+        prefs: &PickPrefs,
+    ) -> Result<Option<Picked>, GatewayError> {
+        let untried = self.untried(call);
+        let mut p = prefs.clone();
+        p.allowed = Some(match p.allowed.take() {
+            Some(a) => a.intersection(&untried).copied().collect(),
+            None => untried,
+        });
+        if p.allowed.as_ref().is_some_and(BTreeSet::is_empty) {
+            return Ok(None);
+        }
+        p.first = p
+            .first
+            .filter(|f| p.allowed.as_ref().is_some_and(|a| a.contains(f)));
+        p.sticky = None;
+        let pick = self
+            .try_pick_with(&call.excluded_sources(), &call.failed_sources(), stream, p)
+            .await
+            .map_err(|e| call.terminal(TerminalReason::GovernanceBackend, Some(e.to_string())))?;
+        call.note_refusals(&pick.refusals);
+        if pick.admitted.is_some() {
+            retry.on_admitted(self.ports.clock.now());
+        }
+        Ok(pick.admitted)
     }
 
     /// `RETRY__PREFER=same` retries the source after a transient failure: 5xx, reset,
