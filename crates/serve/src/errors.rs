@@ -309,10 +309,22 @@ pub fn from_gateway(e: &GatewayError) -> ApiError {
             reason.as_str(),
             e.to_string(),
         ),
+        // SPEC §25.4: a 503 always says when to come back, and once polygw made its own
+        // attempts (and retries, as far as the throttle allowed) a client library's
+        // retry would only multiply the outage: `x-should-retry: false`.
         TerminalReason::RetryExhausted
         | TerminalReason::Stalled
-        | TerminalReason::NoRunnableSource
-        | TerminalReason::GovernanceBackend => ApiError {
+        | TerminalReason::NoRunnableSource => ApiError {
+            retry_after: Some(retry_after.unwrap_or(1)),
+            should_retry: (attempts > 0).then_some(false),
+            ..ApiError::new(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "server_error",
+                reason.as_str(),
+                e.to_string(),
+            )
+        },
+        TerminalReason::GovernanceBackend => ApiError {
             retry_after,
             ..ApiError::new(
                 StatusCode::SERVICE_UNAVAILABLE,
@@ -425,7 +437,22 @@ pub(crate) fn anthropic_error(e: &ApiError) -> Response {
     let status = StatusCode::from_u16(status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
     let mut resp = (status, Json(body)).into_response();
     e.set_headers(resp.headers_mut());
+    with_reason_phrase(&mut resp);
     resp
+}
+
+/// A status without a canonical reason phrase (Anthropic's 529) gets one on the status
+/// line (SPEC §25.5): hyper writes `<none>` otherwise, and some clients log that.
+pub(crate) fn with_reason_phrase(resp: &mut Response) {
+    if resp.status().canonical_reason().is_some() {
+        return;
+    }
+    let phrase: &'static [u8] = match resp.status().as_u16() {
+        529 => b"Overloaded",
+        _ => b"Unknown",
+    };
+    resp.extensions_mut()
+        .insert(hyper::ext::ReasonPhrase::from_static(phrase));
 }
 
 /// `e` in the shape of the API that `path` belongs to: Anthropic's under `/v1/messages`,

@@ -51,6 +51,18 @@ pub(crate) fn usage_json(usage: &Usage, source: UsageSource) -> Value {
     })
 }
 
+/// A response whose usage is not as measured says so the way chat does (SPEC §25.5):
+/// `"polygw": {"usage_source": "estimated"}` beside its `usage` (a resumed answer
+/// counts a cut leg's delivered text as estimated tokens).
+pub(crate) fn with_usage_source(mut response: Value, source: UsageSource) -> Value {
+    if source == UsageSource::Estimated {
+        if let Some(o) = response.as_object_mut() {
+            o.insert("polygw".into(), json!({"usage_source": source.as_str()}));
+        }
+    }
+    response
+}
+
 /// A reasoning item with one summary part.
 pub(crate) fn reasoning_item(id: &str, text: &str) -> Value {
     json!({"type": "reasoning", "id": id, "summary": [{"type": "summary_text", "text": text}]})
@@ -238,16 +250,19 @@ pub fn response_object(
     } else {
         &answer.model
     };
-    response_value(
-        id,
-        created_at,
-        model,
-        meta,
-        status,
-        incomplete,
-        output_items(id, meta, answer),
-        usage_json(&answer.usage, answer.usage_source),
-        Value::Null,
+    with_usage_source(
+        response_value(
+            id,
+            created_at,
+            model,
+            meta,
+            status,
+            incomplete,
+            output_items(id, meta, answer),
+            usage_json(&answer.usage, answer.usage_source),
+            Value::Null,
+        ),
+        answer.usage_source,
     )
 }
 
@@ -353,6 +368,15 @@ mod tests {
     }
 
     #[test]
+    fn an_estimated_usage_is_marked_as_chat_marks_it() {
+        let r = with_usage_source(json!({"usage": {"total_tokens": 3}}), UsageSource::Estimated);
+        assert_eq!(r["polygw"]["usage_source"], "estimated");
+        for s in [UsageSource::Measured, UsageSource::Unavailable] {
+            assert!(with_usage_source(json!({}), s).get("polygw").is_none());
+        }
+    }
+
+    #[test]
     fn a_cut_answer_is_incomplete_and_unknown_usage_is_null() {
         let m = meta(json!([]));
         let answer = LlmResponse {
@@ -369,6 +393,7 @@ mod tests {
         );
         assert_eq!(r["output"][0]["status"], "incomplete");
         assert_eq!(r["usage"], Value::Null);
+        assert!(r.get("polygw").is_none(), "only an estimate is marked");
         assert_eq!(r["model"], "upstream-m");
         let cached = Usage {
             cached_prompt_tokens: Some(4),

@@ -12,7 +12,7 @@ use serde_json::{json, Map, Value};
 
 use super::output::{
     call_id, call_item, call_prefix, item_id, message_item, reasoning_item, response_value,
-    status_of, text_part, usage_json,
+    status_of, text_part, usage_json, with_usage_source,
 };
 use super::tools::{ToolKind, ToolTarget};
 use super::translate::ResponsesMeta;
@@ -207,16 +207,19 @@ impl ResponsesStream {
         } else {
             answer.model.clone()
         };
-        let response = response_value(
-            &self.id,
-            self.created_at,
-            &model,
-            &self.meta,
-            status,
-            incomplete,
-            self.items.clone(),
-            usage_json(&answer.usage, answer.usage_source),
-            Value::Null,
+        let response = with_usage_source(
+            response_value(
+                &self.id,
+                self.created_at,
+                &model,
+                &self.meta,
+                status,
+                incomplete,
+                self.items.clone(),
+                usage_json(&answer.usage, answer.usage_source),
+                Value::Null,
+            ),
+            answer.usage_source,
         );
         let ty = if status == "completed" {
             "response.completed"

@@ -202,6 +202,10 @@ pub(crate) struct ChatEncoder {
     /// `id` and `created` of the stream: the first delivered frame's.
     id: Option<String>,
     created: Option<Value>,
+    /// The stream's `model`: the first delivered frame's (SPEC §25.5: a resumed
+    /// stream keeps one model in every frame; the leg that finished it is in the
+    /// trace, the telemetry and `x-polygw-*`).
+    model: Option<String>,
     /// The stream's `system_fingerprint` and `service_tier`, as the upstream sent them.
     fingerprint: Option<Value>,
     service_tier: Option<Value>,
@@ -221,6 +225,7 @@ impl ChatEncoder {
             commit: None,
             id: None,
             created: None,
+            model: None,
             fingerprint: None,
             service_tier: None,
             logical_call_id: logical_call_id.to_string(),
@@ -242,10 +247,12 @@ impl ChatEncoder {
     }
 
     fn model(&self) -> String {
-        self.commit
-            .as_ref()
-            .map(|c| c.model.clone())
-            .unwrap_or_default()
+        self.model.clone().unwrap_or_else(|| {
+            self.commit
+                .as_ref()
+                .map(|c| c.model.clone())
+                .unwrap_or_default()
+        })
     }
 
     /// The upstream's frame text when it can go to the client exactly as received:
@@ -261,7 +268,8 @@ impl ChatEncoder {
             && t.created == created
             && t.has_object
             && t.choices > 0
-            && d.model.is_some();
+            && d.model.is_some()
+            && d.model == self.model;
         same.then_some(t.json.as_str())
     }
 
@@ -323,6 +331,11 @@ impl ChatEncoder {
                     .cloned()
                     .unwrap_or_else(|| json!(unix_now())),
             );
+            self.model = obj
+                .get("model")
+                .and_then(Value::as_str)
+                .filter(|s| !s.is_empty())
+                .map(str::to_string);
         }
         // Every frame carries the stream's id and created (a resumed stream's later
         // legs have their own); most already do, and are left as they are.
@@ -334,12 +347,16 @@ impl ChatEncoder {
         }
         obj.entry("object")
             .or_insert_with(|| json!("chat.completion.chunk"));
-        let named = obj
+        let model = self.model();
+        let same = obj.get("model").and_then(Value::as_str) == Some(model.as_str());
+        if !same && !model.is_empty() {
+            obj.insert("model".into(), json!(model));
+        } else if !obj
             .get("model")
             .and_then(Value::as_str)
-            .is_some_and(|s| !s.is_empty());
-        if !named {
-            obj.insert("model".into(), json!(self.model()));
+            .is_some_and(|s| !s.is_empty())
+        {
+            obj.insert("model".into(), json!(model));
         }
         Some(Value::Object(obj))
     }
@@ -358,7 +375,7 @@ impl ChatEncoder {
             "id": self.id(),
             "object": "chat.completion.chunk",
             "created": self.created(),
-            "model": r.model,
+            "model": self.model.clone().unwrap_or_else(|| r.model.clone()),
             "choices": [],
             "usage": usage,
         });
