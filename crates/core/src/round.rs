@@ -401,6 +401,23 @@ struct Leg {
     delivered_text: bool,
     /// The trigger that launched it (an extra leg).
     fired_by: Option<Trigger>,
+    /// The silent leg whose trigger launched it, that trigger's threshold and when the
+    /// silence began (SPEC §25.2: the trace explains a launch later than its threshold).
+    fired_from: Option<FiredFrom>,
+}
+
+/// What launched an extra leg: the leg that went silent, the threshold in force for its
+/// trigger, and when its silence began (its launch, for a first-token trigger; its last
+/// incremental chunk, for a stall). The launch came `launched_at − silent_since` into the
+/// silence; beyond `threshold`, the trace says why (the budget, no source, admission).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct FiredFrom {
+    /// The silent leg.
+    pub leg: LegId,
+    /// Its trigger's threshold in force.
+    pub threshold: Duration,
+    /// When its silence began.
+    pub silent_since: Instant,
 }
 
 /// The most a leg may hold, in bytes of chunks, before it is committed: far above what
@@ -619,6 +636,11 @@ impl Round {
             .map(Trigger::name)
     }
 
+    /// What launched an extra leg (see [`FiredFrom`]).
+    pub fn fired_from(&self, leg: LegId) -> Option<FiredFrom> {
+        self.legs.get(leg).and_then(|l| l.fired_from)
+    }
+
     /// Arrival of a leg's latest incremental chunk.
     pub fn last_chunk(&self, leg: LegId) -> Option<Instant> {
         self.legs.get(leg).and_then(|l| l.last_chunk)
@@ -797,6 +819,7 @@ impl Round {
             first_chunk: None,
             delivered_text: false,
             fired_by: None,
+            fired_from: None,
         });
         out.push(Action::Launch { leg, source, kind });
     }
@@ -1565,9 +1588,25 @@ impl Round {
                     ) => self.continued_text(of).reasoning,
                     _ => String::new(),
                 };
+                let fired_from = match (pending.trigger, pending.fired) {
+                    (Some((from, _)), Some(trigger)) => self.legs.get(from).and_then(|f| {
+                        let (after, stall) = self.triggers_for(f.source);
+                        let (threshold, since) = match trigger {
+                            Trigger::FirstToken => (after, Some(f.launched_at)),
+                            Trigger::Stall => (stall, f.last_chunk),
+                        };
+                        Some(FiredFrom {
+                            leg: from,
+                            threshold: threshold?,
+                            silent_since: since?,
+                        })
+                    }),
+                    _ => None,
+                };
                 self.launch(p.source, kind, extra, base_reasoning, now, out);
                 if let Some(l) = self.legs.last_mut() {
                     l.fired_by = pending.fired;
+                    l.fired_from = fired_from;
                 }
             }
         }

@@ -48,6 +48,20 @@ pub enum TraceEvent {
         /// Resume mode: `prefill` or `replay`.
         #[serde(skip_serializing_if = "Option::is_none")]
         mode: Option<String>,
+        /// For an extra leg: the silent leg whose trigger launched it.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        of: Option<usize>,
+        /// That trigger's threshold in force, ms.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        thr_ms: Option<u64>,
+        /// How far into the silence the leg launched, ms.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        silent_ms: Option<u64>,
+        /// Why it launched later than the threshold (SPEC §25.2): the refusal of this
+        /// silence (`hedge_budget`, `no_source`, `governance`), or `admission` (the
+        /// pick itself took the time).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        late: Option<String>,
     },
     /// A leg's trigger fired but no extra leg could start: `why` is `hedge_budget` (the
     /// scope's budget was empty), `no_source` (no other source admitted) or
@@ -198,6 +212,10 @@ pub fn describe(e: &TraceEvent) -> String {
             why,
             by,
             mode,
+            of,
+            thr_ms,
+            silent_ms,
+            late,
         } => {
             let by = by
                 .as_deref()
@@ -207,7 +225,27 @@ pub fn describe(e: &TraceEvent) -> String {
                 .as_deref()
                 .map(|m| format!(" by {m}"))
                 .unwrap_or_default();
-            format!("leg {leg} launched on {src}: {why}{mode}{by}")
+            let when = match (silent_ms, thr_ms) {
+                (Some(s), Some(t)) => {
+                    let late = match late.as_deref() {
+                        Some("hedge_budget") => {
+                            " — later than it: the hedge budget was spent until then"
+                        }
+                        Some("no_source") => {
+                            " — later than it: no other source admitted it until then"
+                        }
+                        Some("governance") => {
+                            " — later than it: the governance backend failed until then"
+                        }
+                        Some("admission") => " — later than it: the admission took that long",
+                        _ => "",
+                    };
+                    let of = of.map(|o| format!("leg {o}'s ")).unwrap_or_default();
+                    format!(", {s} ms into {of}silence (threshold {t} ms){late}")
+                }
+                _ => String::new(),
+            };
+            format!("leg {leg} launched on {src}: {why}{mode}{by}{when}")
         }
         TraceEvent::NoLeg { leg, by, why } => {
             let why = match why.as_str() {
@@ -279,6 +317,10 @@ mod tests {
                 why: "primary".into(),
                 by: None,
                 mode: None,
+                of: None,
+                thr_ms: None,
+                silent_ms: None,
+                late: None,
             },
         );
         t.push(
@@ -290,6 +332,10 @@ mod tests {
                 why: "hedge".into(),
                 by: Some("first_token".into()),
                 mode: None,
+                of: Some(0),
+                thr_ms: Some(1_800),
+                silent_ms: Some(1_800),
+                late: None,
             },
         );
         t.push(
@@ -298,10 +344,10 @@ mod tests {
             TraceEvent::Won { leg: 1 },
         );
         let json = t.to_json();
-        assert!(json.len() < 400, "compact: {json}");
+        assert!(json.len() < 440, "compact: {json}");
         assert!(
             json.contains(
-                r#"{"t":1800,"e":"launch","leg":1,"src":"b-0","why":"hedge","by":"first_token"}"#
+                r#"{"t":1800,"e":"launch","leg":1,"src":"b-0","why":"hedge","by":"first_token","of":0,"thr_ms":1800,"silent_ms":1800}"#
             ),
             "{json}"
         );

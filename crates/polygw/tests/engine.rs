@@ -1241,9 +1241,30 @@ mod hedge_auto {
         for want in [
             "leg 0: its stall trigger fired, no extra leg (the hedge budget is spent)",
             "leg 1 launched on s-1",
+            // SPEC §25.2: the launch, ~4.75 s after the stall threshold, says why.
+            "on its stall trigger",
+            "into leg 0's silence (threshold 1000 ms) — later than it: the hedge budget was spent until then",
         ] {
             assert!(lines.contains(want), "{want:?} in\n{lines}");
         }
+        let launch = trace
+            .events
+            .iter()
+            .find_map(|e| match &e.event {
+                polygw_core::trace::TraceEvent::Launch {
+                    leg: 1,
+                    silent_ms,
+                    late,
+                    ..
+                } => Some((*silent_ms, late.clone())),
+                _ => None,
+            })
+            .unwrap();
+        assert!(
+            launch.0.is_some_and(|s| (4_700..=5_700).contains(&s)),
+            "{launch:?}"
+        );
+        assert_eq!(launch.1.as_deref(), Some("hedge_budget"));
     }
 
     /// A single-source scope never hedges `auto` (no other source); `off` turns it off.

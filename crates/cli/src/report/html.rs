@@ -1344,6 +1344,10 @@ mod tests {
                         why: "primary".into(),
                         by: None,
                         mode: None,
+                        of: None,
+                        thr_ms: None,
+                        silent_ms: None,
+                        late: None,
                     },
                 },
                 TraceEntry {

@@ -192,6 +192,7 @@ impl CallTimeline {
                     why,
                     by,
                     mode,
+                    ..
                 } => {
                     if round == 0 {
                         round = 1;
@@ -424,6 +425,10 @@ pub(crate) mod tests {
             why: why.into(),
             by: by.map(str::to_string),
             mode: (why == "resume").then(|| "prefill".to_string()),
+            of: None,
+            thr_ms: None,
+            silent_ms: None,
+            late: None,
         }
     }
 

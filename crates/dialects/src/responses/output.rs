@@ -369,7 +369,10 @@ mod tests {
 
     #[test]
     fn an_estimated_usage_is_marked_as_chat_marks_it() {
-        let r = with_usage_source(json!({"usage": {"total_tokens": 3}}), UsageSource::Estimated);
+        let r = with_usage_source(
+            json!({"usage": {"total_tokens": 3}}),
+            UsageSource::Estimated,
+        );
         assert_eq!(r["polygw"]["usage_source"], "estimated");
         for s in [UsageSource::Measured, UsageSource::Unavailable] {
             assert!(with_usage_source(json!({}), s).get("polygw").is_none());

@@ -383,6 +383,8 @@ struct Exec<'a, L: Leg> {
     /// The last refusal traced: (leg, trigger, the leg's last chunk then) — a trigger
     /// that asks again in the same silence is not traced again.
     refusal_traced: Option<(LegId, &'static str, Option<Instant>)>,
+    /// The reason of that refusal (a later launch in the same silence names it).
+    refusal_why: Option<&'static str>,
     finalizing: FutureSet<BoxFuture<'static, ()>>,
     /// Ended legs waiting for their fate (within one feed), in launch order. A round
     /// has a handful of legs: a vector searched by leg, not a map (a `BTreeMap` node
@@ -566,6 +568,31 @@ impl<'a, L: Leg> Exec<'a, L> {
         } else {
             "primary"
         };
+        // SPEC §25.2: an extra leg says how far into its silence it launched, against
+        // the threshold in force, and why when later (a refusal of this silence, or the
+        // admission's own time).
+        let fired = self.machine.fired_from(index);
+        let (of, thr_ms, silent_ms, late) = match fired {
+            Some(f) => {
+                let silent = now.saturating_duration_since(f.silent_since);
+                let this_silence = self.refusal_traced.is_some_and(|(l, _, last)| {
+                    l == f.leg && last == self.machine.last_chunk(f.leg)
+                });
+                let late = (silent > f.threshold + LATE_TOLERANCE).then(|| {
+                    match self.refusal_why.filter(|_| this_silence) {
+                        Some(w) => w.to_string(),
+                        None => "admission".to_string(),
+                    }
+                });
+                (
+                    Some(f.leg),
+                    Some(ms_u64(f.threshold)),
+                    Some(ms_u64(silent)),
+                    late,
+                )
+            }
+            None => (None, None, None, None),
+        };
         self.call.trace(
             now,
             TraceEvent::Launch {
@@ -574,6 +601,10 @@ impl<'a, L: Leg> Exec<'a, L> {
                 why: why.to_string(),
                 by: self.machine.fired_by(index).map(str::to_string),
                 mode: info.kind.resume_mode().map(|m| m.as_str().to_string()),
+                of,
+                thr_ms,
+                silent_ms,
+                late,
             },
         );
         let info_copy = info.clone();
@@ -730,11 +761,12 @@ impl<'a, L: Leg> Exec<'a, L> {
 
     /// A trigger's pick launched nothing (SPEC §19.4: the call says why); the first
     /// refusal of a silence is traced, not the trigger's repeats.
-    fn trace_refusal(&mut self, why: &str) {
+    fn trace_refusal(&mut self, why: &'static str) {
         let Some((leg, by)) = self.pick_for.take() else {
             return;
         };
         let key = (leg, by, self.machine.last_chunk(leg));
+        self.refusal_why = Some(why);
         if self.refusal_traced == Some(key) {
             return;
         }
@@ -1306,6 +1338,7 @@ impl Engine {
             picked: None,
             pick_for: None,
             refusal_traced: None,
+            refusal_why: None,
             finalizing: FutureSet::default(),
             ended: Vec::new(),
             outputs: Vec::new(),
@@ -1339,4 +1372,12 @@ mod tests {
         assert!(std::mem::size_of::<AttemptGuard>() <= 256);
         assert!(std::mem::size_of::<LegDone<TransportResult>>() <= 768);
     }
+}
+
+/// A launch within this much of its threshold is on time (timer granularity, the
+/// pick's own round trip): the trace names no reason for it.
+const LATE_TOLERANCE: std::time::Duration = std::time::Duration::from_millis(50);
+
+fn ms_u64(d: std::time::Duration) -> u64 {
+    u64::try_from(d.as_millis()).unwrap_or(u64::MAX)
 }
