@@ -509,3 +509,209 @@ async fn a_hint_waited_out_is_not_the_retry_after() {
     let ra = r.headers()["retry-after"].to_str().unwrap().to_string();
     assert_eq!(ra, "30", "{}", r.text().await.unwrap());
 }
+
+// ------------------------------------------------------------- defaults (SPEC §25)
+
+/// A 40-word answer, 20 ms between words.
+fn story() -> Behavior {
+    Behavior {
+        chunk_count: Some(40),
+        gap_ms: 20.0,
+        ..Behavior::default()
+    }
+}
+
+/// Scopes for `defaults.py rescue`: per API a primary that goes silent for 40 s after
+/// its 10th word and one whose first token takes 20 s, each with a healthy second
+/// source; `stall3`, a primary that stalls every answer. Only the sources' order is set
+/// (PRIORITY): every hedging, retry and resume setting is the default.
+async fn rescue_scopes() -> (
+    Vec<(String, MockUpstream, MockUpstream)>,
+    Vec<(String, String)>,
+) {
+    let stalling = || Behavior {
+        stalls: vec![Stall {
+            before_chunk: 10,
+            ms: 40_000.0,
+        }],
+        ..story()
+    };
+    // A short answer: what is measured is when the first token comes.
+    let quick = || Behavior {
+        chunk_count: Some(10),
+        gap_ms: 10.0,
+        ..Behavior::default()
+    };
+    let slow_first = || Behavior {
+        ttft_ms: 20_000.0,
+        ..quick()
+    };
+    let mut scopes = Vec::new();
+    for api in ["chat", "responses", "messages"] {
+        scopes.push((
+            format!("stall_{api}"),
+            mock(stalling()).await,
+            mock(story()).await,
+        ));
+        scopes.push((
+            format!("first_{api}"),
+            mock(slow_first()).await,
+            mock(quick()).await,
+        ));
+    }
+    scopes.push((
+        "stall3".to_string(),
+        mock(stalling()).await,
+        mock(story()).await,
+    ));
+    let mut env = Vec::new();
+    for (scope, a, b) in &scopes {
+        let s = scope.to_uppercase();
+        env.extend(source(&s, "a", a, &[("PRIORITY", "0")]));
+        env.extend(source(&s, "b", b, &[("PRIORITY", "1")]));
+    }
+    (scopes, env)
+}
+
+/// SPEC §25.1 and §25.3, measured through `polygw serve` with the defaults alone on a
+/// fresh process, streamed through the official SDKs in chat completions, Responses
+/// and Messages: a 40 s silence mid-answer with a second source is continued within
+/// 15 s, with exactly the answer's text; three such stalls within a minute at one call
+/// every 5 s are each rescued within 15 s; a 20 s first token is answered by a hedge
+/// within 16 s.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn defaults_protect_streams_from_the_first_call() {
+    let test = "defaults_protect_streams_from_the_first_call";
+    let Some(py) = sdk::python_sdks(test) else {
+        return;
+    };
+    let (scopes, env) = rescue_scopes().await;
+    let s = start(&[], env);
+    let run = python(py, test, "defaults.py", &["rescue"], &s).await;
+    let out = run.json();
+    eprintln!("{test}: {out:#}");
+    for (scope, a, b) in &scopes {
+        if scope == "stall3" {
+            let calls = out["stall3"].as_array().expect("three calls");
+            assert_eq!(calls.len(), 3, "{out:#}");
+            let a_log = a.wait_for_ended(3, Duration::from_secs(10)).await;
+            for (i, c) in calls.iter().enumerate() {
+                let took = c["s"].as_f64().unwrap();
+                assert!(c["error"].is_null(), "stall3 call {i}: {c:#}");
+                assert!(took < 15.0, "stall3 call {i} rescued within 15 s: {c:#}");
+                let text = c["text"].as_str().unwrap();
+                assert!(
+                    a_log.iter().any(|r| r.full_content == text),
+                    "stall3 call {i}: exactly the planned answer: {c:#}"
+                );
+            }
+            continue;
+        }
+        let seen = &out[scope.as_str()];
+        assert!(seen["error"].is_null(), "{scope}: {seen:#}");
+        let took = seen["s"].as_f64().unwrap();
+        if scope.starts_with("stall_") {
+            assert_eq!(
+                seen["text"],
+                planned(a).await.as_str(),
+                "{scope}: the text, exactly"
+            );
+            assert!(took < 15.0, "{scope}: rescued within 15 s, took {took} s");
+            assert!(
+                took > 9.0,
+                "{scope}: not before the stall prior, took {took} s"
+            );
+        } else {
+            assert_eq!(
+                seen["text"],
+                planned(b).await.as_str(),
+                "{scope}: the hedge's answer"
+            );
+            assert!(took < 16.0, "{scope}: hedged within 16 s, took {took} s");
+            assert!(
+                took > 14.0,
+                "{scope}: not before the first-token prior, took {took} s"
+            );
+        }
+        assert_eq!(
+            b.requests().len(),
+            1,
+            "{scope}: one leg on the second source"
+        );
+    }
+}
+
+/// SPEC §25.4, measured through `polygw serve` with the defaults alone: every source
+/// answering 503 (or refusing connections), ten streamed calls one second apart per API
+/// cost at most 15 upstream requests, and each is answered within 1.5 s in its API's
+/// shape (503 for chat and Responses, 529 `overloaded_error` for Messages) with
+/// `Retry-After`, and `x-should-retry: false` once polygw made attempts of its own.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_outage_is_answered_at_once_and_not_multiplied() {
+    let test = "an_outage_is_answered_at_once_and_not_multiplied";
+    let Some(py) = sdk::python_sdks(test) else {
+        return;
+    };
+    let mut env = Vec::new();
+    let mut down = Vec::new();
+    for api in ["chat", "responses", "messages"] {
+        let (a, b) = (
+            mock(Behavior::status(503)).await,
+            mock(Behavior::status(503)).await,
+        );
+        let s = format!("DOWN_{}", api.to_uppercase());
+        env.extend(source(&s, "a", &a, &[]));
+        env.extend(source(&s, "b", &b, &[]));
+        down.push((api, a, b));
+    }
+    // Two sources whose ports refuse connections.
+    for name in ["A", "B"] {
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port();
+        env.push(var(
+            &format!("REFUSED__{name}__0__BASE_URL"),
+            &format!("http://127.0.0.1:{port}/v1"),
+        ));
+        env.push(var(&format!("REFUSED__{name}__0__API_KEY"), "sk-x"));
+        env.push(var(&format!("REFUSED__{name}__0__MODEL"), "m"));
+    }
+    let s = start(&[], env);
+    let run = python(py, test, "defaults.py", &["outage"], &s).await;
+    let out = run.json();
+    eprintln!("{test}: {out:#}");
+    for (api, a, b) in &down {
+        let calls = out[format!("down_{api}")].as_array().unwrap().clone();
+        let upstream = a.requests().len() + b.requests().len();
+        eprintln!("{test}: {api}: {upstream} upstream requests for 10 calls");
+        assert!(upstream <= 15, "{api}: {upstream} upstream requests");
+        check_outage_answers(api, &calls);
+    }
+    check_outage_answers("chat", out["refused"].as_array().unwrap());
+}
+
+fn check_outage_answers(api: &str, calls: &[Value]) {
+    assert_eq!(calls.len(), 10, "{api}: {calls:#?}");
+    for (i, c) in calls.iter().enumerate() {
+        assert!(c["s"].as_f64().unwrap() <= 1.5, "{api} call {i}: {c:#}");
+        let (status, kind) = if api == "messages" {
+            (529, "overloaded_error")
+        } else {
+            (503, "")
+        };
+        assert_eq!(c["status"], status, "{api} call {i}: {c:#}");
+        if !kind.is_empty() {
+            assert_eq!(c["kind"], kind, "{api} call {i}: {c:#}");
+        }
+        let ra: u64 = c["retry_after"]
+            .as_str()
+            .and_then(|r| r.parse().ok())
+            .unwrap_or_else(|| panic!("{api} call {i}: a Retry-After: {c:#}"));
+        assert!(ra >= 1, "{api} call {i}: {c:#}");
+    }
+    // polygw attempted (and retried as far as the throttle allowed) at least the first
+    // call: its client must not multiply it.
+    assert_eq!(calls[0]["should_retry"], "false", "{api}: {:#}", calls[0]);
+}
