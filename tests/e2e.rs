@@ -477,9 +477,21 @@ async fn processes_sharing_redis_converge_on_one_threshold() {
         .collect();
     v.push((format!("{scope}__REDIS__URL"), url));
     v.push((format!("{scope}__HEDGE__MIN_S"), "0.001".into()));
+    // Three replicas: each client keeps its evidence to itself, as a process would
+    // (in one process they would share one book: SPEC §25.1).
     let mut clients = Vec::new();
     for _ in 0..3 {
-        clients.push(GatewayClient::from_vars(v.clone(), &scope).await.unwrap());
+        let loaded =
+            polygw::core::config::load_scope(v.clone(), &scope, polygw::core::ScopeKind::Chat)
+                .unwrap();
+        let window = loaded.settings.hedge.window;
+        clients.push(
+            GatewayClient::builder(loaded.settings)
+                .upstream_evidence(polygw::UpstreamEvidence::isolated(window))
+                .build()
+                .await
+                .unwrap(),
+        );
     }
     for (i, c) in clients.iter().enumerate() {
         for k in 0..20u32 {

@@ -1103,12 +1103,39 @@ impl ScopeLatency {
         pool
     }
 
+    /// The pooled view of some sources only (a scope's, when several scopes keep their
+    /// upstreams' evidence in one book: SPEC §25.1).
+    pub fn pooled_among(&mut self, members: &[String], now: Instant) -> LatencySnapshot {
+        let mut pool = LatencySnapshot::default();
+        for m in members {
+            if let Some(s) = self.sources.get_mut(m) {
+                let (ttft, gap) = s.view(now);
+                pool.ttft.merge(ttft);
+                pool.gap.merge(gap);
+            }
+        }
+        pool
+    }
+
     /// The thresholds in force for a leg on `source` ([`hedge::thresholds`] over its
     /// view and, when it has too few samples, the pooled view), for a share of calls of
     /// `budget_bp` basis points (the budget as [`hedge::aim_bp`] aims it).
     pub fn thresholds(
         &mut self,
         source: &str,
+        now: Instant,
+        auto: &HedgeSettings,
+        budget_bp: u32,
+    ) -> Thresholds {
+        self.thresholds_among(source, None, now, auto, budget_bp)
+    }
+
+    /// [`ScopeLatency::thresholds`] with the pool made of `members` only (`None`: every
+    /// source of the book).
+    pub fn thresholds_among(
+        &mut self,
+        source: &str,
+        members: Option<&[String]>,
         now: Instant,
         auto: &HedgeSettings,
         budget_bp: u32,
@@ -1124,7 +1151,10 @@ impl ScopeLatency {
             None => true,
         };
         let pool = if needs_pool {
-            self.pooled(now)
+            match members {
+                Some(m) => self.pooled_among(m, now),
+                None => self.pooled(now),
+            }
         } else {
             LatencySnapshot::default() // not consulted
         };

@@ -46,6 +46,7 @@ pub struct GatewayBuilder {
     affinity: Option<Arc<dyn AffinityStore>>,
     rng: Option<Arc<dyn Rng>>,
     metrics: Option<Arc<Metrics>>,
+    evidence: Option<Arc<crate::UpstreamEvidence>>,
 }
 
 impl GatewayBuilder {
@@ -67,6 +68,7 @@ impl GatewayBuilder {
             affinity: None,
             rng: None,
             metrics: None,
+            evidence: None,
         }
     }
 
@@ -129,6 +131,15 @@ impl GatewayBuilder {
     /// its clients of the scope).
     pub fn affinity_store(mut self, a: Arc<dyn AffinityStore>) -> Self {
         self.affinity = Some(a);
+        self
+    }
+
+    /// The latency evidence per upstream (SPEC §25.1). Default: the process's book for
+    /// the scope's `HEDGE__WINDOW_S` and governance backend, shared with every scope
+    /// reaching the same upstream; [`crate::UpstreamEvidence::isolated`] keeps a client's
+    /// to itself, as another process would.
+    pub fn upstream_evidence(mut self, e: Arc<crate::UpstreamEvidence>) -> Self {
+        self.evidence = Some(e);
         self
     }
 
@@ -250,6 +261,12 @@ impl GatewayBuilder {
             Some(c) => c,
             None => wiring::cache(s, clock.clone())?,
         };
+        let evidence = self.evidence.unwrap_or_else(|| {
+            crate::UpstreamEvidence::shared(
+                s.hedge.window,
+                crate::engine::latency::backend_key(s.redis_url.as_ref()),
+            )
+        });
         let ports = Ports {
             transport,
             embedder,
@@ -263,6 +280,7 @@ impl GatewayBuilder {
             affinity,
             clock,
             rng,
+            evidence,
         };
         let metrics: Arc<Metrics> = self.metrics.unwrap_or_default();
         metrics.watch_limiter(&s.name, &ports.limiter);

@@ -40,6 +40,7 @@ mod wiring;
 pub use builder::{GatewayBuilder, ScopeClients};
 pub use client::{CallOptions, GatewayClient};
 pub use embedding::{EmbeddingClient, Embeddings};
+pub use engine::latency::UpstreamEvidence;
 pub use engine::round::{Commit, DeltaSink};
 pub use engine::Ports;
 pub use env::process_vars;

@@ -1094,6 +1094,79 @@ mod hedge_auto {
         );
     }
 
+    /// SPEC §25.1: evidence is kept per upstream (base URL and model) and shared by
+    /// every scope of the process that reaches it: a quiet scope whose source is the
+    /// same upstream as a busy scope's reads the busy scope's legs (its own threshold,
+    /// not the prior); a source on another model of the same URL does not.
+    #[tokio::test(start_paused = true)]
+    async fn scopes_reaching_one_upstream_share_its_evidence() {
+        async fn client_on(
+            book: &Arc<polygw::UpstreamEvidence>,
+            name: &str,
+            sources: Vec<SourceConfig>,
+        ) -> (GatewayClient, Arc<FakeTransport>) {
+            let fake = FakeTransport::new(Arc::new(TokioClock));
+            let c = GatewayClient::builder(ScopeSettings::new(name, sources))
+                .transport(fake.clone())
+                .telemetry(RecordingTelemetry::new())
+                .clock(Arc::new(TokioClock))
+                .upstream_evidence(book.clone())
+                .build()
+                .await
+                .unwrap();
+            (c, fake)
+        }
+        let book = polygw::UpstreamEvidence::isolated(secs(600));
+        let (busy, fake) = client_on(
+            &book,
+            "BUSY",
+            vec![
+                SourceConfig::new("u", 0, "http://127.0.0.1:9/v1/", "", "m"),
+                SourceConfig::new("other", 0, "http://127.0.0.1:10/v1", "", "x"),
+            ],
+        )
+        .await;
+        for i in 0..200 {
+            fake.push("u-0", Script::ok(ms(300), "ok"));
+            fake.push("other-0", Script::ok(ms(300), "ok"));
+            busy.chat(ChatRequest::user(format!("{i}"))).await.unwrap();
+        }
+        // The quiet scope names the URL without its trailing slash: the same upstream.
+        let (quiet, _) = client_on(
+            &book,
+            "QUIET",
+            vec![
+                SourceConfig::new("q", 0, "http://127.0.0.1:9/v1", "", "m"),
+                SourceConfig::new("r", 0, "http://127.0.0.1:9/v1", "", "another-model"),
+            ],
+        )
+        .await;
+        let views = quiet.hedge_latency(false);
+        let busy_views = busy.hedge_latency(false);
+        assert_eq!(views[0].0, "q-0");
+        assert_eq!(
+            views[0].1.ttft.samples(),
+            busy_views[0].1.ttft.samples(),
+            "one upstream, one book"
+        );
+        assert!(
+            views[0].1.ttft.samples() > 50,
+            "{:?}",
+            views[0].1.ttft.samples()
+        );
+        assert_eq!(
+            views[1].1.ttft.samples(),
+            0,
+            "another model is another upstream"
+        );
+        let t = quiet.hedge_thresholds(false);
+        assert_eq!(
+            t[0].1.after.origin,
+            polygw_core::hedge::ThresholdOrigin::Source,
+            "the busy scope's legs: {t:?}"
+        );
+    }
+
     /// SPEC §25.1: a long prompt or a high reasoning effort is not slow at the plain
     /// first-token prior: 20 s to the first token of a high-effort call is waited out
     /// (its prior is 45 s).

@@ -1,9 +1,12 @@
-//! The scope's live latency (SPEC §19.1), carried out: core's [`ScopeLatency`] for
-//! streamed legs (first token, gaps) and one for plain legs (their whole answer), behind
-//! one mutex; the thresholds in force per source, recomputed at most every
-//! [`THRESHOLDS_TTL`] (a computation walks the sketches' bins).
+//! The live latency (SPEC §19.1, §25.1), carried out: core's [`ScopeLatency`] for
+//! streamed legs (first token, gaps) and one for plain legs (their whole answer), keyed
+//! by upstream (base URL and model) in a book the process's scopes share
+//! ([`UpstreamEvidence`]); each scope's thresholds in force per source from it,
+//! recomputed at most every [`THRESHOLDS_TTL`] (a computation walks the sketches' bins)
+//! and held steady (SPEC §25.2).
 
-use std::sync::Mutex;
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, OnceLock, Weak};
 use std::time::{Duration, Instant};
 
 use polygw_core::hedge::{ThresholdSetting, Thresholds};
@@ -15,20 +18,88 @@ use polygw_core::HedgeSettings;
 /// How long computed thresholds are used before they are computed again.
 pub(crate) const THRESHOLDS_TTL: Duration = Duration::from_secs(1);
 
+/// A process's latency evidence per upstream (SPEC §25.1): streamed and plain legs'
+/// distributions, keyed by upstream (base URL and model, [`upstream_id`]), shared by
+/// every scope of the process that reaches that upstream — a quiet scope learns from a
+/// busy one's legs to the same model. One book per window and governance backend (the
+/// book's deltas go to that backend's shared store, SPEC §19.2).
 #[derive(Debug)]
-struct Book {
-    latency: ScopeLatency,
-    /// (computed at, per source) for the thresholds of `latency`.
+pub struct UpstreamEvidence {
+    books: Mutex<[ScopeLatency; 2]>,
+    window: Duration,
+}
+
+impl UpstreamEvidence {
+    /// A book of its own, shared with no other client (what another process would
+    /// have: tests that play several replicas in one process use it).
+    pub fn isolated(window: Duration) -> Arc<UpstreamEvidence> {
+        Arc::new(UpstreamEvidence {
+            books: Mutex::new([ScopeLatency::new(window), ScopeLatency::new(window)]),
+            window,
+        })
+    }
+
+    /// The process's book for this window and governance backend (`backend`: a hash of
+    /// its URL, 0 for in-memory governance), made on first use.
+    pub(crate) fn shared(window: Duration, backend: u64) -> Arc<UpstreamEvidence> {
+        type Registry = Mutex<HashMap<(Duration, u64), Weak<UpstreamEvidence>>>;
+        static REGISTRY: OnceLock<Registry> = OnceLock::new();
+        let mut map = REGISTRY
+            .get_or_init(Default::default)
+            .lock()
+            .unwrap_or_else(|e| e.into_inner());
+        if let Some(b) = map.get(&(window, backend)).and_then(Weak::upgrade) {
+            return b;
+        }
+        map.retain(|_, w| w.strong_count() > 0);
+        let b = UpstreamEvidence::isolated(window);
+        map.insert((window, backend), Arc::downgrade(&b));
+        b
+    }
+
+    fn books(&self) -> std::sync::MutexGuard<'_, [ScopeLatency; 2]> {
+        self.books.lock().unwrap_or_else(|e| e.into_inner())
+    }
+}
+
+/// An upstream's key in the evidence books and the shared store: base URL (without a
+/// trailing `/`) and model, hashed (FNV-1a, 64 bits) so that a URL's characters never
+/// reach a Redis key and a credential in it never leaves the process.
+pub(crate) fn upstream_id(source: &polygw_core::SourceConfig) -> String {
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    let base = source.base_url.trim_end_matches('/');
+    for b in base.bytes().chain([b'\n']).chain(source.model.bytes()) {
+        h ^= u64::from(b);
+        h = h.wrapping_mul(0x0100_0000_01b3);
+    }
+    format!("u{h:016x}")
+}
+
+/// The governance backend a scope's evidence is exchanged through, as a book key (a
+/// hash of the Redis URL; 0 for in-memory governance).
+pub(crate) fn backend_key(redis_url: Option<&polygw_core::Secret>) -> u64 {
+    let Some(url) = redis_url else { return 0 };
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for b in url.expose().bytes() {
+        h ^= u64::from(b);
+        h = h.wrapping_mul(0x0100_0000_01b3);
+    }
+    h | 1
+}
+
+/// What one scope keeps of its own: the thresholds last computed and where each stood.
+#[derive(Debug)]
+struct Local {
+    /// (computed at, per source).
     cached: Option<(Instant, Vec<Thresholds>)>,
     /// Per source, the `auto` thresholds in force as they last were (first token,
     /// stall): each moves at most ×1.5 per `HEDGE__WINDOW_S` (SPEC §25.2).
     steady: Vec<[Option<Steady>; 2]>,
 }
 
-impl Book {
-    fn new(window: Duration, sources: usize) -> Book {
-        Book {
-            latency: ScopeLatency::new(window),
+impl Local {
+    fn new(sources: usize) -> Local {
+        Local {
             cached: None,
             steady: vec![[None, None]; sources],
         }
@@ -54,13 +125,19 @@ fn steadied(
     }
 }
 
-/// Streamed and plain legs' distributions of one scope.
+/// A scope's view of the evidence: its sources' upstreams in the process's book, and
+/// its own thresholds from them.
 #[derive(Debug)]
 pub(crate) struct EngineLatency {
     /// The settings in force (`auto` already off where it cannot fire).
     settings: HedgeSettings,
-    sources: Vec<String>,
-    books: Mutex<[Book; 2]>,
+    /// Each source's upstream ([`upstream_id`]), indexed like the scope's sources.
+    upstreams: Vec<String>,
+    /// The distinct upstreams of the scope (its pool; what it exchanges).
+    members: Vec<String>,
+    evidence: Arc<UpstreamEvidence>,
+    /// Streamed and plain (indexed by [`idx`]).
+    local: Mutex<[Local; 2]>,
 }
 
 fn idx(stream: bool) -> usize {
@@ -68,17 +145,27 @@ fn idx(stream: bool) -> usize {
 }
 
 impl EngineLatency {
-    pub(crate) fn new(settings: HedgeSettings, sources: Vec<String>) -> EngineLatency {
+    pub(crate) fn new(
+        settings: HedgeSettings,
+        sources: &[polygw_core::SourceConfig],
+        evidence: Arc<UpstreamEvidence>,
+    ) -> EngineLatency {
+        let upstreams: Vec<String> = sources.iter().map(upstream_id).collect();
+        let mut members = upstreams.clone();
+        members.sort();
+        members.dedup();
         let n = sources.len();
         EngineLatency {
             settings,
-            sources,
-            books: Mutex::new([Book::new(settings.window, n), Book::new(settings.window, n)]),
+            upstreams,
+            members,
+            evidence,
+            local: Mutex::new([Local::new(n), Local::new(n)]),
         }
     }
 
-    fn books(&self) -> std::sync::MutexGuard<'_, [Book; 2]> {
-        self.books.lock().unwrap_or_else(|e| e.into_inner())
+    fn local(&self) -> std::sync::MutexGuard<'_, [Local; 2]> {
+        self.local.lock().unwrap_or_else(|e| e.into_inner())
     }
 
     /// Whether distributions are kept (a trigger is `auto`).
@@ -91,11 +178,12 @@ impl EngineLatency {
         self.settings.stall_bounds.min
     }
 
-    /// A leg ended: its samples into its source's distributions.
+    /// A leg on source `source` (its index in the scope) ended: its samples into its
+    /// upstream's distributions.
     pub(crate) fn leg_ended(
         &self,
         stream: bool,
-        source: &str,
+        source: usize,
         now: Instant,
         times: LegTimes,
         gaps: &GapTally,
@@ -103,18 +191,19 @@ impl EngineLatency {
         if !self.keeps() {
             return;
         }
-        self.books()[idx(stream)]
-            .latency
-            .leg_ended(source, now, times, gaps);
+        let Some(up) = self.upstreams.get(source) else {
+            return;
+        };
+        self.evidence.books()[idx(stream)].leg_ended(up, now, times, gaps);
     }
 
     /// The thresholds in force per source (indexed like the scope's sources) for a
     /// request streamed or not, and the round's triggers from them; `fill` is how full
     /// the scope's hedge budget is (the share they aim at: `hedge::aim_bp`).
     pub(crate) fn thresholds(&self, stream: bool, now: Instant, fill: f64) -> Vec<Thresholds> {
-        let mut books = self.books();
-        let book = &mut books[idx(stream)];
-        if let Some((at, t)) = &book.cached {
+        let mut local = self.local();
+        let local = &mut local[idx(stream)];
+        if let Some((at, t)) = &local.cached {
             if now.saturating_duration_since(*at) < THRESHOLDS_TTL {
                 return t.clone();
             }
@@ -128,16 +217,19 @@ impl EngineLatency {
             settings.priors.after = None;
         }
         let aim = polygw_core::hedge::aim_bp(settings.budget_pct.saturating_mul(100), fill);
-        let mut t: Vec<Thresholds> = self
-            .sources
-            .iter()
-            .map(|s| book.latency.thresholds(s, now, &settings, aim))
-            .collect();
-        for (t, state) in t.iter_mut().zip(book.steady.iter_mut()) {
+        let mut t: Vec<Thresholds> = {
+            let mut books = self.evidence.books();
+            let book = &mut books[idx(stream)];
+            self.upstreams
+                .iter()
+                .map(|u| book.thresholds_among(u, Some(&self.members), now, &settings, aim))
+                .collect()
+        };
+        for (t, state) in t.iter_mut().zip(local.steady.iter_mut()) {
             steadied(&mut t.after, &mut state[0], now, settings.window);
             steadied(&mut t.stall_after, &mut state[1], now, settings.window);
         }
-        book.cached = Some((now, t.clone()));
+        local.cached = Some((now, t.clone()));
         t
     }
 
@@ -170,13 +262,14 @@ impl EngineLatency {
         t
     }
 
-    /// What this process recorded since the last call, per (streamed, source), for the
-    /// shared store (SPEC §19.2).
+    /// What this process recorded since the last call, per (streamed, upstream), for
+    /// the shared store (SPEC §19.2): every upstream of the book, this scope's or not
+    /// (each delta is taken once, by whichever scope exchanges first).
     pub(crate) fn take_deltas(&self) -> Vec<SourceSketch> {
-        let mut books = self.books();
+        let mut books = self.evidence.books();
         let mut out = Vec::new();
         for streamed in [false, true] {
-            for (source, snapshot) in books[idx(streamed)].latency.take_deltas() {
+            for (source, snapshot) in books[idx(streamed)].take_deltas() {
                 out.push(SourceSketch {
                     streamed,
                     source,
@@ -189,41 +282,42 @@ impl EngineLatency {
 
     /// Installs the merged views read back from the shared store.
     pub(crate) fn set_remote(&self, views: Vec<SourceSketch>) {
-        let mut books = self.books();
-        for v in views {
-            let b = &mut books[idx(v.streamed)];
-            b.latency.set_remote(&v.source, v.snapshot);
-            b.cached = None;
+        {
+            let mut books = self.evidence.books();
+            for v in views {
+                books[idx(v.streamed)].set_remote(&v.source, v.snapshot);
+            }
+        }
+        for l in self.local().iter_mut() {
+            l.cached = None;
         }
     }
 
-    /// The sources' names.
+    /// The scope's distinct upstreams (what it exchanges).
     pub(crate) fn sources(&self) -> &[String] {
-        &self.sources
+        &self.members
     }
 
     /// Each source's distributions at `now` (indexed like the scope's sources), for
     /// streamed or plain legs.
     pub(crate) fn views(&self, stream: bool, now: Instant) -> Vec<LatencySnapshot> {
-        let mut books = self.books();
+        let mut books = self.evidence.books();
         let book = &mut books[idx(stream)];
-        self.sources
-            .iter()
-            .map(|s| book.latency.view(s, now))
-            .collect()
+        self.upstreams.iter().map(|u| book.view(u, now)).collect()
     }
 
     /// `HEDGE__WINDOW_S`.
     pub(crate) fn window(&self) -> Duration {
-        self.settings.window
+        self.evidence.window
     }
 
     /// Back to this process's own windows (the shared store is unreachable).
     pub(crate) fn clear_remote(&self) {
-        let mut books = self.books();
-        for b in books.iter_mut() {
-            b.latency.clear_remote();
-            b.cached = None;
+        for b in self.evidence.books().iter_mut() {
+            b.clear_remote();
+        }
+        for l in self.local().iter_mut() {
+            l.cached = None;
         }
     }
 }
@@ -234,6 +328,10 @@ pub(crate) fn triggers(t: &[Thresholds]) -> Vec<(Option<Duration>, Option<Durati
         .map(|t| (t.after.value, t.stall_after.value))
         .collect()
 }
+
+/// The namespace of the shared store's latency keys: evidence is per upstream, not per
+/// scope (SPEC §25.1), so every scope and replica reaching an upstream shares one.
+pub(crate) const UPSTREAMS: &str = "upstreams";
 
 /// How often a process exchanges its latency deltas with the shared store.
 pub(crate) const EXCHANGE_EVERY: Duration = Duration::from_secs(5);
@@ -266,7 +364,7 @@ pub(crate) async fn exchange_once(e: &super::Engine) -> Result<(), polygw_core::
     let deltas = e.latency.take_deltas();
     let r = store
         .exchange(
-            &e.scope.name,
+            UPSTREAMS,
             e.ports.clock.unix_ms(),
             e.latency.window(),
             deltas,

@@ -54,6 +54,10 @@ pub struct Ports {
     pub latency: Option<Arc<dyn LatencyStore>>,
     /// Which source last served each prompt-cache affinity key (SPEC §20.2).
     pub affinity: Arc<dyn AffinityStore>,
+    /// The latency evidence per upstream this client records into and reads its `auto`
+    /// thresholds from (SPEC §25.1): by default the process's book for the scope's
+    /// window and governance backend, shared by every scope reaching the same upstream.
+    pub evidence: Arc<latency::UpstreamEvidence>,
     /// Monotonic and wall time.
     pub clock: Arc<dyn Clock>,
     /// Randomness (weighted choice, jitter).
@@ -101,10 +105,8 @@ impl Engine {
         );
         let budget = HedgeBudget::banking(scope.hedge.burst, scope.hedge.bank);
         let throttle = RetryThrottle::new(scope.retry.throttle);
-        let latency = latency::EngineLatency::new(
-            scope.hedge,
-            scope.sources.iter().map(|s| s.name.clone()).collect(),
-        );
+        let latency =
+            latency::EngineLatency::new(scope.hedge, &scope.sources, ports.evidence.clone());
         let scope_metrics = metrics.scope(&scope.name);
         let source_metrics = scope
             .sources

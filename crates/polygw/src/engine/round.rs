@@ -898,13 +898,9 @@ impl<'a, L: Leg> Exec<'a, L> {
             completed,
             continues: info.kind.resume_mode().is_some(),
         };
-        engine.latency.leg_ended(
-            self.leg.stream(),
-            &engine.scope.sources[info.source_idx].name,
-            self.now(),
-            times,
-            &gaps,
-        );
+        engine
+            .latency
+            .leg_ended(self.leg.stream(), info.source_idx, self.now(), times, &gaps);
     }
 
     fn finalize(&mut self, leg: LegId, fate: Fate) {
@@ -1359,6 +1355,14 @@ impl Engine {
     }
 }
 
+/// A launch within this much of its threshold is on time (timer granularity, the
+/// pick's own round trip): the trace names no reason for it.
+const LATE_TOLERANCE: std::time::Duration = std::time::Duration::from_millis(50);
+
+fn ms_u64(d: std::time::Duration) -> u64 {
+    u64::try_from(d.as_millis()).unwrap_or(u64::MAX)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -1372,12 +1376,4 @@ mod tests {
         assert!(std::mem::size_of::<AttemptGuard>() <= 256);
         assert!(std::mem::size_of::<LegDone<TransportResult>>() <= 768);
     }
-}
-
-/// A launch within this much of its threshold is on time (timer granularity, the
-/// pick's own round trip): the trace names no reason for it.
-const LATE_TOLERANCE: std::time::Duration = std::time::Duration::from_millis(50);
-
-fn ms_u64(d: std::time::Duration) -> u64 {
-    u64::try_from(d.as_millis()).unwrap_or(u64::MAX)
 }

@@ -347,15 +347,14 @@ impl ChatEncoder {
         }
         obj.entry("object")
             .or_insert_with(|| json!("chat.completion.chunk"));
+        // The stream's model in every frame (a later leg's own is replaced); a frame
+        // without one gets it too.
         let model = self.model();
-        let same = obj.get("model").and_then(Value::as_str) == Some(model.as_str());
-        if !same && !model.is_empty() {
-            obj.insert("model".into(), json!(model));
-        } else if !obj
+        let named = obj
             .get("model")
             .and_then(Value::as_str)
-            .is_some_and(|s| !s.is_empty())
-        {
+            .filter(|s| !s.is_empty());
+        if named.is_none() || (named != Some(model.as_str()) && !model.is_empty()) {
             obj.insert("model".into(), json!(model));
         }
         Some(Value::Object(obj))
