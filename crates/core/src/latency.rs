@@ -933,16 +933,17 @@ impl SourceLatency {
     }
 }
 
-/// An `auto` threshold blended with its prior (SPEC §25.1, [`crate::threshold`]): the
-/// learned value weighs by the evidence of the distribution it was read from (the
-/// source's own, or the pool's), the prior the rest; within `bounds`.
-fn with_prior(
+/// An `auto` threshold's weighing against its prior (SPEC §25.1, [`crate::threshold`]):
+/// the learned value (kept as it is) weighs by the evidence of the distribution it was
+/// read from (the source's own, or the pool's), the prior the rest (`prior_bp`); a
+/// trigger with nothing learned yet runs on the prior alone ([`ThresholdOrigin::Prior`]).
+/// [`crate::threshold::blend_priors`] then blends.
+fn weigh(
     t: &mut hedge::ThresholdInForce,
     setting: ThresholdSetting,
     prior: Option<Duration>,
     (own, pool): (&LatencySketch, &LatencySketch),
     auto: &HedgeSettings,
-    bounds: hedge::Bounds,
 ) {
     if setting != ThresholdSetting::Auto || prior.is_none() {
         return;
@@ -953,7 +954,6 @@ fn with_prior(
         _ => 0,
     };
     let w = crate::threshold::learned_weight(t.value.is_some(), evidence, auto.min_samples);
-    t.value = crate::threshold::blend(prior, t.value, w).map(|d| bounds.apply(d));
     t.prior_bp = ((1.0 - w) * 10_000.0).round().clamp(0.0, 10_000.0) as u16;
     if t.origin == ThresholdOrigin::NotYet {
         t.origin = ThresholdOrigin::Prior;
@@ -1127,12 +1127,16 @@ impl ScopeLatency {
         auto: &HedgeSettings,
         budget_bp: u32,
     ) -> Thresholds {
-        self.thresholds_among(source, None, now, auto, budget_bp)
+        let mut t = self.learned_among(source, None, now, auto, budget_bp);
+        crate::threshold::blend_priors(&mut t, auto);
+        t
     }
 
-    /// [`ScopeLatency::thresholds`] with the pool made of `members` only (`None`: every
-    /// source of the book).
-    pub fn thresholds_among(
+    /// The learned thresholds for a leg on `source`, each with its prior's weight
+    /// (`prior_bp`) but not yet blended with it (the engine holds the learned values
+    /// steady first, then blends: [`crate::threshold::blend_priors`]); the pool made of
+    /// `members` only (`None`: every source of the book).
+    pub fn learned_among(
         &mut self,
         source: &str,
         members: Option<&[String]>,
@@ -1164,21 +1168,19 @@ impl ScopeLatency {
             None => (&empty, &empty),
         };
         let mut t = hedge::thresholds(auto, ttft, gap, &pool, budget_bp);
-        with_prior(
+        weigh(
             &mut t.after,
             auto.after,
             auto.priors.after,
             (ttft, &pool.ttft),
             auto,
-            auto.after_bounds,
         );
-        with_prior(
+        weigh(
             &mut t.stall_after,
             auto.stall_after,
             auto.priors.stall,
             (gap, &pool.gap),
             auto,
-            auto.stall_bounds,
         );
         t
     }

@@ -1,8 +1,8 @@
 //! The `auto` threshold in force from the first call (SPEC §25.1, §25.2), pure: a
 //! source starts from priors (`HEDGE__AFTER_PRIOR_S`, `HEDGE__STALL_PRIOR_S`), moves to
 //! its learned quantile ([`crate::hedge::thresholds`]) as evidence grows ([`blend`],
-//! [`learned_weight`]), and never changes by more than [`MAX_CHANGE`] per
-//! `HEDGE__WINDOW_S` ([`Steady`]). The first-token prior of one request grows with its
+//! [`learned_weight`]), and its learned value never changes by more than [`MAX_CHANGE`]
+//! per `HEDGE__WINDOW_S` ([`Steady`]). The first-token prior of one request grows with its
 //! prompt and its reasoning effort ([`request_prior_factor`]): a 100k-token prompt or a
 //! high-effort reasoning call is not slow at 15 s.
 //!
@@ -13,7 +13,9 @@
 //! - the blend lies between the prior and the learned value, and moves toward the
 //!   learned value as evidence grows;
 //! - over any interval of length `d`, a [`Steady`] threshold changes by at most
-//!   `MAX_CHANGE^(d / window)` (so at most ×1.5 within a window).
+//!   `MAX_CHANGE^(d / window)` (so at most ×1.5 within a window); the engine holds each
+//!   source's learned value steady, and blends the prior in by the evidence, which moves
+//!   the blend by a sliver per leg (DECISIONS 169).
 
 use std::time::{Duration, Instant};
 
@@ -93,6 +95,23 @@ pub fn blend(prior: Option<Duration>, learned: Option<Duration>, w: f64) -> Opti
             let (p, l) = (secs(p), secs(l));
             Some(from_secs(p.powf(1.0 - w) * l.powf(w)))
         }
+    }
+}
+
+/// Blends both thresholds of a leg with their priors ([`blend`], by the weights
+/// `prior_bp` [`crate::latency::ScopeLatency::learned_among`] set), within the
+/// trigger's bounds. Configured and `off` thresholds are left as they are.
+pub fn blend_priors(t: &mut crate::hedge::Thresholds, auto: &crate::settings::HedgeSettings) {
+    use crate::hedge::ThresholdOrigin as O;
+    for (t, prior, bounds) in [
+        (&mut t.after, auto.priors.after, auto.after_bounds),
+        (&mut t.stall_after, auto.priors.stall, auto.stall_bounds),
+    ] {
+        if !matches!(t.origin, O::Source | O::Pooled | O::Prior) || prior.is_none() {
+            continue;
+        }
+        let w = 1.0 - f64::from(t.prior_bp) / 10_000.0;
+        t.value = blend(prior, t.value, w).map(|d| bounds.apply(d));
     }
 }
 
@@ -304,6 +323,28 @@ mod tests {
             if n + more >= FULL_EVIDENCE * min_samples {
                 prop_assert_eq!(b2, l);
             }
+        }
+
+        /// The passage from the prior to the learned value follows the evidence one
+        /// leg at a time (DECISIONS 169): one more leg moves the blend by at most
+        /// `(max ÷ min)^(1 ÷ (FULL_EVIDENCE × min_samples))` — never a swing from one
+        /// call to the next.
+        #[test]
+        fn one_leg_moves_the_blend_by_a_sliver(
+            prior_ms in 1u64..120_000,
+            learned_ms in 1u64..120_000,
+            n in 0u64..1_000,
+            min_samples in 1u64..200,
+        ) {
+            let (p, l) = (Duration::from_millis(prior_ms), Duration::from_millis(learned_ms));
+            let at = |n| blend(Some(p), Some(l), learned_weight(n >= min_samples, n, min_samples)).unwrap();
+            let (a, b) = (at(n).as_secs_f64(), at(n + 1).as_secs_f64());
+            let ratio = a.max(b) / a.min(b);
+            let span = p.as_secs_f64().max(l.as_secs_f64()) / p.as_secs_f64().min(l.as_secs_f64());
+            let full = (FULL_EVIDENCE * min_samples) as f64;
+            // The step where the learned value first counts weighs min_samples legs.
+            let legs = if n + 1 == min_samples { min_samples as f64 } else { 1.0 };
+            prop_assert!(ratio <= span.powf(legs / full) * (1.0 + 1e-9), "{a} → {b}: ×{ratio}");
         }
 
         /// SPEC §25.2: whatever the targets and the times they come at, a steady

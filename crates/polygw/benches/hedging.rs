@@ -37,7 +37,8 @@
 //! measured, default 300), `POLYGW_BENCH_HEDGE_WORKLOADS` (comma-separated subset of
 //! `long-tail,fast-chat,reasoning,shift`), `POLYGW_BENCH_HEDGE_SETTINGS` (comma-separated
 //! parts of setting names, e.g. `auto,8 / 5`; `off` always runs),
-//! `POLYGW_BENCH_HEDGE_PROFILE=full` (the
+//! `POLYGW_BENCH_HEDGE_COLD` (calls each config's fresh process makes first, recorded as
+//! its cold start, default 100; 0 = none), `POLYGW_BENCH_HEDGE_PROFILE=full` (the
 //! profiles' own chunking, not coalesced), `POLYGW_BENCH_HEDGE_SUITE=resume` (instead:
 //! the earlier restart-vs-resume comparison on the long tail, "Hedging efficacy").
 
@@ -517,11 +518,15 @@ async fn drive(
 /// whatever the time scale), for at most 20 s.
 async fn warm_up(client: &GatewayClient, w: &Workload, warmup: usize) {
     let t0 = Instant::now();
+    // Its own distribution, and the prior without weight left (SPEC §25.1: from
+    // 4 × MIN_SAMPLES legs on).
     let own = |c: &GatewayClient| {
         c.hedge_thresholds(true).iter().all(|(_, t)| {
-            [t.after.origin, t.stall_after.origin]
-                .iter()
-                .all(|o| matches!(o, ThresholdOrigin::Source | ThresholdOrigin::Off))
+            [t.after, t.stall_after].iter().all(|t| match t.origin {
+                ThresholdOrigin::Off => true,
+                ThresholdOrigin::Source => t.prior_bp == 0,
+                _ => false,
+            })
         })
     };
     let mut n = warmup;
@@ -545,8 +550,25 @@ fn planned_ms(b: &Behavior) -> f64 {
         + b.stalls.iter().map(|s| s.ms).sum::<f64>()
 }
 
+/// The first calls of a fresh process (SPEC §25: the "cold start" column): how long
+/// they took and the legs beyond one per call they cost.
+#[derive(Default)]
+struct Cold {
+    /// Sorted latencies of the successful calls (ms, scaled).
+    latency_ms: Vec<f64>,
+    calls: usize,
+    extra_attempts: u64,
+    failures: usize,
+}
+
+/// Calls a config's fresh process makes first, recorded as its cold start
+/// (`POLYGW_BENCH_HEDGE_COLD`, 0 = none).
+const COLD_CALLS: usize = 100;
+
 /// The figures of one config.
 struct Outcome {
+    /// Its first calls, before any warm-up.
+    cold: Cold,
     /// Sorted latencies of the successful calls (ms, scaled).
     latency_ms: Vec<f64>,
     failures: Vec<String>,
@@ -625,6 +647,30 @@ async fn run_config(
     let client = GatewayClient::from_vars(vars(scope, &host.urls(), w, s), scope)
         .await
         .expect("client");
+    // The cold start: the fresh process's first calls, every config alike.
+    let cold_n = env_usize("POLYGW_BENCH_HEDGE_COLD").unwrap_or(COLD_CALLS);
+    let mut cold = Cold::default();
+    if cold_n > 0 {
+        let recs = drive(
+            &client,
+            w.concurrency,
+            Stop::Count(cold_n),
+            "Cold",
+            Instant::now(),
+        )
+        .await;
+        cold.calls = recs.len();
+        for r in recs {
+            match r.result {
+                Ok(a) => {
+                    cold.latency_ms.push(r.ms);
+                    cold.extra_attempts += u64::from(a.attempts.saturating_sub(1));
+                }
+                Err(_) => cold.failures += 1,
+            }
+        }
+        cold.latency_ms.sort_by(f64::total_cmp);
+    }
     // `auto` learns its distributions first; what follows is its steady state.
     if warmup > 0 && s.auto() {
         warm_up(&client, w, warmup).await;
@@ -717,6 +763,7 @@ async fn run_config(
     // upstreams a moment to notice the last disconnects, then read their logs.
     tokio::time::sleep(Duration::from_millis(100)).await;
     let mut o = Outcome {
+        cold,
         latency_ms: Vec::with_capacity(calls),
         failures: Vec::new(),
         calls,
@@ -987,6 +1034,28 @@ fn row(s: &Setting, o: &Outcome, off: Option<&Outcome>, scale: f64) {
         o.wall.as_secs_f64(),
         o.cpu.as_secs_f64(),
     );
+    if o.cold.calls > 0 {
+        let c = &o.cold;
+        let p = |q| {
+            if c.latency_ms.is_empty() {
+                f64::NAN
+            } else {
+                pct(&c.latency_ms, q) / scale / 1000.0
+            }
+        };
+        println!(
+            "      cold start (first {} calls of a fresh process): p50 {} s, p99 {} s, extra requests {:.1}%{}",
+            c.calls,
+            fmt_s(p(0.5)),
+            fmt_s(p(0.99)),
+            c.extra_attempts as f64 / c.calls.max(1) as f64 * 100.0,
+            if c.failures > 0 {
+                format!(", {} failed", c.failures)
+            } else {
+                String::new()
+            }
+        );
+    }
     if let Some(t) = &o.thresholds {
         let parts: Vec<String> = t
             .iter()

@@ -106,8 +106,10 @@ impl Local {
     }
 }
 
-/// An `auto` threshold moved at most as fast as SPEC §25.2 allows from where it last
-/// was; configured and off ones as they are.
+/// An `auto` threshold's learned value moved at most as fast as SPEC §25.2 allows from
+/// where it last was (before the prior is blended in: the passage from the prior to
+/// the learned value follows the evidence, DECISIONS 169); configured and off ones as
+/// they are.
 fn steadied(
     t: &mut polygw_core::hedge::ThresholdInForce,
     state: &mut Option<Steady>,
@@ -115,7 +117,7 @@ fn steadied(
     window: Duration,
 ) {
     use polygw_core::hedge::ThresholdOrigin as O;
-    if !matches!(t.origin, O::Source | O::Pooled | O::Prior) {
+    if !matches!(t.origin, O::Source | O::Pooled) {
         return;
     }
     if let Some(target) = t.value {
@@ -222,12 +224,15 @@ impl EngineLatency {
             let book = &mut books[idx(stream)];
             self.upstreams
                 .iter()
-                .map(|u| book.thresholds_among(u, Some(&self.members), now, &settings, aim))
+                .map(|u| book.learned_among(u, Some(&self.members), now, &settings, aim))
                 .collect()
         };
+        // The learned values held steady (SPEC §25.2), then blended with the priors by
+        // the evidence (DECISIONS 169).
         for (t, state) in t.iter_mut().zip(local.steady.iter_mut()) {
             steadied(&mut t.after, &mut state[0], now, settings.window);
             steadied(&mut t.stall_after, &mut state[1], now, settings.window);
+            threshold::blend_priors(t, &settings);
         }
         local.cached = Some((now, t.clone()));
         t
