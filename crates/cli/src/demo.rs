@@ -24,9 +24,10 @@ pub struct DemoArgs {
     #[arg(long, default_value_t = 300)]
     pub calls: usize,
     /// Calls each run makes first, left out of the table and the telemetry figures: `auto`
-    /// thresholds fire once a source has `HEDGE__MIN_SAMPLES` (50) legs of evidence, so
-    /// the table shows both runs in their steady state.
-    #[arg(long, default_value_t = 150)]
+    /// thresholds start from their priors and have learned each source's latency once it
+    /// has 4 × `HEDGE__MIN_SAMPLES` (200) legs of evidence, so the table shows both runs
+    /// in their steady state.
+    #[arg(long, default_value_t = 600)]
     pub warmup: usize,
     /// Concurrent callers.
     #[arg(long, default_value_t = 24)]
@@ -61,14 +62,16 @@ fn scaled(s: f64, scale: f64) -> String {
 
 /// The hedging-on column sets no hedge key: it runs the defaults (SPEC §19.3: both
 /// triggers `auto`, budget 10 %, burst 3, resume `auto`). Only the defaults' own times
-/// are scaled with the simulation — the `auto` thresholds' bounds and decay window, in
+/// are scaled with the simulation — the `auto` thresholds' bounds, priors and decay window, in
 /// real seconds here (unscaled, a 0.5 s bound would be 50 s of the simulated workload).
-const AUTO_TIMES: [(&str, f64); 5] = [
+const AUTO_TIMES: [(&str, f64); 7] = [
     ("HEDGE__MIN_S", 0.5),
     ("HEDGE__MAX_S", 60.0),
     ("HEDGE__STALL_MIN_S", 1.0),
     ("HEDGE__STALL_MAX_S", 60.0),
     ("HEDGE__WINDOW_S", 600.0),
+    ("HEDGE__AFTER_PRIOR_S", 15.0),
+    ("HEDGE__STALL_PRIOR_S", 10.0),
 ];
 
 /// The environment-style configuration of one run: the same keys a user would set.

@@ -24,7 +24,7 @@
 //! Time scaling: every duration of the workload is multiplied by its time scale — the
 //! profile, `TIMEOUT_S`, backoffs, static thresholds, and `auto`'s bounds, window and
 //! the budget's bank (`HEDGE__MIN_S`/`MAX_S`, `STALL_MIN_S`/`STALL_MAX_S`, `WINDOW_S`,
-//! `BANK_S`): `auto` sees the
+//! `BANK_S`) and the priors (`AFTER_PRIOR_S`, `STALL_PRIOR_S`): `auto` sees the
 //! workload exactly as it would unscaled. Counts (`MIN_SAMPLES`, `BURST`, `BUDGET_PCT`)
 //! are not durations. Not scaled: the engine's 1 s threshold cache (`THRESHOLDS_TTL`)
 //! and timer granularity (1 ms) — hence each workload's scale keeps its thresholds
@@ -368,6 +368,9 @@ fn vars(scope: &str, urls: &[String], w: &Workload, s: &Setting) -> Vec<(String,
     set("HEDGE__MAX_S", scaled(60.0));
     set("HEDGE__STALL_MIN_S", scaled(1.0));
     set("HEDGE__STALL_MAX_S", scaled(60.0));
+    // The priors (SPEC §25.1), likewise.
+    set("HEDGE__AFTER_PRIOR_S", scaled(15.0));
+    set("HEDGE__STALL_PRIOR_S", scaled(10.0));
     set("HEDGE__MIN_SAMPLES", "50".into());
     set("HEDGE__BURST", "3".into());
     set("HEDGE__BANK_S", scaled(60.0));
