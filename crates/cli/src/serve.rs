@@ -291,7 +291,14 @@ pub async fn run(args: ServeArgs) -> Result<ExitCode> {
              local client (loopback Host and Origin, JSON bodies only)"
         );
     }
+    // The admin routes (SPEC §26.3): off (404) without a key.
+    let admin_key = std::env::var("POLYGW_ADMIN_KEY")
+        .ok()
+        .map(|k| k.trim().to_string())
+        .filter(|k| !k.is_empty())
+        .map(Secret::new);
     let config = ProxyConfig {
+        admin_key,
         client_keys: keys,
         allowed_hosts: args.allowed_hosts.clone(),
         allowed_origins: args.allowed_origins.clone(),

@@ -15,10 +15,9 @@
 //! Every fault is decided by the scripts, never by a race: the slow primary takes 30 s
 //! against a hedge after 0.2 s, the stall lasts 30 s against a trigger at 0.4 s.
 
-use std::io::Read as _;
-use std::path::{Path, PathBuf};
-use std::process::{Command, Output, Stdio};
-use std::time::{Duration, Instant};
+use std::path::PathBuf;
+use std::process::{Command, Output};
+use std::time::Duration;
 
 use futures_util::StreamExt as _;
 use polygw::client_keys::KeyCharge;
@@ -30,7 +29,8 @@ use polygw::core::{RowKind, TelemetryRow};
 use polygw::telemetry::{RecorderConfig, SqlKeyStore, SqlRecorder};
 use polygw::{CallOptions, ChatRequest, GatewayClient};
 use polygw_mock_upstream::{Behavior, Fault, MockConfig, MockUpstream, Stall};
-use polygw_testkit::services::{in_ci, postgres_url, unique_name};
+use polygw_testkit::browser::{chromium, load};
+use polygw_testkit::services::{postgres_url, unique_name};
 
 /// The logical call ids of the scenarios.
 struct Ids {
@@ -457,113 +457,6 @@ async fn report_call_explains_each_call_on_sqlite_and_postgres() {
 }
 
 // ------------------------------------------------------------- headless Chromium
-
-/// Chromium (`POLYGW_TEST_CHROMIUM`, else `chromium` / `chromium-browser` on PATH), or
-/// `None` (skip) outside CI; under `CI=true` a missing one fails.
-fn chromium() -> Option<PathBuf> {
-    if let Some(p) = std::env::var_os("POLYGW_TEST_CHROMIUM") {
-        return Some(PathBuf::from(p));
-    }
-    let path = std::env::var_os("PATH").unwrap_or_default();
-    for name in ["chromium", "chromium-browser"] {
-        for dir in std::env::split_paths(&path) {
-            let p = dir.join(name);
-            if p.is_file() {
-                return Some(p);
-            }
-        }
-    }
-    if in_ci() {
-        panic!(
-            "Chromium is required under CI=true and is not on PATH (.ci/run installs \
-             Debian's chromium; or set POLYGW_TEST_CHROMIUM)"
-        );
-    }
-    eprintln!(
-        "skipping: Chromium is not on PATH (apt-get install chromium, or set \
-         POLYGW_TEST_CHROMIUM)"
-    );
-    None
-}
-
-/// What Chromium made of a page: the serialized DOM after load, and the console
-/// messages it logged.
-struct Loaded {
-    dom: String,
-    console: Vec<String>,
-}
-
-/// Loads `file` in headless Chromium (`--dump-dom`), with its console on stderr; a
-/// profile of its own under `dir`; killed after 120 s.
-// The bound on a child process is wall-clock time by nature: no Clock to inject.
-#[allow(clippy::disallowed_methods)]
-fn load(bin: &Path, dir: &Path, file: &Path) -> Loaded {
-    let profile = dir.join(unique_name("chromium-profile"));
-    let mut child = Command::new(bin)
-        .args([
-            "--headless",
-            "--disable-gpu",
-            "--no-sandbox",
-            "--no-first-run",
-            "--no-default-browser-check",
-            "--disable-extensions",
-            "--disable-background-networking",
-            "--disable-component-update",
-            "--disable-sync",
-            "--disable-dev-shm-usage",
-            "--enable-logging=stderr",
-            "--v=0",
-        ])
-        .arg(format!("--user-data-dir={}", profile.display()))
-        .arg("--dump-dom")
-        .arg(format!("file://{}", file.display()))
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap_or_else(|e| panic!("cannot run {}: {e}", bin.display()));
-    let mut out = child.stdout.take().unwrap();
-    let mut err = child.stderr.take().unwrap();
-    let out_t = std::thread::spawn(move || {
-        let mut s = String::new();
-        let _ = out.read_to_string(&mut s);
-        s
-    });
-    let err_t = std::thread::spawn(move || {
-        let mut s = String::new();
-        let _ = err.read_to_string(&mut s);
-        s
-    });
-    // A bound, not a window: a healthy run takes a second or two.
-    let limit = Instant::now() + Duration::from_secs(120);
-    let status = loop {
-        if let Some(s) = child.try_wait().unwrap() {
-            break s;
-        }
-        if Instant::now() > limit {
-            let _ = child.kill();
-            let _ = child.wait();
-            panic!(
-                "Chromium did not finish loading {} in 120 s",
-                file.display()
-            );
-        }
-        std::thread::sleep(Duration::from_millis(50));
-    };
-    let dom = out_t.join().unwrap();
-    let stderr = err_t.join().unwrap();
-    assert!(status.success(), "Chromium failed ({status}):\n{stderr}");
-    assert!(
-        dom.contains("</html>"),
-        "no DOM from Chromium:\n{dom}\n{stderr}"
-    );
-    let console = stderr
-        .lines()
-        .filter(|l| l.contains("CONSOLE") || l.contains("Uncaught") || l.contains("Refused to"))
-        .map(str::to_string)
-        .collect();
-    Loaded { dom, console }
-}
 
 /// The `data-call` ids of the chart's calls and the number of leg bars, in a DOM.
 fn chart_of(dom: &str) -> (Vec<String>, usize) {

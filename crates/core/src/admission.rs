@@ -218,7 +218,8 @@ pub fn is_firm(r: &Refusal) -> bool {
         | R::Rpm
         | R::ScopeRpm
         | R::KeyRpm
-        | R::KeyBudgetUnpriced => true,
+        | R::KeyBudgetUnpriced
+        | R::Drained => true,
         // A key's budget can clear before the period ends: reservations in flight may
         // settle below what they reserved.
         R::Tpm

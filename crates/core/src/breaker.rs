@@ -115,6 +115,9 @@ pub struct BreakerState {
     /// or a 429 (the key was accepted) resets it.
     #[serde(default)]
     pub consecutive_dead: u32,
+    /// An operator took the source out (SPEC §26.3) until it is brought back.
+    #[serde(default)]
+    pub drained: bool,
 }
 
 impl BreakerState {
@@ -123,9 +126,26 @@ impl BreakerState {
         self.open_until > 0
     }
 
+    /// An operator's reset (SPEC §26.3): the breaker closed at once — failures, open,
+    /// half-open, dead and cooldown periods forgotten — in a new epoch, so outcomes of
+    /// attempts admitted before it count no more. A drained source stays drained.
+    pub fn reset(&mut self) {
+        *self = BreakerState {
+            epoch: self.epoch + 1,
+            drained: self.drained,
+            ..BreakerState::default()
+        };
+    }
+
     /// Decides whether the source may be tried at `now`; grants the half-open probe
     /// (held until `now + probe_lease_ms` unless its outcome is recorded first).
     pub fn admit(&mut self, now: u64, probe_lease_ms: u64) -> BreakerAdmit {
+        if self.drained {
+            return BreakerAdmit::Refused {
+                reason: RefusalReason::Drained,
+                retry_after_ms: 0,
+            };
+        }
         if self.dead_until > now {
             return BreakerAdmit::Refused {
                 reason: RefusalReason::Dead,

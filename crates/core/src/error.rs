@@ -395,6 +395,9 @@ pub enum RefusalReason {
     /// The client key has a budget but the scope has no prices: what a call costs cannot
     /// be known, so it is not admitted (never passes with time).
     KeyBudgetUnpriced,
+    /// An operator took the source out (SPEC §26.3: drained) until it is brought back
+    /// (never passes with time).
+    Drained,
 }
 
 impl RefusalReason {
@@ -415,11 +418,12 @@ impl RefusalReason {
             RefusalReason::KeyBudgetDay => "key_budget_day",
             RefusalReason::KeyBudgetMonth => "key_budget_month",
             RefusalReason::KeyBudgetUnpriced => "key_budget_unpriced",
+            RefusalReason::Drained => "drained",
         }
     }
 
     /// Every reason, in declaration order (tests, metrics label sets).
-    pub const ALL: [RefusalReason; 14] = [
+    pub const ALL: [RefusalReason; 15] = [
         RefusalReason::CircuitOpen,
         RefusalReason::Dead,
         RefusalReason::Cooldown,
@@ -434,11 +438,15 @@ impl RefusalReason {
         RefusalReason::KeyBudgetDay,
         RefusalReason::KeyBudgetMonth,
         RefusalReason::KeyBudgetUnpriced,
+        RefusalReason::Drained,
     ];
 
     /// Whether the refusal passes with time (then `ON_NO_RUNNABLE=wait` may wait for it).
     pub fn passes_with_time(self) -> bool {
-        !matches!(self, RefusalReason::Dead | RefusalReason::KeyBudgetUnpriced)
+        !matches!(
+            self,
+            RefusalReason::Dead | RefusalReason::KeyBudgetUnpriced | RefusalReason::Drained
+        )
     }
 
     /// Whether this is a client key's refusal (SPEC §21.1: answered as the key's own 429,
@@ -759,7 +767,8 @@ mod tests {
                 "key_concurrency",
                 "key_budget_day",
                 "key_budget_month",
-                "key_budget_unpriced"
+                "key_budget_unpriced",
+                "drained"
             ]
         );
         for r in RefusalReason::ALL {

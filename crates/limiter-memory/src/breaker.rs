@@ -198,4 +198,27 @@ impl BreakerStore for MemoryBreakerStore {
                 .unwrap_or_default()
         }))
     }
+
+    async fn clock_ms(&self) -> Result<u64, GovernanceError> {
+        Ok(self.with(|_, now| now))
+    }
+
+    async fn reset(&self, scope: &str, source: &str) -> Result<(), GovernanceError> {
+        self.with(|st, _| {
+            // The probe of the epoch that ends is no longer renewed.
+            st.probes.retain(|(k, _), _| k.0 != scope || k.1 != source);
+            get_or_default(&mut st.states, scope, source).reset();
+        });
+        Ok(())
+    }
+
+    async fn set_drained(
+        &self,
+        scope: &str,
+        source: &str,
+        drained: bool,
+    ) -> Result<(), GovernanceError> {
+        self.with(|st, _| get_or_default(&mut st.states, scope, source).drained = drained);
+        Ok(())
+    }
 }

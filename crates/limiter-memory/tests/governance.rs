@@ -250,6 +250,7 @@ mod breaker_contract {
         outcomes_count_only_in_their_epoch,
         stale_probe_changes_nothing,
         only_the_dead_period_revives_a_dead_source,
+        reset_and_drain_act_at_once_for_every_client,
         probe_renewed_while_held_and_freed_after_a_crash,
         release_probe_frees_it,
     );

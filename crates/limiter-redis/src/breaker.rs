@@ -21,6 +21,8 @@ static ADMIT: LazyLock<Script> =
     LazyLock::new(|| Script::new(include_str!("lua/breaker_admit.lua")));
 static RECORD: LazyLock<Script> =
     LazyLock::new(|| Script::new(include_str!("lua/breaker_record.lua")));
+static RESET: LazyLock<Script> =
+    LazyLock::new(|| Script::new(include_str!("lua/breaker_reset.lua")));
 
 type ProbeKey = (String, String, u64);
 
@@ -96,6 +98,7 @@ impl BreakerStore for RedisBreakerStore {
         let lease_ms = exact(ms(probe_lease)).max(1);
         let mut inv = ADMIT.prepare_invoke();
         inv.key(&key)
+            .key(keys::drained(scope, source)?)
             .arg(lease_ms)
             .arg(self.idle_ttl_ms())
             .arg(&token);
@@ -116,6 +119,7 @@ impl BreakerStore for RedisBreakerStore {
                     1 => RefusalReason::CircuitOpen,
                     2 => RefusalReason::Dead,
                     3 => RefusalReason::Cooldown,
+                    4 => RefusalReason::Drained,
                     _ => return Err(unexpected()),
                 },
                 retry_after_ms: u64::try_from(hint).map_err(|_| unexpected())?,
@@ -203,6 +207,9 @@ impl BreakerStore for RedisBreakerStore {
         cmd.arg(&key)
             .arg(&["cf", "ou", "ro", "pu", "du", "cd", "ep", "dd"][..]);
         let v: Vec<Option<u64>> = self.bg.conn().query("breaker state", &cmd).await?;
+        let mut exists = redis::cmd("EXISTS");
+        exists.arg(keys::drained(scope, source)?);
+        let drained: i64 = self.bg.conn().query("breaker state", &exists).await?;
         let at = |i: usize| v.get(i).copied().flatten().unwrap_or(0);
         let small = |i: usize| u32::try_from(at(i)).unwrap_or(u32::MAX);
         Ok(BreakerState {
@@ -214,7 +221,50 @@ impl BreakerStore for RedisBreakerStore {
             cooldown_until: at(5),
             epoch: at(6),
             consecutive_dead: small(7),
+            drained: drained == 1,
         })
+    }
+
+    async fn clock_ms(&self) -> Result<u64, GovernanceError> {
+        let (secs, micros): (u64, u64) = self
+            .bg
+            .conn()
+            .query("read the server's clock", &redis::cmd("TIME"))
+            .await?;
+        Ok(secs.saturating_mul(1000).saturating_add(micros / 1000))
+    }
+
+    async fn reset(&self, scope: &str, source: &str) -> Result<(), GovernanceError> {
+        let key = keys::breaker(scope, source)?;
+        let mut inv = RESET.prepare_invoke();
+        inv.key(&key).arg(self.idle_ttl_ms());
+        let _: i64 = self.bg.conn().run("breaker reset", &inv).await?;
+        Ok(())
+    }
+
+    async fn set_drained(
+        &self,
+        scope: &str,
+        source: &str,
+        drained: bool,
+    ) -> Result<(), GovernanceError> {
+        let key = keys::drained(scope, source)?;
+        let cmd = if drained {
+            let mut c = redis::cmd("SET");
+            c.arg(&key).arg(1);
+            c
+        } else {
+            let mut c = redis::cmd("DEL");
+            c.arg(&key);
+            c
+        };
+        let what = if drained {
+            "drain a source"
+        } else {
+            "bring a source back"
+        };
+        let _: redis::Value = self.bg.conn().query(what, &cmd).await?;
+        Ok(())
     }
 
     async fn flush(&self) -> Result<(), GovernanceError> {

@@ -5,6 +5,7 @@
 //! | `polygw:{S}:source:<name>:win` | zset | permit id → admitted at (ms): requests (RPM) |
 //! | `polygw:{S}:source:<name>:inflight` | zset | permit id → lease end (ms): slots |
 //! | `polygw:{S}:source:<name>:breaker` | hash | breaker state (see `lua/breaker_admit.lua`) |
+//! | `polygw:{S}:source:<name>:drained` | string | present while an operator has the source out (SPEC §26.3); no expiry |
 //! | `polygw:{S}:scope:win` | zset | permit id → admitted at (ms) |
 //! | `polygw:{S}:scope:ledger` | zset | every token entry of the scope and its sources, by expiry (see `lua/acquire.lua`) |
 //! | `polygw:{S}:scope:totals` | hash | the ledger's totals (scope, per source), the keys' deadlines, when to prune next |
@@ -80,6 +81,11 @@ pub(crate) fn affinity(scope: &str, key: &str) -> Result<String, GovernanceError
 /// The breaker hash of a source.
 pub(crate) fn breaker(scope: &str, source: &str) -> Result<String, GovernanceError> {
     Ok(format!("{}:source:{source}:breaker", prefix(scope)?))
+}
+
+/// The drain flag of a source (present: drained).
+pub(crate) fn drained(scope: &str, source: &str) -> Result<String, GovernanceError> {
+    Ok(format!("{}:source:{source}:drained", prefix(scope)?))
 }
 
 /// A scope's keys: requests, ledger, totals.

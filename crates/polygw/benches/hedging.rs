@@ -651,11 +651,8 @@ async fn run_config(
         .await
         .expect("client");
     // The cold start: the fresh process's first calls, every config alike.
-    let cold_n = env_usize("POLYGW_BENCH_HEDGE_COLD").unwrap_or(if full_run() {
-        COLD_CALLS
-    } else {
-        10
-    });
+    let cold_n =
+        env_usize("POLYGW_BENCH_HEDGE_COLD").unwrap_or(if full_run() { COLD_CALLS } else { 10 });
     let mut cold = Cold::default();
     if cold_n > 0 {
         let recs = drive(

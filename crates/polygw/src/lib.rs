@@ -22,6 +22,7 @@
 //! cache) and `sqlite` by default; `redis` and `postgres` optional; `schema` (JSON Schema
 //! validation in `chat_json_with_schema`) optional.
 
+pub mod admin;
 mod builder;
 mod client;
 pub mod client_keys;

@@ -241,6 +241,11 @@ impl ScopeMetrics {
         self.affinity[i].fetch_add(1, Ordering::Relaxed);
     }
 
+    /// Affinity outcomes so far: hits, misses, moves.
+    pub(crate) fn affinity_counts(&self) -> [u64; 3] {
+        std::array::from_fn(|i| self.affinity[i].load(Ordering::Relaxed))
+    }
+
     /// One resume leg that ended with `outcome`.
     pub(crate) fn resume(&self, mode: &str, outcome: &str) {
         *lock(&self.resumes)

@@ -422,6 +422,20 @@ impl BreakerStore for SlowRecord {
     async fn state(&self, scope: &str, source: &str) -> Result<BreakerState, GovernanceError> {
         self.mock.state(scope, source).await
     }
+    async fn clock_ms(&self) -> Result<u64, GovernanceError> {
+        self.mock.clock_ms().await
+    }
+    async fn reset(&self, scope: &str, source: &str) -> Result<(), GovernanceError> {
+        self.mock.reset(scope, source).await
+    }
+    async fn set_drained(
+        &self,
+        scope: &str,
+        source: &str,
+        drained: bool,
+    ) -> Result<(), GovernanceError> {
+        self.mock.set_drained(scope, source, drained).await
+    }
 }
 
 // ------------------------------------------------------------------ harness

@@ -78,6 +78,20 @@ impl BreakerStore for SlowBreakers {
     async fn state(&self, scope: &str, source: &str) -> Result<BreakerState, GovernanceError> {
         self.inner.state(scope, source).await
     }
+    async fn clock_ms(&self) -> Result<u64, GovernanceError> {
+        self.inner.clock_ms().await
+    }
+    async fn reset(&self, scope: &str, source: &str) -> Result<(), GovernanceError> {
+        self.inner.reset(scope, source).await
+    }
+    async fn set_drained(
+        &self,
+        scope: &str,
+        source: &str,
+        drained: bool,
+    ) -> Result<(), GovernanceError> {
+        self.inner.set_drained(scope, source, drained).await
+    }
 }
 
 /// A limiter whose acquire for one source takes `delay`.

@@ -42,6 +42,9 @@ pub struct ProxyConfig {
     /// models, limits and budgets; alongside `client_keys`. Loaded (and reloading) before
     /// the proxy serves.
     pub key_ring: Option<crate::keys::KeyRing>,
+    /// The key of the admin routes (`POLYGW_ADMIN_KEY`, SPEC §26.3); `None`: they answer
+    /// 404.
+    pub admin_key: Option<Secret>,
 }
 
 impl Default for ProxyConfig {
@@ -58,6 +61,7 @@ impl Default for ProxyConfig {
             max_calls_per_scope: 256,
             max_queued_per_scope: 1024,
             key_ring: None,
+            admin_key: None,
         }
     }
 }

@@ -15,7 +15,7 @@ use crate::config::ProxyConfig;
 use crate::guard;
 use crate::metrics::ProxyCounters;
 use crate::ready::Readiness;
-use crate::route::{chat, embeddings, messages, meta, responses};
+use crate::route::{admin, chat, embeddings, messages, meta, responses};
 use crate::scope::{Gate, Scope, ScopeClient};
 use crate::state::{Served, State};
 
@@ -102,6 +102,12 @@ impl Proxy {
             .route("/healthz", get(meta::healthz))
             .route("/readyz", get(meta::readyz))
             .route("/metrics", get(meta::metrics))
+            .route("/admin", get(admin::page))
+            .route("/admin/status", get(admin::status))
+            .route(
+                "/admin/scopes/{scope}/sources/{source}/{action}",
+                post(admin::act),
+            )
             .fallback(meta::not_found)
             .method_not_allowed_fallback(meta::method_not_allowed)
             .layer(middleware::from_fn_with_state(st.clone(), guard::front))

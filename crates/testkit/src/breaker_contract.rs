@@ -429,6 +429,77 @@ pub async fn dead_source_out_for_dead_s(h: &dyn BreakerHarness) {
     assert_eq!(state(b, &sc).await.consecutive_failures, 0);
 }
 
+/// SPEC §26.3, an operator's actions: a reset closes an open (or dead) breaker at once,
+/// for every client of the store, in a new epoch (an outcome admitted before it counts
+/// no more); a drained source is refused as `drained` by every client until it is
+/// brought back, and a reset leaves it drained.
+pub async fn reset_and_drain_act_at_once_for_every_client(h: &dyn BreakerHarness) {
+    let clients = h.clients(2).await;
+    let (a, b) = (clients[0].as_ref(), clients[1].as_ref());
+    let s = h.settings();
+    let sc = scope();
+    let before = state(a, &sc).await.epoch;
+    for _ in 0..s.failures {
+        record(a, &sc, BreakerOutcome::Failure, false, &s).await;
+    }
+    assert!(probe_of(admit(b, &sc, LEASE).await).is_none(), "open");
+    // The store's clock is the unit of its times: the breaker is open for OPEN_S from it.
+    let now = b.clock_ms().await.expect("clock");
+    let open = state(a, &sc).await.open_until;
+    assert!(
+        open > now && open - now <= s.open.as_millis() as u64 + 1,
+        "open until {open}, now {now}"
+    );
+    let stale = state(a, &sc).await.epoch;
+    a.reset(&sc, SRC).await.expect("reset");
+    let st = state(b, &sc).await;
+    assert!(!st.is_tripped() && st.consecutive_failures == 0, "{st:?}");
+    assert!(st.epoch > stale && stale >= before, "a new epoch: {st:?}");
+    assert_eq!(
+        probe_of(admit(b, &sc, LEASE).await),
+        ALLOWED,
+        "closed at once"
+    );
+    // A failure admitted before the reset does not count against the new epoch.
+    for _ in 0..s.failures {
+        record_in(a, &sc, BreakerOutcome::Failure, stale, false, &s).await;
+    }
+    assert_eq!(
+        probe_of(admit(b, &sc, LEASE).await),
+        ALLOWED,
+        "stale outcomes"
+    );
+    // Dead, then reset: alive.
+    for _ in 0..s.dead_after {
+        record(a, &sc, BreakerOutcome::Dead, false, &s).await;
+    }
+    assert!(probe_of(admit(b, &sc, LEASE).await).is_none(), "dead");
+    b.reset(&sc, SRC).await.expect("reset");
+    assert_eq!(probe_of(admit(a, &sc, LEASE).await), ALLOWED, "revived");
+    // Drained: refused everywhere, a reset keeps it so, bringing it back ends it.
+    a.set_drained(&sc, SRC, true).await.expect("drain");
+    for c in [a, b] {
+        match admit(c, &sc, LEASE).await {
+            BreakerAdmit::Refused { reason, .. } => assert_eq!(reason, RefusalReason::Drained),
+            other => panic!("drained: {other:?}"),
+        }
+    }
+    assert!(state(b, &sc).await.drained);
+    b.reset(&sc, SRC).await.expect("reset");
+    assert!(
+        probe_of(admit(a, &sc, LEASE).await).is_none(),
+        "still drained"
+    );
+    b.set_drained(&sc, SRC, false).await.expect("undrain");
+    assert!(!state(a, &sc).await.drained);
+    assert_eq!(probe_of(admit(a, &sc, LEASE).await), ALLOWED, "back");
+    // Another source of the scope was never touched.
+    assert_eq!(
+        probe_of(a.admit(&sc, "other", LEASE).await.expect("admit")),
+        ALLOWED
+    );
+}
+
 /// Many concurrent admits from several clients in half-open: exactly one probe.
 pub async fn concurrent_half_open_grants_one_probe(h: &dyn BreakerHarness) {
     let clients = h.clients(3).await;

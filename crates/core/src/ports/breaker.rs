@@ -48,6 +48,24 @@ pub trait BreakerStore: Send + Sync + std::fmt::Debug {
     /// The current state (tests, metrics, `polygw serve` health).
     async fn state(&self, scope: &str, source: &str) -> Result<BreakerState, GovernanceError>;
 
+    /// The store's clock, in the unit of [`BreakerState`]'s times (ms; the memory store
+    /// counts from its start, Redis reads its server's `TIME`): an operator's view says
+    /// how long a source stays open, dead or cooling down.
+    async fn clock_ms(&self) -> Result<u64, GovernanceError>;
+
+    /// An operator's reset ([`BreakerState::reset`]): the breaker closes at once, for
+    /// every process sharing the store.
+    async fn reset(&self, scope: &str, source: &str) -> Result<(), GovernanceError>;
+
+    /// Takes the source out (`drained`: every admission refuses it as `drained`) or
+    /// brings it back, for every process sharing the store, until said otherwise.
+    async fn set_drained(
+        &self,
+        scope: &str,
+        source: &str,
+        drained: bool,
+    ) -> Result<(), GovernanceError>;
+
     /// Waits for background work (queued probe releases). Called on shutdown.
     async fn flush(&self) -> Result<(), GovernanceError> {
         Ok(())
@@ -85,5 +103,22 @@ impl BreakerStore for NullBreakerStore {
     fn release_probe(&self, _scope: &str, _source: &str, _epoch: u64) {}
     async fn state(&self, _scope: &str, _source: &str) -> Result<BreakerState, GovernanceError> {
         Ok(BreakerState::default())
+    }
+    async fn clock_ms(&self) -> Result<u64, GovernanceError> {
+        Ok(0)
+    }
+    async fn reset(&self, _scope: &str, _source: &str) -> Result<(), GovernanceError> {
+        Ok(())
+    }
+    async fn set_drained(
+        &self,
+        _scope: &str,
+        _source: &str,
+        _drained: bool,
+    ) -> Result<(), GovernanceError> {
+        Err(GovernanceError::new(
+            "null",
+            "this client keeps no breaker state: a source cannot be drained",
+        ))
     }
 }

@@ -3,6 +3,7 @@
 //! [`crate::stream`]. Adding an API is adding a module here and its routes in
 //! [`crate::proxy`]; no other module changes.
 
+pub mod admin;
 pub mod chat;
 pub mod embeddings;
 pub mod messages;

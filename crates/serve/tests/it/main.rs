@@ -2,6 +2,7 @@
 //! `polygw_serve::serve`, a mock upstream behind it, clients speaking HTTP to it (an
 //! OpenAI client, reqwest, raw sockets).
 
+mod admin;
 mod api;
 mod conformance;
 mod hardening;
