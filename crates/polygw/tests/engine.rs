@@ -995,6 +995,28 @@ mod hedge_auto {
         assert_eq!(loser.trace, None, "only the call's last row carries it");
     }
 
+    /// One streamed call whose primary (`s-0`) goes silent for `silence` after its 4th
+    /// chunk, with a healthy `s-1`: its stats, once the answer is whole and the stall
+    /// was rescued by one extra leg.
+    async fn stalled_call(h: &H, i: u32, silence: Duration) -> polygw::CallStats {
+        let gaps = [ms(50); 9];
+        let mut stall = vec![ms(50); 9];
+        stall[3] = silence;
+        h.fake
+            .push("s-0", Script::stream(ms(100), &stall, "abcdefghij"));
+        h.fake
+            .push("s-1", Script::stream(ms(100), &gaps, "abcdefghij"));
+        let r = h
+            .client
+            .chat(ChatRequest::user(format!("stall {i}")).with_stream(true))
+            .await
+            .unwrap();
+        assert_eq!(r.content, "abcdefghij");
+        let st = r.call_stats;
+        assert_eq!(st.hedges + st.resumes, 1, "stall {i} rescued: {st:?}");
+        st
+    }
+
     /// SPEC §19.1, item 3 of issue 24: a quiet scope rescues consecutive stalls, each at
     /// the stall threshold (the bucket's burst), and the `auto` stall threshold is the
     /// gap distribution's (ordinary gaps of 50 ms: the 1 s floor). Without priors: with
@@ -1022,19 +1044,7 @@ mod hedge_auto {
             assert_eq!(r.call_stats.hedges + r.call_stats.resumes, 0, "call {i}");
         }
         for i in 0..3 {
-            let mut stall = vec![ms(50); 9];
-            stall[3] = secs(60);
-            h.fake
-                .push("s-0", Script::stream(ms(100), &stall, "abcdefghij"));
-            h.fake
-                .push("s-1", Script::stream(ms(100), &gaps, "abcdefghij"));
-            let r = h
-                .client
-                .chat(ChatRequest::user(format!("stall {i}")).with_stream(true))
-                .await
-                .unwrap();
-            let st = r.call_stats;
-            assert_eq!(st.hedges + st.resumes, 1, "stall {i} rescued: {st:?}");
+            let st = stalled_call(&h, i, secs(60)).await;
             // Last chunk at 250 ms, the stall hedge 1 s later, a 550 ms leg after it.
             assert!(
                 st.total_latency_ms < 2_500,
@@ -1053,20 +1063,7 @@ mod hedge_auto {
         let h = harness(2, prioritized).await;
         let gaps = [ms(50); 9];
         for i in 0..3 {
-            let mut stall = vec![ms(50); 9];
-            stall[3] = secs(40);
-            h.fake
-                .push("s-0", Script::stream(ms(100), &stall, "abcdefghij"));
-            h.fake
-                .push("s-1", Script::stream(ms(100), &gaps, "abcdefghij"));
-            let r = h
-                .client
-                .chat(ChatRequest::user(format!("stall {i}")).with_stream(true))
-                .await
-                .unwrap();
-            assert_eq!(r.content, "abcdefghij");
-            let st = r.call_stats;
-            assert_eq!(st.hedges + st.resumes, 1, "stall {i} rescued: {st:?}");
+            let st = stalled_call(&h, i, secs(40)).await;
             // Silent from 250 ms; the stall prior 10 s later; a 550 ms leg after it.
             assert!(
                 (10_000..11_500).contains(&st.total_latency_ms),

@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use polygw::core::ScopeKind;
 use polygw::core::Secret;
-use polygw_mock_upstream::Behavior;
+use polygw_mock_upstream::{Behavior, MockUpstream};
 use polygw_serve::{ProxyConfig, ServerLimits};
 use serde_json::{json, Value};
 
@@ -22,10 +22,7 @@ fn admin_cfg() -> ProxyConfig {
     }
 }
 
-async fn two_source_scope(
-    a: &polygw_mock_upstream::MockUpstream,
-    b: &polygw_mock_upstream::MockUpstream,
-) -> polygw_serve::Scope {
+async fn two_source_scope(a: &MockUpstream, b: &MockUpstream) -> polygw_serve::Scope {
     scope_with(
         "LLM",
         ScopeKind::Chat,
@@ -49,6 +46,22 @@ async fn two_source_scope(
         },
     )
     .await
+}
+
+/// The proxy with the admin key over `two_source_scope`: a primary answering 500 and a
+/// healthy second source.
+async fn failing_primary() -> (Served, MockUpstream, MockUpstream) {
+    let (a, b) = (
+        mock(Behavior::status(500)).await,
+        mock(Behavior::text(&["from b"])).await,
+    );
+    let s = serve_with(
+        vec![two_source_scope(&a, &b).await],
+        admin_cfg(),
+        ServerLimits::default(),
+    )
+    .await;
+    (s, a, b)
 }
 
 async fn status(s: &Served) -> Value {
@@ -159,16 +172,7 @@ async fn without_an_admin_key_the_routes_do_not_exist_and_a_wrong_key_is_refused
 
 #[tokio::test]
 async fn a_breaker_reset_takes_effect_on_the_next_call_and_a_drained_source_takes_none() {
-    let (a, b) = (
-        mock(Behavior::status(500)).await,
-        mock(Behavior::text(&["from b"])).await,
-    );
-    let s = serve_with(
-        vec![two_source_scope(&a, &b).await],
-        admin_cfg(),
-        ServerLimits::default(),
-    )
-    .await;
+    let (s, a, _b) = failing_primary().await;
     // Two calls, each failing on a first: its breaker opens (FAILURES 2, open 300 s).
     for _ in 0..2 {
         assert_eq!(ask(&s).await.status(), 200);
@@ -217,16 +221,7 @@ async fn the_status_page_renders_each_sources_state_in_a_browser() {
     let Some(bin) = polygw_testkit::browser::chromium() else {
         return;
     };
-    let (a, b) = (
-        mock(Behavior::status(500)).await,
-        mock(Behavior::text(&["from b"])).await,
-    );
-    let s = serve_with(
-        vec![two_source_scope(&a, &b).await],
-        admin_cfg(),
-        ServerLimits::default(),
-    )
-    .await;
+    let (s, a, _b) = failing_primary().await;
     for _ in 0..2 {
         assert_eq!(ask(&s).await.status(), 200);
     }
