@@ -221,7 +221,7 @@ async fn the_status_page_renders_each_sources_state_in_a_browser() {
     let Some(bin) = polygw_testkit::browser::chromium() else {
         return;
     };
-    let (s, a, _b) = failing_primary().await;
+    let (s, _a, _b) = failing_primary().await;
     for _ in 0..2 {
         assert_eq!(ask(&s).await.status(), 200);
     }
