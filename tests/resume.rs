@@ -28,6 +28,7 @@ struct Seen {
     tool_args: String,
     tool_name: Option<String>,
     ids: BTreeSet<String>,
+    models: BTreeSet<String>,
     roles: usize,
     finish: Option<String>,
     usage: Option<u32>,
@@ -52,6 +53,7 @@ async fn stream_through(base: &str, prompt: &str) -> Seen {
         match chunk {
             Ok(chunk) => {
                 seen.ids.insert(chunk.id.clone());
+                seen.models.insert(chunk.model.clone());
                 if let Some(u) = chunk.usage {
                     seen.usage = Some(u.completion_tokens);
                 }
@@ -153,6 +155,13 @@ async fn a_cut_stream_is_continued_by_prefill_on_the_fallback() {
     assert_eq!(seen.error, None);
     assert_eq!(seen.content, full, "the complete, exact answer");
     assert_eq!(seen.ids.len(), 1, "one stream id: {:?}", seen.ids);
+    // SPEC §25.5: one model in every frame, the first leg's (the fallback runs
+    // `model-b`).
+    assert_eq!(
+        seen.models,
+        BTreeSet::from(["model-a".to_string()]),
+        "one model"
+    );
     assert_eq!(seen.roles, 1, "the role chunk once");
     assert!(seen.finish.is_some());
     assert!(seen.usage.is_some(), "usage summed over the legs");

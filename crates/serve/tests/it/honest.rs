@@ -505,3 +505,34 @@ async fn bodies_of_tiny_values_are_refused_on_every_api() {
     }
     assert!(m.requests().is_empty(), "nothing reached the upstream");
 }
+
+/// SPEC §25.5: a 529 (polygw's 503 in Anthropic's shape) has a reason phrase on its
+/// status line, and says when to come back and, after polygw's own attempts, that a
+/// client's retry would not help.
+#[tokio::test]
+async fn a_529_has_a_reason_phrase_and_the_retry_headers() {
+    let m = mock(Behavior::status(500)).await;
+    let s = serve_with(
+        vec![chat_scope("LLM", &m).await],
+        cfg(10, 15),
+        ServerLimits::default(),
+    )
+    .await;
+    let body = json!({"model": "llm", "max_tokens": 16,
+        "messages": [{"role": "user", "content": "hi"}]})
+    .to_string();
+    let raw = raw_exchange(
+        s.addr,
+        &post("/v1/messages", &body, "Connection: close\r\n"),
+    )
+    .await;
+    let r = parse_raw(&raw);
+    assert!(
+        r.head.starts_with("HTTP/1.1 529 Overloaded\r\n"),
+        "{}",
+        r.head
+    );
+    assert_eq!(r.json()["error"]["type"], "overloaded_error");
+    assert!(r.header("retry-after").is_some(), "{}", r.head);
+    assert_eq!(r.header("x-should-retry").as_deref(), Some("false"));
+}
