@@ -46,6 +46,12 @@ pub async fn run(args: CheckArgs) -> Result<ExitCode> {
                         loaded.settings.sources.len()
                     )
                 );
+                if kind == polygw::ScopeKind::Chat {
+                    println!(
+                        "{}",
+                        polygw::core::retry_throttle::describe(&loaded.settings.retry.throttle)
+                    );
+                }
                 println!("{}", serde_json::to_string_pretty(&loaded.settings)?);
                 routing.push((scope.clone(), loaded.settings.model_aliases.clone()));
                 for w in &loaded.warnings {

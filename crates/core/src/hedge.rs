@@ -182,10 +182,18 @@ pub fn describe(h: &HedgeSettings, chat: bool, sources: usize) -> String {
         )
     };
     let auto = if e.uses_auto() {
+        let prior = |p: Option<std::time::Duration>| {
+            p.map_or("none".to_string(), |d| format!("{} s", d.as_secs_f64()))
+        };
         format!(
-            "; auto from each source's last {} s once it has {} samples (the scope's pool before), first token within {}–{} s, stalls within {}–{} s",
+            "; auto from each upstream's last {} s once it has {} samples (the scope's pool before), \
+             starting from priors (first token {} for streams, stall {}) that give way over {} legs, \
+             first token within {}–{} s, stalls within {}–{} s",
             e.window.as_secs(),
             e.min_samples,
+            prior(e.priors.after),
+            prior(e.priors.stall),
+            crate::threshold::FULL_EVIDENCE.saturating_mul(e.min_samples),
             e.after_bounds.min.as_secs_f64(),
             e.after_bounds.max.as_secs_f64(),
             e.stall_bounds.min.as_secs_f64(),
@@ -868,6 +876,13 @@ mod tests {
         );
         // The budget's part: a cap, or none.
         assert!(describe(&d, true, 2).contains("budget 10 % of calls, burst 3"));
+        assert!(
+            describe(&d, true, 2).contains(
+                "starting from priors (first token 15 s for streams, stall 10 s) that give way over 200 legs"
+            ),
+            "{}",
+            describe(&d, true, 2)
+        );
         let uncapped = HedgeSettings {
             budget_pct: 0,
             ..st

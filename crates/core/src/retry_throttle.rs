@@ -45,6 +45,20 @@ impl Default for ThrottleSettings {
     }
 }
 
+/// One line saying how a scope throttles its retries (`polygw config check`).
+pub fn describe(s: &ThrottleSettings) -> String {
+    if s.max_tokens == 0 {
+        return "retries: not throttled (RETRY__THROTTLE_MAX=0)".to_string();
+    }
+    format!(
+        "retries: throttled per scope — a bucket of {} tokens, −1 per failed attempt, +{} per success; \
+         a retry goes while it is above {}, a failover to an untried source always",
+        s.max_tokens,
+        s.ratio,
+        f64::from(s.max_tokens) / 2.0
+    )
+}
+
 /// A scope's retry throttle.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct RetryThrottle {
@@ -136,6 +150,20 @@ mod tests {
             t.on_attempt(Err(&err(ErrorClass::Dead)));
         }
         assert_eq!(t.tokens(), 0.0);
+    }
+
+    #[test]
+    fn config_check_says_how_retries_are_throttled() {
+        assert_eq!(
+            describe(&ThrottleSettings::default()),
+            "retries: throttled per scope — a bucket of 10 tokens, −1 per failed attempt, +0.2 per success; \
+             a retry goes while it is above 5, a failover to an untried source always"
+        );
+        assert!(describe(&ThrottleSettings {
+            max_tokens: 0,
+            ratio: 0.2
+        })
+        .contains("not throttled"));
     }
 
     #[test]
