@@ -2890,13 +2890,18 @@ async fn scenario(
                 // little (with ON_NO_RUNNABLE=fail the refusals would else come back in
                 // microseconds and spin through the run while breakers are open).
                 // The same after a governance backend failure (Redis unreachable): a
-                // client backs off instead of hammering a backend that is down.
+                // client backs off instead of hammering a backend that is down. And
+                // after a call answered at once because every source is failing (SPEC
+                // §25.4: `stalled` with a Retry-After, no attempt made — a client honours
+                // the hint; without a pause the callers spun through the rest of a run
+                // within one open period of the breakers, and no call reached a probe).
                 let pause = matches!(
                     &r.result,
                     CallResult::Err(e) if matches!(
                         e.terminal_reason(),
                         Some(polygw::TerminalReason::NoRunnableSource)
                             | Some(polygw::TerminalReason::GovernanceBackend)
+                            | Some(polygw::TerminalReason::Stalled)
                     )
                 ) || matches!(&r.result, CallResult::KeyBackend(_));
                 records.lock().unwrap().push(r);
