@@ -263,8 +263,11 @@ impl MessagesStream {
             json!({"type": "message_start", "message": {
                 "id": self.id, "type": "message", "role": "assistant", "model": self.meta.model(),
                 "content": [], "stop_reason": null, "stop_sequence": null,
+                // Numbers, never nulls (SPEC §25.5): agents size their context from it,
+                // and the cache fields are not known yet (the final count comes in
+                // `message_delta`).
                 "usage": {"input_tokens": self.input_estimate, "output_tokens": 0,
-                    "cache_read_input_tokens": null, "cache_creation_input_tokens": null},
+                    "cache_read_input_tokens": 0, "cache_creation_input_tokens": 0},
             }}),
         ));
     }
@@ -529,6 +532,11 @@ mod tests {
                 "message_stop",
             ]
         );
+        // SPEC §25.5: message_start's usage holds numbers only.
+        let start = &ev[0].data["message"]["usage"];
+        for (k, v) in start.as_object().unwrap() {
+            assert!(v.is_u64(), "message_start usage {k}: {v}");
+        }
         let fin = check_stream(&ev).unwrap();
         assert_eq!((fin.text.as_str(), fin.thinking.as_str()), ("Hi", "hm"));
         assert_eq!(fin.tool_calls[0].input, json!({"path": "x"}));
