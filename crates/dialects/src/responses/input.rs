@@ -80,7 +80,11 @@ fn opt_str<'a>(
 fn call_id_of<'a>(o: &'a Map<String, Value>, p: &str) -> Result<&'a str, DialectError> {
     match opt_str(o, "call_id", p)? {
         Some(c) => Ok(c),
-        None => req_str(o, "call_id", p),
+        None => match opt_str(o, "id", p)? {
+            Some(id) => Ok(id),
+            // Neither: the error names the field a client should send.
+            None => req_str(o, "call_id", p),
+        },
     }
 }
 
@@ -366,6 +370,28 @@ mod tests {
 
     fn err(v: Value) -> String {
         parse_item(&v, "input[0]").unwrap_err().param.unwrap()
+    }
+
+    /// A call item of an older client carries its call id as `id` only.
+    #[test]
+    fn a_call_id_falls_back_to_the_items_id() {
+        let call = |v: Value| match turn(v) {
+            Turn::Call { call_id, .. } => call_id,
+            other => panic!("{other:?}"),
+        };
+        assert_eq!(
+            call(json!({"type": "function_call", "id": "old", "name": "f", "arguments": "{}"})),
+            "old"
+        );
+        assert_eq!(
+            call(json!({"type": "function_call", "id": "fc_1", "call_id": "c", "name": "f", "arguments": "{}"})),
+            "c",
+            "call_id wins"
+        );
+        assert_eq!(
+            err(json!({"type": "function_call", "name": "f", "arguments": "{}"})),
+            "input[0].call_id"
+        );
     }
 
     #[test]
