@@ -171,6 +171,13 @@ impl KeyDenial {
     }
 }
 
+/// Whether `key`'s scopes include `scope` (no scopes: every scope), ASCII
+/// case-insensitive. Also what its stored responses may be read and deleted under
+/// (issue 39: a key whose scopes changed no longer reaches another scope's responses).
+pub fn may_use_scope(key: &ClientKey, scope: &str) -> bool {
+    key.scopes.is_empty() || key.scopes.iter().any(|s| s.eq_ignore_ascii_case(scope))
+}
+
 /// Whether `key` may call `scope` for `model` (the name the client asked for, alias or
 /// scope name). Revocation first, then scopes, then models.
 pub fn check_access(key: &ClientKey, scope: &str, model: &str) -> Result<(), KeyDenial> {
@@ -179,7 +186,7 @@ pub fn check_access(key: &ClientKey, scope: &str, model: &str) -> Result<(), Key
     }
     // ASCII case-insensitive, as the proxy resolves a model to its scope.
     let same = |a: &str, b: &str| a.eq_ignore_ascii_case(b);
-    if !key.scopes.is_empty() && !key.scopes.iter().any(|s| same(s, scope)) {
+    if !may_use_scope(key, scope) {
         return Err(KeyDenial::Scope(scope.to_string()));
     }
     if !key.models.is_empty() && !key.models.iter().any(|m| same(m, model) || same(m, scope)) {

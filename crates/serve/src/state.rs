@@ -78,13 +78,18 @@ impl State {
 
     /// The 404 of an unknown model, listing the known ones.
     pub fn unknown_model(&self, model: &str) -> ApiError {
+        Self::unknown_model_among(model, &self.known_models())
+    }
+
+    /// The 404 of a model not among `known` (a client key's own, say), listing those.
+    pub fn unknown_model_among(model: &str, known: &[String]) -> ApiError {
         ApiError::new(
             StatusCode::NOT_FOUND,
             "invalid_request_error",
             "model_not_found",
             format!(
                 "The model `{model}` does not exist. Known models: {}",
-                self.known_models().join(", ")
+                known.join(", ")
             ),
         )
         .with_param("model")

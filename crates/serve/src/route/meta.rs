@@ -4,11 +4,13 @@
 
 use std::sync::Arc;
 
-use axum::extract::{Path, State};
+use axum::extract::{Extension, Path, State};
 use axum::http::{header, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
 use serde_json::json;
+
+use polygw::core::client_key::{may_use_scope, ClientKey};
 
 use crate::errors::{error_response, ApiError};
 use crate::state::State as AppState;
@@ -17,26 +19,51 @@ fn model_object(id: &str) -> serde_json::Value {
     json!({"id": id, "object": "model", "created": 0, "owned_by": "polygw"})
 }
 
-/// `GET /v1/models`: every served scope name and alias.
-pub async fn models(State(st): State<Arc<AppState>>) -> Response {
-    let data: Vec<serde_json::Value> = st.known_models().iter().map(|m| model_object(m)).collect();
+/// The scope names and aliases a client key may use (no key: every one) — issue 39: a
+/// key is shown only its own scopes' models.
+fn models_for(st: &AppState, key: Option<&ClientKey>) -> Vec<String> {
+    st.scopes
+        .iter()
+        .filter(|s| key.is_none_or(|k| may_use_scope(k, &s.scope.name)))
+        .flat_map(|s| std::iter::once(s.scope.name.clone()).chain(s.scope.aliases.iter().cloned()))
+        .collect()
+}
+
+/// `GET /v1/models`: every served scope name and alias (a client key's scopes only).
+pub async fn models(
+    State(st): State<Arc<AppState>>,
+    key: Option<Extension<Arc<ClientKey>>>,
+) -> Response {
+    let key = key.map(|Extension(k)| k);
+    let data: Vec<serde_json::Value> = models_for(&st, key.as_deref())
+        .iter()
+        .map(|m| model_object(m))
+        .collect();
     Json(json!({"object": "list", "data": data})).into_response()
 }
 
-/// `GET /v1/models/{id}`: a model the proxy serves (by name, alias or glob alias),
-/// else 404.
-pub async fn model(State(st): State<Arc<AppState>>, Path(id): Path<String>) -> Response {
+/// `GET /v1/models/{id}`: a model the proxy serves (by name, alias or glob alias) and
+/// the client key may use, else 404.
+pub async fn model(
+    State(st): State<Arc<AppState>>,
+    key: Option<Extension<Arc<ClientKey>>>,
+    Path(id): Path<String>,
+) -> Response {
+    let key = key.map(|Extension(k)| k);
+    let mine = models_for(&st, key.as_deref());
     // A configured name (or alias) as configured; a name a glob alias matches as asked.
-    if let Some(m) = st
-        .known_models()
-        .into_iter()
+    if let Some(m) = mine
+        .iter()
         .find(|m| !m.contains('*') && m.eq_ignore_ascii_case(&id))
     {
-        return Json(model_object(&m)).into_response();
+        return Json(model_object(m)).into_response();
     }
     match st.scope_for(&id) {
-        Some(_) => Json(model_object(&id)).into_response(),
-        None => error_response(&st.unknown_model(&id)),
+        Some(s) if key.as_deref().is_none_or(|k| may_use_scope(k, &s.scope.name)) => {
+            Json(model_object(&id)).into_response()
+        }
+        // Another scope's model is as unknown to this key as a model that does not exist.
+        _ => error_response(&AppState::unknown_model_among(&id, &mine)),
     }
 }
 

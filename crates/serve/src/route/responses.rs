@@ -27,7 +27,7 @@ use crate::names;
 use crate::scope::ScopeClient;
 use crate::state::State as AppState;
 use crate::stream::{respond, Encoder};
-use polygw::core::client_key::ClientKey;
+use polygw::core::client_key::{may_use_scope, ClientKey};
 
 /// A dialect error as OpenAI's error (400 naming the field).
 pub(crate) fn dialect_error(e: DialectError) -> ApiError {
@@ -304,10 +304,12 @@ fn owner_scope(scope: &str, key: Option<&ClientKey>) -> String {
     }
 }
 
-/// The chat clients' stores, as each holds `key`'s responses.
+/// The chat clients' stores, as each holds `key`'s responses — of the scopes the key
+/// may use now (a key whose scopes changed reads and deletes no other scope's).
 fn stores(st: &AppState, key: Option<&ClientKey>) -> Vec<(String, Arc<dyn ResponseStore>)> {
     st.scopes
         .iter()
+        .filter(|s| key.is_none_or(|k| may_use_scope(k, &s.scope.name)))
         .filter_map(|s| match &s.scope.client {
             ScopeClient::Chat(c) => Some((owner_scope(&s.scope.name, key), c.response_store())),
             ScopeClient::Embedding(_) => None,

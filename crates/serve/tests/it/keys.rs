@@ -173,6 +173,27 @@ async fn a_key_may_call_only_its_scopes_and_models() {
     let (st, body, _) = call(&s, &secret(1), "emb").await;
     assert_eq!(st, 403, "{body}");
     assert_eq!(body["error"]["code"], "model_not_allowed");
+    // Issue 39: `/v1/models` shows a key only its own scopes' models.
+    let get = |path: String| {
+        let url = format!("{}{path}", s.v1());
+        async move {
+            let r = http().get(url).bearer_auth(secret(1)).send().await.unwrap();
+            (r.status().as_u16(), r.json::<Value>().await.unwrap())
+        }
+    };
+    let (st, list) = get("/models".into()).await;
+    assert_eq!(st, 200);
+    let ids: Vec<&str> = list["data"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|m| m["id"].as_str().unwrap())
+        .collect();
+    assert_eq!(ids, ["LLM"], "{list}");
+    assert_eq!(get("/models/llm".into()).await.0, 200);
+    let (st, body) = get("/models/emb".into()).await;
+    assert_eq!(st, 404, "{body}");
+    assert!(!body.to_string().contains("EMB"), "no other scope named: {body}");
 }
 
 #[tokio::test]
@@ -293,7 +314,7 @@ async fn stored_responses_belong_to_the_key_that_stored_them() {
     for n in [0, 1] {
         store.create(key(n, KeyLimits::default())).await.unwrap();
     }
-    let (s, _ring) = proxy_with(store, RecordingTelemetry::new(), &m).await;
+    let (s, ring) = proxy_with(store.clone(), RecordingTelemetry::new(), &m).await;
     let r = http()
         .post(format!("{}/responses", s.v1()))
         .bearer_auth(secret(0))
@@ -347,6 +368,20 @@ async fn stored_responses_belong_to_the_key_that_stored_them() {
         .unwrap();
     assert_eq!(r.status(), 404);
     assert_eq!(get(secret(0)).await, 200, "still there for its owner");
+    // Issue 39: the owner's scopes no longer include LLM: it reads and deletes nothing
+    // there any more.
+    let mut k0 = key(0, KeyLimits::default());
+    k0.scopes = vec!["EMB".into()];
+    store.update(k0).await.unwrap();
+    ring.refresh().await.unwrap();
+    assert_eq!(get(secret(0)).await, 404, "a scope the key lost");
+    let r = http()
+        .delete(format!("{}/responses/{id}", s.v1()))
+        .bearer_auth(secret(0))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 404);
 }
 
 /// `/v1/messages` answers the guards' refusals in Anthropic's shape too (an unknown key:
