@@ -150,8 +150,9 @@ fn tokens(v: Option<&Value>) -> Option<u64> {
 /// `prompt_cache_hit_tokens` (DeepSeek), `cache_read_input_tokens` (Anthropic-style),
 /// a top-level `cached_tokens` (Moonshot); cache writes from
 /// `cache_creation_input_tokens`. They are part of `prompt_tokens`, as OpenAI counts
-/// them; a source that reports Anthropic-style fields larger than its `prompt_tokens`
-/// counts them apart (Anthropic's own convention), and they are added to it. Cached
+/// them; a source whose `total_tokens` counts Anthropic-style fields apart from its
+/// `prompt_tokens` (Anthropic's own convention) — or, without a total, reports them
+/// larger than it — has them added to it. Cached
 /// figures are clamped to the prompt (docs/DECISIONS.md).
 ///
 /// Reasoning tokens are part of `completion_tokens`, as OpenAI counts them. A source
@@ -173,7 +174,32 @@ pub fn parse_usage(u: &Map<String, Value>) -> Usage {
     let anthropic = anthropic_read
         .unwrap_or(0)
         .saturating_add(write.unwrap_or(0));
-    if anthropic > prompt {
+    // Whether Anthropic-style cache figures are counted apart from `prompt_tokens`
+    // (Anthropic's convention) or inside it (the OpenAI-compatible one): `total_tokens`
+    // says so when it adds up one way or the other (reasoning reported outside the
+    // completion allowed for); without it, figures larger than the prompt cannot be
+    // inside it (issue 39: a guess alone missed a cache read smaller than the prompt).
+    let disjoint = {
+        let raw_completion = tokens(u.get("completion_tokens")).unwrap_or(0);
+        let raw_reasoning = u
+            .get("completion_tokens_details")
+            .and_then(Value::as_object)
+            .and_then(|d| tokens(d.get("reasoning_tokens")))
+            .unwrap_or(0);
+        let base = reported_prompt.saturating_add(raw_completion);
+        let sums = |extra: u64| {
+            [
+                base.saturating_add(extra),
+                base.saturating_add(extra).saturating_add(raw_reasoning),
+            ]
+        };
+        match tokens(u.get("total_tokens")) {
+            Some(t) if anthropic > 0 && sums(anthropic).contains(&t) => true,
+            Some(t) if anthropic > 0 && sums(0).contains(&t) => false,
+            _ => anthropic > prompt,
+        }
+    };
+    if disjoint {
         prompt = prompt.saturating_add(anthropic);
     }
     let cached = cached.map(|c| c.min(prompt));
@@ -1159,6 +1185,18 @@ mod tests {
                 json!({"prompt_tokens": 30, "completion_tokens": 7,
                        "cache_read_input_tokens": 60, "cache_creation_input_tokens": 10}),
                 (100, 7, None, Some(60), Some(10)),
+            ),
+            // Outside it, smaller than the prompt: `total_tokens` tells (issue 39).
+            (
+                json!({"prompt_tokens": 100, "completion_tokens": 5, "total_tokens": 145,
+                       "cache_read_input_tokens": 30, "cache_creation_input_tokens": 10}),
+                (140, 5, None, Some(30), Some(10)),
+            ),
+            // Inside it, and the total says so too.
+            (
+                json!({"prompt_tokens": 110, "completion_tokens": 5, "total_tokens": 115,
+                       "cache_read_input_tokens": 64, "cache_creation_input_tokens": 32}),
+                (110, 5, None, Some(64), Some(32)),
             ),
             // Moonshot: a top-level cached_tokens.
             (

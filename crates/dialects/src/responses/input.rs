@@ -384,7 +384,9 @@ mod tests {
             "old"
         );
         assert_eq!(
-            call(json!({"type": "function_call", "id": "fc_1", "call_id": "c", "name": "f", "arguments": "{}"})),
+            call(
+                json!({"type": "function_call", "id": "fc_1", "call_id": "c", "name": "f", "arguments": "{}"})
+            ),
             "c",
             "call_id wins"
         );

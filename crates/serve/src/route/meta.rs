@@ -59,7 +59,11 @@ pub async fn model(
         return Json(model_object(m)).into_response();
     }
     match st.scope_for(&id) {
-        Some(s) if key.as_deref().is_none_or(|k| may_use_scope(k, &s.scope.name)) => {
+        Some(s)
+            if key
+                .as_deref()
+                .is_none_or(|k| may_use_scope(k, &s.scope.name)) =>
+        {
             Json(model_object(&id)).into_response()
         }
         // Another scope's model is as unknown to this key as a model that does not exist.

@@ -193,7 +193,10 @@ async fn a_key_may_call_only_its_scopes_and_models() {
     assert_eq!(get("/models/llm".into()).await.0, 200);
     let (st, body) = get("/models/emb".into()).await;
     assert_eq!(st, 404, "{body}");
-    assert!(!body.to_string().contains("EMB"), "no other scope named: {body}");
+    assert!(
+        !body.to_string().contains("EMB"),
+        "no other scope named: {body}"
+    );
 }
 
 #[tokio::test]
