@@ -268,7 +268,7 @@ function render() {
     root.append(el("p", {class: "meta"},
       `retry throttle ${s.retry_throttle[0].toFixed(1)} of ${s.retry_throttle[1]} tokens · affinity ${s.affinity.mode}: ${s.affinity.hits} hits, ${s.affinity.misses} misses, ${s.affinity.moved} moved`));
     const head = el("tr", {}, ...["source", "model", "state", "failures", "in flight", "limits (rpm/tpm/conc.)",
-      "first token", "stall", "evidence", ""].map(h => el("th", {}, h)));
+      "first token (streams)", "stall", "evidence (streamed legs)", ""].map(h => el("th", {}, h)));
     const table = el("table", {}, head);
     for (const src of s.sources) {
       const state = el("span", {class: "state " + src.state, "data-source": src.name}, src.state.replace("_", " "));
