@@ -66,25 +66,22 @@ impl UpstreamEvidence {
 /// trailing `/`) and model, hashed (FNV-1a, 64 bits) so that a URL's characters never
 /// reach a Redis key and a credential in it never leaves the process.
 pub(crate) fn upstream_id(source: &polygw_core::SourceConfig) -> String {
-    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
     let base = source.base_url.trim_end_matches('/');
-    for b in base.bytes().chain([b'\n']).chain(source.model.bytes()) {
-        h ^= u64::from(b);
-        h = h.wrapping_mul(0x0100_0000_01b3);
-    }
+    let h = fnv1a(base.bytes().chain([b'\n']).chain(source.model.bytes()));
     format!("u{h:016x}")
 }
 
 /// The governance backend a scope's evidence is exchanged through, as a book key (a
 /// hash of the Redis URL; 0 for in-memory governance).
 pub(crate) fn backend_key(redis_url: Option<&polygw_core::Secret>) -> u64 {
-    let Some(url) = redis_url else { return 0 };
-    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
-    for b in url.expose().bytes() {
-        h ^= u64::from(b);
-        h = h.wrapping_mul(0x0100_0000_01b3);
-    }
-    h | 1
+    redis_url.map_or(0, |url| fnv1a(url.expose().bytes()) | 1)
+}
+
+/// FNV-1a, 64 bits.
+fn fnv1a(bytes: impl Iterator<Item = u8>) -> u64 {
+    bytes.fold(0xcbf2_9ce4_8422_2325, |h, b| {
+        (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3)
+    })
 }
 
 /// What one scope keeps of its own: the thresholds last computed and where each stood.

@@ -260,14 +260,7 @@ impl Engine {
                 ));
             }
             if std::mem::take(&mut only_untried) {
-                let untried = self.untried(call);
-                prefs.allowed = Some(match prefs.allowed.take() {
-                    Some(a) => a.intersection(&untried).copied().collect(),
-                    None => untried,
-                });
-                prefs.first = prefs
-                    .first
-                    .filter(|f| prefs.allowed.as_ref().is_some_and(|a| a.contains(f)));
+                self.restrict_to_untried(call, &mut prefs);
             }
             let mut prepicked = None;
             if let Some((wait, failover)) = pending.take() {
@@ -579,6 +572,19 @@ impl Engine {
             .collect()
     }
 
+    /// Narrows `prefs` to the sources the call has not tried (within any restriction
+    /// it already has); a preferred first source outside them is dropped.
+    fn restrict_to_untried(&self, call: &CallShared, prefs: &mut PickPrefs) {
+        let untried = self.untried(call);
+        prefs.allowed = Some(match prefs.allowed.take() {
+            Some(a) => a.intersection(&untried).copied().collect(),
+            None => untried,
+        });
+        prefs.first = prefs
+            .first
+            .filter(|f| prefs.allowed.as_ref().is_some_and(|a| a.contains(f)));
+    }
+
     /// One pick without waiting among the sources the call has not tried (SPEC §25.4:
     /// a failover goes at once): the admitted source, or none (the backoff then
     /// applies and admission goes on as usual).
@@ -589,18 +595,11 @@ impl Engine {
         stream: bool,
         prefs: &PickPrefs,
     ) -> Result<Option<Picked>, GatewayError> {
-        let untried = self.untried(call);
         let mut p = prefs.clone();
-        p.allowed = Some(match p.allowed.take() {
-            Some(a) => a.intersection(&untried).copied().collect(),
-            None => untried,
-        });
+        self.restrict_to_untried(call, &mut p);
         if p.allowed.as_ref().is_some_and(BTreeSet::is_empty) {
             return Ok(None);
         }
-        p.first = p
-            .first
-            .filter(|f| p.allowed.as_ref().is_some_and(|a| a.contains(f)));
         p.sticky = None;
         let pick = self
             .try_pick_with(&call.excluded_sources(), &call.failed_sources(), stream, p)
