@@ -31,6 +31,7 @@ pub mod error;
 pub mod hedge;
 pub mod key_quota;
 pub mod latency;
+pub mod native;
 pub mod ports;
 pub mod request;
 pub mod response;

@@ -115,6 +115,11 @@ pub struct ChatRequest {
     /// Merged into the request body (before the source's `EXTRA_BODY`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub overlay: Option<Map<String, Value>>,
+    /// The client's request in a native API's own shape, for the sources that speak
+    /// it (SPEC §23.2); they get it instead of the chat form above. Sources of another
+    /// API are not candidates for the call while translations to them are not built.
+    #[serde(skip)]
+    pub native: Option<std::sync::Arc<crate::native::NativeRequest>>,
 }
 
 impl ChatRequest {
@@ -161,6 +166,15 @@ impl ChatRequest {
             .get_or_insert_with(Map::new)
             .insert(key.into(), value);
         self
+    }
+
+    /// Whether a source of `api` can be sent this request: chat sources take every
+    /// request (its chat form), a native source only a request in its own API.
+    pub fn servable_by(&self, api: crate::source::SourceApi) -> bool {
+        match api {
+            crate::source::SourceApi::Chat => true,
+            other => self.native.as_ref().is_some_and(|n| n.api == other),
+        }
     }
 
     /// Checks what no upstream could accept, naming the field.

@@ -74,6 +74,111 @@ pub struct SourceConfig {
     /// The model's context window in tokens (`CONTEXT_WINDOW`): a context-length
     /// rejection elsewhere may be routed here when it is larger (SPEC §14.9).
     pub context_window: Option<u64>,
+    /// The API the source speaks (`API`; SPEC §23.1).
+    pub api: SourceApi,
+    /// How the source authenticates (`AUTH`; `None` = the API's own way: a bearer token
+    /// for `chat`, `x-api-key` for `messages`).
+    pub auth: Option<SourceAuth>,
+}
+
+/// The API a source speaks (`{S}__{P}__{i}__API`, SPEC §23.1).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Hash)]
+#[serde(rename_all = "lowercase")]
+pub enum SourceApi {
+    /// OpenAI's chat completions (`/chat/completions`).
+    #[default]
+    Chat,
+    /// Anthropic's Messages API (`/v1/messages`).
+    Messages,
+}
+
+impl SourceApi {
+    /// Its name in configuration and telemetry.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            SourceApi::Chat => "chat",
+            SourceApi::Messages => "messages",
+        }
+    }
+
+    /// The path of its requests under a source's `base_url`.
+    ///
+    /// `chat` appends `chat/completions` to the base URL as given: OpenAI-compatible
+    /// base URLs carry their own version path (`/v1`, GLM's `/api/paas/v4`, …), and
+    /// adding one would break them (DECISIONS 172). `messages` appends `messages` to a
+    /// base URL whose path ends in `/v1`, else `v1/messages`: vendors document their
+    /// Anthropic endpoints without it (`https://api.deepseek.com/anthropic`).
+    pub fn path(self, base_url: &str) -> &'static str {
+        match self {
+            SourceApi::Chat => "chat/completions",
+            SourceApi::Messages => {
+                let path = base_url.split(['?', '#']).next().unwrap_or(base_url);
+                if path.trim_end_matches('/').ends_with("/v1") {
+                    "messages"
+                } else {
+                    "v1/messages"
+                }
+            }
+        }
+    }
+
+    /// The request URL of a source of this API at `base_url` ([`endpoint_url`]).
+    pub fn url(self, base_url: &str) -> String {
+        endpoint_url(base_url, self.path(base_url))
+    }
+}
+
+/// `{base_url}/{path}`, keeping a query string of the base URL (some gateways take
+/// their key there: `https://host/v1?key=…`) after the path, where it belongs.
+pub fn endpoint_url(base_url: &str, path: &str) -> String {
+    // A fragment is never sent.
+    let base = base_url.split_once('#').map_or(base_url, |(b, _)| b);
+    match base.split_once('?') {
+        Some((b, q)) => format!("{}/{path}?{q}", b.trim_end_matches('/')),
+        None => format!("{}/{path}", base.trim_end_matches('/')),
+    }
+}
+
+impl std::str::FromStr for SourceApi {
+    type Err = ();
+    fn from_str(s: &str) -> Result<Self, ()> {
+        match s.trim().to_ascii_lowercase().as_str() {
+            "chat" => Ok(SourceApi::Chat),
+            "messages" => Ok(SourceApi::Messages),
+            _ => Err(()),
+        }
+    }
+}
+
+/// How a source authenticates (`{S}__{P}__{i}__AUTH`, SPEC §23.1).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum SourceAuth {
+    /// `x-api-key: <API_KEY>` (Anthropic's way).
+    XApiKey,
+    /// `Authorization: Bearer <API_KEY>` (OpenAI's way).
+    Bearer,
+}
+
+impl SourceAuth {
+    /// The auth a source of `api` uses when `AUTH` is not set.
+    pub fn default_for(api: SourceApi) -> Self {
+        match api {
+            SourceApi::Chat => SourceAuth::Bearer,
+            SourceApi::Messages => SourceAuth::XApiKey,
+        }
+    }
+}
+
+impl std::str::FromStr for SourceAuth {
+    type Err = ();
+    fn from_str(s: &str) -> Result<Self, ()> {
+        match s.trim().to_ascii_lowercase().as_str() {
+            "x-api-key" => Ok(SourceAuth::XApiKey),
+            "bearer" => Ok(SourceAuth::Bearer),
+            _ => Err(()),
+        }
+    }
 }
 
 impl SourceConfig {
@@ -110,7 +215,31 @@ impl SourceConfig {
             extra_body: Map::new(),
             prefill: None,
             context_window: None,
+            api: SourceApi::Chat,
+            auth: None,
         }
+    }
+
+    /// Sets the API the source speaks (`API`).
+    pub fn with_api(mut self, api: SourceApi) -> Self {
+        self.api = api;
+        self
+    }
+
+    /// Sets how the source authenticates (`AUTH`).
+    pub fn with_auth(mut self, auth: SourceAuth) -> Self {
+        self.auth = Some(auth);
+        self
+    }
+
+    /// How the source authenticates: `AUTH`, else its API's way.
+    pub fn effective_auth(&self) -> SourceAuth {
+        self.auth.unwrap_or(SourceAuth::default_for(self.api))
+    }
+
+    /// The URL its requests go to ([`SourceApi::url`]).
+    pub fn request_url(&self) -> String {
+        self.api.url(&self.base_url)
     }
 
     /// Sets the prefill dialect (`PREFILL`).
@@ -271,6 +400,8 @@ impl std::fmt::Debug for SourceConfig {
             )
             .field("prefill", &self.prefill)
             .field("context_window", &self.context_window)
+            .field("api", &self.api)
+            .field("auth", &self.auth)
             .finish()
     }
 }
@@ -290,6 +421,25 @@ pub fn effective_est_tokens(est_tokens: u64, source_tpm: u64, scope_tpm: u64) ->
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn request_urls_follow_the_api_and_the_base_urls_version() {
+        let table = [
+            (SourceApi::Chat, "https://api.x.com/v1", "https://api.x.com/v1/chat/completions"),
+            (SourceApi::Chat, "https://glm.cn/api/paas/v4/", "https://glm.cn/api/paas/v4/chat/completions"),
+            (SourceApi::Messages, "https://api.anthropic.com/v1", "https://api.anthropic.com/v1/messages"),
+            (SourceApi::Messages, "https://api.anthropic.com", "https://api.anthropic.com/v1/messages"),
+            (SourceApi::Messages, "https://api.deepseek.com/anthropic", "https://api.deepseek.com/anthropic/v1/messages"),
+            (SourceApi::Messages, "http://h/v1?k=1", "http://h/v1/messages?k=1"),
+        ];
+        for (api, base, want) in table {
+            assert_eq!(api.url(base), want, "{api:?} {base}");
+        }
+        assert_eq!("Messages".parse::<SourceApi>(), Ok(SourceApi::Messages));
+        assert!("responses2".parse::<SourceApi>().is_err());
+        assert_eq!(SourceAuth::default_for(SourceApi::Messages), SourceAuth::XApiKey);
+        assert_eq!("bearer".parse::<SourceAuth>(), Ok(SourceAuth::Bearer));
+    }
 
     #[test]
     fn effective_est_tokens_table() {

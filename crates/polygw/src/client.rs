@@ -198,6 +198,14 @@ impl Leg for ChatLeg<'_> {
         true
     }
 
+    fn servable_by(&self, api: polygw_core::source::SourceApi) -> bool {
+        self.request.servable_by(api)
+    }
+
+    fn resumable(&self) -> bool {
+        self.request.native.is_none()
+    }
+
     fn received_bytes(&self, out: &TransportResult) -> usize {
         out.content.len()
             + out.reasoning_content.as_deref().map_or(0, str::len)

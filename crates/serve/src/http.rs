@@ -104,7 +104,17 @@ pub async fn read_body(
     body: Body,
     ctx: &Option<Arc<ConnCtx>>,
 ) -> Result<Bytes, Early> {
-    let limit = st.cfg.max_body_bytes;
+    read_body_up_to(st, headers, body, ctx, st.cfg.max_body_bytes).await
+}
+
+/// [`read_body`] with its own limit (`/v1/messages` takes Anthropic's 32 MiB).
+pub async fn read_body_up_to(
+    st: &State,
+    headers: &HeaderMap,
+    body: Body,
+    ctx: &Option<Arc<ConnCtx>>,
+    limit: usize,
+) -> Result<Bytes, Early> {
     let too_large = |st: &State| {
         st.counters.refused("body_too_large");
         Early {

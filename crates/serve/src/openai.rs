@@ -265,6 +265,7 @@ pub fn parse_chat(body: &[u8]) -> Result<ParsedChat, ApiError> {
         response_format,
         tools,
         overlay: (!o.is_empty()).then_some(o),
+        native: None,
     };
     request
         .validate()

@@ -744,6 +744,44 @@ impl StreamAggregator {
         })
     }
 
+    /// Folds a chunk a native API's reader made of its event
+    /// ([`polygw_core::native::messages::MessagesReader`]): its text, tool-call
+    /// fragments, finish reason, usage and model. Returns whether it was a content
+    /// event.
+    pub fn fold_delta(&mut self, d: &StreamDelta) -> bool {
+        self.frames = self.frames.saturating_add(1);
+        if self.model.is_none() {
+            self.model.clone_from(&d.model);
+        }
+        if let Some(s) = &d.content {
+            self.content.push_str(s);
+        }
+        if let Some(s) = &d.reasoning {
+            self.reasoning.push_str(s);
+        }
+        for t in &d.tool_calls {
+            self.fold_tool_call(
+                t.index,
+                t.id.as_deref(),
+                t.name.as_deref(),
+                Some(t.arguments.as_str()),
+                false,
+            );
+        }
+        if let Some(f) = &d.finish_reason {
+            self.finish_reason = Some(f.clone());
+        }
+        if let Some(u) = d.usage {
+            self.usage = Some(u);
+            self.usage_location = Some(UsageLocation::TopLevel);
+        }
+        let incremental = d.is_incremental();
+        if incremental {
+            self.incremental_chunks = self.incremental_chunks.saturating_add(1);
+        }
+        incremental
+    }
+
     /// Folds one tool-call fragment, from either path: the call's first non-empty id
     /// and name are kept, its arguments appended. Returns whether the fragment carried
     /// text (a name or arguments) and, when `want`, the fragment as a delta.

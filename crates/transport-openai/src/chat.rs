@@ -11,6 +11,9 @@ use polygw_core::ports::{
     ChatAttempt, ChunkObserver, Clock, NullObserver, OcrResult, OcrTransport, StreamDelta,
     ToolCallDelta, Transport, TransportResult,
 };
+use polygw_core::native::messages::{self, MessagesReader};
+use polygw_core::native::NativeRequest;
+use polygw_core::source::SourceApi;
 use polygw_core::stall::StallMeter;
 use polygw_core::{AttemptError, ErrorClass, SourceConfig, Usage, UsageSource};
 use serde_json::{Map, Value};
@@ -179,6 +182,89 @@ pub(crate) fn plain_typed(body: &[u8], cfg: &TransportConfig) -> Option<Aggregat
     (a.generated_anything() || a.finish_reason.as_deref() == Some("length")).then_some(a)
 }
 
+/// The body of an attempt, and the native request it was made from: a `messages`
+/// source gets the client's own body ([`NativeRequest::body_for`]); a chat source the
+/// chat form.
+#[allow(clippy::result_large_err)] // the port's error type
+fn attempt_body<'r>(
+    attempt: &ChatAttempt<'r>,
+) -> Result<(Option<&'r NativeRequest>, Vec<u8>), AttemptError> {
+    let source = attempt.source;
+    let req = attempt.request;
+    if source.api == SourceApi::Chat {
+        return Ok((None, chat_body_bytes(source, req)));
+    }
+    match req.native.as_deref().filter(|n| n.api == source.api) {
+        Some(n) => {
+            let body = n.body_for(&source.model, req.stream, &source.extra_body);
+            Ok((Some(n), serde_json::to_vec(&body).unwrap_or_default()))
+        }
+        // The engine does not pick such a source (ChatRequest::servable_by).
+        None => Err(AttemptError::new(
+            ErrorClass::Rejected,
+            polygw_core::ErrorLabel::Rejected,
+            format!(
+                "source {} speaks the {} API and this request is not in it",
+                source.name,
+                source.api.as_str()
+            ),
+        )),
+    }
+}
+
+/// Folds a plain Messages answer; checks an error body and the content cap.
+fn messages_aggregate(obj: &Map<String, Value>, cfg: &TransportConfig) -> Result<Aggregate, PlainError> {
+    if let Some(e) = messages::error_of(obj).filter(|_| obj.get("type").and_then(Value::as_str) == Some("error")) {
+        return Err(PlainError(
+            Failure::InBand {
+                status: None,
+                code: e.kind,
+                message: e.message,
+            },
+            None,
+        ));
+    }
+    let m = messages::read_message(obj);
+    let mut agg = StreamAggregator::new();
+    let usage = m.usage.is_known().then(|| m.usage.to_usage());
+    agg.fold_delta(&StreamDelta {
+        content: Some(m.content),
+        reasoning: Some(m.reasoning),
+        tool_calls: m
+            .tool_calls
+            .into_iter()
+            .map(|(index, id, name, arguments)| ToolCallDelta {
+                index,
+                id,
+                name,
+                arguments,
+            })
+            .collect(),
+        finish_reason: m.finish_reason,
+        usage,
+        model: m.model,
+        ..StreamDelta::default()
+    });
+    if agg.content_bytes() > cfg.max_content_bytes {
+        return Err(PlainError(
+            Failure::TooLarge {
+                limit: cfg.max_content_bytes,
+            },
+            usage.map(Box::new),
+        ));
+    }
+    let a = agg.finish();
+    if !m.has_blocks && a.finish_reason.as_deref() != Some("length") {
+        return Err(PlainError(
+            Failure::NothingGenerated {
+                finish_reason: a.finish_reason.clone(),
+            },
+            usage.map(Box::new),
+        ));
+    }
+    Ok(a)
+}
+
 /// A failure plus the usage seen before it.
 pub(crate) struct PlainError(Failure, Option<Box<Usage>>);
 
@@ -217,13 +303,10 @@ impl OpenAiTransport {
     async fn plain_bytes(
         &self,
         source: &SourceConfig,
-        path: &str,
-        body: Vec<u8>,
-        call_id: &str,
+        rb: reqwest::RequestBuilder,
     ) -> Result<(u16, bool, Vec<u8>, Vec<(String, String)>), AttemptError> {
         let key = source.api_key.expose();
         let cfg = &self.inner.cfg;
-        let rb = self.post(source, path, body, call_id, false);
         let work = async {
             let resp = rb.send().await.map_err(|e| (send_failure(&e, key), None))?;
             let status = resp.status().as_u16();
@@ -281,7 +364,8 @@ impl OpenAiTransport {
         call_id: &str,
     ) -> Result<(u16, Map<String, Value>), AttemptError> {
         let body = serde_json::to_vec(body).unwrap_or_default();
-        let (status, _, bytes, _) = self.plain_bytes(source, path, body, call_id).await?;
+        let rb = self.post(source, path, body, call_id, false);
+        let (status, _, bytes, _) = self.plain_bytes(source, rb).await?;
         let obj = parse_object(&bytes).map_err(|f| fail(f, source.api_key.expose()))?;
         Ok((status, obj))
     }
@@ -295,9 +379,8 @@ impl OpenAiTransport {
         call_id: &str,
     ) -> Result<TransportResult, AttemptError> {
         let key = source.api_key.expose();
-        let (status, is_sse, bytes, headers) = self
-            .plain_bytes(source, "chat/completions", body, call_id)
-            .await?;
+        let rb = self.post_attempt(source, None, body, call_id, false);
+        let (status, is_sse, bytes, headers) = self.plain_bytes(source, rb).await?;
         if is_sse {
             let mut r = self.sse_as_plain(source, &bytes, status)?;
             r.upstream_headers = headers;
@@ -333,6 +416,7 @@ impl OpenAiTransport {
         let cfg = &self.inner.cfg;
         let null = NullObserver;
         let mut st = StreamState {
+            messages: (source.api == SourceApi::Messages).then(MessagesReader::new),
             agg: StreamAggregator::new(),
             meter: StallMeter::new(self.inner.clock.now(), Duration::MAX),
             observer: &null,
@@ -382,16 +466,41 @@ impl OpenAiTransport {
     }
 
     async fn chat_plain(&self, attempt: ChatAttempt<'_>) -> Result<TransportResult, AttemptError> {
+        if attempt.source.api == SourceApi::Messages {
+            return self.messages_plain(attempt).await;
+        }
         let body = chat_body_bytes(attempt.source, attempt.request);
         self.plain_chat(attempt.source, body, attempt.call_id).await
+    }
+
+    /// A plain call to a `messages` source: the client's body with the edits of SPEC
+    /// §23.2; the answer is read for the engine and kept as received for the client.
+    async fn messages_plain(&self, attempt: ChatAttempt<'_>) -> Result<TransportResult, AttemptError> {
+        let source = attempt.source;
+        let key = source.api_key.expose();
+        let (native, body) = attempt_body(&attempt)?;
+        let rb = self.post_attempt(source, native, body, attempt.call_id, false);
+        let (status, is_sse, bytes, headers) = self.plain_bytes(source, rb).await?;
+        if is_sse {
+            let mut r = self.sse_as_plain(source, &bytes, status)?;
+            r.upstream_headers = headers;
+            return Ok(r);
+        }
+        let obj = parse_object(&bytes).map_err(|f| fail(f, key))?;
+        let a = messages_aggregate(&obj, &self.inner.cfg).map_err(|e| e.into_error(key))?;
+        let mut r = result_of(a, status, false);
+        r.raw = Some(obj);
+        r.raw_body = Some(bytes);
+        r.upstream_headers = headers;
+        Ok(r)
     }
 
     async fn chat_stream(&self, attempt: ChatAttempt<'_>) -> Result<TransportResult, AttemptError> {
         let source = attempt.source;
         let key = source.api_key.expose();
         let cfg = &self.inner.cfg;
-        let bytes = chat_body_bytes(source, attempt.request);
-        let rb = self.post(source, "chat/completions", bytes, attempt.call_id, true);
+        let (native, bytes) = attempt_body(&attempt)?;
+        let rb = self.post_attempt(source, native, bytes, attempt.call_id, true);
 
         let ttft_budget = source.ttft_budget();
         let itb = source.inter_token_budget();
@@ -421,17 +530,8 @@ impl OpenAiTransport {
 
         let headers = passed(resp.headers());
         attempt.observer.on_headers(&headers);
-        let mut st = StreamState {
-            agg: StreamAggregator::new(),
-            meter: StallMeter::new(start, attempt.stall_threshold),
-            observer: attempt.observer,
-            wants: attempt.observer.wants_deltas(),
-            wants_raw: attempt.observer.wants_raw(),
-            clock: self.inner.clock.as_ref(),
-            max_content: cfg.max_content_bytes,
-            done: false,
-            events_seen: 0,
-        };
+        let mut st = StreamState::new(&attempt, self);
+        st.meter = StallMeter::new(start, attempt.stall_threshold);
 
         let is_json = resp
             .headers()
@@ -463,7 +563,12 @@ impl OpenAiTransport {
                 ),
             })?;
             let obj = parse_object(&body).map_err(|f| fail(f, key))?;
-            let a = plain_aggregate(&obj, cfg).map_err(|e| e.into_error(key))?;
+            let a = if source.api == SourceApi::Messages {
+                messages_aggregate(&obj, cfg)
+            } else {
+                plain_aggregate(&obj, cfg)
+            }
+            .map_err(|e| e.into_error(key))?;
             st.plain_as_chunk(&a);
             let mut r = result_of(a, status, false);
             r.upstream_headers = headers.clone();
@@ -607,6 +712,8 @@ enum End {
 }
 
 struct StreamState<'a> {
+    /// The reader of a `messages` source's events (`None`: chat frames).
+    messages: Option<MessagesReader>,
     agg: StreamAggregator,
     meter: StallMeter,
     observer: &'a dyn ChunkObserver,
@@ -618,7 +725,65 @@ struct StreamState<'a> {
     events_seen: u64,
 }
 
-impl StreamState<'_> {
+impl<'a> StreamState<'a> {
+    /// The state of a new stream of the attempt's source.
+    fn new(attempt: &ChatAttempt<'a>, t: &'a OpenAiTransport) -> Self {
+        let source = attempt.source;
+        let observer = attempt.observer;
+        StreamState {
+            messages: (source.api == SourceApi::Messages).then(MessagesReader::new),
+            agg: StreamAggregator::new(),
+            meter: StallMeter::new(t.inner.clock.now(), attempt.stall_threshold),
+            observer,
+            wants: observer.wants_deltas(),
+            wants_raw: observer.wants_raw(),
+            clock: t.inner.clock.as_ref(),
+            max_content: t.inner.cfg.max_content_bytes,
+            done: false,
+            events_seen: 0,
+        }
+    }
+
+    /// Handles one event of a `messages` source (SPEC §23.4).
+    fn on_messages_event(&mut self, ev: SseEvent, at: &mut Option<Instant>) -> Result<bool, Failure> {
+        self.events_seen += 1;
+        let Some(reader) = self.messages.as_mut() else {
+            return Ok(false);
+        };
+        if ev.data.trim().is_empty() && ev.event.as_deref() != Some("error") {
+            return Ok(false);
+        }
+        let d = match reader.on_event(ev.event.as_deref(), &ev.data) {
+            Ok(d) => d,
+            Err(messages::ReadError::Malformed(detail)) => return Err(Failure::Malformed { detail }),
+            Err(messages::ReadError::Provider(e)) => {
+                return Err(Failure::InBand {
+                    status: None,
+                    code: e.kind,
+                    message: e.message,
+                })
+            }
+        };
+        self.done = reader.done();
+        let incremental = self.agg.fold_delta(&d);
+        if self.agg.content_bytes() > self.max_content {
+            return Err(Failure::TooLarge {
+                limit: self.max_content,
+            });
+        }
+        let t = *at.get_or_insert_with(|| self.clock.now());
+        if incremental {
+            self.meter.on_chunk(t);
+            if !self.wants {
+                self.observer.on_chunk(t);
+            }
+        }
+        if self.wants {
+            self.observer.on_delta(t, d);
+        }
+        Ok(incremental)
+    }
+
     /// A classified failure with the usage seen so far (for result-invalid ones).
     fn error(&self, f: Failure, key: &str) -> AttemptError {
         with_usage_if_invalid(fail(f, key), self.agg.usage())
@@ -626,6 +791,9 @@ impl StreamState<'_> {
 
     /// Handles one SSE event; returns whether it was an incremental chunk.
     fn on_event(&mut self, ev: SseEvent, at: &mut Option<Instant>) -> Result<bool, Failure> {
+        if self.messages.is_some() {
+            return self.on_messages_event(ev, at);
+        }
         self.events_seen += 1;
         let is_error_event = ev.event.as_deref() == Some("error");
         let mut text = ev.data;
@@ -750,6 +918,7 @@ impl StreamState<'_> {
                 model: a.model.clone(),
                 raw: None,
                 raw_text: None,
+                native: None,
             };
             self.observer.on_delta(t, d);
         }

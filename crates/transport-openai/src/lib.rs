@@ -22,6 +22,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use polygw_core::ports::Clock;
+use polygw_core::native::NativeRequest;
+use polygw_core::source::{SourceApi, SourceAuth};
 use polygw_core::SourceConfig;
 use reqwest::header::{HeaderValue, ACCEPT, AUTHORIZATION, CONTENT_TYPE};
 
@@ -34,16 +36,7 @@ pub const DEFAULT_MAX_SSE_LINE_BYTES: usize = 1024 * 1024;
 /// Default bound of a whole stream attempt, in multiples of the source's `TIMEOUT_S`.
 pub const DEFAULT_STREAM_TIME_FACTOR: u32 = 10;
 
-/// `{base_url}/{path}`, keeping a query string of the base URL (some gateways take
-/// their key there: `https://host/v1?key=…`) after the path, where it belongs.
-pub fn endpoint_url(base_url: &str, path: &str) -> String {
-    // A fragment is never sent.
-    let base = base_url.split_once('#').map_or(base_url, |(b, _)| b);
-    match base.split_once('?') {
-        Some((b, q)) => format!("{}/{path}?{q}", b.trim_end_matches('/')),
-        None => format!("{}/{path}", base.trim_end_matches('/')),
-    }
-}
+pub use polygw_core::source::endpoint_url;
 
 /// Tuning of the transport. `Default` gives the documented values.
 #[derive(Debug, Clone, PartialEq)]
@@ -237,6 +230,59 @@ impl OpenAiTransport {
             Some(url) => self.inner.client.post(url),
             None => self.inner.client.post(endpoint_url(&source.base_url, path)),
         };
+        self.headers(rb, source, SourceAuth::Bearer, body, call_id, stream)
+    }
+
+    /// The POST of a chat attempt to its source's API (SPEC §23.1–23.2): the API's
+    /// path, the client's query string and `anthropic-*` headers for a native request,
+    /// the source's auth, and `anthropic-version` on a `messages` source unless the
+    /// client sent one.
+    fn post_attempt(
+        &self,
+        source: &SourceConfig,
+        native: Option<&NativeRequest>,
+        body: Vec<u8>,
+        call_id: &str,
+        stream: bool,
+    ) -> reqwest::RequestBuilder {
+        let path = source.api.path(&source.base_url);
+        let query = native.and_then(|n| n.query.as_deref()).filter(|q| !q.is_empty());
+        let rb = match (query, self.inner.urls.get(&source.base_url, path)) {
+            (None, Some(url)) => self.inner.client.post(url),
+            (None, None) => self.inner.client.post(endpoint_url(&source.base_url, path)),
+            (Some(q), _) => {
+                let url = endpoint_url(&source.base_url, path);
+                let sep = if url.contains('?') { '&' } else { '?' };
+                self.inner.client.post(format!("{url}{sep}{q}"))
+            }
+        };
+        let mut rb = self.headers(rb, source, source.effective_auth(), body, call_id, stream);
+        if source.api == SourceApi::Messages {
+            let mut version = false;
+            for (k, v) in native.map_or(&[][..], |n| &n.headers[..]) {
+                version |= k == "anthropic-version";
+                if let Ok(v) = HeaderValue::from_str(v) {
+                    rb = rb.header(k.as_str(), v);
+                }
+            }
+            if !version {
+                rb = rb.header("anthropic-version", HeaderValue::from_static(ANTHROPIC_VERSION));
+            }
+        }
+        rb
+    }
+
+    /// The headers every request carries: JSON in, the stream or JSON accepted, the
+    /// call id, and the key the way `auth` says (marked sensitive; none when empty).
+    fn headers(
+        &self,
+        rb: reqwest::RequestBuilder,
+        source: &SourceConfig,
+        auth: SourceAuth,
+        body: Vec<u8>,
+        call_id: &str,
+        stream: bool,
+    ) -> reqwest::RequestBuilder {
         let mut rb = rb
             .header(CONTENT_TYPE, HeaderValue::from_static("application/json"))
             .header(
@@ -255,14 +301,21 @@ impl OpenAiTransport {
         if !key.is_empty() {
             // An invalid key (control characters) is sent as no header at all rather
             // than risking the key in an error message; the upstream answers 401.
-            if let Ok(mut v) = HeaderValue::from_str(&format!("Bearer {key}")) {
+            let (name, value) = match auth {
+                SourceAuth::Bearer => (AUTHORIZATION.as_str(), format!("Bearer {key}")),
+                SourceAuth::XApiKey => ("x-api-key", key.to_string()),
+            };
+            if let Ok(mut v) = HeaderValue::from_str(&value) {
                 v.set_sensitive(true);
-                rb = rb.header(AUTHORIZATION, v);
+                rb = rb.header(name, v);
             }
         }
         rb
     }
 }
+
+/// The `anthropic-version` a `messages` source gets when the client sent none.
+pub const ANTHROPIC_VERSION: &str = "2023-06-01";
 
 #[cfg(test)]
 mod tests {

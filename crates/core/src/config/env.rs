@@ -14,7 +14,7 @@ use crate::hedge::ThresholdSetting;
 use crate::resume::{PrefillDialect, ResumeSetting};
 use crate::secret::{Secret, REDACTED};
 use crate::settings::{OnNoRunnable, RetryPrefer, ScopeKind, ScopeSettings};
-use crate::source::SourceConfig;
+use crate::source::{SourceApi, SourceAuth, SourceConfig};
 
 /// Segment names that belong to scope keys and can never be a provider name.
 pub const RESERVED_SEGMENTS: [&str; 15] = [
@@ -36,7 +36,7 @@ pub const RESERVED_SEGMENTS: [&str; 15] = [
 ];
 
 /// The FIELDs a source accepts.
-pub const SOURCE_FIELDS: [&str; 21] = [
+pub const SOURCE_FIELDS: [&str; 23] = [
     "BASE_URL",
     "API_KEY",
     "MODEL",
@@ -58,6 +58,8 @@ pub const SOURCE_FIELDS: [&str; 21] = [
     "EXTRA_BODY",
     "PREFILL",
     "CONTEXT_WINDOW",
+    "API",
+    "AUTH",
 ];
 
 /// Scope keys: (group or "" for two-segment keys, field).
@@ -434,7 +436,50 @@ fn build_source(
     if let Some((k, v)) = get("PREFILL") {
         run(parse_prefill(k, v).map(|x| src.prefill = x));
     }
+    if let Some((k, v)) = get("API") {
+        run(parse_api(k, v).map(|x| src.api = x));
+    }
+    if let Some((k, v)) = get("AUTH") {
+        run(parse_auth(k, v).map(|x| src.auth = x));
+    }
     url_ok.then_some(src)
+}
+
+/// `API`: `chat` (also empty) or `messages`. `responses` is named as not yet served
+/// rather than taken for another API (SPEC §23.1; DECISIONS 172).
+fn parse_api(k: &str, v: &str) -> Result<SourceApi, ConfigError> {
+    let t = v.trim();
+    if t.is_empty() {
+        return Ok(SourceApi::Chat);
+    }
+    if t.eq_ignore_ascii_case("responses") {
+        return Err(invalid(
+            k,
+            v,
+            "chat or messages (sources that speak the Responses API are not supported yet)",
+        ));
+    }
+    t.parse::<SourceApi>()
+        .map_err(|()| invalid(k, v, "chat or messages"))
+}
+
+/// `AUTH`: `x-api-key` or `bearer` (empty = the API's own way). `client` is named as
+/// not yet served.
+fn parse_auth(k: &str, v: &str) -> Result<Option<SourceAuth>, ConfigError> {
+    let t = v.trim();
+    if t.is_empty() {
+        return Ok(None);
+    }
+    if t.eq_ignore_ascii_case("client") {
+        return Err(invalid(
+            k,
+            v,
+            "x-api-key or bearer (forwarding the client's own credential is not supported yet)",
+        ));
+    }
+    t.parse::<SourceAuth>()
+        .map(Some)
+        .map_err(|()| invalid(k, v, "x-api-key or bearer"))
 }
 
 /// `PREFILL`: `none` (or empty) = no prefill, else a dialect.

@@ -41,6 +41,10 @@ pub struct StreamDelta {
     /// into `raw` ([`StreamDelta::raw_object`] reads either).
     #[serde(skip)]
     pub raw_text: Option<Box<RawText>>,
+    /// The upstream event as received, from a source of a native API (SPEC §23.2): the
+    /// client of that API receives it unchanged.
+    #[serde(skip)]
+    pub native: Option<Box<crate::native::NativeEvent>>,
 }
 
 /// A frame kept as text ([`StreamDelta::raw_text`]), with the envelope fields a proxy
@@ -84,7 +88,8 @@ impl StreamDelta {
 
     /// Whether the chunk carries new content, reasoning or tool-call text (SPEC §5).
     pub fn is_incremental(&self) -> bool {
-        self.content.as_deref().is_some_and(|s| !s.is_empty())
+        self.native.as_ref().is_some_and(|n| n.progress)
+            || self.content.as_deref().is_some_and(|s| !s.is_empty())
             || self.reasoning.as_deref().is_some_and(|s| !s.is_empty())
             || self.tool_calls.iter().any(|t| {
                 !t.arguments.is_empty() || t.name.as_deref().is_some_and(|n| !n.is_empty())
@@ -95,6 +100,10 @@ impl StreamDelta {
     /// finish_reason, no usage (and, in the raw frame, no other delta field such as
     /// `refusal` or logprobs on choice 0).
     pub fn is_empty_chunk(&self) -> bool {
+        if self.native.is_some() {
+            // Every event of a native stream is for its client (pings included).
+            return false;
+        }
         if self.is_incremental()
             || self.role.is_some()
             || self.finish_reason.is_some()
@@ -194,6 +203,7 @@ impl StreamDelta {
         }
         self.raw = None;
         self.raw_text = None;
+        self.native = None;
     }
 
     /// Removes `delta.role` (a resumed stream sends the role chunk once).

@@ -89,6 +89,7 @@ pub fn to_chat(req: &MessagesRequest) -> Result<Translated, DialectError> {
         response_format: req.response_format.clone(),
         tools: (!req.tools.is_empty()).then(|| req.tools.clone()),
         overlay: (!overlay.is_empty()).then_some(overlay),
+        native: None,
     };
     request
         .validate()

@@ -147,6 +147,7 @@ pub fn to_chat(req: &ResponsesRequest, history: &[Value]) -> Result<Translated, 
         response_format: req.response_format.clone(),
         tools: (!chat_tools.is_empty()).then_some(chat_tools),
         overlay: (!overlay.is_empty()).then_some(overlay),
+        native: None,
     };
     request.validate().map_err(|(field, message)| {
         let field = match field.as_str() {

@@ -88,6 +88,16 @@ pub(crate) trait Leg: Send + Sync {
     fn max_output_tokens(&self) -> u64 {
         0
     }
+    /// Whether a source of `api` can be sent this request (SPEC §23.1: a native source
+    /// takes a request in its own API).
+    fn servable_by(&self, _api: polygw_core::source::SourceApi) -> bool {
+        true
+    }
+    /// Whether a streamed answer of this request may be resumed on another leg once it
+    /// reached the caller (a native stream may not yet: SPEC §23.6, DECISIONS 172).
+    fn resumable(&self) -> bool {
+        true
+    }
     /// Whether rows of this kind of attempt carry the gateway's estimate when the
     /// provider reports no usage (SPEC §20.4: chat attempts).
     fn estimates_usage(&self) -> bool {

@@ -178,7 +178,10 @@ impl Engine {
     ) -> Result<Won<L::Output>, GatewayError> {
         let mut retry = RetryState::new(&call.retry_settings(&self.scope.retry));
         let stream_settings = self.scope.stream;
-        let resume_setting = if leg.stream() && self.kind == ScopeKind::Chat && leg.single_choice()
+        let resume_setting = if leg.stream()
+            && self.kind == ScopeKind::Chat
+            && leg.single_choice()
+            && leg.resumable()
         {
             stream_settings.resume
         } else {
@@ -213,6 +216,29 @@ impl Engine {
                         .map(|i| self.scope.sources[i].name.clone()),
                 );
             }
+        }
+        // Sources of another API than the request's are not sent it (SPEC §23.1).
+        let foreign: Vec<String> = self
+            .scope
+            .sources
+            .iter()
+            .filter(|s| !leg.servable_by(s.api))
+            .map(|s| s.name.clone())
+            .collect();
+        if !foreign.is_empty() {
+            if foreign.len() == self.scope.sources.len() {
+                let apis: BTreeSet<&str> = self.scope.sources.iter().map(|s| s.api.as_str()).collect();
+                return Err(GatewayError::InvalidRequest {
+                    field: "model".into(),
+                    message: format!(
+                        "every source of scope {} speaks the {} API, and a request in another \
+                         API cannot be sent to it yet (send it to that API's route)",
+                        self.scope.name,
+                        apis.into_iter().collect::<Vec<_>>().join(" / ")
+                    ),
+                });
+            }
+            call.exclude(foreign);
         }
         // The source the call's affinity key last went to (SPEC §20.2).
         let recall = self.recall(call).await;

@@ -7,7 +7,7 @@ use std::sync::Arc;
 
 use axum::body::Body;
 use axum::extract::State;
-use axum::http::{HeaderMap, HeaderValue};
+use axum::http::{header, HeaderMap, HeaderValue, Uri};
 use axum::response::{IntoResponse, Response};
 use axum::{Extension, Json};
 use polygw::{CallOptions, LlmResponse, StreamDelta};
@@ -18,26 +18,34 @@ use serde_json::json;
 use crate::errors::{anthropic_error, from_gateway, ApiError};
 use crate::http::{
     answer_headers, call_options, chat_scope, close_after, ensure_request_id, enter_gate,
-    failure_headers, list_header, read_body, run_plain, set_request_id, Conn, Stopped,
+    failure_headers, list_header, read_body, read_body_up_to, run_plain, set_request_id, Conn,
+    Stopped,
 };
+use polygw::core::native::NativeRequest;
+use polygw::core::source::SourceApi;
 use crate::names;
 use crate::route::responses::dialect_error;
 use crate::state::State as AppState;
 use crate::stream::{respond, Encoder};
 use polygw::core::client_key::ClientKey;
 
+/// Anthropic's request size limit: `/v1/messages` takes bodies up to it whatever
+/// `--max-body-bytes` says, when that is smaller (SPEC §23.2).
+pub const MESSAGES_MAX_BODY_BYTES: usize = 32 * 1024 * 1024;
+
 /// `POST /v1/messages` (also with `?beta=true`).
 pub async fn create(
     State(st): State<Arc<AppState>>,
     conn: Conn,
     key: Option<Extension<Arc<ClientKey>>>,
+    uri: Uri,
     headers: HeaderMap,
     body: Body,
 ) -> Response {
     let ctx = conn.map(|Extension(c)| c);
     let key = key.map(|Extension(k)| k);
     let id = CallOptions::new_logical_call_id();
-    let mut resp = create_inner(&st, &ctx, key.as_ref(), &headers, body, &id).await;
+    let mut resp = create_inner(&st, &ctx, key.as_ref(), uri.query(), &headers, body, &id).await;
     ensure_request_id(resp.headers_mut(), &id);
     // Anthropic's SDKs read `request-id`.
     if let Some(v) = resp.headers().get(names::X_REQUEST_ID).cloned() {
@@ -50,6 +58,7 @@ async fn create_inner(
     st: &Arc<AppState>,
     ctx: &Option<Arc<crate::conn::ConnCtx>>,
     key: Option<&Arc<ClientKey>>,
+    query: Option<&str>,
     headers: &HeaderMap,
     body: Body,
     id: &str,
@@ -61,7 +70,8 @@ async fn create_inner(
         }
         r
     };
-    let bytes = match read_body(st, headers, body, ctx).await {
+    let limit = st.cfg.max_body_bytes.max(MESSAGES_MAX_BODY_BYTES);
+    let bytes = match read_body_up_to(st, headers, body, ctx, limit).await {
         Ok(b) => b,
         Err(e) => return early(e),
     };
@@ -72,8 +82,7 @@ async fn create_inner(
         Ok(r) => r,
         Err(e) => return anthropic_error(&dialect_error(e)),
     };
-    drop(bytes);
-    let t = match wire::to_chat(&req) {
+    let mut t = match wire::to_chat(&req) {
         Ok(t) => t,
         Err(e) => return anthropic_error(&dialect_error(e)),
     };
@@ -81,6 +90,18 @@ async fn create_inner(
         Ok(x) => x,
         Err(e) => return anthropic_error(&e),
     };
+    // Sources that speak Messages get the client's own request (SPEC §23.2).
+    let native_sources: Vec<String> = client
+        .settings()
+        .sources
+        .iter()
+        .filter(|s| s.api == SourceApi::Messages)
+        .map(|s| s.name.clone())
+        .collect();
+    if !native_sources.is_empty() {
+        t.request.native = native_request(&bytes, query, headers).map(Arc::new);
+    }
+    drop(bytes);
     if !req.unsupported_tools().is_empty() {
         tracing::info!(tools = %req.unsupported_tools().join(", "), "server tools not sent upstream");
     }
@@ -108,6 +129,8 @@ async fn create_inner(
         let estimate = t.meta.prompt_estimate();
         let enc = MessagesEncoder {
             stream: MessagesStream::new(&message_id, t.meta, estimate),
+            lazy: t.request.native.is_some(),
+            mode: Mode::Undecided,
         };
         respond(
             st.clone(),
@@ -123,7 +146,15 @@ async fn create_inner(
     } else {
         match run_plain(st, ctx, client, t.request, options, slot).await {
             Ok(r) => {
-                let mut resp = Json(wire::message_object(&message_id, &t.meta, &r)).into_response();
+                let mut resp = match r.upstream_body.as_ref() {
+                    // A `messages` source's answer, as it sent it.
+                    Some(b) if native_sources.contains(&r.source) => (
+                        [(header::CONTENT_TYPE, HeaderValue::from_static("application/json"))],
+                        b.clone(),
+                    )
+                        .into_response(),
+                    _ => Json(wire::message_object(&message_id, &t.meta, &r)).into_response(),
+                };
                 answer_headers(resp.headers_mut(), &r);
                 resp
             }
@@ -179,9 +210,42 @@ pub async fn count_tokens(
     }
 }
 
-/// The Messages event stream, over [`MessagesStream`]; `ping` as the keepalive.
+/// The client's request as a `messages` source gets it: its body, its `anthropic-*`
+/// headers and its query string (`None` when the body is no JSON object, which
+/// parsing it already refused).
+fn native_request(bytes: &[u8], query: Option<&str>, headers: &HeaderMap) -> Option<NativeRequest> {
+    let body = serde_json::from_slice::<serde_json::Map<String, serde_json::Value>>(bytes).ok()?;
+    let headers = headers
+        .iter()
+        .filter(|(k, _)| k.as_str().starts_with("anthropic-"))
+        .filter_map(|(k, v)| Some((k.as_str().to_string(), v.to_str().ok()?.to_string())))
+        .collect();
+    Some(NativeRequest {
+        api: SourceApi::Messages,
+        body,
+        headers,
+        query: query.map(str::to_string),
+    })
+}
+
+/// What the stream is made of, once its first chunk says.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Mode {
+    Undecided,
+    /// A `messages` source's events, passed as received.
+    Native { stopped: bool },
+    /// Chunks of another API, translated.
+    Translated,
+}
+
+/// The Messages event stream, over [`MessagesStream`]; `ping` as the keepalive. When
+/// the scope has `messages` sources (`lazy`), nothing is written before the first
+/// chunk: a native leg's events then pass unchanged (SPEC §23.2), another leg's are
+/// translated.
 struct MessagesEncoder {
     stream: MessagesStream,
+    lazy: bool,
+    mode: Mode,
 }
 
 fn write(out: &mut Vec<u8>, events: Vec<SseEvent>) {
@@ -192,15 +256,42 @@ fn write(out: &mut Vec<u8>, events: Vec<SseEvent>) {
 
 impl Encoder for MessagesEncoder {
     fn open(&mut self, out: &mut Vec<u8>) {
-        write(out, self.stream.start());
+        if !self.lazy {
+            self.mode = Mode::Translated;
+            write(out, self.stream.start());
+        }
     }
 
     fn delta(&mut self, d: StreamDelta, out: &mut Vec<u8>) {
-        write(out, self.stream.delta(&d));
+        match (self.mode, d.native) {
+            (Mode::Undecided | Mode::Native { .. }, Some(ev)) => {
+                let stopped = ev.event.as_deref() == Some("message_stop")
+                    || matches!(self.mode, Mode::Native { stopped: true });
+                self.mode = Mode::Native { stopped };
+                ev.write_to(out);
+            }
+            (Mode::Native { .. }, None) => {
+                // Not reached: a native stream is not resumed on another leg.
+                tracing::error!("a translated chunk in a native Messages stream, dropped");
+            }
+            (_, native) => {
+                self.mode = Mode::Translated;
+                let d = StreamDelta { native, ..d };
+                write(out, self.stream.delta(&d));
+            }
+        }
     }
 
     fn done(&mut self, r: &LlmResponse, out: &mut Vec<u8>) {
-        write(out, self.stream.finish(r));
+        match self.mode {
+            // The source's `message_stop` went out with its events; a stream accepted
+            // without one (it broke after its stop reason) gets it here.
+            Mode::Native { stopped: true } => {}
+            Mode::Native { stopped: false } => {
+                SseEvent::new("message_stop", json!({"type": "message_stop"})).write_to(out)
+            }
+            Mode::Undecided | Mode::Translated => write(out, self.stream.finish(r)),
+        }
     }
 
     fn fail(&mut self, e: &ApiError, out: &mut Vec<u8>) {
