@@ -425,19 +425,46 @@ mod tests {
     #[test]
     fn request_urls_follow_the_api_and_the_base_urls_version() {
         let table = [
-            (SourceApi::Chat, "https://api.x.com/v1", "https://api.x.com/v1/chat/completions"),
-            (SourceApi::Chat, "https://glm.cn/api/paas/v4/", "https://glm.cn/api/paas/v4/chat/completions"),
-            (SourceApi::Messages, "https://api.anthropic.com/v1", "https://api.anthropic.com/v1/messages"),
-            (SourceApi::Messages, "https://api.anthropic.com", "https://api.anthropic.com/v1/messages"),
-            (SourceApi::Messages, "https://api.deepseek.com/anthropic", "https://api.deepseek.com/anthropic/v1/messages"),
-            (SourceApi::Messages, "http://h/v1?k=1", "http://h/v1/messages?k=1"),
+            (
+                SourceApi::Chat,
+                "https://api.x.com/v1",
+                "https://api.x.com/v1/chat/completions",
+            ),
+            (
+                SourceApi::Chat,
+                "https://glm.cn/api/paas/v4/",
+                "https://glm.cn/api/paas/v4/chat/completions",
+            ),
+            (
+                SourceApi::Messages,
+                "https://api.anthropic.com/v1",
+                "https://api.anthropic.com/v1/messages",
+            ),
+            (
+                SourceApi::Messages,
+                "https://api.anthropic.com",
+                "https://api.anthropic.com/v1/messages",
+            ),
+            (
+                SourceApi::Messages,
+                "https://api.deepseek.com/anthropic",
+                "https://api.deepseek.com/anthropic/v1/messages",
+            ),
+            (
+                SourceApi::Messages,
+                "http://h/v1?k=1",
+                "http://h/v1/messages?k=1",
+            ),
         ];
         for (api, base, want) in table {
             assert_eq!(api.url(base), want, "{api:?} {base}");
         }
         assert_eq!("Messages".parse::<SourceApi>(), Ok(SourceApi::Messages));
         assert!("responses2".parse::<SourceApi>().is_err());
-        assert_eq!(SourceAuth::default_for(SourceApi::Messages), SourceAuth::XApiKey);
+        assert_eq!(
+            SourceAuth::default_for(SourceApi::Messages),
+            SourceAuth::XApiKey
+        );
         assert_eq!("bearer".parse::<SourceAuth>(), Ok(SourceAuth::Bearer));
     }
 

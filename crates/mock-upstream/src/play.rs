@@ -93,8 +93,19 @@ impl Out {
     }
 }
 
+/// The API a request came in (and is answered in).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum WireApi {
+    /// OpenAI's chat completions.
+    Chat,
+    /// Anthropic's Messages.
+    Messages,
+}
+
 /// What the player needs besides the behavior.
 pub(crate) struct Ctx {
+    /// The API to answer in.
+    pub(crate) api: WireApi,
     pub(crate) guard: Guard,
     pub(crate) kill: Arc<Notify>,
     pub(crate) model: String,
@@ -309,13 +320,74 @@ pub(crate) fn usage_json(u: &Usage, dialect: Option<CacheDialect>) -> Value {
     o
 }
 
-/// The default in-band error object.
-pub(crate) fn default_error_object() -> Value {
-    json!({"error": {
-        "message": "The server had an error while processing your request.",
-        "type": "server_error",
-        "code": "server_error"
-    }})
+/// The default in-band error object (Anthropic's `overloaded_error` for Messages).
+pub(crate) fn default_error_object(api: WireApi) -> Value {
+    match api {
+        WireApi::Chat => json!({"error": {
+            "message": "The server had an error while processing your request.",
+            "type": "server_error",
+            "code": "server_error"
+        }}),
+        WireApi::Messages => json!({"type": "error", "error": {
+            "type": "overloaded_error",
+            "message": "Overloaded"
+        }}),
+    }
+}
+
+/// Anthropic's usage object of a plan: `input_tokens` excludes the cache's reads and
+/// writes (SPEC §23.4).
+pub(crate) fn messages_usage_json(u: &Usage, output_tokens: u64) -> Value {
+    let read = u.cached_prompt_tokens.unwrap_or(0);
+    let write = u.cache_write_tokens.unwrap_or(0);
+    json!({
+        "input_tokens": u.prompt_tokens.saturating_sub(read + write),
+        "cache_read_input_tokens": read,
+        "cache_creation_input_tokens": write,
+        "output_tokens": output_tokens,
+    })
+}
+
+/// Anthropic's `stop_reason` for a plan's finish reason.
+fn stop_reason(finish: &str) -> &str {
+    match finish {
+        "length" => "max_tokens",
+        "tool_calls" => "tool_use",
+        "content_filter" => "refusal",
+        _ => "end_turn",
+    }
+}
+
+/// The plain Messages answer (`message`) of a plan.
+pub(crate) fn message_json(b: &Behavior, ctx: &Ctx, plan: &Plan) -> Value {
+    let mut content = Vec::new();
+    let reasoning = plan.reasoning();
+    if !reasoning.is_empty() {
+        content.push(
+            json!({"type": "thinking", "thinking": reasoning, "signature": "mock-signature"}),
+        );
+    }
+    let text = plan.full_content();
+    if !text.is_empty() || b.tool_call.is_none() {
+        content.push(json!({"type": "text", "text": text}));
+    }
+    if let (Some(t), Some(args)) = (&b.tool_call, plan.tool_arguments()) {
+        let input = serde_json::from_str::<Value>(&args).unwrap_or_else(|_| json!({}));
+        content.push(json!({"type": "tool_use", "id": t.id, "name": t.name, "input": input}));
+    }
+    let mut v = json!({
+        "id": format!("msg_mock-{}", ctx.guard.id),
+        "type": "message",
+        "role": "assistant",
+        "model": ctx.model,
+        "content": content,
+        "stop_reason": stop_reason(&plan.finish_reason),
+        "stop_sequence": null,
+    });
+    if b.usage != UsageMode::None {
+        v["usage"] = messages_usage_json(&plan.usage, plan.usage.completion_tokens);
+    }
+    v
 }
 
 fn sse(v: &Value) -> Bytes {
@@ -327,6 +399,17 @@ struct Stream<'a> {
     ctx: Ctx,
     out: &'a Out,
     last_write: Instant,
+    /// Messages: the open content block (its index and kind), and the next index.
+    block: Option<(u32, BlockKind)>,
+    next_block: u32,
+}
+
+/// The kind of a Messages content block.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum BlockKind {
+    Thinking,
+    Text,
+    Tool,
 }
 
 impl Stream<'_> {
@@ -350,6 +433,74 @@ impl Stream<'_> {
         self.ctx.guard.frames_sent += 1;
     }
 
+    /// A named event (Messages): `event: <type>` and the object as its data.
+    async fn event(&mut self, v: &Value) {
+        let name = v.get("type").and_then(Value::as_str).unwrap_or("message");
+        let b = format!("event: {name}\ndata: {v}\n\n");
+        self.write(Bytes::from(b)).await;
+        self.ctx.guard.frames_sent += 1;
+    }
+
+    /// Closes the open Messages block (a thinking block gets its signature first).
+    async fn close_block(&mut self) {
+        if let Some((index, kind)) = self.block.take() {
+            if kind == BlockKind::Thinking {
+                let v = json!({"type": "content_block_delta", "index": index,
+                    "delta": {"type": "signature_delta", "signature": "mock-signature"}});
+                self.event(&v).await;
+            }
+            self.event(&json!({"type": "content_block_stop", "index": index}))
+                .await;
+        }
+    }
+
+    /// The Messages events of one item: a new block when the kind changes, then its
+    /// delta.
+    async fn messages_item(&mut self, item: &Item) {
+        let kind = match item {
+            Item::Reasoning(_) => BlockKind::Thinking,
+            Item::Content(_) => BlockKind::Text,
+            Item::Tool { .. } => BlockKind::Tool,
+        };
+        let new_tool = matches!(item, Item::Tool { first: true, .. });
+        if self.block.map(|(_, k)| k) != Some(kind) || new_tool {
+            self.close_block().await;
+            let index = self.next_block;
+            self.next_block += 1;
+            let start = match kind {
+                BlockKind::Thinking => json!({"type": "thinking", "thinking": "", "signature": ""}),
+                BlockKind::Text => json!({"type": "text", "text": ""}),
+                BlockKind::Tool => {
+                    let t = self.b.tool_call.clone().unwrap_or_default();
+                    json!({"type": "tool_use", "id": t.id, "name": t.name, "input": {}})
+                }
+            };
+            let v = json!({"type": "content_block_start", "index": index, "content_block": start});
+            self.event(&v).await;
+            self.block = Some((index, kind));
+        }
+        let index = self.block.map_or(0, |(i, _)| i);
+        let delta = match item {
+            Item::Reasoning(s) => json!({"type": "thinking_delta", "thinking": s}),
+            Item::Content(s) => json!({"type": "text_delta", "text": s}),
+            Item::Tool { args, .. } => json!({"type": "input_json_delta", "partial_json": args}),
+        };
+        self.event(&json!({"type": "content_block_delta", "index": index, "delta": delta}))
+            .await;
+    }
+
+    /// The end of a Messages stream: the open block closed, `message_delta` with the
+    /// stop reason (and usage, unless the behavior has none), `message_stop`.
+    async fn messages_finish(&mut self, plan: &Plan) {
+        self.close_block().await;
+        let mut v = json!({"type": "message_delta",
+            "delta": {"stop_reason": stop_reason(&plan.finish_reason), "stop_sequence": null}});
+        if self.b.usage != UsageMode::None {
+            v["usage"] = messages_usage_json(&plan.usage, plan.usage.completion_tokens);
+        }
+        self.event(&v).await;
+    }
+
     /// Silence until `at`, with keepalive comments when configured.
     async fn wait_until(&mut self, at: Instant) {
         if let Some(k) = self.b.keepalive_ms.filter(|k| *k > 0.0) {
@@ -360,7 +511,11 @@ impl Stream<'_> {
                     break;
                 }
                 tokio::time::sleep_until(next).await;
-                self.write(Bytes::from_static(b": keepalive\n\n")).await;
+                let k: &'static [u8] = match self.ctx.api {
+                    WireApi::Chat => b": keepalive\n\n",
+                    WireApi::Messages => b"event: ping\ndata: {\"type\": \"ping\"}\n\n",
+                };
+                self.write(Bytes::from_static(k)).await;
                 self.ctx.guard.keepalives_sent += 1;
             }
         }
@@ -399,7 +554,19 @@ impl Stream<'_> {
     async fn play(mut self) {
         let plan = Plan::new(self.b, &self.ctx);
         let start = Instant::now();
-        if self.b.role_chunk {
+        let messages = self.ctx.api == WireApi::Messages;
+        if messages {
+            let mut usage = messages_usage_json(&plan.usage, 1);
+            if self.b.usage == UsageMode::None {
+                usage = Value::Null;
+            }
+            let v = json!({"type": "message_start", "message": {
+                "id": format!("msg_mock-{}", self.ctx.guard.id), "type": "message",
+                "role": "assistant", "model": self.ctx.model, "content": [],
+                "stop_reason": null, "stop_sequence": null, "usage": usage}});
+            self.event(&v).await;
+            self.event(&json!({"type": "ping"})).await;
+        } else if self.b.role_chunk {
             let v = self.chunk(json!({"role": "assistant", "content": ""}), None);
             self.frame(&v).await;
         }
@@ -429,6 +596,23 @@ impl Stream<'_> {
             at += ms(self.b.stall_before(i));
             self.wait_until(at).await;
             match &self.b.fault {
+                Some(Fault::MalformedAt { chunk }) if *chunk as usize == i && messages => {
+                    self.write(Bytes::from_static(
+                        b"event: content_block_delta\ndata: {\"type\":\"content_block_delta\",\"index\":0,\"delta\":{\"type\":\"text_delta\",\"text\":\"br\n\n",
+                    ))
+                    .await;
+                    self.ctx.guard.frames_sent += 1;
+                }
+                Some(Fault::ErrorFrameAt { chunk, error }) if *chunk as usize == i && messages => {
+                    let e = error
+                        .clone()
+                        .unwrap_or_else(|| default_error_object(WireApi::Messages));
+                    let b = format!("event: error\ndata: {e}\n\n");
+                    self.write(Bytes::from(b)).await;
+                    self.ctx.guard.frames_sent += 1;
+                    self.ctx.guard.finish(EndKind::Completed);
+                    return;
+                }
                 Some(Fault::MalformedAt { chunk }) if *chunk as usize == i => {
                     self.write(Bytes::from_static(
                         b"data: {\"id\":\"chatcmpl-mock\",\"choices\":[{\"index\":0,\"delta\":{\"content\":\"br\n\n",
@@ -437,7 +621,9 @@ impl Stream<'_> {
                     self.ctx.guard.frames_sent += 1;
                 }
                 Some(Fault::ErrorFrameAt { chunk, error }) if *chunk as usize == i => {
-                    let e = error.clone().unwrap_or_else(default_error_object);
+                    let e = error
+                        .clone()
+                        .unwrap_or_else(|| default_error_object(WireApi::Chat));
                     self.frame(&e).await;
                     self.ctx.guard.finish(EndKind::Completed);
                     return;
@@ -447,6 +633,17 @@ impl Stream<'_> {
             // Its time has come: generated (billed) even if the client leaves before
             // the write completes.
             self.ctx.guard.generated += 1;
+            if messages {
+                match &plan.items[i] {
+                    Item::Reasoning(s) => self.ctx.guard.reasoning.push_str(s),
+                    Item::Content(s) => self.ctx.guard.content.push_str(s),
+                    Item::Tool { .. } => {}
+                }
+                let item = plan.items[i].clone();
+                self.messages_item(&item).await;
+                self.ctx.guard.chunks_sent += 1;
+                continue;
+            }
             let delta = match &plan.items[i] {
                 Item::Reasoning(s) => {
                     self.ctx.guard.reasoning.push_str(s);
@@ -472,6 +669,23 @@ impl Stream<'_> {
             let v = self.chunk(delta, None);
             self.frame(&v).await;
             self.ctx.guard.chunks_sent += 1;
+        }
+        if messages {
+            self.messages_finish(&plan).await;
+            if self.b.usage != UsageMode::None {
+                self.ctx.guard.usage = Some(plan.usage);
+            }
+            if self.b.fault == Some(Fault::ResetAfterFinish) {
+                return self.reset(EndKind::ResetMidStream).await;
+            }
+            if self.b.fault == Some(Fault::HangAfterFinish) {
+                self.out.drained().await;
+                return self.hang().await;
+            }
+            self.event(&json!({"type": "message_stop"})).await;
+            self.out.drained().await;
+            self.ctx.guard.finish(EndKind::Completed);
+            return;
         }
         let fin = self.finish_frame(&plan);
         self.frame(&fin).await;
@@ -512,6 +726,8 @@ pub(crate) async fn play_stream(b: Behavior, ctx: Ctx, out: Out) {
         ctx,
         out: &out,
         last_write: Instant::now(),
+        block: None,
+        next_block: 0,
     };
     s.play().await;
 }

@@ -102,6 +102,12 @@ pub struct RecordedRequest {
     pub prompt_cache: Option<PromptCacheSeen>,
     /// The behavior played (for raw/profile debugging).
     pub behavior: Option<Behavior>,
+    /// Whether an `x-api-key` header was present (its value is never kept).
+    pub x_api_key: bool,
+    /// The request's `anthropic-*` headers, names lower-case.
+    pub anthropic_headers: Vec<(String, String)>,
+    /// The query string, when the URL had one.
+    pub query: Option<String>,
 }
 
 impl RecordedRequest {

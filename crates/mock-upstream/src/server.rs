@@ -23,7 +23,7 @@ use tokio::task::JoinSet;
 use crate::behavior::{Behavior, Fault, UsageMode};
 use crate::billing::{BillState, Prices};
 use crate::cache::{self, CacheDialect, CacheUse, PrefixCache, PromptCacheSeen, Store};
-use crate::play::{self, Ctx, Plan, PlayerBody};
+use crate::play::{self, Ctx, Plan, PlayerBody, WireApi};
 use crate::prefill::{self, Decision, PrefillOutcome, PrefillPolicy, PrefillSeen};
 use crate::profile::Profile;
 use crate::record::{now, EndKind, Guard, Log, RecordedRequest};
@@ -251,6 +251,45 @@ fn json_response(status: u16, v: &Value, b: Option<&Behavior>) -> Response<RespB
 }
 
 /// OpenAI's error shape, with a default code and message per status.
+/// [`error_json`] in the API's shape: Anthropic's `{"type":"error","error":{…}}` for
+/// Messages, with the type Anthropic uses for the status (or `code`).
+pub(crate) fn error_json_in(
+    api: WireApi,
+    status: u16,
+    code: Option<&str>,
+    message: Option<&str>,
+) -> Value {
+    match api {
+        WireApi::Chat => error_json(status, code, message),
+        WireApi::Messages => {
+            let ty = code.unwrap_or(match status {
+                400 | 422 => "invalid_request_error",
+                401 => "authentication_error",
+                402 => "billing_error",
+                403 => "permission_error",
+                404 => "not_found_error",
+                413 => "request_too_large",
+                429 => "rate_limit_error",
+                529 => "overloaded_error",
+                504 => "timeout_error",
+                _ => "api_error",
+            });
+            let message = message.map_or_else(
+                || match ty {
+                    "overloaded_error" => "Overloaded".to_string(),
+                    "rate_limit_error" => {
+                        "Number of request tokens has exceeded your per-minute rate limit"
+                            .to_string()
+                    }
+                    _ => format!("mock error {status}"),
+                },
+                str::to_string,
+            );
+            json!({"type": "error", "error": {"type": ty, "message": message}})
+        }
+    }
+}
+
 pub(crate) fn error_json(status: u16, code: Option<&str>, message: Option<&str>) -> Value {
     let (dcode, dmsg) = match status {
         400 => ("invalid_request_error", "Invalid request."),
@@ -305,6 +344,23 @@ async fn handle_request(
 ) -> Result<Response<RespBody>, Infallible> {
     let method = req.method().clone();
     let path = req.uri().path().to_string();
+    let query = req.uri().query().map(str::to_string);
+    let anthropic_headers: Vec<(String, String)> = req
+        .headers()
+        .iter()
+        .filter(|(k, _)| k.as_str().starts_with("anthropic-"))
+        .map(|(k, v)| {
+            (
+                k.to_string(),
+                String::from_utf8_lossy(v.as_bytes()).into_owned(),
+            )
+        })
+        .collect();
+    let api_key = req
+        .headers()
+        .get("x-api-key")
+        .and_then(|v| v.to_str().ok())
+        .map(str::to_string);
     let header = |name: &str| {
         req.headers()
             .get(name)
@@ -359,6 +415,9 @@ async fn handle_request(
         images: Vec::new(),
         prompt_cache: None,
         behavior: None,
+        x_api_key: api_key.is_some(),
+        anthropic_headers,
+        query,
     });
     let guard = Guard::new(log, id);
 
@@ -372,9 +431,18 @@ async fn handle_request(
         json_response(status, &v, None)
     };
 
+    let api = if path == "/v1/messages" {
+        WireApi::Messages
+    } else {
+        WireApi::Chat
+    };
     if let Some(k) = &shared.cfg.require_key {
-        if auth.as_deref() != Some(format!("Bearer {k}").as_str()) {
-            return Ok(simple(guard, 401, error_json(401, None, None)));
+        let ok = match api {
+            WireApi::Messages => api_key.as_deref() == Some(k.as_str()),
+            WireApi::Chat => auth.as_deref() == Some(format!("Bearer {k}").as_str()),
+        };
+        if !ok {
+            return Ok(simple(guard, 401, error_json_in(api, 401, None, None)));
         }
     }
     if raw.is_err() {
@@ -394,12 +462,23 @@ async fn handle_request(
                 .collect();
             simple(guard, 200, json!({"object": "list", "data": data}))
         }
-        (&Method::POST, "/v1/chat/completions") | (&Method::POST, "/v1/embeddings") => {
+        (&Method::POST, "/v1/chat/completions")
+        | (&Method::POST, "/v1/embeddings")
+        | (&Method::POST, "/v1/messages") => {
             if !body_ok || !body.is_object() {
                 return Ok(simple(
                     guard,
                     400,
-                    error_json(400, None, Some("The body is not a JSON object.")),
+                    error_json_in(api, 400, None, Some("The body is not a JSON object.")),
+                ));
+            }
+            if api == WireApi::Messages && body.get("max_tokens").and_then(Value::as_u64).is_none()
+            {
+                // Anthropic's own wording.
+                return Ok(simple(
+                    guard,
+                    400,
+                    error_json_in(api, 400, None, Some("max_tokens: Field required")),
                 ));
             }
             let b = shared.next_behavior(&body);
@@ -407,7 +486,7 @@ async fn handle_request(
             if path.ends_with("/embeddings") {
                 embeddings(&shared, kill, guard, b, body).await
             } else {
-                chat(&shared, kill, guard, b, body, call_id).await
+                chat(&shared, kill, guard, b, body, call_id, api).await
             }
         }
         _ => simple(
@@ -438,6 +517,7 @@ async fn prelude(
     kill: &Notify,
     mut guard: Guard,
     b: &Behavior,
+    api: WireApi,
 ) -> Result<Guard, Response<RespBody>> {
     if b.headers_delay_ms > 0.0 {
         tokio::time::sleep(ms(b.headers_delay_ms)).await;
@@ -459,7 +539,8 @@ async fn prelude(
             )
         } else {
             let v = b.error_body.clone().unwrap_or_else(|| {
-                error_json(
+                error_json_in(
+                    api,
                     b.status,
                     b.error_code.as_deref(),
                     b.error_message.as_deref(),
@@ -518,8 +599,9 @@ async fn chat(
     mut b: Behavior,
     body: Value,
     call_id: Option<String>,
+    api: WireApi,
 ) -> Response<RespBody> {
-    let guard = match prelude(&kill, guard, &b).await {
+    let guard = match prelude(&kill, guard, &b, api).await {
         Ok(g) => g,
         Err(resp) => return resp,
     };
@@ -541,7 +623,7 @@ async fn chat(
             let mut g = guard;
             g.headers_sent(400);
             g.finish(EndKind::Error { status: 400 });
-            let v = error_json(400, Some("invalid_request_error"), Some(message));
+            let v = error_json_in(api, 400, Some("invalid_request_error"), Some(message));
             return json_response(400, &v, None);
         }
         Decision::Ignore(p) => (None, Some(seen(&p, PrefillOutcome::Ignored))),
@@ -594,6 +676,7 @@ async fn chat(
         cache: cache_use,
         kill,
         guard,
+        api,
     };
     let plan = Plan::new(&b, &ctx);
     {
@@ -696,12 +779,17 @@ async fn chat(
         tokio::time::sleep_until(at).await;
     }
     if let Some(Fault::ErrorFrameAt { error, .. }) = &b.fault {
-        let e = error.clone().unwrap_or_else(play::default_error_object);
+        let e = error
+            .clone()
+            .unwrap_or_else(|| play::default_error_object(api));
         ctx.guard.headers_sent(b.status);
         ctx.guard.finish(EndKind::Completed);
         return json_response(b.status, &e, Some(&b));
     }
-    let v = play::completion_json(&b, &ctx, &plan);
+    let v = match api {
+        WireApi::Chat => play::completion_json(&b, &ctx, &plan),
+        WireApi::Messages => play::message_json(&b, &ctx, &plan),
+    };
     let bytes = Bytes::from(v.to_string());
     ctx.guard.headers_sent(b.status);
     match b.fault {
@@ -754,7 +842,7 @@ async fn embeddings(
     b: Behavior,
     body: Value,
 ) -> Response<RespBody> {
-    let mut guard = match prelude(&kill, guard, &b).await {
+    let mut guard = match prelude(&kill, guard, &b, WireApi::Chat).await {
         Ok(g) => g,
         Err(resp) => return resp,
     };
@@ -783,7 +871,9 @@ async fn embeddings(
     match &b.fault {
         Some(Fault::ErrorFrameAt { error, .. }) => {
             guard.finish(EndKind::Completed);
-            let e = error.clone().unwrap_or_else(play::default_error_object);
+            let e = error
+                .clone()
+                .unwrap_or_else(|| play::default_error_object(WireApi::Chat));
             return json_response(b.status, &e, Some(&b));
         }
         Some(Fault::MalformedAt { .. }) | Some(Fault::TruncateAfter { .. }) => {

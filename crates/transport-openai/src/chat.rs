@@ -7,12 +7,12 @@ use async_trait::async_trait;
 use base64::Engine as _;
 use polygw_core::body::{chat_body_bytes, ocr_body};
 use polygw_core::classify::Failure;
+use polygw_core::native::messages::{self, MessagesReader};
+use polygw_core::native::NativeRequest;
 use polygw_core::ports::{
     ChatAttempt, ChunkObserver, Clock, NullObserver, OcrResult, OcrTransport, StreamDelta,
     ToolCallDelta, Transport, TransportResult,
 };
-use polygw_core::native::messages::{self, MessagesReader};
-use polygw_core::native::NativeRequest;
 use polygw_core::source::SourceApi;
 use polygw_core::stall::StallMeter;
 use polygw_core::{AttemptError, ErrorClass, SourceConfig, Usage, UsageSource};
@@ -213,8 +213,13 @@ fn attempt_body<'r>(
 }
 
 /// Folds a plain Messages answer; checks an error body and the content cap.
-fn messages_aggregate(obj: &Map<String, Value>, cfg: &TransportConfig) -> Result<Aggregate, PlainError> {
-    if let Some(e) = messages::error_of(obj).filter(|_| obj.get("type").and_then(Value::as_str) == Some("error")) {
+fn messages_aggregate(
+    obj: &Map<String, Value>,
+    cfg: &TransportConfig,
+) -> Result<Aggregate, PlainError> {
+    if let Some(e) =
+        messages::error_of(obj).filter(|_| obj.get("type").and_then(Value::as_str) == Some("error"))
+    {
         return Err(PlainError(
             Failure::InBand {
                 status: None,
@@ -475,7 +480,10 @@ impl OpenAiTransport {
 
     /// A plain call to a `messages` source: the client's body with the edits of SPEC
     /// §23.2; the answer is read for the engine and kept as received for the client.
-    async fn messages_plain(&self, attempt: ChatAttempt<'_>) -> Result<TransportResult, AttemptError> {
+    async fn messages_plain(
+        &self,
+        attempt: ChatAttempt<'_>,
+    ) -> Result<TransportResult, AttemptError> {
         let source = attempt.source;
         let key = source.api_key.expose();
         let (native, body) = attempt_body(&attempt)?;
@@ -745,7 +753,11 @@ impl<'a> StreamState<'a> {
     }
 
     /// Handles one event of a `messages` source (SPEC §23.4).
-    fn on_messages_event(&mut self, ev: SseEvent, at: &mut Option<Instant>) -> Result<bool, Failure> {
+    fn on_messages_event(
+        &mut self,
+        ev: SseEvent,
+        at: &mut Option<Instant>,
+    ) -> Result<bool, Failure> {
         self.events_seen += 1;
         let Some(reader) = self.messages.as_mut() else {
             return Ok(false);
@@ -755,7 +767,9 @@ impl<'a> StreamState<'a> {
         }
         let d = match reader.on_event(ev.event.as_deref(), &ev.data) {
             Ok(d) => d,
-            Err(messages::ReadError::Malformed(detail)) => return Err(Failure::Malformed { detail }),
+            Err(messages::ReadError::Malformed(detail)) => {
+                return Err(Failure::Malformed { detail })
+            }
             Err(messages::ReadError::Provider(e)) => {
                 return Err(Failure::InBand {
                     status: None,

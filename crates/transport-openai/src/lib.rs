@@ -21,8 +21,8 @@ use std::fmt;
 use std::sync::Arc;
 use std::time::Duration;
 
-use polygw_core::ports::Clock;
 use polygw_core::native::NativeRequest;
+use polygw_core::ports::Clock;
 use polygw_core::source::{SourceApi, SourceAuth};
 use polygw_core::SourceConfig;
 use reqwest::header::{HeaderValue, ACCEPT, AUTHORIZATION, CONTENT_TYPE};
@@ -246,7 +246,9 @@ impl OpenAiTransport {
         stream: bool,
     ) -> reqwest::RequestBuilder {
         let path = source.api.path(&source.base_url);
-        let query = native.and_then(|n| n.query.as_deref()).filter(|q| !q.is_empty());
+        let query = native
+            .and_then(|n| n.query.as_deref())
+            .filter(|q| !q.is_empty());
         let rb = match (query, self.inner.urls.get(&source.base_url, path)) {
             (None, Some(url)) => self.inner.client.post(url),
             (None, None) => self.inner.client.post(endpoint_url(&source.base_url, path)),
@@ -266,7 +268,10 @@ impl OpenAiTransport {
                 }
             }
             if !version {
-                rb = rb.header("anthropic-version", HeaderValue::from_static(ANTHROPIC_VERSION));
+                rb = rb.header(
+                    "anthropic-version",
+                    HeaderValue::from_static(ANTHROPIC_VERSION),
+                );
             }
         }
         rb

@@ -143,7 +143,8 @@ impl MessagesReader {
             _ if event == Some("error") => {
                 return Err(ReadError::Provider(MessagesError {
                     kind: None,
-                    message: (!text.is_empty()).then(|| crate::error::shorten(text.to_string(), 512)),
+                    message: (!text.is_empty())
+                        .then(|| crate::error::shorten(text.to_string(), 512)),
                 }))
             }
             Ok(_) => {
@@ -332,28 +333,59 @@ mod tests {
     #[test]
     fn a_stream_reads_as_its_text_tools_stop_and_usage() {
         let mut r = MessagesReader::new();
-        let d = ev(&mut r, "message_start", json!({"type":"message_start","message":{"id":"msg_1","model":"claude-x","usage":{"input_tokens":10,"cache_read_input_tokens":100,"cache_creation_input_tokens":20,"output_tokens":1}}}));
+        let d = ev(
+            &mut r,
+            "message_start",
+            json!({"type":"message_start","message":{"id":"msg_1","model":"claude-x","usage":{"input_tokens":10,"cache_read_input_tokens":100,"cache_creation_input_tokens":20,"output_tokens":1}}}),
+        );
         assert!(!d.is_incremental());
         assert_eq!(d.model.as_deref(), Some("claude-x"));
         assert_eq!(d.usage.unwrap().prompt_tokens, 130);
         let d = ev(&mut r, "ping", json!({"type":"ping"}));
         assert!(!d.is_incremental() && !d.is_empty_chunk());
         // An empty text block's start is already the first content event.
-        let d = ev(&mut r, "content_block_start", json!({"type":"content_block_start","index":0,"content_block":{"type":"text","text":""}}));
+        let d = ev(
+            &mut r,
+            "content_block_start",
+            json!({"type":"content_block_start","index":0,"content_block":{"type":"text","text":""}}),
+        );
         assert!(d.is_incremental());
-        let d = ev(&mut r, "content_block_delta", json!({"type":"content_block_delta","index":0,"delta":{"type":"text_delta","text":"Hi"}}));
+        let d = ev(
+            &mut r,
+            "content_block_delta",
+            json!({"type":"content_block_delta","index":0,"delta":{"type":"text_delta","text":"Hi"}}),
+        );
         assert_eq!(d.content.as_deref(), Some("Hi"));
-        ev(&mut r, "content_block_stop", json!({"type":"content_block_stop","index":0}));
-        let d = ev(&mut r, "content_block_start", json!({"type":"content_block_start","index":1,"content_block":{"type":"tool_use","id":"toolu_1","name":"get","input":{}}}));
+        ev(
+            &mut r,
+            "content_block_stop",
+            json!({"type":"content_block_stop","index":0}),
+        );
+        let d = ev(
+            &mut r,
+            "content_block_start",
+            json!({"type":"content_block_start","index":1,"content_block":{"type":"tool_use","id":"toolu_1","name":"get","input":{}}}),
+        );
         assert_eq!(d.tool_calls[0].name.as_deref(), Some("get"));
-        let d = ev(&mut r, "content_block_delta", json!({"type":"content_block_delta","index":1,"delta":{"type":"input_json_delta","partial_json":"{\"a\":1}"}}));
+        let d = ev(
+            &mut r,
+            "content_block_delta",
+            json!({"type":"content_block_delta","index":1,"delta":{"type":"input_json_delta","partial_json":"{\"a\":1}"}}),
+        );
         assert_eq!(d.tool_calls[0].arguments, "{\"a\":1}");
         assert_eq!(d.tool_calls[0].index, 1);
-        let d = ev(&mut r, "message_delta", json!({"type":"message_delta","delta":{"stop_reason":"tool_use"},"usage":{"output_tokens":42}}));
+        let d = ev(
+            &mut r,
+            "message_delta",
+            json!({"type":"message_delta","delta":{"stop_reason":"tool_use"},"usage":{"output_tokens":42}}),
+        );
         assert_eq!(d.finish_reason.as_deref(), Some("tool_calls"));
         let u = d.usage.unwrap();
         assert_eq!((u.prompt_tokens, u.completion_tokens), (130, 42));
-        assert_eq!((u.cached_prompt_tokens, u.cache_write_tokens), (Some(100), Some(20)));
+        assert_eq!(
+            (u.cached_prompt_tokens, u.cache_write_tokens),
+            (Some(100), Some(20))
+        );
         ev(&mut r, "message_stop", json!({"type":"message_stop"}));
         assert!(r.done());
     }
@@ -361,12 +393,23 @@ mod tests {
     #[test]
     fn signature_and_redacted_blocks_are_progress_and_errors_are_read() {
         let mut r = MessagesReader::new();
-        let d = ev(&mut r, "content_block_delta", json!({"type":"content_block_delta","index":0,"delta":{"type":"signature_delta","signature":"abc"}}));
+        let d = ev(
+            &mut r,
+            "content_block_delta",
+            json!({"type":"content_block_delta","index":0,"delta":{"type":"signature_delta","signature":"abc"}}),
+        );
         assert!(d.is_incremental());
-        let d = ev(&mut r, "content_block_start", json!({"type":"content_block_start","index":1,"content_block":{"type":"redacted_thinking","data":"x"}}));
+        let d = ev(
+            &mut r,
+            "content_block_start",
+            json!({"type":"content_block_start","index":1,"content_block":{"type":"redacted_thinking","data":"x"}}),
+        );
         assert!(d.is_incremental());
         let e = r
-            .on_event(Some("error"), r#"{"type":"error","error":{"type":"overloaded_error","message":"Overloaded"}}"#)
+            .on_event(
+                Some("error"),
+                r#"{"type":"error","error":{"type":"overloaded_error","message":"Overloaded"}}"#,
+            )
             .unwrap_err();
         assert_eq!(
             e,
@@ -375,10 +418,18 @@ mod tests {
                 message: Some("Overloaded".into())
             })
         );
-        assert!(matches!(r.on_event(None, "[1,2]"), Err(ReadError::Malformed(_))));
-        assert!(matches!(r.on_event(Some("ping"), "{"), Err(ReadError::Malformed(_))));
+        assert!(matches!(
+            r.on_event(None, "[1,2]"),
+            Err(ReadError::Malformed(_))
+        ));
+        assert!(matches!(
+            r.on_event(Some("ping"), "{"),
+            Err(ReadError::Malformed(_))
+        ));
         // An unknown event type passes, not as progress.
-        let d = r.on_event(Some("future_event"), r#"{"type":"future_event","x":1}"#).unwrap();
+        let d = r
+            .on_event(Some("future_event"), r#"{"type":"future_event","x":1}"#)
+            .unwrap();
         assert!(!d.is_incremental());
         assert_eq!(d.native.unwrap().event.as_deref(), Some("future_event"));
     }
@@ -392,7 +443,10 @@ mod tests {
         let a = read_message(m.as_object().unwrap());
         assert_eq!((a.content.as_str(), a.reasoning.as_str()), ("ok", "hm"));
         assert_eq!(a.finish_reason.as_deref(), Some("stop"));
-        assert_eq!(a.tool_calls, vec![(2, Some("t".into()), Some("f".into()), "{\"a\":1}".into())]);
+        assert_eq!(
+            a.tool_calls,
+            vec![(2, Some("t".into()), Some("f".into()), "{\"a\":1}".into())]
+        );
         assert_eq!(a.usage.to_usage().prompt_tokens, 8);
     }
 

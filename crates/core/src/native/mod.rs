@@ -28,7 +28,12 @@ impl NativeRequest {
     /// The body a source gets: the client's, with the edits of SPEC §23.2 that apply
     /// here — `model` is the source's, `stream` as the engine reads it, then the
     /// source's `EXTRA_BODY` merged on top (as on chat sources).
-    pub fn body_for(&self, model: &str, stream: bool, extra: &Map<String, Value>) -> Map<String, Value> {
+    pub fn body_for(
+        &self,
+        model: &str,
+        stream: bool,
+        extra: &Map<String, Value>,
+    ) -> Map<String, Value> {
         let mut body = self.body.clone();
         body.insert("model".into(), Value::String(model.to_string()));
         if stream {

@@ -166,9 +166,11 @@ pub fn message_object(id: &str, meta: &MessagesMeta, answer: &LlmResponse) -> Va
 /// status a client should see, from polygw's status: 400 invalid_request_error, 401
 /// authentication_error, 402 billing_error, 403 permission_error, 404 not_found_error,
 /// 409 conflict_error, 413 request_too_large, 429 rate_limit_error, 500 api_error,
-/// 502 / 503 → 529 overloaded_error, 504 timeout_error; other 4xx invalid_request_error
-/// and other 5xx api_error with their status. The Anthropic SDK retries 408, 409, 429
-/// and every status ≥ 500 (529 and 504 included).
+/// 503 → 529 overloaded_error, 504 timeout_error; other 4xx invalid_request_error
+/// and other 5xx api_error with their status — a 502 (a source that cannot serve the
+/// call: its key, billing or model) stays a 502 (SPEC §23.2) and carries
+/// `x-should-retry: false`. The Anthropic SDK retries 408, 409, 429 and every status
+/// ≥ 500 (529 and 504 included) unless `x-should-retry` says otherwise.
 pub fn error_body(status: u16, message: &str) -> (u16, Value) {
     let (status, ty) = match status {
         400 => (400, "invalid_request_error"),
@@ -179,7 +181,7 @@ pub fn error_body(status: u16, message: &str) -> (u16, Value) {
         409 => (409, "conflict_error"),
         413 => (413, "request_too_large"),
         429 => (429, "rate_limit_error"),
-        502 | 503 | 529 => (529, "overloaded_error"),
+        503 | 529 => (529, "overloaded_error"),
         504 => (504, "timeout_error"),
         s if (400..500).contains(&s) => (s, "invalid_request_error"),
         s if s >= 500 => (s, "api_error"),
@@ -241,7 +243,7 @@ mod tests {
             (422, 422, "invalid_request_error"),
             (429, 429, "rate_limit_error"),
             (500, 500, "api_error"),
-            (502, 529, "overloaded_error"),
+            (502, 502, "api_error"),
             (503, 529, "overloaded_error"),
             (504, 504, "timeout_error"),
             (507, 507, "api_error"),

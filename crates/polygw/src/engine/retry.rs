@@ -227,7 +227,8 @@ impl Engine {
             .collect();
         if !foreign.is_empty() {
             if foreign.len() == self.scope.sources.len() {
-                let apis: BTreeSet<&str> = self.scope.sources.iter().map(|s| s.api.as_str()).collect();
+                let apis: BTreeSet<&str> =
+                    self.scope.sources.iter().map(|s| s.api.as_str()).collect();
                 return Err(GatewayError::InvalidRequest {
                     field: "model".into(),
                     message: format!(

@@ -21,13 +21,13 @@ use crate::http::{
     failure_headers, list_header, read_body, read_body_up_to, run_plain, set_request_id, Conn,
     Stopped,
 };
-use polygw::core::native::NativeRequest;
-use polygw::core::source::SourceApi;
 use crate::names;
 use crate::route::responses::dialect_error;
 use crate::state::State as AppState;
 use crate::stream::{respond, Encoder};
 use polygw::core::client_key::ClientKey;
+use polygw::core::native::NativeRequest;
+use polygw::core::source::SourceApi;
 
 /// Anthropic's request size limit: `/v1/messages` takes bodies up to it whatever
 /// `--max-body-bytes` says, when that is smaller (SPEC §23.2).
@@ -149,7 +149,10 @@ async fn create_inner(
                 let mut resp = match r.upstream_body.as_ref() {
                     // A `messages` source's answer, as it sent it.
                     Some(b) if native_sources.contains(&r.source) => (
-                        [(header::CONTENT_TYPE, HeaderValue::from_static("application/json"))],
+                        [(
+                            header::CONTENT_TYPE,
+                            HeaderValue::from_static("application/json"),
+                        )],
                         b.clone(),
                     )
                         .into_response(),
@@ -233,7 +236,9 @@ fn native_request(bytes: &[u8], query: Option<&str>, headers: &HeaderMap) -> Opt
 enum Mode {
     Undecided,
     /// A `messages` source's events, passed as received.
-    Native { stopped: bool },
+    Native {
+        stopped: bool,
+    },
     /// Chunks of another API, translated.
     Translated,
 }

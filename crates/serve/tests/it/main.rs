@@ -8,6 +8,7 @@ mod conformance;
 mod hardening;
 mod honest;
 mod keys;
+mod native;
 mod recorded;
 mod routes_rows;
 mod support;

@@ -1,0 +1,350 @@
+//! Issue 35 (SPEC §23.1–23.4): `messages` sources. A Messages client's request reaches
+//! the source as it sent it (model aside), with its query string and `anthropic-*`
+//! headers; the source's answer and events reach the client as the source sent them;
+//! faults before the first content event fail over; content rejections pass unmodified;
+//! usage with cache reads and writes is priced exactly.
+
+use std::sync::Arc;
+
+use polygw::core::source::SourceApi;
+use polygw::{ScopeKind, SourceConfig};
+use polygw_mock_upstream::{Behavior, Fault, MockConfig, MockUpstream, RetryAfter};
+use polygw_testkit::fakes::RecordingTelemetry;
+use serde_json::{json, Value};
+
+use crate::support::*;
+
+async fn recording_mock(default: Behavior) -> MockUpstream {
+    let m = MockUpstream::start(MockConfig {
+        record_bodies: true,
+        ..MockConfig::default()
+    })
+    .await
+    .unwrap();
+    m.set_default(default);
+    m
+}
+
+/// A `messages` source `{name}-0` on the mock, at its base URL without `/v1` (as
+/// vendors document their Anthropic endpoints).
+fn messages_source(name: &str, m: &MockUpstream) -> SourceConfig {
+    let base = m.base_url().trim_end_matches("/v1").to_string();
+    SourceConfig::new(name, 0, base, UPSTREAM_KEY, format!("claude-{name}"))
+        .with_api(SourceApi::Messages)
+}
+
+async fn messages_scope(sources: Vec<SourceConfig>, t: Option<Arc<RecordingTelemetry>>) -> Served {
+    let scope = scope_with("LLM", ScopeKind::Chat, sources, t, |s| {
+        s.retry.backoff_base = std::time::Duration::from_millis(1);
+        s.retry.backoff_max = std::time::Duration::from_millis(5);
+    })
+    .await;
+    serve(vec![scope]).await
+}
+
+/// A request shaped like Claude Code's: system blocks with `cache_control`, thinking,
+/// 25 tools, `context_management`, `output_config`, metadata and a field polygw has
+/// never heard of.
+fn claude_code_body(stream: bool) -> Value {
+    let tools: Vec<Value> = (0..25)
+        .map(|i| {
+            json!({"name": format!("Tool{i}"), "description": format!("tool {i}"),
+            "input_schema": {"type": "object", "properties": {"p": {"type": "string"}}}})
+        })
+        .collect();
+    json!({
+        "model": "llm",
+        "max_tokens": 32000,
+        "stream": stream,
+        "system": [
+            {"type": "text", "text": "You are Claude Code.", "cache_control": {"type": "ephemeral"}},
+            {"type": "text", "text": "Project notes.", "cache_control": {"type": "ephemeral", "ttl": "1h"}}
+        ],
+        "messages": [
+            {"role": "user", "content": [{"type": "text", "text": "hello there", "cache_control": {"type": "ephemeral"}}]}
+        ],
+        "thinking": {"type": "enabled", "budget_tokens": 16000},
+        "tools": tools,
+        "context_management": {"edits": [{"type": "clear_thinking_20251015", "keep": "all"}]},
+        "output_config": {"effort": "high"},
+        "metadata": {"user_id": "user_abc_account_x_session_y"},
+        "a_field_from_the_future": {"x": [1, 2, 3]}
+    })
+}
+
+async fn post_messages(s: &Served, body: &Value) -> reqwest::Response {
+    http()
+        .post(format!("{}/messages?beta=true", s.v1()))
+        .header("anthropic-version", "2023-06-01")
+        .header(
+            "anthropic-beta",
+            "interleaved-thinking-2025-05-14,context-management-2025-06-27",
+        )
+        .header("x-api-key", "client-key")
+        .json(body)
+        .send()
+        .await
+        .unwrap()
+}
+
+/// SSE events of a body: (event name, data as JSON).
+fn events(text: &str) -> Vec<(String, Value)> {
+    text.split("\n\n")
+        .filter(|e| !e.trim().is_empty())
+        .map(|e| {
+            let mut name = String::new();
+            let mut data = String::new();
+            for l in e.lines() {
+                if let Some(v) = l.strip_prefix("event: ") {
+                    name = v.to_string();
+                } else if let Some(v) = l.strip_prefix("data: ") {
+                    data.push_str(v);
+                }
+            }
+            (name, serde_json::from_str(&data).unwrap_or(Value::Null))
+        })
+        .collect()
+}
+
+#[tokio::test]
+async fn a_claude_code_request_reaches_the_source_unchanged_but_its_model() {
+    for stream in [false, true] {
+        let m = recording_mock(Behavior::text(&["Hi", " there"])).await;
+        let s = messages_scope(vec![messages_source("a", &m)], None).await;
+        let body = claude_code_body(stream);
+        let r = post_messages(&s, &body).await;
+        assert_eq!(r.status(), 200);
+        let text = r.text().await.unwrap();
+        let reqs = m.requests();
+        assert_eq!(reqs.len(), 1);
+        let got = &reqs[0];
+        assert_eq!(got.path, "/v1/messages");
+        assert_eq!(got.query.as_deref(), Some("beta=true"));
+        let mut want = body.clone();
+        want["model"] = json!("claude-a");
+        assert_eq!(got.body, want, "stream={stream}");
+        assert!(
+            got.x_api_key && !got.authorization,
+            "a messages source gets x-api-key"
+        );
+        let h: Vec<(&str, &str)> = got
+            .anthropic_headers
+            .iter()
+            .map(|(k, v)| (k.as_str(), v.as_str()))
+            .collect();
+        assert!(h.contains(&("anthropic-version", "2023-06-01")), "{h:?}");
+        assert!(
+            h.contains(&(
+                "anthropic-beta",
+                "interleaved-thinking-2025-05-14,context-management-2025-06-27"
+            )),
+            "{h:?}"
+        );
+        if stream {
+            // The source's events as it sent them: its message id, its ping, one
+            // message_start, one message_stop.
+            let ev = events(&text);
+            let names: Vec<&str> = ev.iter().map(|(n, _)| n.as_str()).collect();
+            assert_eq!(names.first(), Some(&"message_start"), "{names:?}");
+            assert_eq!(names.iter().filter(|n| **n == "message_start").count(), 1);
+            assert_eq!(names.iter().filter(|n| **n == "message_stop").count(), 1);
+            assert_eq!(names.last(), Some(&"message_stop"));
+            assert!(names.contains(&"ping"));
+            assert!(ev[0].1["message"]["id"]
+                .as_str()
+                .unwrap()
+                .starts_with("msg_mock-"));
+            let text: String = ev
+                .iter()
+                .filter_map(|(_, d)| d["delta"]["text"].as_str())
+                .collect();
+            assert_eq!(text, "Hi there");
+        } else {
+            let v: Value = serde_json::from_str(&text).unwrap();
+            assert!(v["id"].as_str().unwrap().starts_with("msg_mock-"), "{v}");
+            assert_eq!(v["content"][0]["text"], "Hi there");
+            assert_eq!(v["stop_reason"], "end_turn");
+        }
+    }
+}
+
+/// A `messages` source's 529, its 429 with `Retry-After`, an `overloaded_error` event
+/// before the first content event, and a cut before the first token: each fails over to
+/// the second source, and the client gets that source's answer.
+#[tokio::test]
+async fn faults_before_the_first_content_event_fail_over() {
+    let faults = [
+        Behavior::status(529),
+        Behavior {
+            retry_after: Some(RetryAfter::Seconds(30.0)),
+            ..Behavior::status(429)
+        },
+        Behavior::fault(Fault::ErrorFrameAt {
+            chunk: 0,
+            error: None,
+        }),
+        Behavior::fault(Fault::ResetAfter { chunks: 0 }),
+    ];
+    for (i, fault) in faults.into_iter().enumerate() {
+        let bad = recording_mock(fault.clone()).await;
+        let good = recording_mock(Behavior::text(&["fine"])).await;
+        // Sources of their own: breakers and cooldowns are kept per process, scope and
+        // source, and the 429 above put its source in a cooldown.
+        let mut a = messages_source(&format!("a{i}"), &bad);
+        a.priority = 0;
+        let mut b = messages_source(&format!("b{i}"), &good);
+        b.priority = 1;
+        let s = messages_scope(vec![a, b], None).await;
+        let mut body = claude_code_body(true);
+        body["tools"] = json!([]);
+        // Its own session: affinity would send a known session to its last source.
+        body["metadata"]["user_id"] = json!(format!("session-{i}"));
+        let r = post_messages(&s, &body).await;
+        assert_eq!(r.status(), 200, "{fault:?}");
+        let ev = events(&r.text().await.unwrap());
+        let text: String = ev
+            .iter()
+            .filter_map(|(_, d)| d["delta"]["text"].as_str())
+            .collect();
+        assert_eq!(text, "fine", "{fault:?}");
+        assert_eq!(
+            ev.iter().filter(|(n, _)| n == "message_start").count(),
+            1,
+            "{fault:?} {ev:?}"
+        );
+        assert!(ev.iter().all(|(n, _)| n != "error"), "{fault:?}: {ev:?}");
+        assert_eq!(bad.requests().len(), 1, "{fault:?}");
+        assert_eq!(good.requests().len(), 1, "{fault:?}");
+    }
+}
+
+/// A content rejection reaches the client unmodified (status, type, message); a
+/// source's 401 is the source's fault, not the client's: a 5xx in Anthropic's shape
+/// that names no key.
+#[tokio::test]
+async fn content_rejections_pass_and_credential_failures_do_not() {
+    let wording = "prompt is too long: 210000 tokens > 200000 maximum";
+    let m = recording_mock(Behavior {
+        error_message: Some(wording.into()),
+        ..Behavior::status(400)
+    })
+    .await;
+    let s = messages_scope(vec![messages_source("a", &m)], None).await;
+    let r = post_messages(&s, &claude_code_body(false)).await;
+    assert_eq!(r.status(), 400);
+    let v: Value = r.json().await.unwrap();
+    assert_eq!(v["type"], "error");
+    assert_eq!(v["error"]["type"], "invalid_request_error");
+    assert_eq!(v["error"]["message"], wording);
+
+    let m = recording_mock(Behavior::status(401)).await;
+    let s = messages_scope(vec![messages_source("a", &m)], None).await;
+    let r = post_messages(&s, &claude_code_body(false)).await;
+    assert_eq!(r.status(), 502);
+    assert_eq!(r.headers()["x-should-retry"], "false");
+    let v: Value = r.json().await.unwrap();
+    assert_eq!(v["type"], "error");
+    let msg = v["error"]["message"].as_str().unwrap();
+    assert!(msg.contains("a-0"), "names the source: {msg}");
+    assert!(!msg.contains(UPSTREAM_KEY));
+}
+
+/// Anthropic's usage (input without the cache, cache reads, cache writes, output) is
+/// counted and priced exactly: each part at its own price.
+#[tokio::test]
+async fn cache_reads_and_writes_are_priced_exactly() {
+    let sse = [
+        r#"{"type":"message_start","message":{"id":"msg_1","type":"message","role":"assistant","model":"claude-a","content":[],"stop_reason":null,"usage":{"input_tokens":10,"cache_read_input_tokens":1000,"cache_creation_input_tokens":200,"output_tokens":1}}}"#,
+        r#"{"type":"content_block_start","index":0,"content_block":{"type":"text","text":""}}"#,
+        r#"{"type":"content_block_delta","index":0,"delta":{"type":"text_delta","text":"ok"}}"#,
+        r#"{"type":"content_block_stop","index":0}"#,
+        r#"{"type":"message_delta","delta":{"stop_reason":"end_turn"},"usage":{"output_tokens":50}}"#,
+        r#"{"type":"message_stop"}"#,
+    ];
+    let raw: String = sse
+        .iter()
+        .map(|d| {
+            let name = serde_json::from_str::<Value>(d).unwrap()["type"]
+                .as_str()
+                .unwrap()
+                .to_string();
+            format!("event: {name}\ndata: {d}\n\n")
+        })
+        .collect();
+    let m = recording_mock(Behavior {
+        raw_sse: Some(raw),
+        ..Behavior::default()
+    })
+    .await;
+    let t = RecordingTelemetry::new();
+    let src = messages_source("a", &m)
+        .with_prices(3.0, 15.0)
+        .with_cached_input_price(0.3)
+        .with_cache_write_price(3.75);
+    let s = messages_scope(vec![src], Some(t.clone())).await;
+    let mut body = claude_code_body(true);
+    body["tools"] = json!([]);
+    let r = post_messages(&s, &body).await;
+    assert_eq!(r.status(), 200);
+    let ev = events(&r.text().await.unwrap());
+    assert_eq!(ev.len(), 6, "every event, as sent");
+    drop(s);
+    let rows = t.rows();
+    let row = rows
+        .iter()
+        .find(|r| r.ok && r.source.is_some())
+        .expect("a success row");
+    assert_eq!(row.prompt_tokens, Some(1210));
+    assert_eq!(row.completion_tokens, Some(50));
+    assert_eq!(row.cached_prompt_tokens, Some(1000));
+    assert_eq!(row.cache_write_tokens, Some(200));
+    // 10 × 3 + 1000 × 0.3 + 200 × 3.75 + 50 × 15, per million.
+    let want = (10.0 * 3.0 + 1000.0 * 0.3 + 200.0 * 3.75 + 50.0 * 15.0) / 1e6;
+    let cost = row.cost.expect("priced");
+    assert!((cost - want).abs() < 1e-12, "{cost} != {want}");
+}
+
+/// A chat client cannot be served by a scope whose sources all speak Messages (no
+/// translation to them yet): a 400 that says so, and the source is never called.
+#[tokio::test]
+async fn a_chat_request_to_a_messages_only_scope_is_refused_by_name() {
+    let m = recording_mock(Behavior::text(&["x"])).await;
+    let s = messages_scope(vec![messages_source("a", &m)], None).await;
+    let r = http()
+        .post(format!("{}/chat/completions", s.v1()))
+        .json(&json!({"model": "llm", "messages": [{"role": "user", "content": "hi"}]}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 400);
+    let v: Value = r.json().await.unwrap();
+    let msg = v["error"]["message"].as_str().unwrap();
+    assert!(msg.contains("messages"), "{msg}");
+    assert!(m.requests().is_empty());
+}
+
+/// A scope of a chat and a messages source serves a Messages client from either: the
+/// messages source's events pass as sent, the chat source's answer is translated.
+#[tokio::test]
+async fn a_mixed_scope_serves_a_messages_client_from_either_source() {
+    let chat = recording_mock(Behavior::text(&["from", " chat"])).await;
+    let native = recording_mock(Behavior::status(529)).await;
+    let mut a = messages_source("a", &native);
+    a.priority = 0;
+    let mut b = source("b", &chat);
+    b.priority = 1;
+    let s = messages_scope(vec![a, b], None).await;
+    let mut body = claude_code_body(true);
+    body["tools"] = json!([]);
+    body.as_object_mut().unwrap().remove("thinking");
+    let r = post_messages(&s, &body).await;
+    assert_eq!(r.status(), 200);
+    let ev = events(&r.text().await.unwrap());
+    let text: String = ev
+        .iter()
+        .filter_map(|(_, d)| d["delta"]["text"].as_str())
+        .collect();
+    assert_eq!(text, "from chat");
+    assert_eq!(ev.iter().filter(|(n, _)| n == "message_start").count(), 1);
+    assert_eq!(chat.requests()[0].path, "/v1/chat/completions");
+}
