@@ -52,6 +52,18 @@ pub async fn run(args: CheckArgs) -> Result<ExitCode> {
                         polygw::core::retry_throttle::describe(&loaded.settings.retry.throttle)
                     );
                 }
+                for src in &loaded.settings.sources {
+                    println!(
+                        "source {}: API {}, auth {}, POST {}",
+                        src.name,
+                        src.api.as_str(),
+                        match src.effective_auth() {
+                            polygw::core::source::SourceAuth::XApiKey => "x-api-key",
+                            polygw::core::source::SourceAuth::Bearer => "bearer",
+                        },
+                        polygw::core::secret::redact_url(&src.request_url())
+                    );
+                }
                 println!("{}", serde_json::to_string_pretty(&loaded.settings)?);
                 routing.push((scope.clone(), loaded.settings.model_aliases.clone()));
                 for w in &loaded.warnings {

@@ -308,6 +308,16 @@ pub fn check(s: &ScopeSettings, kind: ScopeKind) -> Result<Vec<ConfigWarning>, C
         if let Some(t) = src.inter_token_timeout {
             push(duration(&k("INTER_TOKEN_TIMEOUT_S"), t).map(|_| ()));
         }
+        if kind != ScopeKind::Chat && src.api != crate::source::SourceApi::Chat {
+            push(Err(invalid(
+                &k("API"),
+                src.api.as_str(),
+                &format!(
+                    "chat: a {} scope calls OpenAI-compatible endpoints only",
+                    kind.operation()
+                ),
+            )));
+        }
         push(int_in(&k("WEIGHT"), src.weight, &WEIGHT_RANGE).map(|_| ()));
         push(int_in(&k("BATCH_SIZE"), src.batch_size, &BATCH_SIZE_RANGE).map(|_| ()));
         let est = src.effective_est_tokens(s.limits.tpm);

@@ -5,7 +5,7 @@
 use std::sync::Arc;
 
 use axum::extract::{Extension, Path, State};
-use axum::http::{header, StatusCode};
+use axum::http::{header, HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
 use serde_json::json;
@@ -17,6 +17,17 @@ use crate::state::State as AppState;
 
 fn model_object(id: &str) -> serde_json::Value {
     json!({"id": id, "object": "model", "created": 0, "owned_by": "polygw"})
+}
+
+/// Whether the request is an Anthropic client's (it sends `anthropic-version`): it gets
+/// Anthropic's shapes (SPEC §23.7; Claude Code discovers a gateway's models this way).
+fn is_anthropic(headers: &HeaderMap) -> bool {
+    headers.contains_key("anthropic-version")
+}
+
+/// A model in Anthropic's shape.
+fn anthropic_model(id: &str) -> serde_json::Value {
+    json!({"type": "model", "id": id, "display_name": id, "created_at": "1970-01-01T00:00:00Z"})
 }
 
 /// The scope names and aliases a client key may use (no key: every one) — issue 39: a
@@ -33,8 +44,20 @@ fn models_for(st: &AppState, key: Option<&ClientKey>) -> Vec<String> {
 pub async fn models(
     State(st): State<Arc<AppState>>,
     key: Option<Extension<Arc<ClientKey>>>,
+    headers: HeaderMap,
 ) -> Response {
     let key = key.map(|Extension(k)| k);
+    if is_anthropic(&headers) {
+        // Concrete names only: a glob is no model id.
+        let ids: Vec<String> = models_for(&st, key.as_deref())
+            .into_iter()
+            .filter(|m| !m.contains('*'))
+            .collect();
+        let data: Vec<serde_json::Value> = ids.iter().map(|m| anthropic_model(m)).collect();
+        return Json(json!({"data": data, "has_more": false,
+            "first_id": ids.first(), "last_id": ids.last()}))
+        .into_response();
+    }
     let data: Vec<serde_json::Value> = models_for(&st, key.as_deref())
         .iter()
         .map(|m| model_object(m))
@@ -47,9 +70,17 @@ pub async fn models(
 pub async fn model(
     State(st): State<Arc<AppState>>,
     key: Option<Extension<Arc<ClientKey>>>,
+    headers: HeaderMap,
     Path(id): Path<String>,
 ) -> Response {
     let key = key.map(|Extension(k)| k);
+    let model_object = |id: &str| {
+        if is_anthropic(&headers) {
+            anthropic_model(id)
+        } else {
+            model_object(id)
+        }
+    };
     let mine = models_for(&st, key.as_deref());
     // A configured name (or alias) as configured; a name a glob alias matches as asked.
     if let Some(m) = mine
@@ -67,6 +98,9 @@ pub async fn model(
             Json(model_object(&id)).into_response()
         }
         // Another scope's model is as unknown to this key as a model that does not exist.
+        _ if is_anthropic(&headers) => {
+            crate::errors::anthropic_error(&AppState::unknown_model_among(&id, &mine))
+        }
         _ => error_response(&AppState::unknown_model_among(&id, &mine)),
     }
 }

@@ -348,3 +348,55 @@ async fn a_mixed_scope_serves_a_messages_client_from_either_source() {
     assert_eq!(ev.iter().filter(|(n, _)| n == "message_start").count(), 1);
     assert_eq!(chat.requests()[0].path, "/v1/chat/completions");
 }
+
+/// `GET /v1/models` with `anthropic-version` answers in Anthropic's shape, concrete
+/// names only (SPEC §23.7); without it, OpenAI's list as before.
+#[tokio::test]
+async fn an_anthropic_client_lists_models_in_its_shape() {
+    let m = recording_mock(Behavior::text(&["x"])).await;
+    let mut scope = scope_with(
+        "LLM",
+        ScopeKind::Chat,
+        vec![messages_source("a", &m)],
+        None,
+        |_| {},
+    )
+    .await;
+    scope.aliases = vec!["claude-sonnet-4-5".into(), "claude-*".into()];
+    let s = serve(vec![scope]).await;
+    let get = |path: &'static str, anthropic: bool| {
+        let mut rb = http().get(format!("{}{path}", s.v1()));
+        if anthropic {
+            rb = rb.header("anthropic-version", "2023-06-01");
+        }
+        rb.send()
+    };
+    let v: Value = get("/models", true).await.unwrap().json().await.unwrap();
+    let ids: Vec<&str> = v["data"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|m| m["id"].as_str().unwrap())
+        .collect();
+    assert_eq!(ids, ["LLM", "claude-sonnet-4-5"], "{v}");
+    assert_eq!(v["data"][0]["type"], "model");
+    assert_eq!(v["has_more"], false);
+    assert_eq!(v["first_id"], "LLM");
+    assert_eq!(v["last_id"], "claude-sonnet-4-5");
+    let v: Value = get("/models/claude-opus-4", true)
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(
+        (v["type"].as_str(), v["id"].as_str()),
+        (Some("model"), Some("claude-opus-4"))
+    );
+    let r = get("/models/gpt-4o", true).await.unwrap();
+    assert_eq!(r.status(), 404);
+    let v: Value = r.json().await.unwrap();
+    assert_eq!(v["error"]["type"], "not_found_error");
+    let v: Value = get("/models", false).await.unwrap().json().await.unwrap();
+    assert_eq!(v["object"], "list");
+}
