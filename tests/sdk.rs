@@ -215,6 +215,162 @@ async fn anthropic_python_messages_api() {
     assert!(out["count_tokens"].as_u64().unwrap() > 0);
 }
 
+/// The Messages API against sources that speak it (issue 35): the same script as
+/// above, now passed through — what reached the mocks is the SDK's own body, tools and
+/// tool results in Anthropic's shape.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn anthropic_python_to_messages_sources() {
+    let test = "anthropic_python_to_messages_sources";
+    let Some(py) = sdk::python_sdks(test) else {
+        return;
+    };
+    let plain = mock(hello()).await;
+    let tools = tools_mock().await;
+    let mut env = source("PLAIN", "p", &plain, &[("API", "messages")]);
+    env.extend(source("TOOLS", "t", &tools, &[("API", "messages")]));
+    let s = start(&[], env);
+    let run = python(py, test, "messages.py", &[], &s).await;
+    let out = run.json();
+
+    let log = plain.wait_for_ended(2, Duration::from_secs(10)).await;
+    assert_eq!(log.len(), 2, "{log:#?}");
+    assert!(log.iter().all(|r| r.path == "/v1/messages" && r.x_api_key));
+    // The SDK's body as it sent it: `system` a string, the model the source's.
+    assert_eq!(log[0].body["system"], "You are terse.", "{:#}", log[0].body);
+    assert_eq!(log[0].body["model"], "model-p");
+    assert_eq!(
+        log[0].body["messages"],
+        json!([{"role": "user", "content": "hi"}])
+    );
+    assert!(!log[0].stream && log[1].stream);
+    assert!(
+        log[0]
+            .anthropic_headers
+            .iter()
+            .any(|(k, _)| k == "anthropic-version"),
+        "{:?}",
+        log[0].anthropic_headers
+    );
+
+    let tlog = tools.wait_for_ended(2, Duration::from_secs(10)).await;
+    assert_eq!(tlog.len(), 2);
+    assert_eq!(out["tool_use_id"], "call_weather_1");
+    let msgs = messages(&tlog[1]);
+    assert_eq!(roles(&tlog[1]), ["user", "assistant", "user"], "{msgs:#?}");
+    assert_eq!(msgs[1]["content"][0]["type"], "tool_use", "{msgs:#?}");
+    assert_eq!(msgs[1]["content"][0]["input"], json!({"city": "Paris"}));
+    assert_eq!(msgs[2]["content"][0]["type"], "tool_result");
+    assert_eq!(msgs[2]["content"][0]["tool_use_id"], "call_weather_1");
+    assert_eq!(tlog[1].body["tools"][0]["name"], "get_weather");
+}
+
+/// Faults before the first content event on `messages` sources, through the Anthropic
+/// SDK: each is rescued by the fallback (the first token's hedge included); a content
+/// rejection reaches the SDK with the source's wording; a source's 401 is a 502 the SDK
+/// must not retry.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn anthropic_python_to_faulty_messages_sources() {
+    let test = "anthropic_python_to_faulty_messages_sources";
+    let Some(py) = sdk::python_sdks(test) else {
+        return;
+    };
+    let rescued = || Behavior::text(&["Rescued", " by", " the", " fallback"]);
+    let wording = "prompt is too long: 210000 tokens > 200000 maximum";
+    let primaries = [
+        ("OVERLOADED", Behavior::status(529)),
+        (
+            "OVERLOADED_EVENT",
+            Behavior::fault(Fault::ErrorFrameAt {
+                chunk: 0,
+                error: None,
+            }),
+        ),
+        (
+            "LIMITED",
+            Behavior {
+                retry_after: Some(RetryAfter::Seconds(30.0)),
+                ..Behavior::status(429)
+            },
+        ),
+        (
+            "CUT_EARLY",
+            Behavior::fault(Fault::ResetAfter { chunks: 0 }),
+        ),
+        (
+            "SLOW_FIRST",
+            Behavior {
+                ttft_ms: 20_000.0,
+                ..rescued()
+            },
+        ),
+    ];
+    let mut env = Vec::new();
+    let mut mocks = Vec::new();
+    for (scope, primary) in primaries {
+        let a = mock(primary).await;
+        let b = mock(rescued()).await;
+        env.extend(source(
+            scope,
+            "a",
+            &a,
+            &[("API", "messages"), ("PRIORITY", "0")],
+        ));
+        env.extend(source(
+            scope,
+            "b",
+            &b,
+            &[("API", "messages"), ("PRIORITY", "1")],
+        ));
+        env.push(var(&format!("{scope}__RETRY__BACKOFF_BASE_S"), "0.01"));
+        env.push(var(&format!("{scope}__RETRY__BACKOFF_MAX_S"), "0.02"));
+        mocks.push((scope, a, b));
+    }
+    env.push(var("SLOW_FIRST__HEDGE__AFTER_S", "0.5"));
+    let rejected = mock(Behavior {
+        error_message: Some(wording.into()),
+        ..Behavior::status(400)
+    })
+    .await;
+    env.extend(source("REJECTED", "r", &rejected, &[("API", "messages")]));
+    let badkey = mock(Behavior::status(401)).await;
+    env.extend(source("BADKEY", "k", &badkey, &[("API", "messages")]));
+    let s = start(&["--max-wait-s", "10"], env);
+    let run = python(py, test, "native_faults.py", &[], &s).await;
+    let out = run.json();
+    assert!(
+        run.took < Duration::from_secs(20),
+        "the 20 s first token was hedged"
+    );
+    for (scope, a, b) in &mocks {
+        let e = &out[scope.to_ascii_lowercase()];
+        assert_eq!(e["stream"], "Rescued by the fallback", "{scope}: {out:#}");
+        if *scope != "SLOW_FIRST" {
+            assert_eq!(e["plain"], "Rescued by the fallback", "{scope}: {out:#}");
+        }
+        assert!(!a.requests().is_empty(), "{scope}: the primary was tried");
+        assert!(!b.requests().is_empty(), "{scope}: the fallback answered");
+    }
+    assert!(
+        out["slow_first"]["stream_s"].as_f64().unwrap() < 10.0,
+        "{out:#}"
+    );
+    for how in ["plain", "stream"] {
+        let e = &out[format!("rejected_{how}")];
+        assert_eq!(e["class"], "BadRequestError", "{e:#}");
+        assert_eq!(e["status"], 400);
+        assert_eq!(e["type"], "invalid_request_error");
+        assert_eq!(e["message"], wording, "unmodified: {e:#}");
+        let e = &out[format!("badkey_{how}")];
+        assert_eq!(e["status"], 502, "{e:#}");
+        assert_eq!(e["should_retry"], "false", "{e:#}");
+        let msg = e["message"].as_str().unwrap();
+        assert!(
+            msg.contains("k-0") && !msg.contains("upstream-secret"),
+            "{msg}"
+        );
+    }
+}
+
 /// 60 generated words.
 fn words() -> Behavior {
     Behavior {

@@ -172,7 +172,25 @@ pub fn is_rate_limited(e: &GatewayError) -> bool {
 /// not a retryable 503.
 fn source_fault(e: &GatewayError) -> Option<String> {
     let ctx = e.context()?;
-    let last = ctx.last_error.as_deref()?;
+    let Some(last) = ctx.last_error.as_deref() else {
+        // No attempt this call: every source was already out, marked dead by earlier
+        // calls' 401/402/403/404 (SPEC §23.2: the sources' fault, not the client's).
+        let dead: Vec<&str> = ctx
+            .reasons
+            .iter()
+            .filter(|(_, r)| matches!(r, SourceReason::Refused(RefusalReason::Dead)))
+            .map(|(s, _)| s.as_str())
+            .collect();
+        if dead.is_empty() || dead.len() != ctx.reasons.len() {
+            return None;
+        }
+        return Some(format!(
+            "The upstream source(s) `{}` cannot serve this call: each failed on its own \
+             credentials, billing or model in an earlier call and is out until BREAKER__DEAD_S \
+             passes; check its API_KEY and MODEL",
+            dead.join("`, `")
+        ));
+    };
     let fault = last.class == ErrorClass::Dead || last.excludes_source;
     let only_faults = ctx.reasons.values().all(|r| {
         is_dead(r) || matches!(r, SourceReason::Failed(ErrorLabel::Invalid)) && last.excludes_source
@@ -673,6 +691,13 @@ mod tests {
                 ),
                 502,
             ),
+            // Every source already out, dead after earlier calls: no attempt, still 502.
+            (
+                TerminalReason::NoRunnableSource,
+                &[("a", Refused(R::Dead))],
+                None,
+                502,
+            ),
             (TerminalReason::Stalled, &[], None, 503),
             // Whatever the sources say, these are never rate limits.
             (
@@ -709,7 +734,8 @@ mod tests {
                 502 => {
                     assert_eq!(e.code.as_deref(), Some("upstream_misconfigured"));
                     assert!(
-                        e.message.contains("`a`") && e.message.contains("HTTP 401"),
+                        e.message.contains("`a`")
+                            && (last.is_none() || e.message.contains("HTTP 401")),
                         "{}",
                         e.message
                     );
