@@ -371,6 +371,184 @@ async fn anthropic_python_to_faulty_messages_sources() {
     }
 }
 
+/// anthropic-node to `messages` sources (issue 35): plain and streamed answers as the
+/// source sent them, a 529 rescued by the fallback, a streamed tool round passed
+/// through, a 429 with its hint.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn anthropic_node_to_messages_sources() {
+    let test = "anthropic_node_to_messages_sources";
+    let Some(node) = sdk::node_sdks(test) else {
+        return;
+    };
+    let native = mock(hello()).await;
+    let tools = tools_mock().await;
+    let overloaded = mock(Behavior::status(529)).await;
+    let fallback = mock(hello()).await;
+    let limited = mock(Behavior {
+        retry_after: Some(RetryAfter::Seconds(30.0)),
+        ..Behavior::status(429)
+    })
+    .await;
+    let api = ("API", "messages");
+    let mut env = source("NATIVE", "n", &native, &[api]);
+    env.extend(source("TOOLS", "t", &tools, &[api]));
+    env.extend(source(
+        "OVERLOADED",
+        "a",
+        &overloaded,
+        &[api, ("PRIORITY", "0")],
+    ));
+    env.extend(source(
+        "OVERLOADED",
+        "b",
+        &fallback,
+        &[api, ("PRIORITY", "1")],
+    ));
+    env.push(var("OVERLOADED__RETRY__BACKOFF_BASE_S", "0.01"));
+    env.extend(source("LIMITED", "l", &limited, &[api]));
+    let s = start(&["--max-wait-s", "10"], env);
+    let run = sdk::run(
+        node,
+        vec![sdk::node_dir().join("native.mjs").display().to_string()],
+        vec![var("POLYGW_ROOT", &s.base), var("POLYGW_KEY", KEY)],
+        SCRIPT_LIMIT,
+    )
+    .await;
+    eprintln!("{test}: native.mjs took {:?}", run.took);
+    let out = run.json();
+    assert_eq!(out["plain_text"], "Hello from polygw");
+    assert_eq!(out["stream_text"], "Hello from polygw");
+    assert_eq!(out["tool_use_id"], "call_weather_1");
+    assert_eq!(out["tool_answer"], "It is 21 °C in Paris.");
+    assert_eq!(out["limited"]["status"], 429, "{out:#}");
+    let ra: u64 = out["limited"]["retry_after"]
+        .as_str()
+        .unwrap()
+        .parse()
+        .unwrap();
+    assert!((20..=30).contains(&ra), "{out:#}");
+    assert_eq!(overloaded.requests().len(), 1);
+    let tlog = tools.wait_for_ended(2, Duration::from_secs(10)).await;
+    let msgs = messages(&tlog[1]);
+    assert_eq!(msgs[1]["content"][0]["type"], "tool_use", "{msgs:#?}");
+    assert!(tlog.iter().all(|r| r.path == "/v1/messages" && r.stream));
+}
+
+/// Claude Code itself (`claude -p`, the pinned npm release) through `polygw serve` to
+/// `messages` sources, offline (issue 35): a plain turn, a tool round (it reads a file
+/// with its Read tool and sends the result back), and a 429 on the primary answered by
+/// the fallback. What reached the sources is Claude Code's own request.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn claude_code_through_polygw_to_messages_sources() {
+    let test = "claude_code_through_polygw_to_messages_sources";
+    let Some(claude) = sdk::claude_code(test) else {
+        return;
+    };
+    let primary = mock(hello()).await;
+    let fallback = mock(Behavior::text(&["Answered", " by", " the", " fallback"])).await;
+    let api = ("API", "messages");
+    let mut env = source("LLM", "a", &primary, &[api, ("PRIORITY", "0")]);
+    env.extend(source("LLM", "b", &fallback, &[api, ("PRIORITY", "1")]));
+    env.push(var("LLM__MODEL_ALIASES", "claude-*"));
+    env.push(var("LLM__RETRY__BACKOFF_BASE_S", "0.01"));
+    let s = start(&["--max-wait-s", "10"], env);
+    let home = tempfile::tempdir().unwrap();
+    let work = tempfile::tempdir().unwrap();
+    let note = work.path().join("note.txt");
+    std::fs::write(&note, "the secret word is tangerine\n").unwrap();
+    let run_claude = |prompt: &str| {
+        let claude = claude.clone();
+        let argv = vec![
+            "-p".to_string(),
+            prompt.to_string(),
+            "--model".into(),
+            "claude-sonnet-4-5".into(),
+            "--allowedTools".into(),
+            "Read".into(),
+            "--add-dir".into(),
+            work.path().display().to_string(),
+        ];
+        let env = vec![
+            var("HOME", &home.path().display().to_string()),
+            var("ANTHROPIC_BASE_URL", &s.base),
+            var("ANTHROPIC_API_KEY", KEY),
+            var("CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC", "1"),
+            var("DISABLE_TELEMETRY", "1"),
+            var("DISABLE_AUTOUPDATER", "1"),
+            var("DISABLE_ERROR_REPORTING", "1"),
+        ];
+        async move { sdk::run(claude, argv, env, SCRIPT_LIMIT).await }
+    };
+
+    // A plain turn.
+    let run = run_claude("Say hello.").await;
+    eprintln!(
+        "{test}: plain turn took {:?}\n{}\n{}",
+        run.took, run.stdout, run.stderr
+    );
+    assert!(run.ok, "{}\n{}", run.stdout, run.stderr);
+    assert!(run.stdout.contains("Hello from polygw"), "{}", run.stdout);
+    let log = primary.requests();
+    assert!(!log.is_empty());
+    for r in &log {
+        assert_eq!(r.path, "/v1/messages", "{r:#?}");
+        assert!(r.x_api_key && !r.authorization);
+        assert!(r
+            .anthropic_headers
+            .iter()
+            .any(|(k, _)| k == "anthropic-version"));
+    }
+    let turn = log
+        .iter()
+        .rev()
+        .find(|r| r.stream)
+        .expect("a streamed turn");
+    assert!(
+        turn.body["system"].is_array(),
+        "Claude Code's system blocks, as sent"
+    );
+    assert!(turn.body["tools"].as_array().is_some_and(|t| !t.is_empty()));
+    primary.reset_log();
+
+    // A tool round: the primary asks Claude Code to read the note, then answers.
+    primary.push_script(Behavior {
+        chunk_count: Some(0),
+        tool_call: Some(ToolCallSpec {
+            id: "toolu_read_1".into(),
+            name: "Read".into(),
+            arguments: json!({"file_path": note.display().to_string()}).to_string(),
+            fragments: 2,
+        }),
+        ..Behavior::default()
+    });
+    let run = run_claude("What does note.txt say?").await;
+    eprintln!("{test}: tool round took {:?}", run.took);
+    assert!(run.ok, "{}\n{}", run.stdout, run.stderr);
+    let log = primary.requests();
+    let result = log
+        .iter()
+        .flat_map(|r| r.body["messages"].as_array().cloned().unwrap_or_default())
+        .flat_map(|m| m["content"].as_array().cloned().unwrap_or_default())
+        .find(|b| b["type"] == "tool_result" && b["tool_use_id"] == "toolu_read_1")
+        .unwrap_or_else(|| panic!("no tool_result reached the source: {log:#?}"));
+    assert!(result.to_string().contains("tangerine"), "{result:#}");
+    primary.reset_log();
+
+    // A 429 on the primary: the fallback answers.
+    primary.push_script(Behavior {
+        retry_after: Some(RetryAfter::Seconds(30.0)),
+        ..Behavior::status(429)
+    });
+    let run = run_claude("Say hello again.").await;
+    assert!(run.ok, "{}\n{}", run.stdout, run.stderr);
+    assert!(
+        run.stdout.contains("Answered by the fallback"),
+        "{}",
+        run.stdout
+    );
+    assert!(primary.requests().iter().any(|r| r.status == 429));
+}
+
 /// 60 generated words.
 fn words() -> Behavior {
     Behavior {

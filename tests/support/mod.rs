@@ -220,6 +220,55 @@ pub mod sdk {
         root().join("tests/node")
     }
 
+    /// `tests/agents`: the coding agents' pinned npm packages.
+    pub fn agents_dir() -> PathBuf {
+        root().join("tests/agents")
+    }
+
+    const AGENTS_HOW: &str =
+        "run .ci/run (its step \"client SDKs\"), or: (cd tests/agents && npm ci)";
+
+    /// Claude Code's executable, when tests/agents/node_modules holds the version
+    /// tests/agents/package.json pins; else `None` after printing why (a panic under
+    /// `CI=true`).
+    pub fn claude_code(test: &str) -> Option<PathBuf> {
+        let dir = agents_dir();
+        let read = |p: PathBuf| -> Result<serde_json::Value, String> {
+            let t = std::fs::read_to_string(&p).map_err(|e| format!("{}: {e}", p.display()))?;
+            serde_json::from_str(&t).map_err(|e| format!("{}: {e}", p.display()))
+        };
+        let name = "@anthropic-ai/claude-code";
+        let want = match read(dir.join("package.json")) {
+            Ok(v) => v["dependencies"][name].clone(),
+            Err(e) => return missing(test, e, AGENTS_HOW),
+        };
+        match read(dir.join("node_modules").join(name).join("package.json")) {
+            Ok(v) if v["version"] == want => {}
+            Ok(v) => {
+                return missing(
+                    test,
+                    format!("{name} wants {want}, node_modules has {}", v["version"]),
+                    AGENTS_HOW,
+                )
+            }
+            Err(e) => return missing(test, format!("{name} is not installed ({e})"), AGENTS_HOW),
+        }
+        let bin = dir.join("node_modules/.bin/claude");
+        match Command::new(&bin).arg("--version").output() {
+            Ok(o) if o.status.success() => Some(bin),
+            Ok(o) => missing(
+                test,
+                format!(
+                    "{} --version failed: {}",
+                    bin.display(),
+                    String::from_utf8_lossy(&o.stderr)
+                ),
+                AGENTS_HOW,
+            ),
+            Err(e) => missing(test, format!("{}: {e}", bin.display()), AGENTS_HOW),
+        }
+    }
+
     /// `tests/python/NAME`.
     pub fn python_script(name: &str) -> PathBuf {
         root().join("tests/python").join(name)
