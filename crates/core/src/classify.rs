@@ -147,6 +147,7 @@ pub fn classify_code(code: &str) -> (ErrorClass, ErrorLabel) {
         (C::Dead, L::Dead)
     } else if has(&[
         "server_error",
+        "api_error",
         "internal",
         "overloaded",
         "unavailable",
@@ -172,7 +173,17 @@ pub fn classify(failure: Failure) -> AttemptError {
             code,
             message,
         } => {
-            let (class, label) = classify_status(status).unwrap_or((C::Invalid, L::Invalid));
+            let (mut class, mut label) =
+                classify_status(status).unwrap_or((C::Invalid, L::Invalid));
+            // A spend cap's 429 (Anthropic's `enforced_spend_limit_reached`, no
+            // Retry-After) does not pass with time: the source is out, like a dead key
+            // (SPEC §23.4).
+            if status == 429
+                && retry_after.is_none()
+                && code.as_deref().is_some_and(|c| c.contains("spend_limit"))
+            {
+                (class, label) = (C::Dead, L::Dead);
+            }
             // The status is its own field (and printed by Display): not repeated here.
             let detail = match (&code, &message) {
                 (_, Some(m)) => m.clone(),
@@ -281,10 +292,9 @@ pub fn is_context_length(e: &AttemptError) -> bool {
     if e.class != ErrorClass::Rejected {
         return false;
     }
-    if e.provider_code
-        .as_deref()
-        .is_some_and(|c| c.contains("context_length") || c.contains("context_window"))
-    {
+    if e.provider_code.as_deref().is_some_and(|c| {
+        c.contains("context_length") || c.contains("context_window") || c == "request_too_large"
+    }) {
         return true;
     }
     let text = format!(
@@ -428,6 +438,38 @@ mod tests {
         for s in [401, 403, 404] {
             assert_eq!(http(s).class, C::Dead);
             assert!(http(s).class.consumes_budget());
+        }
+    }
+
+    /// SPEC §23.4: Anthropic's error types classify as the spec says.
+    #[test]
+    fn anthropic_errors_classify() {
+        let http = |status: u16, code: &str, ra: Option<Duration>| {
+            classify(Failure::Http {
+                status,
+                retry_after: ra,
+                code: Some(code.into()),
+                message: Some("m".into()),
+            })
+        };
+        assert_eq!(
+            http(429, "enforced_spend_limit_reached", None).class,
+            C::Dead
+        );
+        assert_eq!(
+            http(429, "rate_limit_error", Some(Duration::from_secs(3))).class,
+            C::RateLimited
+        );
+        assert_eq!(http(402, "billing_error", None).class, C::Dead);
+        assert_eq!(http(529, "overloaded_error", None).class, C::Transient);
+        assert!(is_context_length(&http(413, "request_too_large", None)));
+        for kind in ["overloaded_error", "api_error", "timeout_error"] {
+            let e = classify(Failure::InBand {
+                status: None,
+                code: Some(kind.into()),
+                message: None,
+            });
+            assert_eq!(e.class, C::Transient, "{kind}");
         }
     }
 

@@ -23,6 +23,10 @@ pub struct Usage {
     /// (`cache_creation_input_tokens`). Part of `prompt_tokens`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub cache_write_tokens: Option<u64>,
+    /// Of `cache_write_tokens`, those written for an hour (Anthropic's
+    /// `cache_creation.ephemeral_1h_input_tokens`, priced at `CACHE_WRITE_1H_PRICE`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cache_write_1h_tokens: Option<u64>,
 }
 
 impl Usage {
@@ -34,6 +38,7 @@ impl Usage {
             reasoning_tokens: None,
             cached_prompt_tokens: None,
             cache_write_tokens: None,
+            cache_write_1h_tokens: None,
         }
     }
 
@@ -52,6 +57,7 @@ impl Usage {
             reasoning_tokens: add_known(self.reasoning_tokens, other.reasoning_tokens),
             cached_prompt_tokens: add_known(self.cached_prompt_tokens, other.cached_prompt_tokens),
             cache_write_tokens: add_known(self.cache_write_tokens, other.cache_write_tokens),
+            cache_write_1h_tokens: None,
         }
     }
 }

@@ -62,6 +62,9 @@ pub struct SourceConfig {
     /// Currency units per 1M prompt tokens written to the provider's prompt cache
     /// (`CACHE_WRITE_PRICE`; `None` = `input_price`).
     pub cache_write_price: Option<f64>,
+    /// Currency units per 1M prompt tokens written to the cache for an hour
+    /// (`CACHE_WRITE_1H_PRICE`, Anthropic's `ttl: "1h"`; `None` = `cache_write_price`).
+    pub cache_write_1h_price: Option<f64>,
     /// Price of one call (OCR sources).
     pub price_per_call: Option<f64>,
     /// Embedding batch size.
@@ -210,6 +213,7 @@ impl SourceConfig {
             output_price: None,
             cached_input_price: None,
             cache_write_price: None,
+            cache_write_1h_price: None,
             price_per_call: None,
             batch_size: DEFAULT_BATCH_SIZE,
             extra_body: Map::new(),
@@ -315,6 +319,11 @@ impl SourceConfig {
         self.cache_write_price = Some(p);
         self
     }
+    /// Sets CACHE_WRITE_1H_PRICE (per 1M prompt tokens written to the cache for an hour).
+    pub fn with_cache_write_1h_price(mut self, p: f64) -> Self {
+        self.cache_write_1h_price = Some(p);
+        self
+    }
     /// Sets PRICE_PER_CALL.
     pub fn with_price_per_call(mut self, p: f64) -> Self {
         self.price_per_call = Some(p);
@@ -354,6 +363,7 @@ impl SourceConfig {
             || self.output_price.is_some()
             || self.cached_input_price.is_some()
             || self.cache_write_price.is_some()
+            || self.cache_write_1h_price.is_some()
     }
 
     /// The price of a cached prompt token: `CACHED_INPUT_PRICE`, else `INPUT_PRICE`.
@@ -392,6 +402,7 @@ impl std::fmt::Debug for SourceConfig {
             .field("output_price", &self.output_price)
             .field("cached_input_price", &self.cached_input_price)
             .field("cache_write_price", &self.cache_write_price)
+            .field("cache_write_1h_price", &self.cache_write_1h_price)
             .field("price_per_call", &self.price_per_call)
             .field("batch_size", &self.batch_size)
             .field(

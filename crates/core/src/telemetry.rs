@@ -260,8 +260,10 @@ pub struct BilledTokens {
     pub uncached_prompt: u64,
     /// Prompt tokens read from the cache (`CACHED_INPUT_PRICE`).
     pub cached_prompt: u64,
-    /// Prompt tokens written to the cache (`CACHE_WRITE_PRICE`).
+    /// Prompt tokens written to the cache for the default time (`CACHE_WRITE_PRICE`).
     pub cache_write: u64,
+    /// Prompt tokens written to the cache for an hour (`CACHE_WRITE_1H_PRICE`).
+    pub cache_write_1h: u64,
     /// Completion tokens, reasoning included (`OUTPUT_PRICE`).
     pub output: u64,
 }
@@ -283,10 +285,12 @@ impl BilledTokens {
         } else {
             u.completion_tokens
         };
+        let write_1h = u.cache_write_1h_tokens.unwrap_or(0).min(write);
         BilledTokens {
             uncached_prompt: uncached,
             cached_prompt: cached,
-            cache_write: write,
+            cache_write: write - write_1h,
+            cache_write_1h: write_1h,
             output,
         }
     }
@@ -296,6 +300,7 @@ impl BilledTokens {
         self.uncached_prompt
             .saturating_add(self.cached_prompt)
             .saturating_add(self.cache_write)
+            .saturating_add(self.cache_write_1h)
     }
 }
 
@@ -312,6 +317,8 @@ pub struct TokenPrices {
     pub cached_input: Option<f64>,
     /// `CACHE_WRITE_PRICE`, else `INPUT_PRICE`.
     pub cache_write: Option<f64>,
+    /// `CACHE_WRITE_1H_PRICE`, else `CACHE_WRITE_PRICE`, else `INPUT_PRICE`.
+    pub cache_write_1h: Option<f64>,
     /// `OUTPUT_PRICE`.
     pub output: Option<f64>,
 }
@@ -324,10 +331,12 @@ impl TokenPrices {
     /// The prices of a source.
     pub fn of(src: &SourceConfig) -> Self {
         let input = usable(src.input_price);
+        let cache_write = usable(src.cache_write_price).or(input);
         TokenPrices {
             input,
             cached_input: usable(src.cached_input_price).or(input),
-            cache_write: usable(src.cache_write_price).or(input),
+            cache_write,
+            cache_write_1h: usable(src.cache_write_1h_price).or(cache_write),
             output: usable(src.output_price),
         }
     }
@@ -343,7 +352,12 @@ impl TokenPrices {
     /// The dearest price a prompt token can have (uncached, cached or written); `None`
     /// when one of them is unknown.
     pub fn max_prompt(&self) -> Option<f64> {
-        Some(self.input?.max(self.cached_input?).max(self.cache_write?))
+        Some(
+            self.input?
+                .max(self.cached_input?)
+                .max(self.cache_write?)
+                .max(self.cache_write_1h?),
+        )
     }
 }
 
@@ -370,6 +384,7 @@ pub fn token_cost(t: &BilledTokens, p: &TokenPrices) -> Option<f64> {
     let total = part(t.uncached_prompt, p.input)?
         + part(t.cached_prompt, p.cached_input)?
         + part(t.cache_write, p.cache_write)?
+        + part(t.cache_write_1h, p.cache_write_1h)?
         + part(t.output, p.output)?;
     Some(total / 1e6)
 }
@@ -399,13 +414,18 @@ pub fn cost(basis: CostBasis<'_>, src: &SourceConfig) -> Option<f64> {
 /// writes cost more than they saved (Anthropic bills writes at 1.25×). `Some(0.0)` for
 /// no cached or written token; `None` when `INPUT_PRICE` is unknown and there are some.
 pub fn cache_saving(t: &BilledTokens, p: &TokenPrices) -> Option<f64> {
-    if t.cached_prompt == 0 && t.cache_write == 0 {
+    if t.cached_prompt == 0 && t.cache_write == 0 && t.cache_write_1h == 0 {
         return Some(0.0);
     }
     let input = p.input?;
     let cached = t.cached_prompt as f64 * (input - p.cached_input?);
     let write = t.cache_write as f64 * (input - p.cache_write?);
-    Some((cached + write) / 1e6)
+    let write_1h = if t.cache_write_1h == 0 {
+        0.0
+    } else {
+        t.cache_write_1h as f64 * (input - p.cache_write_1h?)
+    };
+    Some((cached + write + write_1h) / 1e6)
 }
 
 /// Whether a failed attempt may have been billed by its provider (SPEC §20.4): its
@@ -676,6 +696,7 @@ mod tests {
             reasoning_tokens: r,
             cached_prompt_tokens: cached,
             cache_write_tokens: write,
+            cache_write_1h_tokens: None,
             ..Usage::new(p, c)
         }
     }

@@ -465,6 +465,7 @@ fn claude_code_answer_streams_as_the_sdk_accumulates_it() {
         usage: Usage {
             cached_prompt_tokens: Some(20_000),
             cache_write_tokens: Some(1_000),
+            cache_write_1h_tokens: None,
             ..Usage::new(25_000, 80)
         },
         usage_source: UsageSource::Measured,

@@ -41,6 +41,7 @@ const USAGE: Usage = Usage {
     reasoning_tokens: None,
     cached_prompt_tokens: None,
     cache_write_tokens: None,
+    cache_write_1h_tokens: None,
 };
 const MEASURED: u64 = 12;
 

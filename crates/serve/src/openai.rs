@@ -644,6 +644,7 @@ mod tests {
             reasoning_tokens: Some(3),
             cached_prompt_tokens: Some(640),
             cache_write_tokens: Some(128),
+            cache_write_1h_tokens: None,
             ..Usage::new(1000, 10)
         };
         assert_eq!(

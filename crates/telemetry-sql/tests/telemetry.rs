@@ -626,6 +626,7 @@ mod common {
             reasoning_tokens: Some(80),
             cached_prompt_tokens: Some(1024),
             cache_write_tokens: Some(64),
+            cache_write_1h_tokens: None,
             ..Usage::new(1200, 350)
         };
         let mut r = from_source(attempt(call_id, "lfull", at), &priced())

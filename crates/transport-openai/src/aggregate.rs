@@ -226,6 +226,7 @@ pub fn parse_usage(u: &Map<String, Value>) -> Usage {
         reasoning_tokens: reasoning,
         cached_prompt_tokens: cached,
         cache_write_tokens: write,
+        cache_write_1h_tokens: None,
     }
 }
 
@@ -1119,7 +1120,10 @@ fn string_of(v: Option<&Value>) -> Option<String> {
 
 fn from_error_fields(o: &Map<String, Value>) -> ProviderError {
     let status = status_of(o.get("status")).or_else(|| status_of(o.get("code")));
-    let code = string_of(o.get("code")).or_else(|| string_of(o.get("type")));
+    // Anthropic names a spend cap in `details.error_code` under a generic `type`.
+    let code = string_of(o.get("details").and_then(|d| d.get("error_code")))
+        .or_else(|| string_of(o.get("code")))
+        .or_else(|| string_of(o.get("type")));
     let message = string_of(o.get("message")).or_else(|| string_of(o.get("detail")));
     ProviderError {
         status,

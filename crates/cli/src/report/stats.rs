@@ -142,6 +142,7 @@ impl CacheTally {
             reasoning_tokens: r.reasoning_tokens,
             cached_prompt_tokens: r.cached_prompt_tokens,
             cache_write_tokens: r.cache_write_tokens,
+            cache_write_1h_tokens: None,
             ..Usage::new(
                 r.prompt_tokens.unwrap_or(0),
                 r.completion_tokens.unwrap_or(0),
@@ -1184,6 +1185,7 @@ pub(crate) mod tests {
                     input: Some(2.0),
                     cached_input: Some(0.5),
                     cache_write: Some(2.5),
+                    cache_write_1h: Some(2.5),
                     output: Some(8.0),
                 },
                 allowance: 100,

@@ -36,7 +36,7 @@ pub const RESERVED_SEGMENTS: [&str; 15] = [
 ];
 
 /// The FIELDs a source accepts.
-pub const SOURCE_FIELDS: [&str; 23] = [
+pub const SOURCE_FIELDS: [&str; 24] = [
     "BASE_URL",
     "API_KEY",
     "MODEL",
@@ -53,6 +53,7 @@ pub const SOURCE_FIELDS: [&str; 23] = [
     "OUTPUT_PRICE",
     "CACHED_INPUT_PRICE",
     "CACHE_WRITE_PRICE",
+    "CACHE_WRITE_1H_PRICE",
     "PRICE_PER_CALL",
     "BATCH_SIZE",
     "EXTRA_BODY",
@@ -421,6 +422,9 @@ fn build_source(
     }
     if let Some((k, v)) = get("CACHE_WRITE_PRICE") {
         run(parse_price(k, v).map(|x| src.cache_write_price = Some(x)));
+    }
+    if let Some((k, v)) = get("CACHE_WRITE_1H_PRICE") {
+        run(parse_price(k, v).map(|x| src.cache_write_1h_price = Some(x)));
     }
     if let Some((k, v)) = get("PRICE_PER_CALL") {
         run(parse_price(k, v).map(|x| src.price_per_call = Some(x)));

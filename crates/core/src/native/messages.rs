@@ -22,6 +22,8 @@ pub struct MessagesUsage {
     pub cache_read: Option<u64>,
     /// `cache_creation_input_tokens` (5-minute and 1-hour writes).
     pub cache_write: Option<u64>,
+    /// `cache_creation.ephemeral_1h_input_tokens`: the part of the writes kept an hour.
+    pub cache_write_1h: Option<u64>,
 }
 
 impl MessagesUsage {
@@ -41,6 +43,13 @@ impl MessagesUsage {
         if let Some(v) = get("cache_creation_input_tokens") {
             self.cache_write = Some(v);
         }
+        if let Some(v) = u
+            .get("cache_creation")
+            .and_then(|c| c.get("ephemeral_1h_input_tokens"))
+            .and_then(Value::as_u64)
+        {
+            self.cache_write_1h = Some(v);
+        }
     }
 
     /// Whether any figure was reported.
@@ -59,6 +68,8 @@ impl MessagesUsage {
             reasoning_tokens: None,
             cached_prompt_tokens: self.cache_read,
             cache_write_tokens: self.cache_write,
+            // A part of the writes, never more than they are.
+            cache_write_1h_tokens: self.cache_write_1h.map(|h| h.min(write)),
         }
     }
 }

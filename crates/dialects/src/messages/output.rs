@@ -293,6 +293,7 @@ mod tests {
             usage: Usage {
                 cached_prompt_tokens: Some(60),
                 cache_write_tokens: Some(10),
+                cache_write_1h_tokens: None,
                 ..Usage::new(100, 7)
             },
             usage_source: UsageSource::Measured,

@@ -249,12 +249,12 @@ async fn content_rejections_pass_and_credential_failures_do_not() {
     assert!(!msg.contains(UPSTREAM_KEY));
 }
 
-/// Anthropic's usage (input without the cache, cache reads, cache writes, output) is
-/// counted and priced exactly: each part at its own price.
+/// Anthropic's usage (input without the cache, cache reads, 5-minute and 1-hour cache
+/// writes, output) is counted and priced exactly: each part at its own price.
 #[tokio::test]
 async fn cache_reads_and_writes_are_priced_exactly() {
     let sse = [
-        r#"{"type":"message_start","message":{"id":"msg_1","type":"message","role":"assistant","model":"claude-a","content":[],"stop_reason":null,"usage":{"input_tokens":10,"cache_read_input_tokens":1000,"cache_creation_input_tokens":200,"output_tokens":1}}}"#,
+        r#"{"type":"message_start","message":{"id":"msg_1","type":"message","role":"assistant","model":"claude-a","content":[],"stop_reason":null,"usage":{"input_tokens":10,"cache_read_input_tokens":1000,"cache_creation_input_tokens":200,"cache_creation":{"ephemeral_5m_input_tokens":150,"ephemeral_1h_input_tokens":50},"output_tokens":1}}}"#,
         r#"{"type":"content_block_start","index":0,"content_block":{"type":"text","text":""}}"#,
         r#"{"type":"content_block_delta","index":0,"delta":{"type":"text_delta","text":"ok"}}"#,
         r#"{"type":"content_block_stop","index":0}"#,
@@ -280,7 +280,8 @@ async fn cache_reads_and_writes_are_priced_exactly() {
     let src = messages_source("a", &m)
         .with_prices(3.0, 15.0)
         .with_cached_input_price(0.3)
-        .with_cache_write_price(3.75);
+        .with_cache_write_price(3.75)
+        .with_cache_write_1h_price(6.0);
     let s = messages_scope(vec![src], Some(t.clone())).await;
     let mut body = claude_code_body(true);
     body["tools"] = json!([]);
@@ -298,8 +299,9 @@ async fn cache_reads_and_writes_are_priced_exactly() {
     assert_eq!(row.completion_tokens, Some(50));
     assert_eq!(row.cached_prompt_tokens, Some(1000));
     assert_eq!(row.cache_write_tokens, Some(200));
-    // 10 × 3 + 1000 × 0.3 + 200 × 3.75 + 50 × 15, per million.
-    let want = (10.0 * 3.0 + 1000.0 * 0.3 + 200.0 * 3.75 + 50.0 * 15.0) / 1e6;
+    // 10 × 3 + 1000 × 0.3 + 150 × 3.75 (5-minute writes) + 50 × 6 (1-hour writes)
+    // + 50 × 15, per million.
+    let want = (10.0 * 3.0 + 1000.0 * 0.3 + 150.0 * 3.75 + 50.0 * 6.0 + 50.0 * 15.0) / 1e6;
     let cost = row.cost.expect("priced");
     assert!((cost - want).abs() < 1e-12, "{cost} != {want}");
 }
