@@ -232,9 +232,17 @@ async fn anthropic_python_to_messages_sources() {
     let run = python(py, test, "messages.py", &[], &s).await;
     let out = run.json();
 
-    let log = plain.wait_for_ended(2, Duration::from_secs(10)).await;
-    assert_eq!(log.len(), 2, "{log:#?}");
-    assert!(log.iter().all(|r| r.path == "/v1/messages" && r.x_api_key));
+    // Two turns, then count_tokens forwarded to the source (SPEC §23.7).
+    let log = plain.wait_for_ended(3, Duration::from_secs(10)).await;
+    assert_eq!(log.len(), 3, "{log:#?}");
+    assert!(log[..2]
+        .iter()
+        .all(|r| r.path == "/v1/messages" && r.x_api_key));
+    assert_eq!(log[2].path, "/v1/messages/count_tokens");
+    assert_eq!(
+        out["count_tokens"], 9,
+        "the mock source counts the messages: ⌈33 / 4⌉"
+    );
     // The SDK's body as it sent it: `system` a string, the model the source's.
     assert_eq!(log[0].body["system"], "You are terse.", "{:#}", log[0].body);
     assert_eq!(log[0].body["model"], "model-p");

@@ -462,6 +462,22 @@ async fn handle_request(
                 .collect();
             simple(guard, 200, json!({"object": "list", "data": data}))
         }
+        (&Method::POST, "/v1/messages/count_tokens") => {
+            if !body_ok || !body.is_object() {
+                return Ok(simple(
+                    guard,
+                    400,
+                    error_json_in(
+                        WireApi::Messages,
+                        400,
+                        None,
+                        Some("The body is not a JSON object."),
+                    ),
+                ));
+            }
+            let n = text::prompt_tokens(&body, text::images_of(&body).len());
+            simple(guard, 200, json!({"input_tokens": n}))
+        }
         (&Method::POST, "/v1/chat/completions")
         | (&Method::POST, "/v1/embeddings")
         | (&Method::POST, "/v1/messages") => {

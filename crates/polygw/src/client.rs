@@ -267,6 +267,34 @@ async fn deadline_boxed<T>(
 }
 
 impl GatewayClient {
+    /// Forwards a request to another endpoint of the scope's first source (by
+    /// priority) that speaks `api` (SPEC §23.7: `count_tokens`), outside its quotas;
+    /// `None` when no source speaks it. The answer comes as the source sent it.
+    pub async fn native_call(
+        &self,
+        api: polygw_core::source::SourceApi,
+        endpoint: &str,
+        body: &serde_json::Map<String, serde_json::Value>,
+        headers: &[(String, String)],
+    ) -> Option<Result<polygw_core::ports::NativeAnswer, polygw_core::AttemptError>> {
+        let source = self
+            .engine
+            .scope
+            .sources
+            .iter()
+            .filter(|s| s.api == api)
+            .min_by_key(|s| s.priority)?;
+        let call_id = new_id();
+        let call = polygw_core::ports::NativeCall {
+            source,
+            endpoint,
+            body,
+            headers,
+            call_id: &call_id,
+        };
+        Some(self.engine.ports.transport.native_call(call).await)
+    }
+
     /// The client's metrics.
     pub fn metrics(&self) -> Arc<Metrics> {
         self.engine.metrics.clone()

@@ -10,8 +10,8 @@ use polygw_core::classify::Failure;
 use polygw_core::native::messages::{self, MessagesReader};
 use polygw_core::native::NativeRequest;
 use polygw_core::ports::{
-    ChatAttempt, ChunkObserver, Clock, NullObserver, OcrResult, OcrTransport, StreamDelta,
-    ToolCallDelta, Transport, TransportResult,
+    ChatAttempt, ChunkObserver, Clock, NativeAnswer, NativeCall, NullObserver, OcrResult,
+    OcrTransport, StreamDelta, ToolCallDelta, Transport, TransportResult,
 };
 use polygw_core::source::SourceApi;
 use polygw_core::stall::StallMeter;
@@ -992,6 +992,41 @@ impl<'a> StreamState<'a> {
 
 #[async_trait]
 impl Transport for OpenAiTransport {
+    async fn native_call<'a>(&self, call: NativeCall<'a>) -> Result<NativeAnswer, AttemptError> {
+        let source = call.source;
+        let key = source.api_key.expose();
+        let mut body = call.body.clone();
+        body.insert("model".into(), Value::String(source.model.clone()));
+        let native = NativeRequest {
+            api: source.api,
+            headers: call.headers.to_vec(),
+            ..NativeRequest::default()
+        };
+        let rb = self.post_native(
+            source,
+            &native,
+            call.endpoint,
+            serde_json::to_vec(&body).unwrap_or_default(),
+            call.call_id,
+        );
+        let cap = self.inner.cfg.max_error_body_bytes.max(64 * 1024);
+        let work = async {
+            let resp = rb
+                .send()
+                .await
+                .map_err(|e| fail(send_failure(&e, key), key))?;
+            let status = resp.status().as_u16();
+            Ok(NativeAnswer {
+                status,
+                body: read_prefix(resp, cap).await,
+            })
+        };
+        match tokio::time::timeout(source.timeout, work).await {
+            Ok(r) => r,
+            Err(_) => Err(fail(Failure::Timeout, key)),
+        }
+    }
+
     async fn chat<'a>(&self, attempt: ChatAttempt<'a>) -> Result<TransportResult, AttemptError> {
         let r = if attempt.request.stream {
             self.chat_stream(attempt).await

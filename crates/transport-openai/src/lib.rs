@@ -277,6 +277,52 @@ impl OpenAiTransport {
         rb
     }
 
+    /// A POST to `endpoint` under a native source's API path (`count_tokens`), with the
+    /// client's `anthropic-*` headers and the source's auth.
+    fn post_native(
+        &self,
+        source: &SourceConfig,
+        native: &NativeRequest,
+        endpoint: &str,
+        body: Vec<u8>,
+        call_id: &str,
+    ) -> reqwest::RequestBuilder {
+        let path = format!("{}/{endpoint}", source.api.path(&source.base_url));
+        let rb = self
+            .inner
+            .client
+            .post(endpoint_url(&source.base_url, &path));
+        let rb = self.headers(rb, source, source.effective_auth(), body, call_id, false);
+        self.anthropic_headers(rb, source, Some(native))
+    }
+
+    /// On a `messages` source: the client's `anthropic-*` headers, and
+    /// `anthropic-version` when it sent none.
+    fn anthropic_headers(
+        &self,
+        mut rb: reqwest::RequestBuilder,
+        source: &SourceConfig,
+        native: Option<&NativeRequest>,
+    ) -> reqwest::RequestBuilder {
+        if source.api != SourceApi::Messages {
+            return rb;
+        }
+        let mut version = false;
+        for (k, v) in native.map_or(&[][..], |n| &n.headers[..]) {
+            version |= k == "anthropic-version";
+            if let Ok(v) = HeaderValue::from_str(v) {
+                rb = rb.header(k.as_str(), v);
+            }
+        }
+        if !version {
+            rb = rb.header(
+                "anthropic-version",
+                HeaderValue::from_static(ANTHROPIC_VERSION),
+            );
+        }
+        rb
+    }
+
     /// The headers every request carries: JSON in, the stream or JSON accepted, the
     /// call id, and the key the way `auth` says (marked sensitive; none when empty).
     fn headers(

@@ -32,8 +32,8 @@ pub use rng::{Rng, SplitMix64};
 pub use store::{NullStore, ResponseStore, StoredResponse};
 pub use telemetry::{FlushReport, NullRecorder, TelemetryRecorder};
 pub use transport::{
-    ChatAttempt, EmbeddingResult, EmbeddingTransport, OcrResult, OcrTransport, Transport,
-    TransportResult,
+    ChatAttempt, EmbeddingResult, EmbeddingTransport, NativeAnswer, NativeCall, OcrResult,
+    OcrTransport, Transport, TransportResult,
 };
 
 /// mockall mocks of every port (feature `mock`; tests only): exact call expectations.

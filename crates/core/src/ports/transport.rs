@@ -79,7 +79,32 @@ pub struct TransportResult {
     pub upstream_headers: Vec<(String, String)>,
 }
 
-/// Chat over an OpenAI-compatible `/chat/completions`.
+/// A request to one of a native source's other endpoints, forwarded as the client sent
+/// it (SPEC §23.7: `count_tokens`).
+#[derive(Debug, Clone, Copy)]
+pub struct NativeCall<'a> {
+    /// The source.
+    pub source: &'a SourceConfig,
+    /// The endpoint under the API's path (`count_tokens` → `…/v1/messages/count_tokens`).
+    pub endpoint: &'a str,
+    /// The client's body (its `model` is replaced with the source's).
+    pub body: &'a serde_json::Map<String, serde_json::Value>,
+    /// The client's `anthropic-*` headers.
+    pub headers: &'a [(String, String)],
+    /// The call's id.
+    pub call_id: &'a str,
+}
+
+/// A native endpoint's answer, as received.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct NativeAnswer {
+    /// Its status.
+    pub status: u16,
+    /// Its body (capped).
+    pub body: Vec<u8>,
+}
+
+/// Chat over an OpenAI-compatible `/chat/completions`, or a native source's API.
 #[cfg_attr(any(test, feature = "mock"), mockall::automock)]
 #[async_trait]
 pub trait Transport: Send + Sync + std::fmt::Debug {
@@ -87,6 +112,19 @@ pub trait Transport: Send + Sync + std::fmt::Debug {
     /// (The attempt's lifetime is named rather than elided so that mockall can mock the
     /// port: implementations write the same signature.)
     async fn chat<'a>(&self, attempt: ChatAttempt<'a>) -> Result<TransportResult, AttemptError>;
+
+    /// Forwards a request to one of a native source's other endpoints. A transport
+    /// that reaches no native source refuses it.
+    async fn native_call<'a>(&self, call: NativeCall<'a>) -> Result<NativeAnswer, AttemptError> {
+        Err(AttemptError::new(
+            crate::ErrorClass::Rejected,
+            crate::ErrorLabel::Rejected,
+            format!(
+                "this transport cannot call {}'s {} endpoint",
+                call.source.name, call.endpoint
+            ),
+        ))
+    }
 }
 
 /// What an embedding attempt produced.

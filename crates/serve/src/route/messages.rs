@@ -18,8 +18,7 @@ use serde_json::json;
 use crate::errors::{anthropic_error, from_gateway, ApiError};
 use crate::http::{
     answer_headers, call_options, chat_scope, close_after, ensure_request_id, enter_gate,
-    failure_headers, list_header, read_body, read_body_up_to, run_plain, set_request_id, Conn,
-    Stopped,
+    failure_headers, list_header, read_body_up_to, run_plain, set_request_id, Conn, Stopped,
 };
 use crate::names;
 use crate::route::responses::dialect_error;
@@ -181,7 +180,10 @@ async fn create_inner(
     resp
 }
 
-/// `POST /v1/messages/count_tokens`: the estimate polygw reserves for TPM.
+/// `POST /v1/messages/count_tokens` (SPEC §23.7): forwarded to the scope's `messages`
+/// source (outside its quotas) and answered as it answers; without one, or when it has
+/// no such endpoint (404) or cannot be reached, the estimate polygw reserves for TPM
+/// (`x-polygw-usage-source: estimated`).
 pub async fn count_tokens(
     State(st): State<Arc<AppState>>,
     conn: Conn,
@@ -189,7 +191,8 @@ pub async fn count_tokens(
     body: Body,
 ) -> Response {
     let ctx = conn.map(|Extension(c)| c);
-    let bytes = match read_body(&st, &headers, body, &ctx).await {
+    let limit = st.cfg.max_body_bytes.max(MESSAGES_MAX_BODY_BYTES);
+    let bytes = match read_body_up_to(&st, &headers, body, &ctx, limit).await {
         Ok(b) => b,
         Err(e) => {
             let mut r = anthropic_error(&e.error);
@@ -202,14 +205,52 @@ pub async fn count_tokens(
     if let Err(e) = crate::openai::check_json_values(&bytes) {
         return anthropic_error(&e);
     }
-    match wire::count_tokens(&bytes) {
-        Ok(n) => {
-            let mut r = Json(json!({"input_tokens": n})).into_response();
+    let estimate = match wire::count_tokens(&bytes) {
+        Ok(n) => n,
+        Err(e) => return anthropic_error(&dialect_error(e)),
+    };
+    let forwarded = match native_request(&bytes, None, &headers) {
+        Some(n) => {
+            let model = n
+                .body
+                .get("model")
+                .and_then(|m| m.as_str())
+                .unwrap_or_default();
+            match chat_scope(&st, model) {
+                Ok((_, client)) => {
+                    client
+                        .native_call(SourceApi::Messages, "count_tokens", &n.body, &n.headers)
+                        .await
+                }
+                // A model no scope serves: the estimate, as without a source.
+                Err(_) => None,
+            }
+        }
+        None => None,
+    };
+    match forwarded {
+        Some(Ok(a)) if a.status != 404 && a.status < 500 => {
+            let status = axum::http::StatusCode::from_u16(a.status)
+                .unwrap_or(axum::http::StatusCode::BAD_GATEWAY);
+            (
+                status,
+                [(
+                    header::CONTENT_TYPE,
+                    HeaderValue::from_static("application/json"),
+                )],
+                a.body,
+            )
+                .into_response()
+        }
+        other => {
+            if let Some(Err(e)) = &other {
+                tracing::info!(error = %e, "count_tokens: the messages source could not be asked; polygw's estimate answers");
+            }
+            let mut r = Json(json!({"input_tokens": estimate})).into_response();
             r.headers_mut()
                 .insert(names::X_USAGE_SOURCE, HeaderValue::from_static("estimated"));
             r
         }
-        Err(e) => anthropic_error(&dialect_error(e)),
     }
 }
 

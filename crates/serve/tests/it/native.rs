@@ -402,3 +402,65 @@ async fn an_anthropic_client_lists_models_in_its_shape() {
     let v: Value = get("/models", false).await.unwrap().json().await.unwrap();
     assert_eq!(v["object"], "list");
 }
+
+/// `count_tokens` goes to the scope's `messages` source (its model, the client's
+/// headers) and answers as it does; a scope without one answers polygw's estimate.
+#[tokio::test]
+async fn count_tokens_is_forwarded_to_a_messages_source() {
+    let m = recording_mock(Behavior::text(&["x"])).await;
+    let chat = recording_mock(Behavior::text(&["x"])).await;
+    let native = scope_with(
+        "LLM",
+        ScopeKind::Chat,
+        vec![messages_source("a", &m)],
+        None,
+        |_| {},
+    )
+    .await;
+    let plain = scope_with(
+        "PLAIN",
+        ScopeKind::Chat,
+        vec![source("c", &chat)],
+        None,
+        |_| {},
+    )
+    .await;
+    let s = serve(vec![native, plain]).await;
+    let body = |model: &str| {
+        json!({"model": model, "system": "be brief",
+            "messages": [{"role": "user", "content": "How many tokens is this question, exactly?"}]})
+    };
+    let r = http()
+        .post(format!("{}/messages/count_tokens", s.v1()))
+        .header("anthropic-version", "2023-06-01")
+        .header("anthropic-beta", "token-counting-2024-11-01")
+        .json(&body("llm"))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    assert!(
+        r.headers().get("x-polygw-usage-source").is_none(),
+        "the source's count"
+    );
+    let v: Value = r.json().await.unwrap();
+    let log = m.requests();
+    assert_eq!(log.len(), 1);
+    assert_eq!(log[0].path, "/v1/messages/count_tokens");
+    assert_eq!(log[0].body["model"], "claude-a");
+    assert_eq!(log[0].body["system"], "be brief");
+    assert!(log[0]
+        .anthropic_headers
+        .contains(&("anthropic-beta".into(), "token-counting-2024-11-01".into())));
+    assert_eq!(v["input_tokens"], 11, "the mock's count: ⌈42 / 4⌉");
+
+    let r = http()
+        .post(format!("{}/messages/count_tokens", s.v1()))
+        .json(&body("plain"))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    assert_eq!(r.headers()["x-polygw-usage-source"], "estimated");
+    assert!(chat.requests().is_empty());
+}
