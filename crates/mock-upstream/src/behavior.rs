@@ -89,6 +89,9 @@ pub struct Behavior {
     pub prefill: Option<PrefillMode>,
     /// The prefill dialects this answer honours (see [`PrefillPolicy::dialects`]).
     pub prefill_dialects: Option<Vec<PrefillDialect>>,
+    /// Messages: thinking streams no `thinking_delta` (Anthropic's `display:
+    /// "omitted"`): its block starts, then silence until its signature.
+    pub thinking_omitted: bool,
 }
 
 /// An alias: one queued script is one [`Behavior`].
@@ -131,6 +134,7 @@ impl Default for Behavior {
             headers: Default::default(),
             prefill: None,
             prefill_dialects: None,
+            thinking_omitted: false,
         }
     }
 }

@@ -480,6 +480,9 @@ impl Stream<'_> {
             self.block = Some((index, kind));
         }
         let index = self.block.map_or(0, |(i, _)| i);
+        if kind == BlockKind::Thinking && self.b.thinking_omitted {
+            return;
+        }
         let delta = match item {
             Item::Reasoning(s) => json!({"type": "thinking_delta", "thinking": s}),
             Item::Content(s) => json!({"type": "text_delta", "text": s}),

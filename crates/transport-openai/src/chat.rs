@@ -422,6 +422,7 @@ impl OpenAiTransport {
         let null = NullObserver;
         let mut st = StreamState {
             messages: (source.api == SourceApi::Messages).then(MessagesReader::new),
+            patient: false,
             agg: StreamAggregator::new(),
             meter: StallMeter::new(self.inner.clock.now(), Duration::MAX),
             observer: &null,
@@ -615,11 +616,16 @@ impl OpenAiTransport {
                     for ev in events.drain(..) {
                         let incremental = st.on_event(ev, &mut at).map_err(|f| st.error(f, key))?;
                         let finish_now = !finish_seen && st.agg.finish_reason().is_some();
-                        if incremental || finish_now {
+                        let patient = std::mem::take(&mut st.patient);
+                        if incremental || finish_now || patient {
                             finish_seen |= finish_now;
                             let now = TokioInstant::now();
                             let budget = if finish_seen {
                                 itb.min(cfg.finish_grace)
+                            } else if patient {
+                                // Silent thinking, a server tool running: the first
+                                // token's budget (SPEC §23.4).
+                                ttft_budget.max(itb)
                             } else {
                                 itb
                             };
@@ -722,6 +728,8 @@ enum End {
 struct StreamState<'a> {
     /// The reader of a `messages` source's events (`None`: chat frames).
     messages: Option<MessagesReader>,
+    /// The last event said a silence may follow that is no stall (SPEC §23.4).
+    patient: bool,
     agg: StreamAggregator,
     meter: StallMeter,
     observer: &'a dyn ChunkObserver,
@@ -740,6 +748,7 @@ impl<'a> StreamState<'a> {
         let observer = attempt.observer;
         StreamState {
             messages: (source.api == SourceApi::Messages).then(MessagesReader::new),
+            patient: false,
             agg: StreamAggregator::new(),
             meter: StallMeter::new(t.inner.clock.now(), attempt.stall_threshold),
             observer,
@@ -779,6 +788,7 @@ impl<'a> StreamState<'a> {
             }
         };
         self.done = reader.done();
+        self.patient = d.native.as_ref().is_some_and(|n| n.patient);
         let incremental = self.agg.fold_delta(&d);
         if self.agg.content_bytes() > self.max_content {
             return Err(Failure::TooLarge {

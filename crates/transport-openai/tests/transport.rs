@@ -1883,3 +1883,161 @@ mod hardening {
         assert_eq!(r.stream.unwrap().incremental_chunks, 150);
     }
 }
+
+/// Issue 35 (SPEC §23.2, §23.4): a `messages` source gets the client's own body and its
+/// events are read for the engine — text, thinking, tool calls, the stop reason, usage —
+/// and passed on as received; a silence after a thinking block's start is measured
+/// against the first token's budget.
+mod native {
+    use std::sync::Arc;
+    use std::time::Duration;
+
+    use polygw_core::native::NativeRequest;
+    use polygw_core::source::SourceApi;
+    use polygw_core::{ChatRequest, ErrorClass as C, SourceConfig};
+    use polygw_mock_upstream::{Behavior, Fault, MockUpstream, Stall, ToolCallSpec};
+    use serde_json::json;
+
+    use super::common::*;
+
+    fn messages_source(m: &MockUpstream) -> SourceConfig {
+        source(m).with_api(SourceApi::Messages)
+    }
+
+    fn native_req(stream: bool) -> ChatRequest {
+        let body = json!({"model": "llm", "max_tokens": 100, "stream": stream,
+            "messages": [{"role": "user", "content": "Say hello"}], "x_unknown": 1});
+        let mut r = ChatRequest::user("Say hello").with_stream(stream);
+        r.native = Some(Arc::new(NativeRequest {
+            api: SourceApi::Messages,
+            body: body.as_object().unwrap().clone(),
+            headers: vec![("anthropic-beta".into(), "b1".into())],
+            query: Some("beta=true".into()),
+        }));
+        r
+    }
+
+    #[tokio::test]
+    async fn a_messages_source_is_read_plain_and_streamed() {
+        let m = mock().await;
+        let t = transport();
+        for stream in [false, true] {
+            m.push_script(Behavior {
+                reasoning: vec!["hm".into()],
+                tool_call: Some(ToolCallSpec {
+                    id: "toolu_1".into(),
+                    name: "get".into(),
+                    arguments: r#"{"a":1}"#.into(),
+                    fragments: 2,
+                }),
+                ..Behavior::text(&["Hel", "lo"])
+            });
+            let obs = Recorder::wanting_deltas();
+            let r = chat_obs(&t, &messages_source(&m), &native_req(stream), &obs)
+                .await
+                .unwrap();
+            assert_eq!(r.content, "Hello", "stream={stream}");
+            assert_eq!(r.reasoning_content.as_deref(), Some("hm"));
+            assert_eq!(r.tool_calls.len(), 1);
+            assert_eq!(r.tool_calls[0].arguments, r#"{"a":1}"#);
+            assert_eq!(r.finish_reason.as_deref(), Some("tool_calls"));
+            assert!(r.usage.prompt_tokens >= 1 && r.usage.completion_tokens > 0);
+            if stream {
+                // Every event reached the observer as received, pings included.
+                let ds = obs.deltas.lock().unwrap();
+                assert!(ds.iter().all(|d| d.native.is_some()));
+                let names: Vec<String> = ds
+                    .iter()
+                    .filter_map(|d| d.native.as_ref()?.event.clone())
+                    .collect();
+                assert_eq!(names.first().map(String::as_str), Some("message_start"));
+                assert!(names.iter().any(|n| n == "ping"));
+                assert_eq!(names.last().map(String::as_str), Some("message_stop"));
+            } else {
+                assert!(
+                    r.raw_body.is_some(),
+                    "the answer as received, for the client"
+                );
+            }
+        }
+        let log = m.wait_for_ended(2, Duration::from_secs(5)).await;
+        for rec in &log {
+            assert_eq!(rec.path, "/v1/messages");
+            assert_eq!(rec.query.as_deref(), Some("beta=true"));
+            assert!(rec.x_api_key && !rec.authorization);
+            assert!(rec
+                .anthropic_headers
+                .contains(&("anthropic-version".into(), "2023-06-01".into())));
+            assert!(rec
+                .anthropic_headers
+                .contains(&("anthropic-beta".into(), "b1".into())));
+        }
+    }
+
+    #[tokio::test]
+    async fn events_of_a_messages_source_fail_as_anthropic_says() {
+        let m = mock().await;
+        let t = transport();
+        // An `overloaded_error` event before any content: transient.
+        m.push_script(Behavior::fault(Fault::ErrorFrameAt {
+            chunk: 0,
+            error: None,
+        }));
+        let e = chat(&t, &messages_source(&m), &native_req(true))
+            .await
+            .unwrap_err();
+        assert_eq!(e.class, C::Transient, "{e}");
+        assert_eq!(e.provider_code.as_deref(), Some("overloaded_error"));
+        // An invalid event: result-invalid, nothing panics.
+        m.push_script(Behavior::fault(Fault::MalformedAt { chunk: 1 }));
+        let e = chat(&t, &messages_source(&m), &native_req(true))
+            .await
+            .unwrap_err();
+        assert_eq!(e.class, C::Invalid, "{e}");
+        // A 529.
+        m.push_script(Behavior::status(529));
+        let e = chat(&t, &messages_source(&m), &native_req(false))
+            .await
+            .unwrap_err();
+        assert_eq!((e.class, e.http_status), (C::Transient, Some(529)));
+        // A request without the source's API is not sent.
+        let e = chat(&t, &messages_source(&m), &stream_req())
+            .await
+            .unwrap_err();
+        assert_eq!(e.class, C::Rejected);
+        assert!(e.to_string().contains("messages"), "{e}");
+    }
+
+    /// SPEC §23.4: a thinking block that streams no deltas is silent until its
+    /// signature; that silence is held to the first token's budget (here 5 s), not the
+    /// inter-token one (0.3 s).
+    #[tokio::test]
+    async fn silent_thinking_is_not_a_stall() {
+        let m = mock().await;
+        let t = transport();
+        let src = messages_source(&m)
+            .with_ttft_timeout(Duration::from_secs(5))
+            .with_inter_token_timeout(Duration::from_millis(300));
+        m.push_script(Behavior {
+            reasoning: vec!["thinking quietly".into()],
+            thinking_omitted: true,
+            stalls: vec![Stall {
+                before_chunk: 1,
+                ms: 1_000.0,
+            }],
+            ..Behavior::text(&["Done"])
+        });
+        let r = chat(&t, &src, &native_req(true)).await.unwrap();
+        assert_eq!(r.content, "Done");
+        // The same silence after a text delta is a stall.
+        m.push_script(Behavior {
+            stalls: vec![Stall {
+                before_chunk: 1,
+                ms: 1_000.0,
+            }],
+            ..Behavior::text(&["Do", "ne"])
+        });
+        let e = chat(&t, &src, &native_req(true)).await.unwrap_err();
+        assert_eq!(e.label, polygw_core::ErrorLabel::StallTimeout, "{e}");
+    }
+}

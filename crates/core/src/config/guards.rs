@@ -312,7 +312,7 @@ pub fn check(s: &ScopeSettings, kind: ScopeKind) -> Result<Vec<ConfigWarning>, C
             push(Err(invalid(
                 &k("API"),
                 src.api.as_str(),
-                &format!(
+                format!(
                     "chat: a {} scope calls OpenAI-compatible endpoints only",
                     kind.operation()
                 ),

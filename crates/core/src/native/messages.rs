@@ -117,6 +117,9 @@ pub fn error_of(obj: &Map<String, Value>) -> Option<MessagesError> {
 /// Reads one Messages stream, event by event.
 #[derive(Debug, Clone, Default)]
 pub struct MessagesReader {
+    /// The indices of open server-tool blocks (`server_tool_use`): the tool runs after
+    /// its block stops.
+    server_tools: Vec<u32>,
     usage: MessagesUsage,
     stop_reason: Option<String>,
     done: bool,
@@ -182,6 +185,7 @@ impl MessagesReader {
         }
         let mut d = StreamDelta::default();
         let mut progress = false;
+        let mut patient = false;
         match kind.as_str() {
             "message_start" => {
                 let m = obj.get("message").and_then(Value::as_object);
@@ -212,8 +216,20 @@ impl MessagesReader {
                             name: s("name").map(Into::into),
                             arguments: String::new(),
                         }),
+                        // Thinking may stream no deltas (`display: "omitted"`).
+                        "redacted_thinking" => patient = true,
+                        "server_tool_use" => self.server_tools.push(index),
                         _ => {}
                     }
+                    patient |= s("type") == Some("thinking");
+                }
+            }
+            "content_block_stop" => {
+                // A server tool runs once its call is complete, silently.
+                let index = index_of(&obj);
+                if let Some(i) = self.server_tools.iter().position(|&t| t == index) {
+                    self.server_tools.swap_remove(i);
+                    patient = true;
                 }
             }
             "content_block_delta" => {
@@ -261,6 +277,7 @@ impl MessagesReader {
             event: event.map(str::to_string),
             data: data.to_string(),
             progress,
+            patient,
         }));
         Ok(d)
     }
@@ -443,6 +460,44 @@ mod tests {
             .unwrap();
         assert!(!d.is_incremental());
         assert_eq!(d.native.unwrap().event.as_deref(), Some("future_event"));
+    }
+
+    /// SPEC §23.4: a thinking block's start and a server tool's completed call are
+    /// followed by a silence that is no stall; a text delta is not.
+    #[test]
+    fn silences_that_are_not_stalls_are_marked() {
+        let mut r = MessagesReader::new();
+        let patient = |d: StreamDelta| d.native.unwrap().patient;
+        let d = ev(
+            &mut r,
+            "content_block_start",
+            json!({"type":"content_block_start","index":0,"content_block":{"type":"thinking","thinking":""}}),
+        );
+        assert!(patient(d));
+        let d = ev(
+            &mut r,
+            "content_block_start",
+            json!({"type":"content_block_start","index":1,"content_block":{"type":"server_tool_use","id":"srvtoolu_1","name":"web_search","input":{}}}),
+        );
+        assert!(!patient(d));
+        let d = ev(
+            &mut r,
+            "content_block_stop",
+            json!({"type":"content_block_stop","index":1}),
+        );
+        assert!(patient(d));
+        let d = ev(
+            &mut r,
+            "content_block_delta",
+            json!({"type":"content_block_delta","index":2,"delta":{"type":"text_delta","text":"x"}}),
+        );
+        assert!(!patient(d));
+        let d = ev(
+            &mut r,
+            "content_block_stop",
+            json!({"type":"content_block_stop","index":2}),
+        );
+        assert!(!patient(d));
     }
 
     #[test]

@@ -57,6 +57,10 @@ pub struct NativeEvent {
     /// Whether it is a content event: the first one commits a leg and moves the
     /// first-token and stall clocks (SPEC §23.4).
     pub progress: bool,
+    /// Whether a silence may follow that is not a stall: a thinking block whose deltas
+    /// may be omitted, a server tool running. The silence after it is measured against
+    /// the first-token budget, not the stall one (SPEC §23.4).
+    pub patient: bool,
 }
 
 impl NativeEvent {
