@@ -93,6 +93,8 @@ pub enum SourceApi {
     Chat,
     /// Anthropic's Messages API (`/v1/messages`).
     Messages,
+    /// OpenAI's Responses API (`/v1/responses`).
+    Responses,
 }
 
 impl SourceApi {
@@ -101,6 +103,7 @@ impl SourceApi {
         match self {
             SourceApi::Chat => "chat",
             SourceApi::Messages => "messages",
+            SourceApi::Responses => "responses",
         }
     }
 
@@ -108,20 +111,22 @@ impl SourceApi {
     ///
     /// `chat` appends `chat/completions` to the base URL as given: OpenAI-compatible
     /// base URLs carry their own version path (`/v1`, GLM's `/api/paas/v4`, …), and
-    /// adding one would break them (DECISIONS 172). `messages` appends `messages` to a
-    /// base URL whose path ends in `/v1`, else `v1/messages`: vendors document their
-    /// Anthropic endpoints without it (`https://api.deepseek.com/anthropic`).
+    /// adding one would break them (DECISIONS 172). `messages` and `responses` append
+    /// their name to a base URL whose path ends in `/v1`, else `v1/<name>`: vendors
+    /// document their Anthropic endpoints without it (`https://api.deepseek.com/anthropic`).
     pub fn path(self, base_url: &str) -> &'static str {
-        match self {
-            SourceApi::Chat => "chat/completions",
-            SourceApi::Messages => {
-                let path = base_url.split(['?', '#']).next().unwrap_or(base_url);
-                if path.trim_end_matches('/').ends_with("/v1") {
-                    "messages"
-                } else {
-                    "v1/messages"
-                }
-            }
+        let v1 = base_url
+            .split(['?', '#'])
+            .next()
+            .unwrap_or(base_url)
+            .trim_end_matches('/')
+            .ends_with("/v1");
+        match (self, v1) {
+            (SourceApi::Chat, _) => "chat/completions",
+            (SourceApi::Messages, true) => "messages",
+            (SourceApi::Messages, false) => "v1/messages",
+            (SourceApi::Responses, true) => "responses",
+            (SourceApi::Responses, false) => "v1/responses",
         }
     }
 
@@ -148,6 +153,7 @@ impl std::str::FromStr for SourceApi {
         match s.trim().to_ascii_lowercase().as_str() {
             "chat" => Ok(SourceApi::Chat),
             "messages" => Ok(SourceApi::Messages),
+            "responses" => Ok(SourceApi::Responses),
             _ => Err(()),
         }
     }
@@ -167,7 +173,7 @@ impl SourceAuth {
     /// The auth a source of `api` uses when `AUTH` is not set.
     pub fn default_for(api: SourceApi) -> Self {
         match api {
-            SourceApi::Chat => SourceAuth::Bearer,
+            SourceApi::Chat | SourceApi::Responses => SourceAuth::Bearer,
             SourceApi::Messages => SourceAuth::XApiKey,
         }
     }
@@ -472,6 +478,14 @@ mod tests {
         }
         assert_eq!("Messages".parse::<SourceApi>(), Ok(SourceApi::Messages));
         assert!("responses2".parse::<SourceApi>().is_err());
+        assert_eq!(
+            SourceApi::Responses.url("https://api.openai.com/v1"),
+            "https://api.openai.com/v1/responses"
+        );
+        assert_eq!(
+            SourceApi::Responses.url("http://h:1"),
+            "http://h:1/v1/responses"
+        );
         assert_eq!(
             SourceAuth::default_for(SourceApi::Messages),
             SourceAuth::XApiKey

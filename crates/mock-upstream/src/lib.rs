@@ -31,6 +31,7 @@ mod play;
 mod prefill;
 mod profile;
 mod record;
+mod responses_wire;
 mod server;
 mod text;
 mod tls;

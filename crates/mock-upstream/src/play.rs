@@ -23,6 +23,7 @@ use tokio::time::Instant;
 use crate::behavior::{Behavior, Fault, ReasoningField, UsageMode};
 use crate::cache::{CacheDialect, CacheUse};
 use crate::record::{EndKind, Guard};
+use crate::responses_wire::ResponsesWriter;
 
 type PlayerFuture = Pin<Box<dyn Future<Output = ()> + Send>>;
 
@@ -100,6 +101,8 @@ pub(crate) enum WireApi {
     Chat,
     /// Anthropic's Messages.
     Messages,
+    /// OpenAI's Responses.
+    Responses,
 }
 
 /// What the player needs besides the behavior.
@@ -332,6 +335,8 @@ pub(crate) fn default_error_object(api: WireApi) -> Value {
             "type": "overloaded_error",
             "message": "Overloaded"
         }}),
+        WireApi::Responses => json!({"code": "server_error",
+            "message": "The server had an error while processing your request."}),
     }
 }
 
@@ -356,6 +361,16 @@ fn stop_reason(finish: &str) -> &str {
         "content_filter" => "refusal",
         _ => "end_turn",
     }
+}
+
+/// The plain Responses answer (`response`) of a plan.
+pub(crate) fn response_json(b: &Behavior, ctx: &Ctx, plan: &Plan) -> Value {
+    let mut w = ResponsesWriter::new(ctx.guard.id, &ctx.model, ctx.created, b.tool_call.clone());
+    for item in &plan.items {
+        w.item(item);
+    }
+    let usage = (b.usage != UsageMode::None).then_some(&plan.usage);
+    w.final_response(&plan.finish_reason, usage)
 }
 
 /// The plain Messages answer (`message`) of a plan.
@@ -402,6 +417,8 @@ struct Stream<'a> {
     /// Messages: the open content block (its index and kind), and the next index.
     block: Option<(u32, BlockKind)>,
     next_block: u32,
+    /// Responses: the events' writer.
+    responses: Option<ResponsesWriter>,
 }
 
 /// The kind of a Messages content block.
@@ -431,6 +448,15 @@ impl Stream<'_> {
     async fn frame(&mut self, v: &Value) {
         self.write(sse(v)).await;
         self.ctx.guard.frames_sent += 1;
+    }
+
+    /// Responses events.
+    async fn responses_events(&mut self, evs: Vec<Value>) {
+        for v in evs {
+            self.write(Bytes::from(crate::responses_wire::sse(&v)))
+                .await;
+            self.ctx.guard.frames_sent += 1;
+        }
     }
 
     /// A named event (Messages): `event: <type>` and the object as its data.
@@ -515,7 +541,7 @@ impl Stream<'_> {
                 }
                 tokio::time::sleep_until(next).await;
                 let k: &'static [u8] = match self.ctx.api {
-                    WireApi::Chat => b": keepalive\n\n",
+                    WireApi::Chat | WireApi::Responses => b": keepalive\n\n",
                     WireApi::Messages => b"event: ping\ndata: {\"type\": \"ping\"}\n\n",
                 };
                 self.write(Bytes::from_static(k)).await;
@@ -558,7 +584,10 @@ impl Stream<'_> {
         let plan = Plan::new(self.b, &self.ctx);
         let start = Instant::now();
         let messages = self.ctx.api == WireApi::Messages;
-        if messages {
+        if let Some(w) = self.responses.as_mut() {
+            let evs = w.start();
+            self.responses_events(evs).await;
+        } else if messages {
             let mut usage = messages_usage_json(&plan.usage, 1);
             if self.b.usage == UsageMode::None {
                 usage = Value::Null;
@@ -598,7 +627,23 @@ impl Stream<'_> {
             }
             at += ms(self.b.stall_before(i));
             self.wait_until(at).await;
+            let responses = self.responses.is_some();
             match &self.b.fault {
+                Some(Fault::MalformedAt { chunk }) if *chunk as usize == i && responses => {
+                    self.write(Bytes::from_static(
+                        b"event: response.output_text.delta\ndata: {\"type\":\"response.output_text.delta\",\"delta\":\"br\n\n",
+                    ))
+                    .await;
+                    self.ctx.guard.frames_sent += 1;
+                }
+                Some(Fault::ErrorFrameAt { chunk, error }) if *chunk as usize == i && responses => {
+                    if let Some(w) = self.responses.as_mut() {
+                        let v = w.failed(error.clone());
+                        self.responses_events(vec![v]).await;
+                    }
+                    self.ctx.guard.finish(EndKind::Completed);
+                    return;
+                }
                 Some(Fault::MalformedAt { chunk }) if *chunk as usize == i && messages => {
                     self.write(Bytes::from_static(
                         b"event: content_block_delta\ndata: {\"type\":\"content_block_delta\",\"index\":0,\"delta\":{\"type\":\"text_delta\",\"text\":\"br\n\n",
@@ -636,6 +681,17 @@ impl Stream<'_> {
             // Its time has come: generated (billed) even if the client leaves before
             // the write completes.
             self.ctx.guard.generated += 1;
+            if let Some(w) = self.responses.as_mut() {
+                let evs = w.item(&plan.items[i]);
+                match &plan.items[i] {
+                    Item::Reasoning(s) => self.ctx.guard.reasoning.push_str(s),
+                    Item::Content(s) => self.ctx.guard.content.push_str(s),
+                    Item::Tool { .. } => {}
+                }
+                self.responses_events(evs).await;
+                self.ctx.guard.chunks_sent += 1;
+                continue;
+            }
             if messages {
                 match &plan.items[i] {
                     Item::Reasoning(s) => self.ctx.guard.reasoning.push_str(s),
@@ -672,6 +728,26 @@ impl Stream<'_> {
             let v = self.chunk(delta, None);
             self.frame(&v).await;
             self.ctx.guard.chunks_sent += 1;
+        }
+        if let Some(mut w) = self.responses.take() {
+            let with_usage = self.b.usage != UsageMode::None;
+            let mut evs = w.finish(&plan.finish_reason, with_usage.then_some(&plan.usage));
+            let terminal = evs.pop();
+            self.responses_events(evs).await;
+            if with_usage {
+                self.ctx.guard.usage = Some(plan.usage);
+            }
+            if self.b.fault == Some(Fault::ResetAfterFinish) {
+                return self.reset(EndKind::ResetMidStream).await;
+            }
+            if self.b.fault == Some(Fault::HangAfterFinish) {
+                self.out.drained().await;
+                return self.hang().await;
+            }
+            self.responses_events(terminal.into_iter().collect()).await;
+            self.out.drained().await;
+            self.ctx.guard.finish(EndKind::Completed);
+            return;
         }
         if messages {
             self.messages_finish(&plan).await;
@@ -724,6 +800,8 @@ impl Stream<'_> {
 
 /// Plays a generated SSE stream (headers already sent).
 pub(crate) async fn play_stream(b: Behavior, ctx: Ctx, out: Out) {
+    let responses = (ctx.api == WireApi::Responses)
+        .then(|| ResponsesWriter::new(ctx.guard.id, &ctx.model, ctx.created, b.tool_call.clone()));
     let s = Stream {
         b: &b,
         ctx,
@@ -731,6 +809,7 @@ pub(crate) async fn play_stream(b: Behavior, ctx: Ctx, out: Out) {
         last_write: Instant::now(),
         block: None,
         next_block: 0,
+        responses,
     };
     s.play().await;
 }

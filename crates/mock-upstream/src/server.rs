@@ -260,7 +260,7 @@ pub(crate) fn error_json_in(
     message: Option<&str>,
 ) -> Value {
     match api {
-        WireApi::Chat => error_json(status, code, message),
+        WireApi::Chat | WireApi::Responses => error_json(status, code, message),
         WireApi::Messages => {
             let ty = code.unwrap_or(match status {
                 400 | 422 => "invalid_request_error",
@@ -431,15 +431,17 @@ async fn handle_request(
         json_response(status, &v, None)
     };
 
-    let api = if path == "/v1/messages" {
-        WireApi::Messages
-    } else {
-        WireApi::Chat
+    let api = match path.as_str() {
+        "/v1/messages" => WireApi::Messages,
+        "/v1/responses" => WireApi::Responses,
+        _ => WireApi::Chat,
     };
     if let Some(k) = &shared.cfg.require_key {
         let ok = match api {
             WireApi::Messages => api_key.as_deref() == Some(k.as_str()),
-            WireApi::Chat => auth.as_deref() == Some(format!("Bearer {k}").as_str()),
+            WireApi::Chat | WireApi::Responses => {
+                auth.as_deref() == Some(format!("Bearer {k}").as_str())
+            }
         };
         if !ok {
             return Ok(simple(guard, 401, error_json_in(api, 401, None, None)));
@@ -478,9 +480,18 @@ async fn handle_request(
             let n = text::prompt_tokens(&body, text::images_of(&body).len());
             simple(guard, 200, json!({"input_tokens": n}))
         }
+        (&Method::POST, "/v1/responses/input_tokens") => {
+            let n = text::prompt_tokens(&body, text::images_of(&body).len());
+            simple(
+                guard,
+                200,
+                json!({"object": "response.input_tokens", "input_tokens": n}),
+            )
+        }
         (&Method::POST, "/v1/chat/completions")
         | (&Method::POST, "/v1/embeddings")
-        | (&Method::POST, "/v1/messages") => {
+        | (&Method::POST, "/v1/messages")
+        | (&Method::POST, "/v1/responses") => {
             if !body_ok || !body.is_object() {
                 return Ok(simple(
                     guard,
@@ -805,6 +816,7 @@ async fn chat(
     let v = match api {
         WireApi::Chat => play::completion_json(&b, &ctx, &plan),
         WireApi::Messages => play::message_json(&b, &ctx, &plan),
+        WireApi::Responses => play::response_json(&b, &ctx, &plan),
     };
     let bytes = Bytes::from(v.to_string());
     ctx.guard.headers_sent(b.status);

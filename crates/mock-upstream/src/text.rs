@@ -44,8 +44,13 @@ pub(crate) fn fnv1a_from(mut h: u64, bytes: &[u8]) -> u64 {
 /// message or any sampling — so the same request gets the same words from any mock,
 /// and a replay reproduces a delivered prefix exactly.
 pub(crate) fn request_seed(body: &Value) -> u64 {
+    // A Responses request's `input`: a string is one user message.
+    if let Some(Value::String(s)) = body.get("input") {
+        return mix(fnv1a(s.as_bytes()));
+    }
     let last_user = body
         .get("messages")
+        .or_else(|| body.get("input"))
         .and_then(Value::as_array)
         .and_then(|ms| {
             ms.iter()
@@ -95,8 +100,12 @@ fn content_chars(content: &Value) -> usize {
 /// The prompt-token estimate: ⌈characters / 4⌉ of every message's text (at least 1),
 /// plus 85 per image (OpenAI's low-detail image cost).
 pub(crate) fn prompt_tokens(body: &Value, images: usize) -> u64 {
+    if let Some(Value::String(s)) = body.get("input") {
+        return (s.chars().count() as u64).div_ceil(4).max(1) + 85 * images as u64;
+    }
     let chars: usize = body
         .get("messages")
+        .or_else(|| body.get("input"))
         .and_then(Value::as_array)
         .map(|ms| {
             ms.iter()

@@ -67,6 +67,105 @@ pub(crate) trait Encoder: Send + 'static {
     }
 }
 
+/// Whether a stream passes a native source's events or translates chunks, once its
+/// first chunk says (SPEC §23.2). A route whose scope has sources of its own API
+/// (`lazy`) writes nothing before that first chunk: a native leg's events then pass
+/// unchanged, another leg's are translated by the route's encoder.
+#[derive(Debug)]
+pub(crate) struct Passing {
+    lazy: bool,
+    mode: Mode,
+    /// The event names that end a native stream (`message_stop`, `response.completed`).
+    terminal: &'static [&'static str],
+    /// The data of the last native event written.
+    last: Option<String>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Mode {
+    Undecided,
+    Native { ended: bool },
+    Translated,
+}
+
+/// What a [`Passing`] stream's end needs from the route's encoder.
+pub(crate) enum Ending {
+    /// Translated (or nothing came): the encoder closes its own stream.
+    Translate,
+    /// Native, and the source's terminal event went out.
+    Ended,
+    /// Native, accepted without its terminal event (it broke after its stop): the
+    /// encoder closes the stream.
+    Unended,
+}
+
+impl Passing {
+    /// A stream that may pass events (`lazy`) ending with one of `terminal`.
+    pub(crate) fn new(lazy: bool, terminal: &'static [&'static str]) -> Self {
+        Passing {
+            lazy,
+            mode: Mode::Undecided,
+            terminal,
+            last: None,
+        }
+    }
+
+    /// At the stream's start: whether the encoder writes its opening events now (not
+    /// `lazy`: the stream is translated from the start).
+    pub(crate) fn open_translated(&mut self) -> bool {
+        if !self.lazy {
+            self.mode = Mode::Translated;
+        }
+        !self.lazy
+    }
+
+    /// A chunk: a native event is written as received (`None` back); any other chunk
+    /// is given back for the encoder to translate.
+    pub(crate) fn pass(&mut self, d: StreamDelta, out: &mut Vec<u8>) -> Option<StreamDelta> {
+        match (self.mode, d.native) {
+            (Mode::Undecided | Mode::Native { .. }, Some(ev)) => {
+                let ended = matches!(self.mode, Mode::Native { ended: true })
+                    || ev
+                        .event
+                        .as_deref()
+                        .is_some_and(|e| self.terminal.contains(&e));
+                self.mode = Mode::Native { ended };
+                ev.write_to(out);
+                self.last = Some(ev.data);
+                None
+            }
+            (Mode::Native { .. }, None) => {
+                // Not reached: a native stream is not resumed on another leg (yet).
+                tracing::error!("a translated chunk in a native stream, dropped");
+                None
+            }
+            (_, native) => {
+                self.mode = Mode::Translated;
+                Some(StreamDelta { native, ..d })
+            }
+        }
+    }
+
+    /// Whether the stream passes native events.
+    pub(crate) fn is_native(&self) -> bool {
+        matches!(self.mode, Mode::Native { .. })
+    }
+
+    /// The data of the last native event written.
+    pub(crate) fn last_event(&self) -> Option<&str> {
+        self.last.as_deref()
+    }
+
+    /// How the stream ends.
+    pub(crate) fn ending(&self) -> Ending {
+        match self.mode {
+            Mode::Native { ended: true } => Ending::Ended,
+            Mode::Native { ended: false } => Ending::Unended,
+            Mode::Undecided | Mode::Translated => Ending::Translate,
+        }
+    }
+}
+
 /// Renders an error before the answer started, in the route's shape.
 pub(crate) type RenderError = fn(&ApiError) -> Response;
 

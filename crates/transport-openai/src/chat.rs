@@ -7,8 +7,7 @@ use async_trait::async_trait;
 use base64::Engine as _;
 use polygw_core::body::{chat_body_bytes, ocr_body};
 use polygw_core::classify::Failure;
-use polygw_core::native::messages::{self, MessagesReader};
-use polygw_core::native::NativeRequest;
+use polygw_core::native::{self, NativeReader, NativeRequest, ReadError as NativeReadError};
 use polygw_core::ports::{
     ChatAttempt, ChunkObserver, Clock, NativeAnswer, NativeCall, NullObserver, OcrResult,
     OcrTransport, StreamDelta, ToolCallDelta, Transport, TransportResult,
@@ -212,26 +211,24 @@ fn attempt_body<'r>(
     }
 }
 
-/// Folds a plain Messages answer; checks an error body and the content cap.
-fn messages_aggregate(
+/// Folds a plain native answer; checks an error body and the content cap.
+fn native_aggregate(
+    api: SourceApi,
     obj: &Map<String, Value>,
     cfg: &TransportConfig,
 ) -> Result<Aggregate, PlainError> {
-    if let Some(e) =
-        messages::error_of(obj).filter(|_| obj.get("type").and_then(Value::as_str) == Some("error"))
-    {
-        return Err(PlainError(
+    let m = native::read_plain(api, obj).map_err(|e| {
+        PlainError(
             Failure::InBand {
                 status: None,
                 code: e.kind,
                 message: e.message,
             },
             None,
-        ));
-    }
-    let m = messages::read_message(obj);
+        )
+    })?;
     let mut agg = StreamAggregator::new();
-    let usage = m.usage.is_known().then(|| m.usage.to_usage());
+    let usage = m.usage;
     agg.fold_delta(&StreamDelta {
         content: Some(m.content),
         reasoning: Some(m.reasoning),
@@ -421,7 +418,7 @@ impl OpenAiTransport {
         let cfg = &self.inner.cfg;
         let null = NullObserver;
         let mut st = StreamState {
-            messages: (source.api == SourceApi::Messages).then(MessagesReader::new),
+            native: NativeReader::for_api(source.api),
             patient: false,
             agg: StreamAggregator::new(),
             meter: StallMeter::new(self.inner.clock.now(), Duration::MAX),
@@ -472,16 +469,16 @@ impl OpenAiTransport {
     }
 
     async fn chat_plain(&self, attempt: ChatAttempt<'_>) -> Result<TransportResult, AttemptError> {
-        if attempt.source.api == SourceApi::Messages {
-            return self.messages_plain(attempt).await;
+        if attempt.source.api != SourceApi::Chat {
+            return self.native_plain(attempt).await;
         }
         let body = chat_body_bytes(attempt.source, attempt.request);
         self.plain_chat(attempt.source, body, attempt.call_id).await
     }
 
-    /// A plain call to a `messages` source: the client's body with the edits of SPEC
+    /// A plain call to a native source: the client's body with the edits of SPEC
     /// §23.2; the answer is read for the engine and kept as received for the client.
-    async fn messages_plain(
+    async fn native_plain(
         &self,
         attempt: ChatAttempt<'_>,
     ) -> Result<TransportResult, AttemptError> {
@@ -496,7 +493,8 @@ impl OpenAiTransport {
             return Ok(r);
         }
         let obj = parse_object(&bytes).map_err(|f| fail(f, key))?;
-        let a = messages_aggregate(&obj, &self.inner.cfg).map_err(|e| e.into_error(key))?;
+        let a =
+            native_aggregate(source.api, &obj, &self.inner.cfg).map_err(|e| e.into_error(key))?;
         let mut r = result_of(a, status, false);
         r.raw = Some(obj);
         r.raw_body = Some(bytes);
@@ -572,10 +570,10 @@ impl OpenAiTransport {
                 ),
             })?;
             let obj = parse_object(&body).map_err(|f| fail(f, key))?;
-            let a = if source.api == SourceApi::Messages {
-                messages_aggregate(&obj, cfg)
-            } else {
+            let a = if source.api == SourceApi::Chat {
                 plain_aggregate(&obj, cfg)
+            } else {
+                native_aggregate(source.api, &obj, cfg)
             }
             .map_err(|e| e.into_error(key))?;
             st.plain_as_chunk(&a);
@@ -726,8 +724,8 @@ enum End {
 }
 
 struct StreamState<'a> {
-    /// The reader of a `messages` source's events (`None`: chat frames).
-    messages: Option<MessagesReader>,
+    /// The reader of a native source's events (`None`: chat frames).
+    native: Option<NativeReader>,
     /// The last event said a silence may follow that is no stall (SPEC §23.4).
     patient: bool,
     agg: StreamAggregator,
@@ -747,7 +745,7 @@ impl<'a> StreamState<'a> {
         let source = attempt.source;
         let observer = attempt.observer;
         StreamState {
-            messages: (source.api == SourceApi::Messages).then(MessagesReader::new),
+            native: NativeReader::for_api(source.api),
             patient: false,
             agg: StreamAggregator::new(),
             meter: StallMeter::new(t.inner.clock.now(), attempt.stall_threshold),
@@ -761,14 +759,10 @@ impl<'a> StreamState<'a> {
         }
     }
 
-    /// Handles one event of a `messages` source (SPEC §23.4).
-    fn on_messages_event(
-        &mut self,
-        ev: SseEvent,
-        at: &mut Option<Instant>,
-    ) -> Result<bool, Failure> {
+    /// Handles one event of a native source (SPEC §23.4).
+    fn on_native_event(&mut self, ev: SseEvent, at: &mut Option<Instant>) -> Result<bool, Failure> {
         self.events_seen += 1;
-        let Some(reader) = self.messages.as_mut() else {
+        let Some(reader) = self.native.as_mut() else {
             return Ok(false);
         };
         if ev.data.trim().is_empty() && ev.event.as_deref() != Some("error") {
@@ -776,10 +770,8 @@ impl<'a> StreamState<'a> {
         }
         let d = match reader.on_event(ev.event.as_deref(), &ev.data) {
             Ok(d) => d,
-            Err(messages::ReadError::Malformed(detail)) => {
-                return Err(Failure::Malformed { detail })
-            }
-            Err(messages::ReadError::Provider(e)) => {
+            Err(NativeReadError::Malformed(detail)) => return Err(Failure::Malformed { detail }),
+            Err(NativeReadError::Provider(e)) => {
                 return Err(Failure::InBand {
                     status: None,
                     code: e.kind,
@@ -815,8 +807,8 @@ impl<'a> StreamState<'a> {
 
     /// Handles one SSE event; returns whether it was an incremental chunk.
     fn on_event(&mut self, ev: SseEvent, at: &mut Option<Instant>) -> Result<bool, Failure> {
-        if self.messages.is_some() {
-            return self.on_messages_event(ev, at);
+        if self.native.is_some() {
+            return self.on_native_event(ev, at);
         }
         self.events_seen += 1;
         let is_error_event = ev.event.as_deref() == Some("error");

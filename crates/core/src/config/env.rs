@@ -449,22 +449,14 @@ fn build_source(
     url_ok.then_some(src)
 }
 
-/// `API`: `chat` (also empty) or `messages`. `responses` is named as not yet served
-/// rather than taken for another API (SPEC §23.1; DECISIONS 172).
+/// `API`: `chat` (also empty), `messages` or `responses` (SPEC §23.1).
 fn parse_api(k: &str, v: &str) -> Result<SourceApi, ConfigError> {
     let t = v.trim();
     if t.is_empty() {
         return Ok(SourceApi::Chat);
     }
-    if t.eq_ignore_ascii_case("responses") {
-        return Err(invalid(
-            k,
-            v,
-            "chat or messages (sources that speak the Responses API are not supported yet)",
-        ));
-    }
     t.parse::<SourceApi>()
-        .map_err(|()| invalid(k, v, "chat or messages"))
+        .map_err(|()| invalid(k, v, "chat, messages or responses"))
 }
 
 /// `AUTH`: `x-api-key` or `bearer` (empty = the API's own way). `client` is named as

@@ -9,7 +9,7 @@ use serde_json::{Map, Value};
 use crate::ports::{StreamDelta, ToolCallDelta};
 use crate::response::Usage;
 
-use super::NativeEvent;
+use super::{NativeError, NativeEvent, PlainAnswer, ReadError};
 
 /// Anthropic's usage fields as the stream has reported them so far.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -86,29 +86,11 @@ pub fn finish_reason(stop_reason: &str) -> &str {
     }
 }
 
-/// An `error` event (or a body that is an error): its `type` and `message`.
-#[derive(Debug, Clone, PartialEq, Eq, Default)]
-pub struct MessagesError {
-    /// `error.type` (`overloaded_error`, `api_error`, …).
-    pub kind: Option<String>,
-    /// `error.message`.
-    pub message: Option<String>,
-}
-
-/// Why an event could not be read.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum ReadError {
-    /// The data is not a JSON object.
-    Malformed(String),
-    /// The source sent an `error` event.
-    Provider(MessagesError),
-}
-
 /// The error object of a Messages error body or event (`{"type":"error","error":{…}}`).
-pub fn error_of(obj: &Map<String, Value>) -> Option<MessagesError> {
+pub fn error_of(obj: &Map<String, Value>) -> Option<NativeError> {
     let e = obj.get("error")?.as_object()?;
     let s = |k: &str| e.get(k).and_then(Value::as_str).map(str::to_string);
-    Some(MessagesError {
+    Some(NativeError {
         kind: s("type"),
         message: s("message"),
     })
@@ -151,29 +133,7 @@ impl MessagesReader {
     /// itself (every event is for the client, pings included).
     pub fn on_event(&mut self, event: Option<&str>, data: &str) -> Result<StreamDelta, ReadError> {
         self.events += 1;
-        let text = data.trim();
-        let obj = match serde_json::from_str::<Value>(text) {
-            Ok(Value::Object(o)) => o,
-            _ if event == Some("error") => {
-                return Err(ReadError::Provider(MessagesError {
-                    kind: None,
-                    message: (!text.is_empty())
-                        .then(|| crate::error::shorten(text.to_string(), 512)),
-                }))
-            }
-            Ok(_) => {
-                return Err(ReadError::Malformed(format!(
-                    "event #{} is not a JSON object",
-                    self.events
-                )))
-            }
-            Err(e) => {
-                return Err(ReadError::Malformed(format!(
-                    "invalid JSON in event #{} ({e})",
-                    self.events
-                )))
-            }
-        };
+        let obj = super::event_object(event, data, self.events)?;
         let kind = obj
             .get("type")
             .and_then(Value::as_str)
@@ -290,38 +250,20 @@ fn index_of(obj: &Map<String, Value>) -> u32 {
         .unwrap_or(0)
 }
 
-/// What a plain (non-streamed) Messages answer holds, as the engine reads it.
-#[derive(Debug, Clone, PartialEq, Default)]
-pub struct MessageAnswer {
-    /// The text blocks, joined.
-    pub content: String,
-    /// The thinking blocks, joined.
-    pub reasoning: String,
-    /// `tool_use` blocks: (block index, id, name, input as JSON text).
-    pub tool_calls: Vec<(u32, Option<String>, Option<String>, String)>,
-    /// Chat's finish reason for its `stop_reason`.
-    pub finish_reason: Option<String>,
-    /// Its usage.
-    pub usage: MessagesUsage,
-    /// Its `model`.
-    pub model: Option<String>,
-    /// Whether it holds any content block at all (a server-tool or redacted block
-    /// counts: the answer is not empty).
-    pub has_blocks: bool,
-}
-
 /// Reads a plain Messages answer (a `message` object).
-pub fn read_message(obj: &Map<String, Value>) -> MessageAnswer {
-    let mut a = MessageAnswer {
+pub fn read_message(obj: &Map<String, Value>) -> PlainAnswer {
+    let mut a = PlainAnswer {
         model: obj.get("model").and_then(Value::as_str).map(str::to_string),
         finish_reason: obj
             .get("stop_reason")
             .and_then(Value::as_str)
             .map(|r| finish_reason(r).to_string()),
-        ..MessageAnswer::default()
+        ..PlainAnswer::default()
     };
     if let Some(u) = obj.get("usage").and_then(Value::as_object) {
-        a.usage.fold(u);
+        let mut usage = MessagesUsage::default();
+        usage.fold(u);
+        a.usage = usage.is_known().then(|| usage.to_usage());
     }
     for (i, b) in obj
         .get("content")
@@ -441,7 +383,7 @@ mod tests {
             .unwrap_err();
         assert_eq!(
             e,
-            ReadError::Provider(MessagesError {
+            ReadError::Provider(NativeError {
                 kind: Some("overloaded_error".into()),
                 message: Some("Overloaded".into())
             })
@@ -513,7 +455,7 @@ mod tests {
             a.tool_calls,
             vec![(2, Some("t".into()), Some("f".into()), "{\"a\":1}".into())]
         );
-        assert_eq!(a.usage.to_usage().prompt_tokens, 8);
+        assert_eq!(a.usage.unwrap().prompt_tokens, 8);
     }
 
     proptest! {

@@ -4,10 +4,123 @@
 //! readers that tell the engine what each API's events mean ([`messages`]).
 
 pub mod messages;
+pub mod responses;
 
 use serde_json::{Map, Value};
 
+use crate::ports::StreamDelta;
+use crate::response::Usage;
 use crate::source::SourceApi;
+
+/// An error a source sent in its answer (an `error` event, `response.failed`, an error
+/// body): its type or code, and its message.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct NativeError {
+    /// `error.type` (`overloaded_error`, …) or `error.code` (`server_error`, …).
+    pub kind: Option<String>,
+    /// `error.message`.
+    pub message: Option<String>,
+}
+
+/// Why an event could not be read.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ReadError {
+    /// The data is not a JSON object.
+    Malformed(String),
+    /// The source sent an error.
+    Provider(NativeError),
+}
+
+/// An event's data as a JSON object; an `error` event whose data is not one is the
+/// source's error all the same (its text as the message).
+fn event_object(event: Option<&str>, data: &str, n: u64) -> Result<Map<String, Value>, ReadError> {
+    let text = data.trim();
+    match serde_json::from_str::<Value>(text) {
+        Ok(Value::Object(o)) => Ok(o),
+        _ if event == Some("error") => Err(ReadError::Provider(NativeError {
+            kind: None,
+            message: (!text.is_empty()).then(|| crate::error::shorten(text.to_string(), 512)),
+        })),
+        Ok(_) => Err(ReadError::Malformed(format!(
+            "event #{n} is not a JSON object"
+        ))),
+        Err(e) => Err(ReadError::Malformed(format!(
+            "invalid JSON in event #{n} ({e})"
+        ))),
+    }
+}
+
+/// What a plain (non-streamed) native answer holds, as the engine reads it.
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct PlainAnswer {
+    /// The answer's text, joined.
+    pub content: String,
+    /// Its reasoning (thinking, reasoning summaries), joined.
+    pub reasoning: String,
+    /// Its tool calls: (position, id, name, arguments as JSON text).
+    pub tool_calls: Vec<(u32, Option<String>, Option<String>, String)>,
+    /// Chat's finish reason for its stop reason or status.
+    pub finish_reason: Option<String>,
+    /// Its usage, as polygw counts it; `None` when it reported none.
+    pub usage: Option<Usage>,
+    /// Its `model`.
+    pub model: Option<String>,
+    /// Whether it holds any content at all (a server-tool block, a redacted or
+    /// encrypted reasoning item counts: the answer is not empty).
+    pub has_blocks: bool,
+}
+
+/// A native API's event reader (one per stream).
+#[derive(Debug, Clone)]
+pub enum NativeReader {
+    /// Anthropic's Messages.
+    Messages(messages::MessagesReader),
+    /// OpenAI's Responses.
+    Responses(responses::ResponsesReader),
+}
+
+impl NativeReader {
+    /// The reader of a source of `api` (`None` for chat: its frames are read by the
+    /// transport's own aggregator).
+    pub fn for_api(api: SourceApi) -> Option<Self> {
+        match api {
+            SourceApi::Chat => None,
+            SourceApi::Messages => Some(NativeReader::Messages(messages::MessagesReader::new())),
+            SourceApi::Responses => {
+                Some(NativeReader::Responses(responses::ResponsesReader::new()))
+            }
+        }
+    }
+
+    /// Reads one event (see each reader).
+    pub fn on_event(&mut self, event: Option<&str>, data: &str) -> Result<StreamDelta, ReadError> {
+        match self {
+            NativeReader::Messages(r) => r.on_event(event, data),
+            NativeReader::Responses(r) => r.on_event(event, data),
+        }
+    }
+
+    /// Whether the stream's last event came.
+    pub fn done(&self) -> bool {
+        match self {
+            NativeReader::Messages(r) => r.done(),
+            NativeReader::Responses(r) => r.done(),
+        }
+    }
+}
+
+/// Reads a plain answer of `api`: `Err` when the body is the source's error.
+pub fn read_plain(api: SourceApi, obj: &Map<String, Value>) -> Result<PlainAnswer, NativeError> {
+    match api {
+        SourceApi::Messages => {
+            if obj.get("type").and_then(Value::as_str) == Some("error") {
+                return Err(messages::error_of(obj).unwrap_or_default());
+            }
+            Ok(messages::read_message(obj))
+        }
+        SourceApi::Responses | SourceApi::Chat => responses::read_response(obj),
+    }
+}
 
 /// A client's request in a source API's own shape, for the sources that speak it
 /// (SPEC §23.2). Carried beside the chat form of the request, which the engine decides

@@ -23,7 +23,7 @@ use crate::http::{
 use crate::names;
 use crate::route::responses::dialect_error;
 use crate::state::State as AppState;
-use crate::stream::{respond, Encoder};
+use crate::stream::{respond, Encoder, Ending, Passing};
 use polygw::core::client_key::ClientKey;
 use polygw::core::native::NativeRequest;
 use polygw::core::source::SourceApi;
@@ -128,8 +128,7 @@ async fn create_inner(
         let estimate = t.meta.prompt_estimate();
         let enc = MessagesEncoder {
             stream: MessagesStream::new(&message_id, t.meta, estimate),
-            lazy: t.request.native.is_some(),
-            mode: Mode::Undecided,
+            passing: Passing::new(t.request.native.is_some(), &["message_stop"]),
         };
         respond(
             st.clone(),
@@ -272,26 +271,11 @@ fn native_request(bytes: &[u8], query: Option<&str>, headers: &HeaderMap) -> Opt
     })
 }
 
-/// What the stream is made of, once its first chunk says.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Mode {
-    Undecided,
-    /// A `messages` source's events, passed as received.
-    Native {
-        stopped: bool,
-    },
-    /// Chunks of another API, translated.
-    Translated,
-}
-
-/// The Messages event stream, over [`MessagesStream`]; `ping` as the keepalive. When
-/// the scope has `messages` sources (`lazy`), nothing is written before the first
-/// chunk: a native leg's events then pass unchanged (SPEC §23.2), another leg's are
-/// translated.
+/// The Messages event stream, over [`MessagesStream`]; `ping` as the keepalive. A
+/// `messages` source's events pass unchanged ([`Passing`]).
 struct MessagesEncoder {
     stream: MessagesStream,
-    lazy: bool,
-    mode: Mode,
+    passing: Passing,
 }
 
 fn write(out: &mut Vec<u8>, events: Vec<SseEvent>) {
@@ -302,41 +286,25 @@ fn write(out: &mut Vec<u8>, events: Vec<SseEvent>) {
 
 impl Encoder for MessagesEncoder {
     fn open(&mut self, out: &mut Vec<u8>) {
-        if !self.lazy {
-            self.mode = Mode::Translated;
+        if self.passing.open_translated() {
             write(out, self.stream.start());
         }
     }
 
     fn delta(&mut self, d: StreamDelta, out: &mut Vec<u8>) {
-        match (self.mode, d.native) {
-            (Mode::Undecided | Mode::Native { .. }, Some(ev)) => {
-                let stopped = ev.event.as_deref() == Some("message_stop")
-                    || matches!(self.mode, Mode::Native { stopped: true });
-                self.mode = Mode::Native { stopped };
-                ev.write_to(out);
-            }
-            (Mode::Native { .. }, None) => {
-                // Not reached: a native stream is not resumed on another leg.
-                tracing::error!("a translated chunk in a native Messages stream, dropped");
-            }
-            (_, native) => {
-                self.mode = Mode::Translated;
-                let d = StreamDelta { native, ..d };
-                write(out, self.stream.delta(&d));
-            }
+        if let Some(d) = self.passing.pass(d, out) {
+            write(out, self.stream.delta(&d));
         }
     }
 
     fn done(&mut self, r: &LlmResponse, out: &mut Vec<u8>) {
-        match self.mode {
-            // The source's `message_stop` went out with its events; a stream accepted
-            // without one (it broke after its stop reason) gets it here.
-            Mode::Native { stopped: true } => {}
-            Mode::Native { stopped: false } => {
+        match self.passing.ending() {
+            Ending::Ended => {}
+            // Accepted without `message_stop` (it broke after its stop reason).
+            Ending::Unended => {
                 SseEvent::new("message_stop", json!({"type": "message_stop"})).write_to(out)
             }
-            Mode::Undecided | Mode::Translated => write(out, self.stream.finish(r)),
+            Ending::Translate => write(out, self.stream.finish(r)),
         }
     }
 

@@ -8,7 +8,7 @@ use std::sync::Arc;
 
 use axum::body::Body;
 use axum::extract::{Path, State};
-use axum::http::{HeaderMap, StatusCode};
+use axum::http::{header, HeaderMap, HeaderValue, StatusCode, Uri};
 use axum::response::{IntoResponse, Response};
 use axum::{Extension, Json};
 use futures_util::future::BoxFuture;
@@ -26,8 +26,10 @@ use crate::http::{
 use crate::names;
 use crate::scope::ScopeClient;
 use crate::state::State as AppState;
-use crate::stream::{respond, Encoder};
+use crate::stream::{respond, Encoder, Ending, Passing};
 use polygw::core::client_key::{may_use_scope, ClientKey};
+use polygw::core::native::NativeRequest;
+use polygw::core::source::SourceApi;
 
 /// A dialect error as OpenAI's error (400 naming the field).
 pub(crate) fn dialect_error(e: DialectError) -> ApiError {
@@ -68,13 +70,14 @@ pub async fn create(
     State(st): State<Arc<AppState>>,
     conn: Conn,
     key: Option<Extension<Arc<ClientKey>>>,
+    uri: Uri,
     headers: HeaderMap,
     body: Body,
 ) -> Response {
     let ctx = conn.map(|Extension(c)| c);
     let key = key.map(|Extension(k)| k);
     let id = CallOptions::new_logical_call_id();
-    let mut resp = create_inner(&st, &ctx, key.as_ref(), &headers, body, &id).await;
+    let mut resp = create_inner(&st, &ctx, key.as_ref(), uri.query(), &headers, body, &id).await;
     ensure_request_id(resp.headers_mut(), &id);
     resp
 }
@@ -83,6 +86,7 @@ async fn create_inner(
     st: &Arc<AppState>,
     ctx: &Option<Arc<crate::conn::ConnCtx>>,
     key: Option<&Arc<ClientKey>>,
+    query: Option<&str>,
     headers: &HeaderMap,
     body: Body,
     id: &str,
@@ -105,11 +109,32 @@ async fn create_inner(
         Ok(r) => r,
         Err(e) => return error_response(&dialect_error(e)),
     };
-    drop(bytes);
     let (served, client) = match chat_scope(st, req.model()) {
         Ok(x) => x,
         Err(e) => return error_response(&e),
     };
+    // Sources that speak Responses get the client's own request (SPEC §23.2) — one
+    // that continues a response polygw stored is expanded from its store and goes to
+    // chat sources (the state of a native source's answers is issue 36).
+    let native_sources: Vec<String> = client
+        .settings()
+        .sources
+        .iter()
+        .filter(|s| s.api == SourceApi::Responses)
+        .map(|s| s.name.clone())
+        .collect();
+    let native = (!native_sources.is_empty() && req.previous_response_id().is_none())
+        .then(|| serde_json::from_slice::<serde_json::Map<String, Value>>(&bytes).ok())
+        .flatten()
+        .map(|body| {
+            Arc::new(NativeRequest {
+                api: SourceApi::Responses,
+                body,
+                headers: Vec::new(),
+                query: query.map(str::to_string),
+            })
+        });
+    drop(bytes);
     let store = client.response_store();
     let scope = served.scope.name.clone();
     let owner = owner_scope(&scope, key.map(|k| &**k));
@@ -128,10 +153,11 @@ async fn create_inner(
             Err(e) => return error_response(&store_error(e)),
         },
     };
-    let t = match wire::to_chat(&req, &history) {
+    let mut t = match wire::to_chat(&req, &history) {
         Ok(t) => t,
         Err(e) => return error_response(&dialect_error(e)),
     };
+    t.request.native = native;
     if !req.unsupported_tools().is_empty() {
         tracing::info!(tools = %req.unsupported_tools().join(", "), "hosted tools not sent upstream");
     }
@@ -167,6 +193,14 @@ async fn create_inner(
     };
     let mut resp = if t.request.stream {
         let enc = ResponsesEncoder {
+            passing: Passing::new(
+                t.request.native.is_some(),
+                &[
+                    "response.completed",
+                    "response.incomplete",
+                    "response.failed",
+                ],
+            ),
             stream: ResponsesStream::new(&response_id, created_at, t.meta),
             saving: Some(saving),
         };
@@ -184,11 +218,25 @@ async fn create_inner(
     } else {
         match run_plain(st, ctx, client, t.request, options, slot).await {
             Ok(r) => {
-                let obj = wire::response_object(&response_id, created_at, &t.meta, &r);
-                if let Some(f) = saving.save(&obj) {
-                    f.await;
-                }
-                let mut resp = Json(obj).into_response();
+                let mut resp = match r.upstream_body.as_ref() {
+                    // A `responses` source's answer, as it sent it (its id is the
+                    // source's: polygw does not store it).
+                    Some(b) if native_sources.contains(&r.source) => (
+                        [(
+                            header::CONTENT_TYPE,
+                            HeaderValue::from_static("application/json"),
+                        )],
+                        b.clone(),
+                    )
+                        .into_response(),
+                    _ => {
+                        let obj = wire::response_object(&response_id, created_at, &t.meta, &r);
+                        if let Some(f) = saving.save(&obj) {
+                            f.await;
+                        }
+                        Json(obj).into_response()
+                    }
+                };
                 answer_headers(resp.headers_mut(), &r);
                 resp
             }
@@ -258,6 +306,8 @@ impl Saving {
 
 /// The Responses event stream, over [`ResponsesStream`].
 struct ResponsesEncoder {
+    /// A `responses` source's events pass unchanged.
+    passing: Passing,
     stream: ResponsesStream,
     saving: Option<Saving>,
 }
@@ -270,15 +320,22 @@ fn write(out: &mut Vec<u8>, events: Vec<SseEvent>) {
 
 impl Encoder for ResponsesEncoder {
     fn open(&mut self, out: &mut Vec<u8>) {
-        write(out, self.stream.start());
+        if self.passing.open_translated() {
+            write(out, self.stream.start());
+        }
     }
 
     fn delta(&mut self, d: StreamDelta, out: &mut Vec<u8>) {
-        write(out, self.stream.delta(&d));
+        if let Some(d) = self.passing.pass(d, out) {
+            write(out, self.stream.delta(&d));
+        }
     }
 
     fn done(&mut self, r: &LlmResponse, out: &mut Vec<u8>) {
-        write(out, self.stream.finish(r));
+        if let Ending::Translate = self.passing.ending() {
+            write(out, self.stream.finish(r));
+        }
+        // Native: the source's terminal event carried the whole response.
     }
 
     fn finished(&mut self) -> Option<BoxFuture<'static, ()>> {
@@ -288,6 +345,22 @@ impl Encoder for ResponsesEncoder {
 
     fn fail(&mut self, e: &ApiError, out: &mut Vec<u8>) {
         let code = e.code.clone().unwrap_or_else(|| "server_error".into());
+        if self.passing.is_native() {
+            // Native: Responses' `error` event, numbered after the source's last.
+            let seq = self
+                .passing
+                .last_event()
+                .and_then(|l| serde_json::from_str::<Value>(l).ok())
+                .and_then(|v| v.get("sequence_number").and_then(Value::as_u64))
+                .map_or(0, |n| n + 1);
+            SseEvent::new(
+                "error",
+                json!({"type": "error", "code": code, "message": e.message, "param": null,
+                    "sequence_number": seq}),
+            )
+            .write_to(out);
+            return;
+        }
         write(out, self.stream.fail(&code, &e.message));
     }
 }

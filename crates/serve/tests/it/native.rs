@@ -464,3 +464,101 @@ async fn count_tokens_is_forwarded_to_a_messages_source() {
     assert_eq!(r.headers()["x-polygw-usage-source"], "estimated");
     assert!(chat.requests().is_empty());
 }
+
+/// A `responses` source at the mock's `/v1` base URL.
+fn responses_source(name: &str, m: &MockUpstream) -> SourceConfig {
+    SourceConfig::new(name, 0, m.base_url(), UPSTREAM_KEY, format!("gpt-{name}"))
+        .with_api(SourceApi::Responses)
+}
+
+/// A request shaped like the Codex CLI's: stateless, `instructions`, `developer` and
+/// user message items, a function and a custom tool, `include`, `reasoning`,
+/// `prompt_cache_key`, and a field polygw has never heard of.
+fn codex_body(stream: bool) -> Value {
+    json!({
+        "model": "llm",
+        "instructions": "You are Codex.",
+        "input": [
+            {"type": "message", "role": "developer", "content": [{"type": "input_text", "text": "sandbox: read-only"}]},
+            {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "list the files"}]}
+        ],
+        "tools": [
+            {"type": "function", "name": "shell", "description": "run", "strict": false,
+             "parameters": {"type": "object", "properties": {"command": {"type": "array", "items": {"type": "string"}}}}},
+            {"type": "custom", "name": "apply_patch", "description": "patch", "format": {"type": "grammar", "syntax": "lark", "definition": "start: x"}}
+        ],
+        "tool_choice": "auto",
+        "parallel_tool_calls": false,
+        "reasoning": {"effort": "medium", "summary": "auto"},
+        "store": false,
+        "stream": stream,
+        "include": ["reasoning.encrypted_content"],
+        "prompt_cache_key": "session-abc",
+        "a_field_from_the_future": true
+    })
+}
+
+/// Issue 35 (SPEC §23.2): a Codex-shaped Responses request reaches a `responses` source
+/// unchanged but its model; its events and answer reach the client as sent (the
+/// source's response id, its sequence numbers); a 500 before the first content event
+/// fails over to the second source.
+#[tokio::test]
+async fn a_codex_request_reaches_a_responses_source_unchanged_but_its_model() {
+    for stream in [false, true] {
+        let bad = recording_mock(Behavior::status(500)).await;
+        let m = recording_mock(Behavior {
+            reasoning: vec!["Listing".into()],
+            ..Behavior::text(&["Here", " they", " are"])
+        })
+        .await;
+        let mut a = responses_source(&format!("a{stream}"), &bad);
+        a.priority = 0;
+        let b = responses_source(&format!("b{stream}"), &m).with_priority(1);
+        let s = messages_scope(vec![a, b], None).await;
+        let body = codex_body(stream);
+        let r = http()
+            .post(format!("{}/responses", s.v1()))
+            .bearer_auth("client-key")
+            .json(&body)
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status(), 200, "stream={stream}");
+        let text = r.text().await.unwrap();
+        let got = m.requests();
+        assert_eq!(got.len(), 1);
+        assert_eq!(got[0].path, "/v1/responses");
+        let mut want = body.clone();
+        want["model"] = json!(format!("gpt-b{stream}"));
+        assert_eq!(got[0].body, want, "stream={stream}");
+        assert!(
+            got[0].authorization && !got[0].x_api_key,
+            "a responses source gets a bearer"
+        );
+        assert_eq!(bad.requests().len(), 1, "the primary was tried first");
+        if stream {
+            let ev = events(&text);
+            let names: Vec<&str> = ev.iter().map(|(n, _)| n.as_str()).collect();
+            assert_eq!(names.first(), Some(&"response.created"), "{names:?}");
+            assert_eq!(names.last(), Some(&"response.completed"), "{names:?}");
+            for (i, (_, d)) in ev.iter().enumerate() {
+                assert_eq!(d["sequence_number"], i as u64, "the source's numbering");
+            }
+            assert!(ev[0].1["response"]["id"]
+                .as_str()
+                .unwrap()
+                .starts_with("resp_mock-"));
+            let deltas: String = ev
+                .iter()
+                .filter(|(n, _)| n == "response.output_text.delta")
+                .filter_map(|(_, d)| d["delta"].as_str())
+                .collect();
+            assert_eq!(deltas, "Here they are");
+        } else {
+            let v: Value = serde_json::from_str(&text).unwrap();
+            assert!(v["id"].as_str().unwrap().starts_with("resp_mock-"), "{v}");
+            assert_eq!(v["output"][1]["content"][0]["text"], "Here they are");
+            assert_eq!(v["output"][0]["type"], "reasoning");
+        }
+    }
+}
