@@ -183,6 +183,90 @@ async fn openai_python_responses_api() {
     assert_eq!(out["parsed"], json!({"city": "Paris", "temp_c": 21}));
 }
 
+/// The Responses API against sources that speak it (issue 35): the same script,
+/// passed through — what reached the mocks is the SDK's own body (`instructions`, the
+/// tool loop's items, `text.format`), a `previous_response_id` polygw stored expanded
+/// into the stateless request's input, and the SDK's checks of ids, events, stored
+/// responses and parsing pass on the sources' own answers.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn openai_python_to_responses_sources() {
+    let test = "openai_python_to_responses_sources";
+    let Some(py) = sdk::python_sdks(test) else {
+        return;
+    };
+    let plain = mock(hello()).await;
+    let tools = tools_mock().await;
+    let json_mock = mock(Behavior::text(&[
+        r#"{"city": "Paris", "#,
+        r#""temp_c": 21}"#,
+    ]))
+    .await;
+    let api = ("API", "responses");
+    let mut env = source("PLAIN", "p", &plain, &[api]);
+    env.extend(source("TOOLS", "t", &tools, &[api]));
+    env.extend(source("JSON", "j", &json_mock, &[api]));
+    let s = start(&[], env);
+    let run = python(py, test, "responses.py", &[], &s).await;
+    let out = run.json();
+
+    let log = plain.wait_for_ended(4, Duration::from_secs(10)).await;
+    assert_eq!(log.len(), 4, "{log:#?}");
+    assert!(log
+        .iter()
+        .all(|r| r.path == "/v1/responses" && r.authorization));
+    assert!(!log[0].stream && log[1].stream);
+    assert_eq!(
+        log[0].body["instructions"], "Be brief.",
+        "as sent: {:#}",
+        log[0].body
+    );
+    assert_eq!(log[0].body["input"], "hi");
+    assert_eq!(log[0].body["model"], "model-p");
+    // previous_response_id: expanded from polygw's store into the input.
+    let second = &log[3].body;
+    assert!(second.get("previous_response_id").is_none(), "{second:#}");
+    let input = second["input"].as_array().expect("expanded input");
+    let kinds: Vec<(&str, &str)> = input
+        .iter()
+        .map(|i| {
+            (
+                i["type"].as_str().unwrap_or("message"),
+                i["role"].as_str().unwrap_or(""),
+            )
+        })
+        .collect();
+    assert_eq!(
+        kinds,
+        [
+            ("message", "user"),
+            ("message", "assistant"),
+            ("message", "user")
+        ],
+        "{second:#}"
+    );
+    assert!(out["first_id"].as_str().unwrap().starts_with("resp_mock-"));
+
+    let tlog = tools.wait_for_ended(2, Duration::from_secs(10)).await;
+    assert_eq!(tlog.len(), 2);
+    assert_eq!(out["tool_call_id"], "call_weather_1");
+    let items = tlog[1].body["input"].as_array().unwrap();
+    assert!(
+        items
+            .iter()
+            .any(|i| i["type"] == "function_call_output" && i["call_id"] == "call_weather_1"),
+        "{items:#?}"
+    );
+    assert_eq!(tlog[1].body["store"], false);
+
+    let jlog = json_mock.wait_for_ended(1, Duration::from_secs(10)).await;
+    assert_eq!(
+        jlog[0].body["text"]["format"]["type"], "json_schema",
+        "{:#}",
+        jlog[0].body
+    );
+    assert_eq!(out["parsed"], json!({"city": "Paris", "temp_c": 21}));
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn anthropic_python_messages_api() {
     let test = "anthropic_python_messages_api";

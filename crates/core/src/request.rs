@@ -120,6 +120,10 @@ pub struct ChatRequest {
     /// API are not candidates for the call while translations to them are not built.
     #[serde(skip)]
     pub native: Option<std::sync::Arc<crate::native::NativeRequest>>,
+    /// Only sources of the native request's API may be sent it (it refers to state
+    /// only they may hold: a `previous_response_id` polygw did not store).
+    #[serde(skip)]
+    pub native_only: bool,
 }
 
 impl ChatRequest {
@@ -172,7 +176,7 @@ impl ChatRequest {
     /// request (its chat form), a native source only a request in its own API.
     pub fn servable_by(&self, api: crate::source::SourceApi) -> bool {
         match api {
-            crate::source::SourceApi::Chat => true,
+            crate::source::SourceApi::Chat => !self.native_only,
             other => self.native.as_ref().is_some_and(|n| n.api == other),
         }
     }

@@ -208,6 +208,7 @@ fn build(g: &Gen) -> ChatRequest {
         tools,
         overlay: None,
         native: None,
+        native_only: false,
     };
     if let Some(p) = g.top_p {
         req = req.with_overlay("top_p", json!(p));

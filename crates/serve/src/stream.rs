@@ -122,8 +122,20 @@ impl Passing {
     /// A chunk: a native event is written as received (`None` back); any other chunk
     /// is given back for the encoder to translate.
     pub(crate) fn pass(&mut self, d: StreamDelta, out: &mut Vec<u8>) -> Option<StreamDelta> {
+        self.pass_edited(d, out, |_| {})
+    }
+
+    /// [`Self::pass`], with `edit` applied to a native event before it is written (an
+    /// edit of SPEC §23.2's list).
+    pub(crate) fn pass_edited(
+        &mut self,
+        d: StreamDelta,
+        out: &mut Vec<u8>,
+        edit: impl FnOnce(&mut polygw::core::native::NativeEvent),
+    ) -> Option<StreamDelta> {
         match (self.mode, d.native) {
-            (Mode::Undecided | Mode::Native { .. }, Some(ev)) => {
+            (Mode::Undecided | Mode::Native { .. }, Some(mut ev)) => {
+                edit(&mut ev);
                 let ended = matches!(self.mode, Mode::Native { ended: true })
                     || ev
                         .event

@@ -148,6 +148,7 @@ pub fn to_chat(req: &ResponsesRequest, history: &[Value]) -> Result<Translated, 
         tools: (!chat_tools.is_empty()).then_some(chat_tools),
         overlay: (!overlay.is_empty()).then_some(overlay),
         native: None,
+        native_only: false,
     };
     request.validate().map_err(|(field, message)| {
         let field = match field.as_str() {

@@ -113,9 +113,7 @@ async fn create_inner(
         Ok(x) => x,
         Err(e) => return error_response(&e),
     };
-    // Sources that speak Responses get the client's own request (SPEC §23.2) — one
-    // that continues a response polygw stored is expanded from its store and goes to
-    // chat sources (the state of a native source's answers is issue 36).
+    // Sources that speak Responses get the client's own request (SPEC §23.2).
     let native_sources: Vec<String> = client
         .settings()
         .sources
@@ -123,22 +121,17 @@ async fn create_inner(
         .filter(|s| s.api == SourceApi::Responses)
         .map(|s| s.name.clone())
         .collect();
-    let native = (!native_sources.is_empty() && req.previous_response_id().is_none())
+    let native_body = (!native_sources.is_empty())
         .then(|| serde_json::from_slice::<serde_json::Map<String, Value>>(&bytes).ok())
-        .flatten()
-        .map(|body| {
-            Arc::new(NativeRequest {
-                api: SourceApi::Responses,
-                body,
-                headers: Vec::new(),
-                query: query.map(str::to_string),
-            })
-        });
+        .flatten();
     drop(bytes);
     let store = client.response_store();
     let scope = served.scope.name.clone();
     let owner = owner_scope(&scope, key.map(|k| &**k));
-    // The conversation so far, when the request continues a stored response.
+    // The conversation so far, when the request continues a stored response. One
+    // polygw did not store goes as sent to the scope's `responses` sources, which may
+    // hold it (DECISIONS 173).
+    let mut passes_state = false;
     let history: Vec<Value> = match req.previous_response_id() {
         None => Vec::new(),
         Some(prev) => match store.get(&owner, prev, now_ms()).await {
@@ -149,15 +142,52 @@ async fn create_inner(
                 }
                 h
             }
+            Ok(None) if native_body.is_some() => {
+                passes_state = true;
+                Vec::new()
+            }
             Ok(None) => return error_response(&not_found(prev)),
             Err(e) => return error_response(&store_error(e)),
         },
     };
+    // Expanded from polygw's store: the answer says which response it continues.
+    let restore_previous = (!history.is_empty())
+        .then(|| req.previous_response_id().map(str::to_string))
+        .flatten();
+    let native = native_body.map(|mut body| {
+        if !history.is_empty() {
+            // Responses state expanded from polygw's store (SPEC §23.2's edit list):
+            // the stored conversation, then this request's input.
+            body.remove("previous_response_id");
+            let input = match body.remove("input") {
+                Some(Value::Array(items)) => items,
+                Some(Value::String(text)) => {
+                    vec![json!({"type": "message", "role": "user", "content": text})]
+                }
+                Some(other) => vec![other],
+                None => Vec::new(),
+            };
+            body.insert(
+                "input".into(),
+                Value::Array(history.iter().cloned().chain(input).collect()),
+            );
+        }
+        Arc::new(NativeRequest {
+            api: SourceApi::Responses,
+            body,
+            headers: Vec::new(),
+            query: query.map(str::to_string),
+        })
+    });
     let mut t = match wire::to_chat(&req, &history) {
         Ok(t) => t,
         Err(e) => return error_response(&dialect_error(e)),
     };
     t.request.native = native;
+    if passes_state {
+        // Only the sources that may hold the state can continue it.
+        t.request.native_only = true;
+    }
     if !req.unsupported_tools().is_empty() {
         tracing::info!(tools = %req.unsupported_tools().join(", "), "hosted tools not sent upstream");
     }
@@ -193,6 +223,7 @@ async fn create_inner(
     };
     let mut resp = if t.request.stream {
         let enc = ResponsesEncoder {
+            restore_previous: restore_previous.clone(),
             passing: Passing::new(
                 t.request.native.is_some(),
                 &[
@@ -221,14 +252,28 @@ async fn create_inner(
                 let mut resp = match r.upstream_body.as_ref() {
                     // A `responses` source's answer, as it sent it (its id is the
                     // source's: polygw does not store it).
-                    Some(b) if native_sources.contains(&r.source) => (
-                        [(
-                            header::CONTENT_TYPE,
-                            HeaderValue::from_static("application/json"),
-                        )],
-                        b.clone(),
-                    )
-                        .into_response(),
+                    Some(b) if native_sources.contains(&r.source) => {
+                        // Stored under the source's id, so that a later
+                        // `previous_response_id` continues it on any source.
+                        let mut body = b.clone();
+                        if let Some(mut obj) = r.upstream.clone() {
+                            if let Some(prev) = &restore_previous {
+                                restore_previous_id(&mut obj, prev);
+                                body = serde_json::to_vec(&obj).unwrap_or(body);
+                            }
+                            if let Some(f) = saving.save(&Value::Object(obj)) {
+                                f.await;
+                            }
+                        }
+                        (
+                            [(
+                                header::CONTENT_TYPE,
+                                HeaderValue::from_static("application/json"),
+                            )],
+                            body,
+                        )
+                            .into_response()
+                    }
                     _ => {
                         let obj = wire::response_object(&response_id, created_at, &t.meta, &r);
                         if let Some(f) = saving.save(&obj) {
@@ -306,8 +351,11 @@ impl Saving {
 
 /// The Responses event stream, over [`ResponsesStream`].
 struct ResponsesEncoder {
-    /// A `responses` source's events pass unchanged.
+    /// A `responses` source's events pass unchanged (but `restore_previous`).
     passing: Passing,
+    /// The `previous_response_id` polygw expanded from its store: the source never saw
+    /// it, the client's answer carries it back.
+    restore_previous: Option<String>,
     stream: ResponsesStream,
     saving: Option<Saving>,
 }
@@ -326,7 +374,13 @@ impl Encoder for ResponsesEncoder {
     }
 
     fn delta(&mut self, d: StreamDelta, out: &mut Vec<u8>) {
-        if let Some(d) = self.passing.pass(d, out) {
+        let prev = self.restore_previous.as_deref();
+        let edited = self.passing.pass_edited(d, out, |ev| {
+            if let Some(prev) = prev {
+                restore_previous_in_event(ev, prev);
+            }
+        });
+        if let Some(d) = edited {
             write(out, self.stream.delta(&d));
         }
     }
@@ -339,7 +393,13 @@ impl Encoder for ResponsesEncoder {
     }
 
     fn finished(&mut self) -> Option<BoxFuture<'static, ()>> {
-        let response = self.stream.response()?.clone();
+        let response = if self.passing.is_native() {
+            // The source's terminal event carries its whole response.
+            let last: Value = serde_json::from_str(self.passing.last_event()?).ok()?;
+            last.get("response")?.clone()
+        } else {
+            self.stream.response()?.clone()
+        };
         self.saving.take()?.save(&response)
     }
 
@@ -362,6 +422,36 @@ impl Encoder for ResponsesEncoder {
             return;
         }
         write(out, self.stream.fail(&code, &e.message));
+    }
+}
+
+/// Sets `previous_response_id` on a response object.
+fn restore_previous_id(response: &mut serde_json::Map<String, Value>, prev: &str) {
+    response.insert(
+        "previous_response_id".into(),
+        Value::String(prev.to_string()),
+    );
+}
+
+/// In a native event that carries the response (`response.created`, `…completed`, …):
+/// its `previous_response_id`, as the client sent it.
+fn restore_previous_in_event(ev: &mut polygw::core::native::NativeEvent, prev: &str) {
+    if !ev.event.as_deref().is_some_and(|e| {
+        matches!(
+            e,
+            "response.created"
+                | "response.in_progress"
+                | "response.completed"
+                | "response.incomplete"
+        )
+    }) {
+        return;
+    }
+    if let Ok(Value::Object(mut v)) = serde_json::from_str::<Value>(&ev.data) {
+        if let Some(Value::Object(r)) = v.get_mut("response") {
+            restore_previous_id(r, prev);
+            ev.data = Value::Object(v).to_string();
+        }
     }
 }
 

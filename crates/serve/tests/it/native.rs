@@ -562,3 +562,49 @@ async fn a_codex_request_reaches_a_responses_source_unchanged_but_its_model() {
         }
     }
 }
+
+/// A `previous_response_id` of an answer a `responses` source gave (stored by polygw)
+/// is expanded into the next request's input — any source can continue it — and the
+/// answer names it back, plain and streamed.
+#[tokio::test]
+async fn a_stored_native_answer_is_continued_by_expansion() {
+    let m = recording_mock(Behavior::text(&["Hello"])).await;
+    let s = messages_scope(vec![responses_source("a", &m)], None).await;
+    let post = |body: Value| {
+        http()
+            .post(format!("{}/responses", s.v1()))
+            .bearer_auth("k")
+            .json(&body)
+            .send()
+    };
+    let first: Value = post(json!({"model": "llm", "input": "My name is Ann."}))
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    let id = first["id"].as_str().unwrap().to_string();
+    assert!(id.starts_with("resp_mock-"), "{first}");
+    let second: Value =
+        post(json!({"model": "llm", "input": "Who am I?", "previous_response_id": id}))
+            .await
+            .unwrap()
+            .json()
+            .await
+            .unwrap();
+    assert_eq!(second["previous_response_id"], id.as_str(), "{second}");
+    let log = m.requests();
+    let body = &log[1].body;
+    assert!(body.get("previous_response_id").is_none(), "{body:#}");
+    let input = body["input"].as_array().unwrap();
+    assert_eq!(input.len(), 3, "{body:#}");
+    assert_eq!(input[1]["content"][0]["text"], "Hello", "{body:#}");
+    let r = post(json!({"model": "llm", "input": "Again?", "stream": true,
+        "previous_response_id": second["id"]}))
+    .await
+    .unwrap();
+    let ev = events(&r.text().await.unwrap());
+    let done = ev.iter().find(|(n, _)| n == "response.completed").unwrap();
+    assert_eq!(done.1["response"]["previous_response_id"], second["id"]);
+    assert_eq!(m.requests()[2].body["input"].as_array().unwrap().len(), 5);
+}
