@@ -83,6 +83,7 @@ impl Proxy {
         let api = Router::new()
             .route("/v1/chat/completions", post(chat::handle))
             .route("/v1/responses", post(responses::create))
+            .route("/v1/responses/input_tokens", post(responses::input_tokens))
             .route(
                 "/v1/responses/{id}",
                 get(responses::get).delete(responses::delete),

@@ -305,6 +305,74 @@ async fn create_inner(
     resp
 }
 
+/// `POST /v1/responses/input_tokens` (SPEC §23.7): forwarded to the scope's
+/// `responses` source (outside its quotas) and answered as it answers; without one, or
+/// on its 404 or a failure, polygw's estimate (`x-polygw-usage-source: estimated`).
+pub async fn input_tokens(
+    State(st): State<Arc<AppState>>,
+    conn: Conn,
+    headers: HeaderMap,
+    body: Body,
+) -> Response {
+    let ctx = conn.map(|Extension(c)| c);
+    let bytes = match read_body(&st, &headers, body, &ctx).await {
+        Ok(b) => b,
+        Err(e) => {
+            let mut r = error_response(&e.error);
+            if e.close {
+                close_after(&ctx, r.headers_mut());
+            }
+            return r;
+        }
+    };
+    if let Err(e) = crate::openai::check_json_values(&bytes) {
+        return error_response(&e);
+    }
+    let req = match wire::parse_request(&bytes) {
+        Ok(r) => r,
+        Err(e) => return error_response(&dialect_error(e)),
+    };
+    let estimate = match wire::to_chat(&req, &[]) {
+        Ok(t) => polygw::core::resume::estimate_prompt_tokens(&t.request),
+        Err(e) => return error_response(&dialect_error(e)),
+    };
+    let forwarded = match (
+        chat_scope(&st, req.model()),
+        serde_json::from_slice::<serde_json::Map<String, Value>>(&bytes),
+    ) {
+        (Ok((_, client)), Ok(body)) => {
+            client
+                .native_call(SourceApi::Responses, "input_tokens", &body, &[])
+                .await
+        }
+        _ => None,
+    };
+    match forwarded {
+        Some(Ok(a)) if a.status != 404 && a.status < 500 => {
+            let status = StatusCode::from_u16(a.status).unwrap_or(StatusCode::BAD_GATEWAY);
+            (
+                status,
+                [(
+                    header::CONTENT_TYPE,
+                    HeaderValue::from_static("application/json"),
+                )],
+                a.body,
+            )
+                .into_response()
+        }
+        other => {
+            if let Some(Err(e)) = &other {
+                tracing::info!(error = %e, "input_tokens: the responses source could not be asked; polygw's estimate answers");
+            }
+            let mut r = Json(json!({"object": "response.input_tokens", "input_tokens": estimate}))
+                .into_response();
+            r.headers_mut()
+                .insert(names::X_USAGE_SOURCE, HeaderValue::from_static("estimated"));
+            r
+        }
+    }
+}
+
 fn now_ms() -> i64 {
     i64::try_from(unix_now()).unwrap_or(i64::MAX / 1000) * 1000
 }

@@ -608,3 +608,52 @@ async fn a_stored_native_answer_is_continued_by_expansion() {
     assert_eq!(done.1["response"]["previous_response_id"], second["id"]);
     assert_eq!(m.requests()[2].body["input"].as_array().unwrap().len(), 5);
 }
+
+/// `POST /v1/responses/input_tokens` goes to the scope's `responses` source; a scope
+/// without one answers polygw's estimate.
+#[tokio::test]
+async fn input_tokens_is_forwarded_to_a_responses_source() {
+    let m = recording_mock(Behavior::text(&["x"])).await;
+    let chat = recording_mock(Behavior::text(&["x"])).await;
+    let native = scope_with(
+        "LLM",
+        ScopeKind::Chat,
+        vec![responses_source("a", &m)],
+        None,
+        |_| {},
+    )
+    .await;
+    let plain = scope_with(
+        "PLAIN",
+        ScopeKind::Chat,
+        vec![source("c", &chat)],
+        None,
+        |_| {},
+    )
+    .await;
+    let s = serve(vec![native, plain]).await;
+    let post = |model: &str| {
+        http()
+            .post(format!("{}/responses/input_tokens", s.v1()))
+            .json(&json!({"model": model, "input": "How many tokens is this question, exactly?"}))
+            .send()
+    };
+    let r = post("llm").await.unwrap();
+    assert_eq!(r.status(), 200);
+    assert!(r.headers().get("x-polygw-usage-source").is_none());
+    let v: Value = r.json().await.unwrap();
+    assert_eq!(
+        v,
+        json!({"object": "response.input_tokens", "input_tokens": 11})
+    );
+    let log = m.requests();
+    assert_eq!(
+        (log[0].path.as_str(), &log[0].body["model"]),
+        ("/v1/responses/input_tokens", &json!("gpt-a"))
+    );
+    let r = post("plain").await.unwrap();
+    assert_eq!(r.headers()["x-polygw-usage-source"], "estimated");
+    let v: Value = r.json().await.unwrap();
+    assert!(v["input_tokens"].as_u64().unwrap() > 0);
+    assert!(chat.requests().is_empty());
+}
