@@ -641,6 +641,147 @@ async fn claude_code_through_polygw_to_messages_sources() {
     assert!(primary.requests().iter().any(|r| r.status == 429));
 }
 
+/// The Codex CLI itself (`codex exec`, the pinned npm release) through `polygw serve`
+/// to `responses` sources, offline (issue 35): a model provider with `wire_api =
+/// "responses"`, a plain turn, a tool round (the source asks for a shell command; Codex
+/// runs it and sends its output back), and a 429 on the primary answered by the
+/// fallback. What reached the sources is Codex's own request.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn codex_through_polygw_to_responses_sources() {
+    let test = "codex_through_polygw_to_responses_sources";
+    let Some(codex) = sdk::codex(test) else {
+        return;
+    };
+    let primary = mock(hello()).await;
+    let fallback = mock(Behavior::text(&["Answered", " by", " the", " fallback"])).await;
+    let api = ("API", "responses");
+    let mut env = source("LLM", "a", &primary, &[api, ("PRIORITY", "0")]);
+    env.extend(source("LLM", "b", &fallback, &[api, ("PRIORITY", "1")]));
+    env.push(var("LLM__MODEL_ALIASES", "gpt-*"));
+    env.push(var("LLM__RETRY__BACKOFF_BASE_S", "0.01"));
+    let s = start(&["--max-wait-s", "10"], env);
+    let home = tempfile::tempdir().unwrap();
+    let work = tempfile::tempdir().unwrap();
+    std::fs::write(
+        work.path().join("note.txt"),
+        "the secret word is tangerine\n",
+    )
+    .unwrap();
+    std::fs::write(
+        home.path().join("config.toml"),
+        format!(
+            "model = \"gpt-5-codex\"\nmodel_provider = \"polygw\"\n\n\
+             [model_providers.polygw]\nname = \"polygw\"\nbase_url = \"{}/v1\"\n\
+             env_key = \"POLYGW_KEY\"\nwire_api = \"responses\"\n\
+             request_max_retries = 0\nstream_max_retries = 0\n",
+            s.base
+        ),
+    )
+    .unwrap();
+    let run_codex = |prompt: &str| {
+        let codex = codex.clone();
+        let argv = vec![
+            "exec".to_string(),
+            "--skip-git-repo-check".into(),
+            "-C".into(),
+            work.path().display().to_string(),
+            prompt.to_string(),
+        ];
+        let env = vec![
+            var("CODEX_HOME", &home.path().display().to_string()),
+            var("HOME", &home.path().display().to_string()),
+            var("POLYGW_KEY", KEY),
+        ];
+        async move { sdk::run(codex, argv, env, SCRIPT_LIMIT).await }
+    };
+
+    // A plain turn.
+    let run = run_codex("Say hello.").await;
+    eprintln!(
+        "{test}: plain turn took {:?}\n{}\n{}",
+        run.took, run.stdout, run.stderr
+    );
+    assert!(run.ok, "{}\n{}", run.stdout, run.stderr);
+    assert!(run.stdout.contains("Hello from polygw"), "{}", run.stdout);
+    let log = primary.requests();
+    let turn = log
+        .iter()
+        .find(|r| r.path == "/v1/responses")
+        .expect("a turn");
+    assert!(turn.authorization && turn.stream);
+    assert_eq!(turn.body["model"], "model-a", "{:#}", turn.body);
+    let keys: Vec<&String> = turn.body.as_object().unwrap().keys().collect();
+    eprintln!("{test}: Codex's request fields: {keys:?}");
+    assert!(
+        turn.body["input"].is_array(),
+        "Codex's input items, as sent"
+    );
+    let tools: Vec<String> = turn.body["tools"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter_map(|t| {
+            t["name"]
+                .as_str()
+                .or(t["type"].as_str())
+                .map(str::to_string)
+        })
+        .collect();
+    eprintln!("{test}: Codex's tools: {tools:?}");
+    assert!(!tools.is_empty());
+    primary.reset_log();
+
+    // A tool round: the primary asks for a shell command (Codex's shell tool, by the
+    // name Codex gave it), then answers.
+    let shell = ["shell", "exec_command", "local_shell"]
+        .into_iter()
+        .find(|n| tools.iter().any(|t| t == n))
+        .unwrap_or("shell");
+    let args = if shell == "exec_command" {
+        json!({"cmd": "cat note.txt"})
+    } else {
+        json!({"command": ["cat", "note.txt"]})
+    };
+    primary.push_script(Behavior {
+        chunk_count: Some(0),
+        tool_call: Some(ToolCallSpec {
+            id: "call_shell_1".into(),
+            name: shell.into(),
+            arguments: args.to_string(),
+            fragments: 2,
+        }),
+        ..Behavior::default()
+    });
+    let run = run_codex("What does note.txt say?").await;
+    eprintln!(
+        "{test}: tool round took {:?}\n{}\n{}",
+        run.took, run.stdout, run.stderr
+    );
+    assert!(run.ok, "{}\n{}", run.stdout, run.stderr);
+    let log = primary.requests();
+    let output = log
+        .iter()
+        .flat_map(|r| r.body["input"].as_array().cloned().unwrap_or_default())
+        .find(|i| i["type"] == "function_call_output" && i["call_id"] == "call_shell_1")
+        .unwrap_or_else(|| panic!("no function_call_output reached the source: {log:#?}"));
+    assert!(output.to_string().contains("tangerine"), "{output:#}");
+    primary.reset_log();
+
+    // A 429 on the primary: the fallback answers.
+    primary.push_script(Behavior {
+        retry_after: Some(RetryAfter::Seconds(30.0)),
+        ..Behavior::status(429)
+    });
+    let run = run_codex("Say hello again.").await;
+    assert!(run.ok, "{}\n{}", run.stdout, run.stderr);
+    assert!(
+        run.stdout.contains("Answered by the fallback"),
+        "{}",
+        run.stdout
+    );
+    assert!(primary.requests().iter().any(|r| r.status == 429));
+}
+
 /// 60 generated words.
 fn words() -> Behavior {
     Behavior {

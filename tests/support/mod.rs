@@ -228,16 +228,25 @@ pub mod sdk {
     const AGENTS_HOW: &str =
         "run .ci/run (its step \"client SDKs\"), or: (cd tests/agents && npm ci)";
 
-    /// Claude Code's executable, when tests/agents/node_modules holds the version
-    /// tests/agents/package.json pins; else `None` after printing why (a panic under
-    /// `CI=true`).
+    /// Claude Code's executable ([`agent`]).
     pub fn claude_code(test: &str) -> Option<PathBuf> {
+        agent(test, "@anthropic-ai/claude-code", "claude")
+    }
+
+    /// The Codex CLI's executable ([`agent`]).
+    pub fn codex(test: &str) -> Option<PathBuf> {
+        agent(test, "@openai/codex", "codex")
+    }
+
+    /// An agent's executable `bin`, when tests/agents/node_modules holds the version of
+    /// `name` that tests/agents/package.json pins and it runs; else `None` after
+    /// printing why (a panic under `CI=true`).
+    fn agent(test: &str, name: &str, bin: &str) -> Option<PathBuf> {
         let dir = agents_dir();
         let read = |p: PathBuf| -> Result<serde_json::Value, String> {
             let t = std::fs::read_to_string(&p).map_err(|e| format!("{}: {e}", p.display()))?;
             serde_json::from_str(&t).map_err(|e| format!("{}: {e}", p.display()))
         };
-        let name = "@anthropic-ai/claude-code";
         let want = match read(dir.join("package.json")) {
             Ok(v) => v["dependencies"][name].clone(),
             Err(e) => return missing(test, e, AGENTS_HOW),
@@ -253,7 +262,7 @@ pub mod sdk {
             }
             Err(e) => return missing(test, format!("{name} is not installed ({e})"), AGENTS_HOW),
         }
-        let bin = dir.join("node_modules/.bin/claude");
+        let bin = dir.join("node_modules/.bin").join(bin);
         match Command::new(&bin).arg("--version").output() {
             Ok(o) if o.status.success() => Some(bin),
             Ok(o) => missing(
