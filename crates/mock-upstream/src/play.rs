@@ -629,13 +629,6 @@ impl Stream<'_> {
             self.wait_until(at).await;
             let responses = self.responses.is_some();
             match &self.b.fault {
-                Some(Fault::MalformedAt { chunk }) if *chunk as usize == i && responses => {
-                    self.write(Bytes::from_static(
-                        b"event: response.output_text.delta\ndata: {\"type\":\"response.output_text.delta\",\"delta\":\"br\n\n",
-                    ))
-                    .await;
-                    self.ctx.guard.frames_sent += 1;
-                }
                 Some(Fault::ErrorFrameAt { chunk, error }) if *chunk as usize == i && responses => {
                     if let Some(w) = self.responses.as_mut() {
                         let v = w.failed(error.clone());
@@ -643,13 +636,6 @@ impl Stream<'_> {
                     }
                     self.ctx.guard.finish(EndKind::Completed);
                     return;
-                }
-                Some(Fault::MalformedAt { chunk }) if *chunk as usize == i && messages => {
-                    self.write(Bytes::from_static(
-                        b"event: content_block_delta\ndata: {\"type\":\"content_block_delta\",\"index\":0,\"delta\":{\"type\":\"text_delta\",\"text\":\"br\n\n",
-                    ))
-                    .await;
-                    self.ctx.guard.frames_sent += 1;
                 }
                 Some(Fault::ErrorFrameAt { chunk, error }) if *chunk as usize == i && messages => {
                     let e = error
@@ -662,10 +648,13 @@ impl Stream<'_> {
                     return;
                 }
                 Some(Fault::MalformedAt { chunk }) if *chunk as usize == i => {
-                    self.write(Bytes::from_static(
-                        b"data: {\"id\":\"chatcmpl-mock\",\"choices\":[{\"index\":0,\"delta\":{\"content\":\"br\n\n",
-                    ))
-                    .await;
+                    // An event cut inside its JSON, in the request's API.
+                    let broken: &'static [u8] = match self.ctx.api {
+                        WireApi::Chat => b"data: {\"id\":\"chatcmpl-mock\",\"choices\":[{\"index\":0,\"delta\":{\"content\":\"br\n\n",
+                        WireApi::Messages => b"event: content_block_delta\ndata: {\"type\":\"content_block_delta\",\"index\":0,\"delta\":{\"type\":\"text_delta\",\"text\":\"br\n\n",
+                        WireApi::Responses => b"event: response.output_text.delta\ndata: {\"type\":\"response.output_text.delta\",\"delta\":\"br\n\n",
+                    };
+                    self.write(Bytes::from_static(broken)).await;
                     self.ctx.guard.frames_sent += 1;
                 }
                 Some(Fault::ErrorFrameAt { chunk, error }) if *chunk as usize == i => {

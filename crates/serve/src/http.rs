@@ -403,3 +403,48 @@ mod tests {
         }
     }
 }
+
+/// The names of the scope's sources that speak `api` (SPEC §23.1): a request of that
+/// API reaches them as the client sent it.
+pub fn sources_speaking(
+    client: &GatewayClient,
+    api: polygw::core::source::SourceApi,
+) -> Vec<String> {
+    client
+        .settings()
+        .sources
+        .iter()
+        .filter(|s| s.api == api)
+        .map(|s| s.name.clone())
+        .collect()
+}
+
+/// The answer to a counting endpoint (SPEC §23.7): the native source's, as it gave it
+/// (a success or the request's fault), else polygw's `estimate` marked as such.
+pub fn forwarded_or_estimate(
+    what: &str,
+    forwarded: Option<Result<polygw::core::ports::NativeAnswer, polygw::core::AttemptError>>,
+    estimate: serde_json::Value,
+) -> axum::response::Response {
+    match forwarded {
+        Some(Ok(a)) if a.status != 404 && a.status < 500 => {
+            let status = StatusCode::from_u16(a.status).unwrap_or(StatusCode::BAD_GATEWAY);
+            let ct = [(
+                header::CONTENT_TYPE,
+                HeaderValue::from_static("application/json"),
+            )];
+            axum::response::IntoResponse::into_response((status, ct, a.body))
+        }
+        other => {
+            if let Some(Err(e)) = &other {
+                tracing::info!(error = %e, "{what}: the source could not be asked; polygw's estimate answers");
+            }
+            let mut r = axum::response::IntoResponse::into_response(axum::Json(estimate));
+            r.headers_mut().insert(
+                crate::names::X_USAGE_SOURCE,
+                HeaderValue::from_static("estimated"),
+            );
+            r
+        }
+    }
+}

@@ -258,23 +258,8 @@ impl OpenAiTransport {
                 self.inner.client.post(format!("{url}{sep}{q}"))
             }
         };
-        let mut rb = self.headers(rb, source, source.effective_auth(), body, call_id, stream);
-        if source.api == SourceApi::Messages {
-            let mut version = false;
-            for (k, v) in native.map_or(&[][..], |n| &n.headers[..]) {
-                version |= k == "anthropic-version";
-                if let Ok(v) = HeaderValue::from_str(v) {
-                    rb = rb.header(k.as_str(), v);
-                }
-            }
-            if !version {
-                rb = rb.header(
-                    "anthropic-version",
-                    HeaderValue::from_static(ANTHROPIC_VERSION),
-                );
-            }
-        }
-        rb
+        let rb = self.headers(rb, source, source.effective_auth(), body, call_id, stream);
+        self.anthropic_headers(rb, source, native)
     }
 
     /// A POST to `endpoint` under a native source's API path (`count_tokens`), with the

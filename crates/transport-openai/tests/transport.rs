@@ -2040,4 +2040,64 @@ mod native {
         let e = chat(&t, &src, &native_req(true)).await.unwrap_err();
         assert_eq!(e.label, polygw_core::ErrorLabel::StallTimeout, "{e}");
     }
+
+    fn responses_req(stream: bool) -> ChatRequest {
+        let body = json!({"model": "llm", "stream": stream, "input": "Say hello", "store": false});
+        let mut r = ChatRequest::user("Say hello").with_stream(stream);
+        r.native = Some(Arc::new(NativeRequest {
+            api: SourceApi::Responses,
+            body: body.as_object().unwrap().clone(),
+            headers: Vec::new(),
+            query: None,
+        }));
+        r
+    }
+
+    #[tokio::test]
+    async fn a_responses_source_is_read_plain_and_streamed_and_its_failures_classified() {
+        let m = mock().await;
+        let t = transport();
+        let src = source(&m).with_api(SourceApi::Responses);
+        for stream in [false, true] {
+            m.push_script(Behavior {
+                reasoning: vec!["hm".into()],
+                ..Behavior::text(&["Hel", "lo"])
+            });
+            let r = chat(&t, &src, &responses_req(stream)).await.unwrap();
+            assert_eq!(r.content, "Hello", "stream={stream}");
+            assert_eq!(r.reasoning_content.as_deref(), Some("hm"));
+            assert_eq!(r.finish_reason.as_deref(), Some("stop"));
+            assert!(r.usage.completion_tokens > 0);
+        }
+        let log = m.wait_for_ended(2, Duration::from_secs(5)).await;
+        assert!(log
+            .iter()
+            .all(|r| r.path == "/v1/responses" && r.authorization));
+        assert_eq!(log[0].body["store"], false, "the client's body");
+        // `response.failed` with a server_error before any content: transient.
+        m.push_script(Behavior::fault(Fault::ErrorFrameAt {
+            chunk: 0,
+            error: None,
+        }));
+        let e = chat(&t, &src, &responses_req(true)).await.unwrap_err();
+        assert_eq!(e.class, C::Transient, "{e}");
+        // An invalid event: result-invalid.
+        m.push_script(Behavior::fault(Fault::MalformedAt { chunk: 1 }));
+        let e = chat(&t, &src, &responses_req(true)).await.unwrap_err();
+        assert_eq!(e.class, C::Invalid, "{e}");
+        // `invalid_prompt`: a rejection.
+        m.push_script(Behavior::fault(Fault::ErrorFrameAt {
+            chunk: 0,
+            error: Some(json!({"code": "invalid_prompt", "message": "flagged"})),
+        }));
+        let e = chat(&t, &src, &responses_req(true)).await.unwrap_err();
+        assert_eq!(e.class, C::Rejected, "{e}");
+        // A length stop is `response.incomplete`.
+        m.push_script(Behavior {
+            finish_reason: Some("length".into()),
+            ..Behavior::text(&["cut"])
+        });
+        let r = chat(&t, &src, &responses_req(true)).await.unwrap();
+        assert_eq!(r.finish_reason.as_deref(), Some("length"));
+    }
 }

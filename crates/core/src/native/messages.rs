@@ -9,7 +9,7 @@ use serde_json::{Map, Value};
 use crate::ports::{StreamDelta, ToolCallDelta};
 use crate::response::Usage;
 
-use super::{NativeError, NativeEvent, PlainAnswer, ReadError};
+use super::{NativeError, PlainAnswer, ReadError};
 
 /// Anthropic's usage fields as the stream has reported them so far.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -133,13 +133,7 @@ impl MessagesReader {
     /// itself (every event is for the client, pings included).
     pub fn on_event(&mut self, event: Option<&str>, data: &str) -> Result<StreamDelta, ReadError> {
         self.events += 1;
-        let obj = super::event_object(event, data, self.events)?;
-        let kind = obj
-            .get("type")
-            .and_then(Value::as_str)
-            .or(event)
-            .unwrap_or_default()
-            .to_string();
+        let (obj, kind) = super::typed_event(event, data, self.events)?;
         if kind == "error" || event == Some("error") {
             return Err(ReadError::Provider(error_of(&obj).unwrap_or_default()));
         }
@@ -233,12 +227,7 @@ impl MessagesReader {
             // written: for the client, not progress.
             _ => {}
         }
-        d.native = Some(Box::new(NativeEvent {
-            event: event.map(str::to_string),
-            data: data.to_string(),
-            progress,
-            patient,
-        }));
+        d.native = Some(super::as_received(event, data, progress, patient));
         Ok(d)
     }
 }

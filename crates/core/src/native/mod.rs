@@ -50,6 +50,33 @@ fn event_object(event: Option<&str>, data: &str, n: u64) -> Result<Map<String, V
     }
 }
 
+/// An event's data as a JSON object and its type (its `type`, else the SSE event
+/// name), the `n`-th of its stream.
+fn typed_event(
+    event: Option<&str>,
+    data: &str,
+    n: u64,
+) -> Result<(Map<String, Value>, String), ReadError> {
+    let obj = event_object(event, data, n)?;
+    let kind = obj
+        .get("type")
+        .and_then(Value::as_str)
+        .or(event)
+        .unwrap_or_default()
+        .to_string();
+    Ok((obj, kind))
+}
+
+/// The event as the client receives it, with what the reader found it means.
+fn as_received(event: Option<&str>, data: &str, progress: bool, patient: bool) -> Box<NativeEvent> {
+    Box::new(NativeEvent {
+        event: event.map(str::to_string),
+        data: data.to_string(),
+        progress,
+        patient,
+    })
+}
+
 /// What a plain (non-streamed) native answer holds, as the engine reads it.
 #[derive(Debug, Clone, PartialEq, Default)]
 pub struct PlainAnswer {

@@ -11,7 +11,7 @@ use serde_json::{Map, Value};
 use crate::ports::{StreamDelta, ToolCallDelta};
 use crate::response::Usage;
 
-use super::{NativeError, NativeEvent, PlainAnswer, ReadError};
+use super::{NativeError, PlainAnswer, ReadError};
 
 /// A Responses `usage` object as polygw counts it: `input_tokens` holds the cached and
 /// cache-written tokens, `output_tokens` the reasoning.
@@ -112,13 +112,7 @@ impl ResponsesReader {
     /// itself. `response.failed` and `error` are the source's error.
     pub fn on_event(&mut self, event: Option<&str>, data: &str) -> Result<StreamDelta, ReadError> {
         self.events += 1;
-        let obj = super::event_object(event, data, self.events)?;
-        let kind = obj
-            .get("type")
-            .and_then(Value::as_str)
-            .or(event)
-            .unwrap_or_default()
-            .to_string();
+        let (obj, kind) = super::typed_event(event, data, self.events)?;
         if kind == "error" || kind == "response.failed" || event == Some("error") {
             return Err(ReadError::Provider(error_of(&obj)));
         }
@@ -188,12 +182,7 @@ impl ResponsesReader {
             // `content_part.*`, events added after polygw was written) is for the client.
             k => progress = k.ends_with(".delta"),
         }
-        d.native = Some(Box::new(NativeEvent {
-            event: event.map(str::to_string),
-            data: data.to_string(),
-            progress,
-            patient,
-        }));
+        d.native = Some(super::as_received(event, data, progress, patient));
         Ok(d)
     }
 }

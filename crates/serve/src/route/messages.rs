@@ -18,7 +18,8 @@ use serde_json::json;
 use crate::errors::{anthropic_error, from_gateway, ApiError};
 use crate::http::{
     answer_headers, call_options, chat_scope, close_after, ensure_request_id, enter_gate,
-    failure_headers, list_header, read_body_up_to, run_plain, set_request_id, Conn, Stopped,
+    failure_headers, forwarded_or_estimate, list_header, read_body_up_to, run_plain,
+    set_request_id, sources_speaking, Conn, Stopped,
 };
 use crate::names;
 use crate::route::responses::dialect_error;
@@ -90,13 +91,7 @@ async fn create_inner(
         Err(e) => return anthropic_error(&e),
     };
     // Sources that speak Messages get the client's own request (SPEC §23.2).
-    let native_sources: Vec<String> = client
-        .settings()
-        .sources
-        .iter()
-        .filter(|s| s.api == SourceApi::Messages)
-        .map(|s| s.name.clone())
-        .collect();
+    let native_sources = sources_speaking(client, SourceApi::Messages);
     if !native_sources.is_empty() {
         t.request.native = native_request(&bytes, query, headers).map(Arc::new);
     }
@@ -227,30 +222,7 @@ pub async fn count_tokens(
         }
         None => None,
     };
-    match forwarded {
-        Some(Ok(a)) if a.status != 404 && a.status < 500 => {
-            let status = axum::http::StatusCode::from_u16(a.status)
-                .unwrap_or(axum::http::StatusCode::BAD_GATEWAY);
-            (
-                status,
-                [(
-                    header::CONTENT_TYPE,
-                    HeaderValue::from_static("application/json"),
-                )],
-                a.body,
-            )
-                .into_response()
-        }
-        other => {
-            if let Some(Err(e)) = &other {
-                tracing::info!(error = %e, "count_tokens: the messages source could not be asked; polygw's estimate answers");
-            }
-            let mut r = Json(json!({"input_tokens": estimate})).into_response();
-            r.headers_mut()
-                .insert(names::X_USAGE_SOURCE, HeaderValue::from_static("estimated"));
-            r
-        }
-    }
+    forwarded_or_estimate("count_tokens", forwarded, json!({"input_tokens": estimate}))
 }
 
 /// The client's request as a `messages` source gets it: its body, its `anthropic-*`

@@ -21,7 +21,8 @@ use serde_json::{json, Value};
 use crate::errors::{error_response, from_gateway, ApiError};
 use crate::http::{
     answer_headers, call_options, chat_scope, close_after, ensure_request_id, enter_gate,
-    failure_headers, list_header, read_body, run_plain, set_request_id, unix_now, Conn, Stopped,
+    failure_headers, forwarded_or_estimate, list_header, read_body, run_plain, set_request_id,
+    sources_speaking, unix_now, Conn, Stopped,
 };
 use crate::names;
 use crate::scope::ScopeClient;
@@ -114,13 +115,7 @@ async fn create_inner(
         Err(e) => return error_response(&e),
     };
     // Sources that speak Responses get the client's own request (SPEC §23.2).
-    let native_sources: Vec<String> = client
-        .settings()
-        .sources
-        .iter()
-        .filter(|s| s.api == SourceApi::Responses)
-        .map(|s| s.name.clone())
-        .collect();
+    let native_sources = sources_speaking(client, SourceApi::Responses);
     let native_body = (!native_sources.is_empty())
         .then(|| serde_json::from_slice::<serde_json::Map<String, Value>>(&bytes).ok())
         .flatten();
@@ -347,30 +342,11 @@ pub async fn input_tokens(
         }
         _ => None,
     };
-    match forwarded {
-        Some(Ok(a)) if a.status != 404 && a.status < 500 => {
-            let status = StatusCode::from_u16(a.status).unwrap_or(StatusCode::BAD_GATEWAY);
-            (
-                status,
-                [(
-                    header::CONTENT_TYPE,
-                    HeaderValue::from_static("application/json"),
-                )],
-                a.body,
-            )
-                .into_response()
-        }
-        other => {
-            if let Some(Err(e)) = &other {
-                tracing::info!(error = %e, "input_tokens: the responses source could not be asked; polygw's estimate answers");
-            }
-            let mut r = Json(json!({"object": "response.input_tokens", "input_tokens": estimate}))
-                .into_response();
-            r.headers_mut()
-                .insert(names::X_USAGE_SOURCE, HeaderValue::from_static("estimated"));
-            r
-        }
-    }
+    forwarded_or_estimate(
+        "input_tokens",
+        forwarded,
+        json!({"object": "response.input_tokens", "input_tokens": estimate}),
+    )
 }
 
 fn now_ms() -> i64 {
