@@ -392,18 +392,6 @@ pub fn list_header(h: &mut HeaderMap, name: HeaderName, items: &[String]) {
     }
 }
 
-#[cfg(test)]
-mod tests {
-    use super::count_value;
-
-    #[test]
-    fn counts_are_written_as_decimals() {
-        for n in [0, 1, 9, 10, 11, 4_000_000_000] {
-            assert_eq!(count_value(n).to_str().unwrap(), n.to_string());
-        }
-    }
-}
-
 /// The names of the scope's sources that speak `api` (SPEC §23.1): a request of that
 /// API reaches them as the client sent it.
 pub fn sources_speaking(
@@ -445,6 +433,18 @@ pub fn forwarded_or_estimate(
                 HeaderValue::from_static("estimated"),
             );
             r
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::count_value;
+
+    #[test]
+    fn counts_are_written_as_decimals() {
+        for n in [0, 1, 9, 10, 11, 4_000_000_000] {
+            assert_eq!(count_value(n).to_str().unwrap(), n.to_string());
         }
     }
 }
