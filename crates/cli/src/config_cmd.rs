@@ -60,6 +60,8 @@ pub async fn run(args: CheckArgs) -> Result<ExitCode> {
                         match src.effective_auth() {
                             polygw::core::source::SourceAuth::XApiKey => "x-api-key",
                             polygw::core::source::SourceAuth::Bearer => "bearer",
+                            polygw::core::source::SourceAuth::Client =>
+                                "the client's own credential",
                         },
                         polygw::core::secret::redact_url(&src.request_url())
                     );

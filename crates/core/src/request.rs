@@ -88,6 +88,16 @@ impl From<String> for EmbeddingInput {
     }
 }
 
+/// A credential a client presented for its upstream (bring your own key, a
+/// subscription's token), and how it presented it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ClientCredential {
+    /// `Authorization: Bearer` (true) or `x-api-key` (false).
+    pub bearer: bool,
+    /// The credential.
+    pub secret: crate::secret::Secret,
+}
+
 /// One logical chat call. `stream` chooses how the upstream is read; the library
 /// always returns the aggregated response.
 #[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
@@ -120,6 +130,11 @@ pub struct ChatRequest {
     /// API are not candidates for the call while translations to them are not built.
     #[serde(skip)]
     pub native: Option<std::sync::Arc<crate::native::NativeRequest>>,
+    /// The client's own credential, for sources with `AUTH=client` (SPEC §23.1): never
+    /// logged, stored or shown. Sources with `AUTH=client` are candidates only when
+    /// there is one.
+    #[serde(skip)]
+    pub client_credential: Option<ClientCredential>,
     /// Only sources of the native request's API may be sent it (it refers to state
     /// only they may hold: a `previous_response_id` polygw did not store).
     #[serde(skip)]
@@ -172,10 +187,16 @@ impl ChatRequest {
         self
     }
 
-    /// Whether a source of `api` can be sent this request: chat sources take every
-    /// request (its chat form), a native source only a request in its own API.
-    pub fn servable_by(&self, api: crate::source::SourceApi) -> bool {
-        match api {
+    /// Whether `source` can be sent this request: chat sources take every request (its
+    /// chat form), a native source only a request in its own API; a source with
+    /// `AUTH=client` only a request that carries the client's credential.
+    pub fn servable_by(&self, source: &crate::source::SourceConfig) -> bool {
+        if source.auth == Some(crate::source::SourceAuth::Client)
+            && self.client_credential.is_none()
+        {
+            return false;
+        }
+        match source.api {
             crate::source::SourceApi::Chat => !self.native_only,
             other => self.native.as_ref().is_some_and(|n| n.api == other),
         }

@@ -167,6 +167,9 @@ pub enum SourceAuth {
     XApiKey,
     /// `Authorization: Bearer <API_KEY>` (OpenAI's way).
     Bearer,
+    /// The client's own credential, forwarded (bring your own key, subscription
+    /// tokens: SPEC §23.1); the source's `API_KEY` is not sent.
+    Client,
 }
 
 impl SourceAuth {
@@ -185,6 +188,7 @@ impl std::str::FromStr for SourceAuth {
         match s.trim().to_ascii_lowercase().as_str() {
             "x-api-key" => Ok(SourceAuth::XApiKey),
             "bearer" => Ok(SourceAuth::Bearer),
+            "client" => Ok(SourceAuth::Client),
             _ => Err(()),
         }
     }
@@ -491,6 +495,7 @@ mod tests {
             SourceAuth::XApiKey
         );
         assert_eq!("bearer".parse::<SourceAuth>(), Ok(SourceAuth::Bearer));
+        assert_eq!("Client".parse::<SourceAuth>(), Ok(SourceAuth::Client));
     }
 
     #[test]

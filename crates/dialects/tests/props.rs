@@ -209,6 +209,7 @@ fn build(g: &Gen) -> ChatRequest {
         overlay: None,
         native: None,
         native_only: false,
+        client_credential: None,
     };
     if let Some(p) = g.top_p {
         req = req.with_overlay("top_p", json!(p));

@@ -198,8 +198,8 @@ impl Leg for ChatLeg<'_> {
         true
     }
 
-    fn servable_by(&self, api: polygw_core::source::SourceApi) -> bool {
-        self.request.servable_by(api)
+    fn servable_by(&self, source: &SourceConfig) -> bool {
+        self.request.servable_by(source)
     }
 
     fn resumable(&self) -> bool {
@@ -276,6 +276,7 @@ impl GatewayClient {
         endpoint: &str,
         body: &serde_json::Map<String, serde_json::Value>,
         headers: &[(String, String)],
+        client: Option<&polygw_core::request::ClientCredential>,
     ) -> Option<Result<polygw_core::ports::NativeAnswer, polygw_core::AttemptError>> {
         let source = self
             .engine
@@ -283,6 +284,7 @@ impl GatewayClient {
             .sources
             .iter()
             .filter(|s| s.api == api)
+            .filter(|s| client.is_some() || s.auth != Some(polygw_core::source::SourceAuth::Client))
             .min_by_key(|s| s.priority)?;
         let call_id = new_id();
         let call = polygw_core::ports::NativeCall {
@@ -290,6 +292,7 @@ impl GatewayClient {
             endpoint,
             body,
             headers,
+            client,
             call_id: &call_id,
         };
         Some(self.engine.ports.transport.native_call(call).await)

@@ -210,6 +210,53 @@ fn keyless(st: &AppState, req: &Request) -> Option<Response> {
     None
 }
 
+/// Which header carried the proxy's own key (the other one, when present, is the
+/// client's own credential: [`client_credential`]).
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct ProxyCredential {
+    /// `Authorization: Bearer` (true) or `x-api-key`.
+    pub bearer: bool,
+}
+
+/// The client's own credential for sources with `AUTH=client` (SPEC §23.1): the
+/// `Authorization: Bearer` token or the `x-api-key` the client sent that is not the
+/// proxy's key (`proxy`: which header was; `None` on a proxy without keys, where either
+/// is the client's, the bearer first).
+pub(crate) fn client_credential(
+    headers: &axum::http::HeaderMap,
+    proxy: Option<ProxyCredential>,
+) -> Option<polygw::core::request::ClientCredential> {
+    let bearer = headers
+        .get(header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| {
+            v.strip_prefix("Bearer ")
+                .or_else(|| v.strip_prefix("bearer "))
+        })
+        .map(str::trim)
+        .filter(|v| !v.is_empty());
+    let x_api_key = headers
+        .get("x-api-key")
+        .and_then(|v| v.to_str().ok())
+        .map(str::trim)
+        .filter(|v| !v.is_empty());
+    let (is_bearer, value) = match proxy {
+        None => bearer
+            .map(|b| (true, b))
+            .or(x_api_key.map(|x| (false, x)))?,
+        Some(p) if p.bearer => (false, x_api_key?),
+        Some(_) => (true, bearer?),
+    };
+    // The proxy's key sent in both headers is still the proxy's key.
+    if proxy.is_some() && bearer == x_api_key {
+        return None;
+    }
+    Some(polygw::core::request::ClientCredential {
+        bearer: is_bearer,
+        secret: polygw::core::secret::Secret::new(value),
+    })
+}
+
 /// Client authentication of `/v1/*`: a bearer key of `client_keys`, compared in
 /// constant time. Failures are counted and logged at a bounded rate. The request (with
 /// its key-store key as an extension), or the refusal.
@@ -218,43 +265,57 @@ fn authenticate(st: &AppState, mut req: Request) -> Result<Request, Box<Response
         return Ok(req);
     }
     // `Authorization: Bearer <key>` (OpenAI's SDKs), or `x-api-key: <key>`
-    // (Anthropic's: SPEC §18.2); either names the same client key.
+    // (Anthropic's: SPEC §18.2); either names the same client key. Both may come: the
+    // one that is not the proxy's key is the client's own credential, for sources with
+    // `AUTH=client` (SPEC §23.1).
     let bearer = req
         .headers()
         .get(header::AUTHORIZATION)
         .and_then(|v| v.to_str().ok());
     let x_api_key = req.headers().get("x-api-key").and_then(|v| v.to_str().ok());
-    let header_value = bearer.or(x_api_key);
-    let given = bearer
-        .and_then(|v| {
-            v.strip_prefix("Bearer ")
-                .or_else(|| v.strip_prefix("bearer "))
-        })
-        .or(x_api_key)
-        .map(|s| s.trim().as_bytes())
-        .unwrap_or_default();
-    let mut ok = subtle::Choice::from(0u8);
-    for k in &st.keys {
-        ok |= k.as_slice().ct_eq(given);
-    }
-    if bool::from(ok) && !given.is_empty() {
-        return Ok(req);
-    }
-    // A key of the key store (SPEC §21.1): looked up by its hash.
+    let has_header = bearer.or(x_api_key).is_some();
+    let bearer_token = bearer.map(|v| {
+        v.strip_prefix("Bearer ")
+            .or_else(|| v.strip_prefix("bearer "))
+            .unwrap_or("")
+    });
+    let candidates: Vec<(bool, Vec<u8>)> = [(true, bearer_token), (false, x_api_key)]
+        .into_iter()
+        .filter_map(|(b, v)| Some((b, v?.trim().as_bytes().to_vec())))
+        .filter(|(_, v)| !v.is_empty())
+        .collect();
     let mut revoked = None;
     let mut unavailable = false;
-    if let Some(ring) = &st.cfg.key_ring {
-        match ring.lookup(std::str::from_utf8(given).unwrap_or("")) {
-            Lookup::Valid(k) => {
-                req.extensions_mut().insert(k);
-                return Ok(req);
+    for (is_bearer, given) in &candidates {
+        let mut ok = subtle::Choice::from(0u8);
+        for k in &st.keys {
+            ok |= k.as_slice().ct_eq(given);
+        }
+        if bool::from(ok) {
+            req.extensions_mut()
+                .insert(ProxyCredential { bearer: *is_bearer });
+            return Ok(req);
+        }
+        // A key of the key store (SPEC §21.1): looked up by its hash.
+        if let Some(ring) = &st.cfg.key_ring {
+            match ring.lookup(std::str::from_utf8(given).unwrap_or("")) {
+                Lookup::Valid(k) => {
+                    req.extensions_mut().insert(k);
+                    req.extensions_mut()
+                        .insert(ProxyCredential { bearer: *is_bearer });
+                    return Ok(req);
+                }
+                Lookup::Revoked(id) => revoked = revoked.or(Some(id)),
+                Lookup::Unavailable => unavailable = true,
+                Lookup::Unknown => {}
             }
-            Lookup::Revoked(id) => revoked = Some(id),
-            Lookup::Unavailable => unavailable = true,
-            Lookup::Unknown => {}
         }
     }
-    let why = if header_value.is_none() {
+    let given = candidates
+        .first()
+        .map(|(_, g)| g.as_slice())
+        .unwrap_or_default();
+    let why = if !has_header {
         "no Authorization header"
     } else if revoked.is_some() {
         "revoked key"
@@ -292,6 +353,44 @@ fn authenticate(st: &AppState, mut req: Request) -> Result<Request, Box<Response
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// DECISIONS 174: only the credential that is not the proxy's key is the client's.
+    #[test]
+    fn the_client_credential_is_never_the_proxy_key() {
+        let headers = |b: Option<&str>, x: Option<&str>| {
+            let mut h = axum::http::HeaderMap::new();
+            if let Some(b) = b {
+                h.insert(
+                    header::AUTHORIZATION,
+                    format!("Bearer {b}").parse().unwrap(),
+                );
+            }
+            if let Some(x) = x {
+                h.insert("x-api-key", x.parse().unwrap());
+            }
+            h
+        };
+        let got = |h: &axum::http::HeaderMap, p: Option<ProxyCredential>| {
+            client_credential(h, p).map(|c| (c.bearer, c.secret.expose().to_string()))
+        };
+        let by_bearer = Some(ProxyCredential { bearer: true });
+        let by_x = Some(ProxyCredential { bearer: false });
+        let both = headers(Some("proxy"), Some("mine"));
+        assert_eq!(got(&both, by_bearer), Some((false, "mine".into())));
+        assert_eq!(
+            got(&headers(Some("mine"), Some("proxy")), by_x),
+            Some((true, "mine".into()))
+        );
+        assert_eq!(got(&headers(Some("proxy"), None), by_bearer), None);
+        assert_eq!(got(&headers(None, Some("proxy")), by_x), None);
+        assert_eq!(got(&headers(Some("proxy"), Some("proxy")), by_bearer), None);
+        // A proxy without keys: either header is the client's, the bearer first.
+        assert_eq!(got(&both, None), Some((true, "proxy".into())));
+        assert_eq!(
+            got(&headers(None, Some("mine")), None),
+            Some((false, "mine".into()))
+        );
+    }
 
     #[test]
     fn loopback_hosts() {

@@ -407,6 +407,31 @@ pub fn sources_speaking(
         .collect()
 }
 
+/// Who calls a native-capable route, and how: its client key, the header that held the
+/// proxy's key, the query string.
+pub(crate) struct Caller<'a> {
+    pub key: Option<&'a Arc<polygw::core::client_key::ClientKey>>,
+    pub proxy: Option<crate::guard::ProxyCredential>,
+    pub query: Option<&'a str>,
+}
+
+/// The client's own credential, when the scope has sources with `AUTH=client` (SPEC
+/// §23.1; the proxy's own key, `proxy`, never goes upstream).
+pub fn credential_for(
+    client: &GatewayClient,
+    headers: &HeaderMap,
+    proxy: Option<crate::guard::ProxyCredential>,
+) -> Option<polygw::core::request::ClientCredential> {
+    let wanted = client
+        .settings()
+        .sources
+        .iter()
+        .any(|s| s.auth == Some(polygw::core::source::SourceAuth::Client));
+    wanted
+        .then(|| crate::guard::client_credential(headers, proxy))
+        .flatten()
+}
+
 /// The answer to a counting endpoint (SPEC §23.7): the native source's, as it gave it
 /// (a success or the request's fault), else polygw's `estimate` marked as such.
 pub fn forwarded_or_estimate(

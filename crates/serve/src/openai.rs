@@ -267,6 +267,7 @@ pub fn parse_chat(body: &[u8]) -> Result<ParsedChat, ApiError> {
         overlay: (!o.is_empty()).then_some(o),
         native: None,
         native_only: false,
+        client_credential: None,
     };
     request
         .validate()

@@ -12,7 +12,8 @@ use polygw_core::ports::{
     ChatAttempt, ChunkObserver, Clock, NativeAnswer, NativeCall, NullObserver, OcrResult,
     OcrTransport, StreamDelta, ToolCallDelta, Transport, TransportResult,
 };
-use polygw_core::source::SourceApi;
+use polygw_core::request::ClientCredential;
+use polygw_core::source::{SourceApi, SourceAuth};
 use polygw_core::stall::StallMeter;
 use polygw_core::{AttemptError, ErrorClass, SourceConfig, Usage, UsageSource};
 use serde_json::{Map, Value};
@@ -211,6 +212,17 @@ fn attempt_body<'r>(
     }
 }
 
+/// With `AUTH=client`, a 401, 402 or 403 is about the client's own credential or
+/// account, not the source's: the client's error to see (a rejection, passed through),
+/// and no reason to put the source out for every other client (SPEC §23.1).
+fn client_credential_failure(source: &SourceConfig, mut e: AttemptError) -> AttemptError {
+    if source.effective_auth() == SourceAuth::Client && matches!(e.http_status, Some(401..=403)) {
+        e.class = ErrorClass::Rejected;
+        e.label = polygw_core::ErrorLabel::Rejected;
+    }
+    e
+}
+
 /// Folds a plain native answer; checks an error body and the content cap.
 fn native_aggregate(
     api: SourceApi,
@@ -377,11 +389,12 @@ impl OpenAiTransport {
     async fn plain_chat(
         &self,
         source: &SourceConfig,
+        client: Option<&ClientCredential>,
         body: Vec<u8>,
         call_id: &str,
     ) -> Result<TransportResult, AttemptError> {
         let key = source.api_key.expose();
-        let rb = self.post_attempt(source, None, body, call_id, false);
+        let rb = self.post_attempt(source, None, client, body, call_id, false);
         let (status, is_sse, bytes, headers) = self.plain_bytes(source, rb).await?;
         if is_sse {
             let mut r = self.sse_as_plain(source, &bytes, status)?;
@@ -473,7 +486,9 @@ impl OpenAiTransport {
             return self.native_plain(attempt).await;
         }
         let body = chat_body_bytes(attempt.source, attempt.request);
-        self.plain_chat(attempt.source, body, attempt.call_id).await
+        let client = attempt.request.client_credential.as_ref();
+        self.plain_chat(attempt.source, client, body, attempt.call_id)
+            .await
     }
 
     /// A plain call to a native source: the client's body with the edits of SPEC
@@ -485,7 +500,8 @@ impl OpenAiTransport {
         let source = attempt.source;
         let key = source.api_key.expose();
         let (native, body) = attempt_body(&attempt)?;
-        let rb = self.post_attempt(source, native, body, attempt.call_id, false);
+        let client = attempt.request.client_credential.as_ref();
+        let rb = self.post_attempt(source, native, client, body, attempt.call_id, false);
         let (status, is_sse, bytes, headers) = self.plain_bytes(source, rb).await?;
         if is_sse {
             let mut r = self.sse_as_plain(source, &bytes, status)?;
@@ -507,7 +523,8 @@ impl OpenAiTransport {
         let key = source.api_key.expose();
         let cfg = &self.inner.cfg;
         let (native, bytes) = attempt_body(&attempt)?;
-        let rb = self.post_attempt(source, native, bytes, attempt.call_id, true);
+        let client = attempt.request.client_credential.as_ref();
+        let rb = self.post_attempt(source, native, client, bytes, attempt.call_id, true);
 
         let ttft_budget = source.ttft_budget();
         let itb = source.inter_token_budget();
@@ -687,7 +704,7 @@ impl OpenAiTransport {
             base64::engine::general_purpose::STANDARD.encode(image)
         );
         let body = serde_json::to_vec(&ocr_body(source, &uri, prompt)).unwrap_or_default();
-        let r = self.plain_chat(source, body, call_id).await?;
+        let r = self.plain_chat(source, None, body, call_id).await?;
         Ok(OcrResult {
             text: r.content,
             model: r.model,
@@ -1007,6 +1024,7 @@ impl Transport for OpenAiTransport {
         let rb = self.post_native(
             source,
             &native,
+            call.client,
             call.endpoint,
             serde_json::to_vec(&body).unwrap_or_default(),
             call.call_id,
@@ -1035,6 +1053,7 @@ impl Transport for OpenAiTransport {
         } else {
             self.chat_plain(attempt).await
         };
+        let r = r.map_err(|e| client_credential_failure(attempt.source, e));
         if let Err(e) = &r {
             tracing::debug!(source = %attempt.source.name, call_id = attempt.call_id, error = %e, "chat attempt failed");
         }

@@ -23,6 +23,7 @@ use std::time::Duration;
 
 use polygw_core::native::NativeRequest;
 use polygw_core::ports::Clock;
+use polygw_core::request::ClientCredential;
 use polygw_core::source::{SourceApi, SourceAuth};
 use polygw_core::SourceConfig;
 use reqwest::header::{HeaderValue, ACCEPT, AUTHORIZATION, CONTENT_TYPE};
@@ -230,7 +231,8 @@ impl OpenAiTransport {
             Some(url) => self.inner.client.post(url),
             None => self.inner.client.post(endpoint_url(&source.base_url, path)),
         };
-        self.headers(rb, source, SourceAuth::Bearer, body, call_id, stream)
+        let key = source.api_key.expose();
+        self.headers(rb, Some((true, key)), body, call_id, stream)
     }
 
     /// The POST of a chat attempt to its source's API (SPEC §23.1–23.2): the API's
@@ -241,6 +243,7 @@ impl OpenAiTransport {
         &self,
         source: &SourceConfig,
         native: Option<&NativeRequest>,
+        client: Option<&ClientCredential>,
         body: Vec<u8>,
         call_id: &str,
         stream: bool,
@@ -258,7 +261,7 @@ impl OpenAiTransport {
                 self.inner.client.post(format!("{url}{sep}{q}"))
             }
         };
-        let rb = self.headers(rb, source, source.effective_auth(), body, call_id, stream);
+        let rb = self.headers(rb, credential(source, client), body, call_id, stream);
         self.anthropic_headers(rb, source, native)
     }
 
@@ -268,6 +271,7 @@ impl OpenAiTransport {
         &self,
         source: &SourceConfig,
         native: &NativeRequest,
+        client: Option<&ClientCredential>,
         endpoint: &str,
         body: Vec<u8>,
         call_id: &str,
@@ -277,7 +281,7 @@ impl OpenAiTransport {
             .inner
             .client
             .post(endpoint_url(&source.base_url, &path));
-        let rb = self.headers(rb, source, source.effective_auth(), body, call_id, false);
+        let rb = self.headers(rb, credential(source, client), body, call_id, false);
         self.anthropic_headers(rb, source, Some(native))
     }
 
@@ -309,12 +313,12 @@ impl OpenAiTransport {
     }
 
     /// The headers every request carries: JSON in, the stream or JSON accepted, the
-    /// call id, and the key the way `auth` says (marked sensitive; none when empty).
+    /// call id, and the credential (`(bearer, value)`: `Authorization: Bearer` or
+    /// `x-api-key`; marked sensitive; none when empty).
     fn headers(
         &self,
         rb: reqwest::RequestBuilder,
-        source: &SourceConfig,
-        auth: SourceAuth,
+        cred: Option<(bool, &str)>,
         body: Vec<u8>,
         call_id: &str,
         stream: bool,
@@ -333,13 +337,13 @@ impl OpenAiTransport {
         if let Ok(v) = HeaderValue::from_str(call_id) {
             rb = rb.header("x-polygw-call-id", v);
         }
-        let key = source.api_key.expose();
-        if !key.is_empty() {
+        if let Some((bearer, key)) = cred.filter(|(_, k)| !k.is_empty()) {
             // An invalid key (control characters) is sent as no header at all rather
             // than risking the key in an error message; the upstream answers 401.
-            let (name, value) = match auth {
-                SourceAuth::Bearer => (AUTHORIZATION.as_str(), format!("Bearer {key}")),
-                SourceAuth::XApiKey => ("x-api-key", key.to_string()),
+            let (name, value) = if bearer {
+                (AUTHORIZATION.as_str(), format!("Bearer {key}"))
+            } else {
+                ("x-api-key", key.to_string())
             };
             if let Ok(mut v) = HeaderValue::from_str(&value) {
                 v.set_sensitive(true);
@@ -347,6 +351,20 @@ impl OpenAiTransport {
             }
         }
         rb
+    }
+}
+
+/// The credential a source is sent, as `(bearer, value)`: its own `API_KEY` the way
+/// `AUTH` says, or with `AUTH=client` the client's, the way the client presented it.
+fn credential<'a>(
+    source: &'a SourceConfig,
+    client: Option<&'a ClientCredential>,
+) -> Option<(bool, &'a str)> {
+    let key = source.api_key.expose();
+    match source.effective_auth() {
+        SourceAuth::Bearer => Some((true, key)),
+        SourceAuth::XApiKey => Some((false, key)),
+        SourceAuth::Client => client.map(|c| (c.bearer, c.secret.expose())),
     }
 }
 

@@ -459,23 +459,15 @@ fn parse_api(k: &str, v: &str) -> Result<SourceApi, ConfigError> {
         .map_err(|()| invalid(k, v, "chat, messages or responses"))
 }
 
-/// `AUTH`: `x-api-key` or `bearer` (empty = the API's own way). `client` is named as
-/// not yet served.
+/// `AUTH`: `x-api-key`, `bearer` or `client` (empty = the API's own way).
 fn parse_auth(k: &str, v: &str) -> Result<Option<SourceAuth>, ConfigError> {
     let t = v.trim();
     if t.is_empty() {
         return Ok(None);
     }
-    if t.eq_ignore_ascii_case("client") {
-        return Err(invalid(
-            k,
-            v,
-            "x-api-key or bearer (forwarding the client's own credential is not supported yet)",
-        ));
-    }
     t.parse::<SourceAuth>()
         .map(Some)
-        .map_err(|()| invalid(k, v, "x-api-key or bearer"))
+        .map_err(|()| invalid(k, v, "x-api-key, bearer or client"))
 }
 
 /// `PREFILL`: `none` (or empty) = no prefill, else a dialect.

@@ -91,6 +91,8 @@ pub struct NativeCall<'a> {
     pub body: &'a serde_json::Map<String, serde_json::Value>,
     /// The client's `anthropic-*` headers.
     pub headers: &'a [(String, String)],
+    /// The client's own credential, for a source with `AUTH=client`.
+    pub client: Option<&'a crate::request::ClientCredential>,
     /// The call's id.
     pub call_id: &'a str,
 }

@@ -91,6 +91,7 @@ pub fn to_chat(req: &MessagesRequest) -> Result<Translated, DialectError> {
         overlay: (!overlay.is_empty()).then_some(overlay),
         native: None,
         native_only: false,
+        client_credential: None,
     };
     request
         .validate()

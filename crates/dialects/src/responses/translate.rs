@@ -149,6 +149,7 @@ pub fn to_chat(req: &ResponsesRequest, history: &[Value]) -> Result<Translated, 
         overlay: (!overlay.is_empty()).then_some(overlay),
         native: None,
         native_only: false,
+        client_credential: None,
     };
     request.validate().map_err(|(field, message)| {
         let field = match field.as_str() {

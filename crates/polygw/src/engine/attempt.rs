@@ -88,9 +88,9 @@ pub(crate) trait Leg: Send + Sync {
     fn max_output_tokens(&self) -> u64 {
         0
     }
-    /// Whether a source of `api` can be sent this request (SPEC §23.1: a native source
-    /// takes a request in its own API).
-    fn servable_by(&self, _api: polygw_core::source::SourceApi) -> bool {
+    /// Whether `source` can be sent this request (SPEC §23.1: a native source takes a
+    /// request in its own API; `AUTH=client` one that carries the client's credential).
+    fn servable_by(&self, _source: &SourceConfig) -> bool {
         true
     }
     /// Whether a streamed answer of this request may be resumed on another leg once it

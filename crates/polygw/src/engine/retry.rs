@@ -222,21 +222,36 @@ impl Engine {
             .scope
             .sources
             .iter()
-            .filter(|s| !leg.servable_by(s.api))
+            .filter(|s| !leg.servable_by(s))
             .map(|s| s.name.clone())
             .collect();
         if !foreign.is_empty() {
             if foreign.len() == self.scope.sources.len() {
                 let apis: BTreeSet<&str> =
                     self.scope.sources.iter().map(|s| s.api.as_str()).collect();
-                return Err(GatewayError::InvalidRequest {
-                    field: "model".into(),
-                    message: format!(
+                let client_auth = self
+                    .scope
+                    .sources
+                    .iter()
+                    .all(|s| s.auth == Some(polygw_core::source::SourceAuth::Client));
+                let message = if client_auth {
+                    format!(
+                        "every source of scope {} takes the client's own credential \
+                         (AUTH=client): send it as Authorization: Bearer or x-api-key (besides \
+                         the proxy's key, when the proxy asks for one)",
+                        self.scope.name
+                    )
+                } else {
+                    format!(
                         "every source of scope {} speaks the {} API, and a request in another \
                          API cannot be sent to it yet (send it to that API's route)",
                         self.scope.name,
                         apis.into_iter().collect::<Vec<_>>().join(" / ")
-                    ),
+                    )
+                };
+                return Err(GatewayError::InvalidRequest {
+                    field: "model".into(),
+                    message,
                 });
             }
             call.exclude(foreign);

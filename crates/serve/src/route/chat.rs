@@ -49,13 +49,15 @@ pub async fn handle(
     State(st): State<Arc<AppState>>,
     conn: Conn,
     key: Option<Extension<Arc<ClientKey>>>,
+    proxy: Option<Extension<crate::guard::ProxyCredential>>,
     headers: HeaderMap,
     body: Body,
 ) -> Response {
     let ctx = conn.map(|Extension(c)| c);
+    let proxy = proxy.map(|Extension(p)| p);
     let key = key.map(|Extension(k)| k);
     let id = CallOptions::new_logical_call_id();
-    let mut resp = inner(&st, &ctx, key.as_ref(), &headers, body, &id).await;
+    let mut resp = inner(&st, &ctx, key.as_ref(), proxy, &headers, body, &id).await;
     ensure_request_id(resp.headers_mut(), &id);
     resp
 }
@@ -64,6 +66,7 @@ async fn inner(
     st: &Arc<AppState>,
     ctx: &Option<Arc<crate::conn::ConnCtx>>,
     key: Option<&Arc<ClientKey>>,
+    proxy: Option<crate::guard::ProxyCredential>,
     headers: &HeaderMap,
     body: Body,
     id: &str,
@@ -89,6 +92,8 @@ async fn inner(
         Ok(x) => x,
         Err(e) => return error_response(&e),
     };
+    let mut parsed = parsed;
+    parsed.request.client_credential = crate::http::credential_for(client, headers, proxy);
     // The client key's scopes, models, limits and budgets (SPEC §21.1), before a slot.
     let charge = match crate::keys::admit(key, &served.scope.name, &parsed.model, async |k| {
         client.admit_key(k, &parsed.request).await

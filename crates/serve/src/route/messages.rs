@@ -38,14 +38,21 @@ pub async fn create(
     State(st): State<Arc<AppState>>,
     conn: Conn,
     key: Option<Extension<Arc<ClientKey>>>,
+    proxy: Option<Extension<crate::guard::ProxyCredential>>,
     uri: Uri,
     headers: HeaderMap,
     body: Body,
 ) -> Response {
     let ctx = conn.map(|Extension(c)| c);
+    let proxy = proxy.map(|Extension(p)| p);
     let key = key.map(|Extension(k)| k);
     let id = CallOptions::new_logical_call_id();
-    let mut resp = create_inner(&st, &ctx, key.as_ref(), uri.query(), &headers, body, &id).await;
+    let caller = crate::http::Caller {
+        key: key.as_ref(),
+        proxy,
+        query: uri.query(),
+    };
+    let mut resp = create_inner(&st, &ctx, caller, &headers, body, &id).await;
     ensure_request_id(resp.headers_mut(), &id);
     // Anthropic's SDKs read `request-id`.
     if let Some(v) = resp.headers().get(names::X_REQUEST_ID).cloned() {
@@ -57,12 +64,12 @@ pub async fn create(
 async fn create_inner(
     st: &Arc<AppState>,
     ctx: &Option<Arc<crate::conn::ConnCtx>>,
-    key: Option<&Arc<ClientKey>>,
-    query: Option<&str>,
+    caller: crate::http::Caller<'_>,
     headers: &HeaderMap,
     body: Body,
     id: &str,
 ) -> Response {
+    let crate::http::Caller { key, proxy, query } = caller;
     let early = |e: crate::http::Early| {
         let mut r = anthropic_error(&e.error);
         if e.close {
@@ -95,6 +102,7 @@ async fn create_inner(
     if !native_sources.is_empty() {
         t.request.native = native_request(&bytes, query, headers).map(Arc::new);
     }
+    t.request.client_credential = crate::http::credential_for(client, headers, proxy);
     drop(bytes);
     if !req.unsupported_tools().is_empty() {
         tracing::info!(tools = %req.unsupported_tools().join(", "), "server tools not sent upstream");
@@ -181,10 +189,12 @@ async fn create_inner(
 pub async fn count_tokens(
     State(st): State<Arc<AppState>>,
     conn: Conn,
+    proxy: Option<Extension<crate::guard::ProxyCredential>>,
     headers: HeaderMap,
     body: Body,
 ) -> Response {
     let ctx = conn.map(|Extension(c)| c);
+    let proxy = proxy.map(|Extension(p)| p);
     let limit = st.cfg.max_body_bytes.max(MESSAGES_MAX_BODY_BYTES);
     let bytes = match read_body_up_to(&st, &headers, body, &ctx, limit).await {
         Ok(b) => b,
@@ -212,8 +222,15 @@ pub async fn count_tokens(
                 .unwrap_or_default();
             match chat_scope(&st, model) {
                 Ok((_, client)) => {
+                    let credential = crate::http::credential_for(client, &headers, proxy);
                     client
-                        .native_call(SourceApi::Messages, "count_tokens", &n.body, &n.headers)
+                        .native_call(
+                            SourceApi::Messages,
+                            "count_tokens",
+                            &n.body,
+                            &n.headers,
+                            credential.as_ref(),
+                        )
                         .await
                 }
                 // A model no scope serves: the estimate, as without a source.

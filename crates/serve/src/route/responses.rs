@@ -71,14 +71,21 @@ pub async fn create(
     State(st): State<Arc<AppState>>,
     conn: Conn,
     key: Option<Extension<Arc<ClientKey>>>,
+    proxy: Option<Extension<crate::guard::ProxyCredential>>,
     uri: Uri,
     headers: HeaderMap,
     body: Body,
 ) -> Response {
     let ctx = conn.map(|Extension(c)| c);
+    let proxy = proxy.map(|Extension(p)| p);
     let key = key.map(|Extension(k)| k);
     let id = CallOptions::new_logical_call_id();
-    let mut resp = create_inner(&st, &ctx, key.as_ref(), uri.query(), &headers, body, &id).await;
+    let caller = crate::http::Caller {
+        key: key.as_ref(),
+        proxy,
+        query: uri.query(),
+    };
+    let mut resp = create_inner(&st, &ctx, caller, &headers, body, &id).await;
     ensure_request_id(resp.headers_mut(), &id);
     resp
 }
@@ -86,12 +93,12 @@ pub async fn create(
 async fn create_inner(
     st: &Arc<AppState>,
     ctx: &Option<Arc<crate::conn::ConnCtx>>,
-    key: Option<&Arc<ClientKey>>,
-    query: Option<&str>,
+    caller: crate::http::Caller<'_>,
     headers: &HeaderMap,
     body: Body,
     id: &str,
 ) -> Response {
+    let crate::http::Caller { key, proxy, query } = caller;
     let early = |e: crate::http::Early| {
         let mut r = error_response(&e.error);
         if e.close {
@@ -179,6 +186,7 @@ async fn create_inner(
         Err(e) => return error_response(&dialect_error(e)),
     };
     t.request.native = native;
+    t.request.client_credential = crate::http::credential_for(client, headers, proxy);
     if passes_state {
         // Only the sources that may hold the state can continue it.
         t.request.native_only = true;
@@ -306,10 +314,12 @@ async fn create_inner(
 pub async fn input_tokens(
     State(st): State<Arc<AppState>>,
     conn: Conn,
+    proxy: Option<Extension<crate::guard::ProxyCredential>>,
     headers: HeaderMap,
     body: Body,
 ) -> Response {
     let ctx = conn.map(|Extension(c)| c);
+    let proxy = proxy.map(|Extension(p)| p);
     let bytes = match read_body(&st, &headers, body, &ctx).await {
         Ok(b) => b,
         Err(e) => {
@@ -336,8 +346,15 @@ pub async fn input_tokens(
         serde_json::from_slice::<serde_json::Map<String, Value>>(&bytes),
     ) {
         (Ok((_, client)), Ok(body)) => {
+            let credential = crate::http::credential_for(client, &headers, proxy);
             client
-                .native_call(SourceApi::Responses, "input_tokens", &body, &[])
+                .native_call(
+                    SourceApi::Responses,
+                    "input_tokens",
+                    &body,
+                    &[],
+                    credential.as_ref(),
+                )
                 .await
         }
         _ => None,

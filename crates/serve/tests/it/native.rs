@@ -657,3 +657,89 @@ async fn input_tokens_is_forwarded_to_a_responses_source() {
     assert!(v["input_tokens"].as_u64().unwrap() > 0);
     assert!(chat.requests().is_empty());
 }
+
+/// SPEC §23.1 `AUTH=client`: the client's own credential reaches the source — on a
+/// keyless proxy the one it sent, on a keyed proxy the one that is not the proxy's key
+/// (which never goes upstream). A client whose own key the source refuses gets the
+/// source's 401, and the source stays in for the others. A client that sends no
+/// credential of its own is not sent to such a source.
+#[tokio::test]
+async fn a_client_credential_is_forwarded_and_only_the_clients() {
+    let user_key = "sk-ant-user-own-key-42";
+    let m = MockUpstream::start(MockConfig {
+        record_bodies: true,
+        require_key: Some(user_key.into()),
+        ..MockConfig::default()
+    })
+    .await
+    .unwrap();
+    m.set_default(Behavior::text(&["Hi"]));
+    let src = || {
+        let base = m.base_url().trim_end_matches("/v1").to_string();
+        SourceConfig::new("byok", 0, base, "", "claude-x")
+            .with_api(SourceApi::Messages)
+            .with_auth(polygw::core::source::SourceAuth::Client)
+    };
+    let body =
+        json!({"model": "llm", "max_tokens": 10, "messages": [{"role": "user", "content": "hi"}]});
+    // A keyless proxy: the client's x-api-key is its own.
+    let s = messages_scope(vec![src()], None).await;
+    let post = |key: &'static str| {
+        http()
+            .post(format!("{}/messages", s.v1()))
+            .header("x-api-key", key)
+            .json(&body)
+            .send()
+    };
+    assert_eq!(post(user_key).await.unwrap().status(), 200);
+    let r = post("sk-ant-someone-else-wrong").await.unwrap();
+    assert_eq!(r.status(), 401, "the source's 401, the client's problem");
+    let v: Value = r.json().await.unwrap();
+    assert_eq!(v["error"]["type"], "authentication_error");
+    assert_eq!(
+        post(user_key).await.unwrap().status(),
+        200,
+        "the source stays in"
+    );
+    drop(s);
+
+    // A keyed proxy: the proxy's key in Authorization, the client's own in x-api-key.
+    let scope = scope_with("LLM", ScopeKind::Chat, vec![src()], None, |_| {}).await;
+    let cfg = polygw_serve::ProxyConfig {
+        client_keys: vec!["proxy-key-1".into()],
+        ..polygw_serve::ProxyConfig::default()
+    };
+    let s = serve_with(vec![scope], cfg, polygw_serve::ServerLimits::default()).await;
+    let r = http()
+        .post(format!("{}/messages", s.v1()))
+        .bearer_auth("proxy-key-1")
+        .header("x-api-key", user_key)
+        .json(&body)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200, "{}", r.text().await.unwrap());
+    // The proxy's key alone: no credential of the client's own, no call upstream.
+    let before = m.requests().len();
+    let r = http()
+        .post(format!("{}/messages", s.v1()))
+        .bearer_auth("proxy-key-1")
+        .json(&body)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 400);
+    let v: Value = r.json().await.unwrap();
+    assert!(
+        v["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("AUTH=client"),
+        "{v}"
+    );
+    assert_eq!(
+        m.requests().len(),
+        before,
+        "the proxy's key never goes upstream"
+    );
+}
