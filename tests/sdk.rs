@@ -356,20 +356,19 @@ async fn anthropic_python_to_messages_sources() {
     assert_eq!(tlog[1].body["tools"][0]["name"], "get_weather");
 }
 
-/// Faults before the first content event on `messages` sources, through the Anthropic
-/// SDK: each is rescued by the fallback (the first token's hedge included); a content
-/// rejection reaches the SDK with the source's wording; a source's 401 is a 502 the SDK
-/// must not retry.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn anthropic_python_to_faulty_messages_sources() {
-    let test = "anthropic_python_to_faulty_messages_sources";
+/// Faults before the first content event on native sources, through the official SDK
+/// of their API: each is rescued by the fallback (the first token's hedge included); a
+/// content rejection reaches the SDK with the source's wording; a source's 401 is a 502
+/// the SDK must not retry.
+async fn sdk_to_faulty_native_sources(test: &str, sdk_name: &str, api: &str) {
     let Some(py) = sdk::python_sdks(test) else {
         return;
     };
     let rescued = || Behavior::text(&["Rescued", " by", " the", " fallback"]);
     let wording = "prompt is too long: 210000 tokens > 200000 maximum";
+    let overloaded = if api == "messages" { 529 } else { 500 };
     let primaries = [
-        ("OVERLOADED", Behavior::status(529)),
+        ("OVERLOADED", Behavior::status(overloaded)),
         (
             "OVERLOADED_EVENT",
             Behavior::fault(Fault::ErrorFrameAt {
@@ -401,18 +400,8 @@ async fn anthropic_python_to_faulty_messages_sources() {
     for (scope, primary) in primaries {
         let a = mock(primary).await;
         let b = mock(rescued()).await;
-        env.extend(source(
-            scope,
-            "a",
-            &a,
-            &[("API", "messages"), ("PRIORITY", "0")],
-        ));
-        env.extend(source(
-            scope,
-            "b",
-            &b,
-            &[("API", "messages"), ("PRIORITY", "1")],
-        ));
+        env.extend(source(scope, "a", &a, &[("API", api), ("PRIORITY", "0")]));
+        env.extend(source(scope, "b", &b, &[("API", api), ("PRIORITY", "1")]));
         env.push(var(&format!("{scope}__RETRY__BACKOFF_BASE_S"), "0.01"));
         env.push(var(&format!("{scope}__RETRY__BACKOFF_MAX_S"), "0.02"));
         mocks.push((scope, a, b));
@@ -423,11 +412,11 @@ async fn anthropic_python_to_faulty_messages_sources() {
         ..Behavior::status(400)
     })
     .await;
-    env.extend(source("REJECTED", "r", &rejected, &[("API", "messages")]));
+    env.extend(source("REJECTED", "r", &rejected, &[("API", api)]));
     let badkey = mock(Behavior::status(401)).await;
-    env.extend(source("BADKEY", "k", &badkey, &[("API", "messages")]));
+    env.extend(source("BADKEY", "k", &badkey, &[("API", api)]));
     let s = start(&["--max-wait-s", "10"], env);
-    let run = python(py, test, "native_faults.py", &[], &s).await;
+    let run = python(py, test, "native_faults.py", &[sdk_name], &s).await;
     let out = run.json();
     assert!(
         run.took < Duration::from_secs(20),
@@ -463,12 +452,28 @@ async fn anthropic_python_to_faulty_messages_sources() {
     }
 }
 
+/// [`sdk_to_faulty_native_sources`]: anthropic-python to `messages` sources.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn anthropic_python_to_faulty_messages_sources() {
+    let test = "anthropic_python_to_faulty_messages_sources";
+    sdk_to_faulty_native_sources(test, "anthropic", "messages").await;
+}
+
+/// [`sdk_to_faulty_native_sources`]: openai-python's Responses API to `responses`
+/// sources.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn openai_python_to_faulty_responses_sources() {
+    let test = "openai_python_to_faulty_responses_sources";
+    sdk_to_faulty_native_sources(test, "openai", "responses").await;
+}
+
 /// anthropic-node to `messages` sources (issue 35): plain and streamed answers as the
 /// source sent them, a 529 rescued by the fallback, a streamed tool round passed
-/// through, a 429 with its hint.
+/// through, a 429 with its hint; and openai-node's Responses API to a `responses`
+/// source.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn anthropic_node_to_messages_sources() {
-    let test = "anthropic_node_to_messages_sources";
+async fn node_sdks_to_native_sources() {
+    let test = "node_sdks_to_native_sources";
     let Some(node) = sdk::node_sdks(test) else {
         return;
     };
@@ -498,6 +503,13 @@ async fn anthropic_node_to_messages_sources() {
     ));
     env.push(var("OVERLOADED__RETRY__BACKOFF_BASE_S", "0.01"));
     env.extend(source("LIMITED", "l", &limited, &[api]));
+    let responses = mock(hello()).await;
+    env.extend(source(
+        "RESPONSES",
+        "r",
+        &responses,
+        &[("API", "responses")],
+    ));
     let s = start(&["--max-wait-s", "10"], env);
     let run = sdk::run(
         node,
@@ -524,6 +536,11 @@ async fn anthropic_node_to_messages_sources() {
     let msgs = messages(&tlog[1]);
     assert_eq!(msgs[1]["content"][0]["type"], "tool_use", "{msgs:#?}");
     assert!(tlog.iter().all(|r| r.path == "/v1/messages" && r.stream));
+    assert_eq!(out["responses_text"], "Hello from polygw");
+    assert!(responses
+        .requests()
+        .iter()
+        .all(|r| r.path == "/v1/responses"));
 }
 
 /// Claude Code itself (`claude -p`, the pinned npm release) through `polygw serve` to

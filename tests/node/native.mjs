@@ -3,10 +3,13 @@
 // answers "Hello from polygw"; `tools` asks for get_weather({"city": "Paris"}) once,
 // then answers "It is 21 °C in Paris."; `overloaded` has a primary answering 529 and
 // a fallback answering "Hello from polygw"; `limited` answers 429 with Retry-After: 30
-// (beyond --max-wait-s). The last stdout line is a JSON object the Rust test checks.
+// (beyond --max-wait-s); `responses` is a source speaking OpenAI's Responses API that
+// answers "Hello from polygw". The last stdout line is a JSON object the Rust test
+// checks.
 
 import assert from 'node:assert/strict';
 import Anthropic from '@anthropic-ai/sdk';
+import OpenAI from 'openai';
 
 const anthropic = new Anthropic({
   baseURL: process.env.POLYGW_ROOT,
@@ -62,6 +65,26 @@ try {
 } catch (e) {
   assert.ok(e instanceof Anthropic.RateLimitError, String(e));
   out.limited = { status: e.status, retry_after: e.headers?.get?.('retry-after') ?? e.headers?.['retry-after'] };
+}
+
+// openai-node's Responses API to a `responses` source: the source's own response.
+{
+  const openai = new OpenAI({
+    baseURL: `${process.env.POLYGW_ROOT}/v1`,
+    apiKey: process.env.POLYGW_KEY,
+    maxRetries: 0,
+  });
+  const r = await openai.responses.create({ model: 'responses', input: 'hi' });
+  assert.equal(r.output_text, 'Hello from polygw');
+  assert.ok(r.id.startsWith('resp_mock-'), r.id);
+  const stream = openai.responses.stream({ model: 'responses', input: 'hi' });
+  const types = [];
+  for await (const ev of stream) types.push(ev.type);
+  const final = await stream.finalResponse();
+  assert.equal(types[0], 'response.created');
+  assert.equal(types.at(-1), 'response.completed');
+  assert.equal(final.output_text, 'Hello from polygw');
+  out.responses_text = final.output_text;
 }
 
 console.log(JSON.stringify(out));
