@@ -407,6 +407,39 @@ pub fn sources_speaking(
         .collect()
 }
 
+/// The `model` a JSON body names, read without the API's other rules.
+pub fn model_in(raw: &[u8]) -> Option<String> {
+    #[derive(serde::Deserialize)]
+    struct Model {
+        model: String,
+    }
+    serde_json::from_slice::<Model>(raw).ok().map(|m| m.model)
+}
+
+/// A stand-in for a request the chat translation refuses, when the scope has sources
+/// of the request's own API (SPEC §23.2: they take it as sent): the same model, stream
+/// flag and output cap, and one user message holding the body's text, so that the
+/// engine's estimates read the request's size. Only the native sources are sent the
+/// request (`native_only`); `None` when the body names no model.
+pub fn stand_in_body(api: polygw::core::source::SourceApi, raw: &[u8]) -> Option<Vec<u8>> {
+    let body: serde_json::Map<String, serde_json::Value> = serde_json::from_slice(raw).ok()?;
+    let model = body.get("model")?.as_str()?;
+    let stream = body
+        .get("stream")
+        .and_then(serde_json::Value::as_bool)
+        .unwrap_or(false);
+    let text = String::from_utf8_lossy(raw);
+    let v = match api {
+        polygw::core::source::SourceApi::Messages => serde_json::json!({
+            "model": model, "stream": stream,
+            "max_tokens": body.get("max_tokens").and_then(serde_json::Value::as_u64).unwrap_or(4096),
+            "messages": [{"role": "user", "content": text}],
+        }),
+        _ => serde_json::json!({"model": model, "stream": stream, "input": text}),
+    };
+    serde_json::to_vec(&v).ok()
+}
+
 /// Who calls a native-capable route, and how: its client key, the header that held the
 /// proxy's key, the query string.
 pub(crate) struct Caller<'a> {

@@ -85,22 +85,41 @@ async fn create_inner(
     if let Err(e) = crate::openai::check_json_values(&bytes) {
         return anthropic_error(&e);
     }
-    let req = match wire::parse_request(&bytes) {
-        Ok(r) => r,
-        Err(e) => return anthropic_error(&dialect_error(e)),
+    let parsed = wire::parse_request(&bytes).and_then(|r| {
+        let t = wire::to_chat(&r)?;
+        Ok((r, t))
+    });
+    let model = match &parsed {
+        Ok((r, _)) => r.model().to_string(),
+        Err(_) => crate::http::model_in(&bytes).unwrap_or_default(),
     };
-    let mut t = match wire::to_chat(&req) {
-        Ok(t) => t,
-        Err(e) => return anthropic_error(&dialect_error(e)),
-    };
-    let (served, client) = match chat_scope(st, req.model()) {
+    let (served, client) = match chat_scope(st, &model) {
         Ok(x) => x,
-        Err(e) => return anthropic_error(&e),
+        Err(e) => match parsed {
+            Err(d) => return anthropic_error(&dialect_error(d)),
+            Ok(_) => return anthropic_error(&e),
+        },
     };
-    // Sources that speak Messages get the client's own request (SPEC §23.2).
+    // Sources that speak Messages get the client's own request (SPEC §23.2), also one
+    // the translation to chat refuses (then only they are sent it).
     let native_sources = sources_speaking(client, SourceApi::Messages);
+    let (req, mut t, native_only) = match parsed {
+        Ok((r, t)) => (r, t, false),
+        Err(d) => {
+            let stand_in = (!native_sources.is_empty())
+                .then(|| crate::http::stand_in_body(SourceApi::Messages, &bytes))
+                .flatten()
+                .and_then(|b| wire::parse_request(&b).ok())
+                .and_then(|r| wire::to_chat(&r).ok().map(|t| (r, t)));
+            match stand_in {
+                Some((r, t)) => (r, t, true),
+                None => return anthropic_error(&dialect_error(d)),
+            }
+        }
+    };
     if !native_sources.is_empty() {
         t.request.native = native_request(&bytes, query, headers).map(Arc::new);
+        t.request.native_only = native_only;
     }
     t.request.client_credential = crate::http::credential_for(client, headers, proxy);
     drop(bytes);

@@ -113,20 +113,41 @@ async fn create_inner(
     if let Err(e) = crate::openai::check_json_values(&bytes) {
         return error_response(&e);
     }
-    let req = match wire::parse_request(&bytes) {
-        Ok(r) => r,
-        Err(e) => return error_response(&dialect_error(e)),
+    let parsed = wire::parse_request(&bytes);
+    let model = match &parsed {
+        Ok(r) => r.model().to_string(),
+        Err(_) => crate::http::model_in(&bytes).unwrap_or_default(),
     };
-    let (served, client) = match chat_scope(st, req.model()) {
+    let (served, client) = match chat_scope(st, &model) {
         Ok(x) => x,
-        Err(e) => return error_response(&e),
+        Err(e) => match parsed {
+            Err(d) => return error_response(&dialect_error(d)),
+            Ok(_) => return error_response(&e),
+        },
     };
-    // Sources that speak Responses get the client's own request (SPEC §23.2).
+    // Sources that speak Responses get the client's own request (SPEC §23.2), also one
+    // the translation to chat refuses (then only they are sent it).
     let native_sources = sources_speaking(client, SourceApi::Responses);
+    let stand_in = || {
+        (!native_sources.is_empty())
+            .then(|| crate::http::stand_in_body(SourceApi::Responses, &bytes))
+            .flatten()
+            .and_then(|b| wire::parse_request(&b).ok())
+    };
+    let mut native_only = false;
+    let req = match parsed {
+        Ok(r) => r,
+        Err(d) => match stand_in() {
+            Some(r) => {
+                native_only = true;
+                r
+            }
+            None => return error_response(&dialect_error(d)),
+        },
+    };
     let native_body = (!native_sources.is_empty())
         .then(|| serde_json::from_slice::<serde_json::Map<String, Value>>(&bytes).ok())
         .flatten();
-    drop(bytes);
     let store = client.response_store();
     let scope = served.scope.name.clone();
     let owner = owner_scope(&scope, key.map(|k| &**k));
@@ -181,10 +202,21 @@ async fn create_inner(
             query: query.map(str::to_string),
         })
     });
-    let mut t = match wire::to_chat(&req, &history) {
-        Ok(t) => t,
-        Err(e) => return error_response(&dialect_error(e)),
+    let (req, mut t) = match wire::to_chat(&req, &history) {
+        Ok(t) => (req, t),
+        Err(e) => {
+            let translated = stand_in().and_then(|r| wire::to_chat(&r, &[]).ok().map(|t| (r, t)));
+            match translated {
+                Some(x) if native.is_some() => {
+                    native_only = true;
+                    x
+                }
+                _ => return error_response(&dialect_error(e)),
+            }
+        }
     };
+    t.request.native_only = native_only;
+    drop(bytes);
     t.request.native = native;
     t.request.client_credential = crate::http::credential_for(client, headers, proxy);
     if passes_state {

@@ -743,3 +743,53 @@ async fn a_client_credential_is_forwarded_and_only_the_clients() {
         "the proxy's key never goes upstream"
     );
 }
+
+/// SPEC §23.2: what the chat translation cannot express (a PDF document block, an
+/// `input_file`, `background`) still reaches a native source as sent — only native
+/// sources are sent it; a scope without one refuses it as before, naming the field.
+#[tokio::test]
+async fn what_chat_cannot_express_still_passes_to_a_native_source() {
+    let pdf = json!({"type": "document", "source": {"type": "base64", "media_type": "application/pdf", "data": "JVBERi0xLjQK"}});
+    let messages_body = json!({"model": "llm", "max_tokens": 20,
+        "messages": [{"role": "user", "content": [pdf, {"type": "text", "text": "Summarize."}]}]});
+    let responses_body = json!({"model": "llm", "background": false,
+        "input": [{"role": "user", "content": [
+            {"type": "input_file", "filename": "a.pdf", "file_data": "data:application/pdf;base64,JVBERi0xLjQK"},
+            {"type": "input_text", "text": "Summarize."}]}]});
+    for (path, body, native) in [
+        ("/messages", &messages_body, true),
+        ("/responses", &responses_body, false),
+    ] {
+        let m = recording_mock(Behavior::text(&["A summary."])).await;
+        let chat = recording_mock(Behavior::text(&["never"])).await;
+        let src = if native {
+            messages_source("n", &m)
+        } else {
+            responses_source("n", &m)
+        };
+        // The chat source is preferred, yet it cannot be sent this request.
+        let s = messages_scope(vec![source("c", &chat), src.with_priority(1)], None).await;
+        let r = http()
+            .post(format!("{}{path}", s.v1()))
+            .bearer_auth("k")
+            .json(body)
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status(), 200, "{path}: {}", r.text().await.unwrap());
+        let mut want = body.clone();
+        want["model"] = json!("claude-n".replace("claude", if native { "claude" } else { "gpt" }));
+        assert_eq!(m.requests()[0].body, want, "{path}: as sent");
+        assert!(chat.requests().is_empty(), "{path}");
+        // Without a native source: the translation's refusal, as before.
+        let chat_only = messages_scope(vec![source("d", &chat)], None).await;
+        let r = http()
+            .post(format!("{}{path}", chat_only.v1()))
+            .bearer_auth("k")
+            .json(body)
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status(), 400, "{path}");
+    }
+}
