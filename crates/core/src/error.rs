@@ -260,8 +260,13 @@ pub struct AttemptError {
     pub excludes_source: bool,
 }
 
-/// The longest provider message kept in an error (bytes, cut at a char boundary).
-pub const MAX_PROVIDER_MESSAGE: usize = 512;
+/// The longest provider message kept in an error (bytes, cut at a char boundary): long
+/// enough that a rejection reaches the client in the provider's own words, which agents
+/// match on to recover (SPEC §23.2).
+pub const MAX_PROVIDER_MESSAGE: usize = 4096;
+
+/// The longest detail kept in an error (bytes, cut at a char boundary).
+pub const MAX_DETAIL: usize = 512;
 
 impl AttemptError {
     /// A new error of the given class and label.
@@ -273,7 +278,7 @@ impl AttemptError {
             retry_after: None,
             provider_code: None,
             provider_message: None,
-            detail: shorten(detail.into(), MAX_PROVIDER_MESSAGE),
+            detail: shorten(detail.into(), MAX_DETAIL),
             usage: None,
             usage_source: UsageSource::Unavailable,
             excludes_source: false,

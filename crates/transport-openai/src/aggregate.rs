@@ -1176,7 +1176,10 @@ pub fn error_body(body: &[u8]) -> Option<ProviderError> {
         return (!pe.is_empty()).then_some(pe);
     }
     Some(ProviderError {
-        message: Some(polygw_core::error::shorten(trimmed.to_string(), 512)),
+        message: Some(polygw_core::error::shorten(
+            trimmed.to_string(),
+            polygw_core::error::MAX_PROVIDER_MESSAGE,
+        )),
         ..ProviderError::default()
     })
 }

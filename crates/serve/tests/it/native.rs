@@ -223,9 +223,15 @@ async fn faults_before_the_first_content_event_fail_over() {
 /// that names no key.
 #[tokio::test]
 async fn content_rejections_pass_and_credential_failures_do_not() {
-    let wording = "prompt is too long: 210000 tokens > 200000 maximum";
+    // Anthropic's longest thinking rejection is ~450 bytes; this one is longer still.
+    let wording = format!(
+        "messages.1.content.0.type: Expected `thinking` or `redacted_thinking`, but found \
+         `tool_use`. When `thinking` is enabled, a final `assistant` message must start with a \
+         thinking block. {}",
+        "Please consult our documentation. ".repeat(30).trim_end()
+    );
     let m = recording_mock(Behavior {
-        error_message: Some(wording.into()),
+        error_message: Some(wording.clone()),
         ..Behavior::status(400)
     })
     .await;
@@ -235,7 +241,7 @@ async fn content_rejections_pass_and_credential_failures_do_not() {
     let v: Value = r.json().await.unwrap();
     assert_eq!(v["type"], "error");
     assert_eq!(v["error"]["type"], "invalid_request_error");
-    assert_eq!(v["error"]["message"], wording);
+    assert_eq!(v["error"]["message"], wording.as_str(), "every word of it");
 
     let m = recording_mock(Behavior::status(401)).await;
     let s = messages_scope(vec![messages_source("a", &m)], None).await;
