@@ -556,10 +556,14 @@ impl GatewayClient {
         sink: Option<Arc<dyn DeltaSink>>,
     ) -> Result<LlmResponse, GatewayError> {
         let engine = &self.engine;
+        // A native request is not answered from the response cache: its chat form does
+        // not hold every field a native source reads, so two different requests could
+        // share an entry (DECISIONS 172).
         let key = engine
             .scope
             .cache
             .ttl
+            .filter(|_| request.native.is_none())
             .map(|_| cache_key(&engine.scope.name, request));
         if let Some(k) = &key {
             match engine.ports.cache.get(k).await {
