@@ -450,6 +450,18 @@ impl Stream<'_> {
         self.ctx.guard.frames_sent += 1;
     }
 
+    /// The faults after the stop (its usage sent, the terminal event not yet): a reset,
+    /// or silence until the client leaves. Neither returns.
+    async fn after_finish_faults(&mut self) {
+        if self.b.fault == Some(Fault::ResetAfterFinish) {
+            self.reset(EndKind::ResetMidStream).await;
+        }
+        if self.b.fault == Some(Fault::HangAfterFinish) {
+            self.out.drained().await;
+            self.hang().await;
+        }
+    }
+
     /// Responses events.
     async fn responses_events(&mut self, evs: Vec<Value>) {
         for v in evs {
@@ -726,13 +738,7 @@ impl Stream<'_> {
             if with_usage {
                 self.ctx.guard.usage = Some(plan.usage);
             }
-            if self.b.fault == Some(Fault::ResetAfterFinish) {
-                return self.reset(EndKind::ResetMidStream).await;
-            }
-            if self.b.fault == Some(Fault::HangAfterFinish) {
-                self.out.drained().await;
-                return self.hang().await;
-            }
+            self.after_finish_faults().await;
             self.responses_events(terminal.into_iter().collect()).await;
             self.out.drained().await;
             self.ctx.guard.finish(EndKind::Completed);
@@ -743,13 +749,7 @@ impl Stream<'_> {
             if self.b.usage != UsageMode::None {
                 self.ctx.guard.usage = Some(plan.usage);
             }
-            if self.b.fault == Some(Fault::ResetAfterFinish) {
-                return self.reset(EndKind::ResetMidStream).await;
-            }
-            if self.b.fault == Some(Fault::HangAfterFinish) {
-                self.out.drained().await;
-                return self.hang().await;
-            }
+            self.after_finish_faults().await;
             self.event(&json!({"type": "message_stop"})).await;
             self.out.drained().await;
             self.ctx.guard.finish(EndKind::Completed);

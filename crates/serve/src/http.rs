@@ -407,6 +407,30 @@ pub fn sources_speaking(
         .collect()
 }
 
+/// A request body within `limit` whose JSON values polygw accepts, or the answer to
+/// give, rendered by the route (`render`: its API's error shape).
+pub async fn json_body(
+    st: &State,
+    headers: &HeaderMap,
+    body: Body,
+    ctx: &Option<Arc<ConnCtx>>,
+    limit: usize,
+    render: fn(&ApiError) -> axum::response::Response,
+) -> Result<Bytes, axum::response::Response> {
+    let bytes = match read_body_up_to(st, headers, body, ctx, limit).await {
+        Ok(b) => b,
+        Err(e) => {
+            let mut r = render(&e.error);
+            if e.close {
+                close_after(ctx, r.headers_mut());
+            }
+            return Err(r);
+        }
+    };
+    crate::openai::check_json_values(&bytes).map_err(|e| render(&e))?;
+    Ok(bytes)
+}
+
 /// The `model` a JSON body names, read without the API's other rules.
 pub fn model_in(raw: &[u8]) -> Option<String> {
     #[derive(serde::Deserialize)]

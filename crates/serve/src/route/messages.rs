@@ -215,19 +215,11 @@ pub async fn count_tokens(
     let ctx = conn.map(|Extension(c)| c);
     let proxy = proxy.map(|Extension(p)| p);
     let limit = st.cfg.max_body_bytes.max(MESSAGES_MAX_BODY_BYTES);
-    let bytes = match read_body_up_to(&st, &headers, body, &ctx, limit).await {
-        Ok(b) => b,
-        Err(e) => {
-            let mut r = anthropic_error(&e.error);
-            if e.close {
-                close_after(&ctx, r.headers_mut());
-            }
-            return r;
-        }
-    };
-    if let Err(e) = crate::openai::check_json_values(&bytes) {
-        return anthropic_error(&e);
-    }
+    let bytes =
+        match crate::http::json_body(&st, &headers, body, &ctx, limit, anthropic_error).await {
+            Ok(b) => b,
+            Err(r) => return r,
+        };
     let estimate = match wire::count_tokens(&bytes) {
         Ok(n) => n,
         Err(e) => return anthropic_error(&dialect_error(e)),

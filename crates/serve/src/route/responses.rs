@@ -352,19 +352,12 @@ pub async fn input_tokens(
 ) -> Response {
     let ctx = conn.map(|Extension(c)| c);
     let proxy = proxy.map(|Extension(p)| p);
-    let bytes = match read_body(&st, &headers, body, &ctx).await {
+    let limit = st.cfg.max_body_bytes;
+    let bytes = match crate::http::json_body(&st, &headers, body, &ctx, limit, error_response).await
+    {
         Ok(b) => b,
-        Err(e) => {
-            let mut r = error_response(&e.error);
-            if e.close {
-                close_after(&ctx, r.headers_mut());
-            }
-            return r;
-        }
+        Err(r) => return r,
     };
-    if let Err(e) = crate::openai::check_json_values(&bytes) {
-        return error_response(&e);
-    }
     let req = match wire::parse_request(&bytes) {
         Ok(r) => r,
         Err(e) => return error_response(&dialect_error(e)),
