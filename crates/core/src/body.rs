@@ -99,6 +99,13 @@ fn chat_fields(source: &SourceConfig, req: &ChatRequest) -> Map<String, Value> {
     }
     merge_patch(&mut body, &source.extra_body);
     body.insert("model".into(), json!(source.model));
+    if source.max_completion_tokens {
+        // The source takes the cap only as `max_completion_tokens` (SPEC §24.4): the
+        // caller's `max_tokens` is renamed, unless it also sent the other.
+        if let Some(m) = body.remove("max_tokens") {
+            body.entry("max_completion_tokens").or_insert(m);
+        }
+    }
     // An overlay or `EXTRA_BODY` cannot set the messages either.
     body.remove("messages");
     body.insert("stream".into(), json!(req.stream));
@@ -116,6 +123,34 @@ fn chat_fields(source: &SourceConfig, req: &ChatRequest) -> Map<String, Value> {
         body.remove("stream_options");
     }
     body
+}
+
+#[cfg(test)]
+mod max_tokens_field_tests {
+    use super::*;
+    use crate::request::ChatRequest;
+
+    /// SPEC §24.4: a source that takes `max_completion_tokens` only gets the cap under
+    /// that name, whether the caller set it as a field or in its overlay; a caller that
+    /// sent both keeps its `max_completion_tokens`.
+    #[test]
+    fn the_cap_is_renamed_for_a_source_that_needs_it() {
+        let mut src = SourceConfig::new("p", 0, "http://h/v1", "k", "o3");
+        let req = ChatRequest::user("hi").with_max_tokens(100);
+        assert_eq!(chat_body(&src, &req)["max_tokens"], 100);
+        src.max_completion_tokens = true;
+        let b = chat_body(&src, &req);
+        assert_eq!(b["max_completion_tokens"], 100);
+        assert!(b.get("max_tokens").is_none());
+        let both = req.with_overlay("max_completion_tokens", json!(50));
+        let b = chat_body(&src, &both);
+        assert_eq!(
+            (b["max_completion_tokens"].clone(), b.get("max_tokens")),
+            (json!(50), None)
+        );
+        let bytes: Value = serde_json::from_slice(&chat_body_bytes(&src, &both)).unwrap();
+        assert_eq!(bytes, chat_body(&src, &both));
+    }
 }
 
 /// The `/embeddings` body.

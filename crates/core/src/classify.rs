@@ -286,6 +286,22 @@ pub fn classify(failure: Failure) -> AttemptError {
     }
 }
 
+/// Whether a rejection says the source takes the output cap only as
+/// `max_completion_tokens` (OpenAI's reasoning models: "Unsupported parameter:
+/// 'max_tokens' is not supported with this model. Use 'max_completion_tokens'
+/// instead.": SPEC §24.4).
+pub fn wants_max_completion_tokens(e: &AttemptError) -> bool {
+    if e.class != ErrorClass::Rejected {
+        return false;
+    }
+    let text = format!(
+        "{} {}",
+        e.provider_message.as_deref().unwrap_or(""),
+        e.detail
+    );
+    text.contains("max_tokens") && text.contains("max_completion_tokens")
+}
+
 /// Whether a rejection says the prompt is longer than the model's context window
 /// (SPEC §14.9), by the provider's code or message.
 pub fn is_context_length(e: &AttemptError) -> bool {
@@ -439,6 +455,27 @@ mod tests {
             assert_eq!(http(s).class, C::Dead);
             assert!(http(s).class.consumes_budget());
         }
+    }
+
+    /// SPEC §24.4: OpenAI's refusal of `max_tokens` is recognized; other rejections are not.
+    #[test]
+    fn a_max_tokens_refusal_is_recognized() {
+        let rej = |msg: &str| {
+            AttemptError::new(ErrorClass::Rejected, ErrorLabel::Rejected, "HTTP 400")
+                .with_provider(Some("unsupported_parameter".into()), Some(msg.into()))
+        };
+        assert!(wants_max_completion_tokens(&rej(
+            "Unsupported parameter: 'max_tokens' is not supported with this model. Use 'max_completion_tokens' instead."
+        )));
+        assert!(!wants_max_completion_tokens(&rej(
+            "max_tokens: must be at least 1"
+        )));
+        let transient = AttemptError::new(
+            ErrorClass::Transient,
+            ErrorLabel::ServerError,
+            "max_tokens max_completion_tokens",
+        );
+        assert!(!wants_max_completion_tokens(&transient));
     }
 
     /// SPEC §23.4: Anthropic's error types classify as the spec says.

@@ -82,6 +82,9 @@ pub struct SourceConfig {
     /// How the source authenticates (`AUTH`; `None` = the API's own way: a bearer token
     /// for `chat`, `x-api-key` for `messages`).
     pub auth: Option<SourceAuth>,
+    /// The source takes the output cap only as `max_completion_tokens`
+    /// (`MAX_TOKENS_FIELD=max_completion_tokens`, or learned from its 400: SPEC §24.4).
+    pub max_completion_tokens: bool,
 }
 
 /// The API a source speaks (`{S}__{P}__{i}__API`, SPEC §23.1).
@@ -231,6 +234,7 @@ impl SourceConfig {
             context_window: None,
             api: SourceApi::Chat,
             auth: None,
+            max_completion_tokens: false,
         }
     }
 
@@ -423,6 +427,7 @@ impl std::fmt::Debug for SourceConfig {
             .field("context_window", &self.context_window)
             .field("api", &self.api)
             .field("auth", &self.auth)
+            .field("max_completion_tokens", &self.max_completion_tokens)
             .finish()
     }
 }

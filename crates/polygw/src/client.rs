@@ -110,14 +110,9 @@ struct ChatLeg<'r> {
     request: &'r ChatRequest,
 }
 
-impl Leg for ChatLeg<'_> {
-    type Output = TransportResult;
-
-    fn stream(&self) -> bool {
-        self.request.stream
-    }
-
-    fn call<'a>(
+impl<'r> ChatLeg<'r> {
+    /// Sends the attempt to `source` as given.
+    fn send<'a>(
         &'a self,
         engine: &'a Engine,
         source: &'a SourceConfig,
@@ -159,6 +154,48 @@ impl Leg for ChatLeg<'_> {
                 observer,
             }),
         }
+    }
+}
+
+impl Leg for ChatLeg<'_> {
+    type Output = TransportResult;
+
+    fn stream(&self) -> bool {
+        self.request.stream
+    }
+
+    fn call<'a>(
+        &'a self,
+        engine: &'a Engine,
+        source: &'a SourceConfig,
+        call_id: &'a str,
+        observer: &'a dyn ChunkObserver,
+        kind: &'a LegKind,
+    ) -> BoxFuture<'a, Result<TransportResult, AttemptError>> {
+        async move {
+            // What the process learned about the source (SPEC §24.4).
+            let learned = engine.learned_source(source);
+            let src = learned.as_ref().unwrap_or(source);
+            let r = self.send(engine, src, call_id, observer, kind).await;
+            match r {
+                // The source takes the cap only as `max_completion_tokens`: learned,
+                // and the request sent again at once — not a failure of the call.
+                Err(e)
+                    if src.api == polygw_core::source::SourceApi::Chat
+                        && !src.max_completion_tokens
+                        && polygw_core::classify::wants_max_completion_tokens(&e) =>
+                {
+                    engine.mark_max_completion_tokens(source);
+                    let again = SourceConfig {
+                        max_completion_tokens: true,
+                        ..src.clone()
+                    };
+                    self.send(engine, &again, call_id, observer, kind).await
+                }
+                r => r,
+            }
+        }
+        .boxed()
     }
 
     fn estimate_prompt_tokens(&self) -> u64 {

@@ -36,7 +36,7 @@ pub const RESERVED_SEGMENTS: [&str; 15] = [
 ];
 
 /// The FIELDs a source accepts.
-pub const SOURCE_FIELDS: [&str; 24] = [
+pub const SOURCE_FIELDS: [&str; 25] = [
     "BASE_URL",
     "API_KEY",
     "MODEL",
@@ -61,6 +61,7 @@ pub const SOURCE_FIELDS: [&str; 24] = [
     "CONTEXT_WINDOW",
     "API",
     "AUTH",
+    "MAX_TOKENS_FIELD",
 ];
 
 /// Scope keys: (group or "" for two-segment keys, field).
@@ -445,6 +446,16 @@ fn build_source(
     }
     if let Some((k, v)) = get("AUTH") {
         run(parse_auth(k, v).map(|x| src.auth = x));
+    }
+    if let Some((k, v)) = get("MAX_TOKENS_FIELD") {
+        run(match v.trim().to_ascii_lowercase().as_str() {
+            "" | "max_tokens" => Ok(()),
+            "max_completion_tokens" => {
+                src.max_completion_tokens = true;
+                Ok(())
+            }
+            _ => Err(invalid(k, v, "max_tokens or max_completion_tokens")),
+        });
     }
     url_ok.then_some(src)
 }

@@ -1,9 +1,12 @@
 //! What the process has learned about its sources: a source that refused an assistant
-//! prefill is not prefill-capable for the rest of the process (SPEC §13.2), whichever
+//! prefill is not prefill-capable for the rest of the process (SPEC §13.2), and one
+//! that refused `max_tokens` gets `max_completion_tokens` (SPEC §24.4), whichever
 //! client of its scope learned it. One warning per source.
 
 use std::collections::HashSet;
 use std::sync::{Mutex, OnceLock};
+
+use polygw_core::SourceConfig;
 
 use super::Engine;
 
@@ -15,15 +18,57 @@ fn refused() -> &'static Mutex<HashSet<Key>> {
     REFUSED.get_or_init(|| Mutex::new(HashSet::new()))
 }
 
+/// (scope, source name, base URL, model) of sources that take the output cap only as
+/// `max_completion_tokens`.
+fn completion_cap() -> &'static Mutex<HashSet<Key>> {
+    static LEARNED: OnceLock<Mutex<HashSet<Key>>> = OnceLock::new();
+    LEARNED.get_or_init(|| Mutex::new(HashSet::new()))
+}
+
 impl Engine {
     fn capability_key(&self, source: usize) -> Key {
-        let s = &self.scope.sources[source];
+        self.key_of(&self.scope.sources[source])
+    }
+
+    fn key_of(&self, s: &SourceConfig) -> Key {
         (
             self.scope.name.clone(),
             s.name.clone(),
             s.base_url.clone(),
             s.model.clone(),
         )
+    }
+
+    /// The source as an attempt sends to it: with `max_completion_tokens` when the
+    /// process learned it takes the cap only so (`None`: as configured).
+    pub(crate) fn learned_source(&self, s: &SourceConfig) -> Option<SourceConfig> {
+        if s.max_completion_tokens {
+            return None;
+        }
+        let learned = completion_cap()
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .contains(&self.key_of(s));
+        learned.then(|| SourceConfig {
+            max_completion_tokens: true,
+            ..s.clone()
+        })
+    }
+
+    /// The source refused `max_tokens`: it gets `max_completion_tokens` from now on.
+    pub(crate) fn mark_max_completion_tokens(&self, s: &SourceConfig) {
+        let newly = completion_cap()
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert(self.key_of(s));
+        if newly {
+            tracing::warn!(
+                scope = %self.scope.name,
+                source = %s.name,
+                model = %s.model,
+                "the source refused max_tokens: the cap is sent as max_completion_tokens for the rest of the process (set MAX_TOKENS_FIELD=max_completion_tokens to say so up front)"
+            );
+        }
     }
 
     /// The source accepts an assistant prefill: configured (`PREFILL`) and not

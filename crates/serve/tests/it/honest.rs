@@ -536,3 +536,78 @@ async fn a_529_has_a_reason_phrase_and_the_retry_headers() {
     assert!(r.header("retry-after").is_some(), "{}", r.head);
     assert_eq!(r.header("x-should-retry").as_deref(), Some("false"));
 }
+
+/// SPEC §24.4: a source that refuses `max_tokens` (OpenAI's reasoning models) is
+/// learned from its first 400: the request goes again at once with
+/// `max_completion_tokens`, the client sees only the answer, and later calls send the
+/// cap under that name from the start; `MAX_TOKENS_FIELD` says so up front.
+#[tokio::test]
+async fn a_source_that_refuses_max_tokens_is_learned_and_served() {
+    let m = polygw_mock_upstream::MockUpstream::start(polygw_mock_upstream::MockConfig {
+        record_bodies: true,
+        ..polygw_mock_upstream::MockConfig::default()
+    })
+    .await
+    .unwrap();
+    m.set_default(Behavior::text(&["fine"]));
+    m.push_script(Behavior {
+        error_code: Some("unsupported_parameter".into()),
+        error_message: Some(
+            "Unsupported parameter: 'max_tokens' is not supported with this model. Use \
+             'max_completion_tokens' instead."
+                .into(),
+        ),
+        ..Behavior::status(400)
+    });
+    // A source name of its own: what is learned is kept per process.
+    let src = polygw::SourceConfig::new("reasoner", 0, m.base_url(), UPSTREAM_KEY, "o-model");
+    let scope = scope_with("LLM", ScopeKind::Chat, vec![src], None, |_| {}).await;
+    let s = serve(vec![scope]).await;
+    let body =
+        json!({"model": "llm", "max_tokens": 64, "messages": [{"role": "user", "content": "hi"}]});
+    for _ in 0..2 {
+        let r = post_json(&s, "/chat/completions", body.clone()).await;
+        assert_eq!(r.status(), 200);
+        let v: Value = r.json().await.unwrap();
+        assert_eq!(v["choices"][0]["message"]["content"], "fine");
+    }
+    let log = m.requests();
+    assert_eq!(log.len(), 3, "one refusal, then the two calls: {log:#?}");
+    assert_eq!(log[0].body["max_tokens"], 64);
+    for r in &log[1..] {
+        assert_eq!(r.body["max_completion_tokens"], 64, "{:#}", r.body);
+        assert!(r.body.get("max_tokens").is_none());
+    }
+
+    // Said up front: the first request has it already.
+    let m2 = polygw_mock_upstream::MockUpstream::start(polygw_mock_upstream::MockConfig {
+        record_bodies: true,
+        ..polygw_mock_upstream::MockConfig::default()
+    })
+    .await
+    .unwrap();
+    m2.set_default(Behavior::text(&["fine"]));
+    let vars = [
+        ("LLM__R__0__BASE_URL", m2.base_url()),
+        ("LLM__R__0__API_KEY", UPSTREAM_KEY.to_string()),
+        ("LLM__R__0__MODEL", "o-model".to_string()),
+        (
+            "LLM__R__0__MAX_TOKENS_FIELD",
+            "max_completion_tokens".to_string(),
+        ),
+    ];
+    let loaded = polygw::core::config::load_scope(vars, "LLM", ScopeKind::Chat).unwrap();
+    assert!(loaded.settings.sources[0].max_completion_tokens);
+    let scope = polygw_serve::Scope::of_kind(
+        ScopeKind::Chat,
+        polygw::GatewayClient::builder(loaded.settings)
+            .build_all()
+            .await
+            .unwrap(),
+    )
+    .unwrap();
+    let s2 = serve(vec![scope]).await;
+    let r = post_json(&s2, "/chat/completions", body).await;
+    assert_eq!(r.status(), 200);
+    assert_eq!(m2.requests()[0].body["max_completion_tokens"], 64);
+}
