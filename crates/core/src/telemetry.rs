@@ -428,6 +428,24 @@ pub fn cache_saving(t: &BilledTokens, p: &TokenPrices) -> Option<f64> {
     Some((cached + write + write_1h) / 1e6)
 }
 
+/// What an attempt's row charges to its client key (SPEC §24.2): its cost; for a failed
+/// attempt no provider billed — a connect failure, or an error status answered before
+/// any body — 0, not the unknown cost that settles at the reservation (a key's budget
+/// does not burn in an outage).
+pub fn key_cost(row: &TelemetryRow) -> Option<f64> {
+    if row.cost.is_some() || row.ok {
+        return row.cost;
+    }
+    let label = row
+        .error
+        .as_deref()
+        .and_then(|e| ErrorLabel::ALL.iter().copied().find(|l| l.as_str() == e));
+    match label {
+        Some(l) if !may_be_billed(l, row.http_status) => Some(0.0),
+        _ => None,
+    }
+}
+
 /// Whether a failed attempt may have been billed by its provider (SPEC §20.4): its
 /// request was sent (anything but `connect`, which means no connection was made) and not
 /// answered with an error status (an error answer is not billed; a 2xx, or no answer
@@ -598,6 +616,33 @@ pub const ACCOUNTING_GAP_SQL: &str =
 
 #[cfg(test)]
 mod tests {
+
+    /// SPEC §24.2: a connect failure or an error status costs the key 0; a failure that
+    /// may have been billed (a timeout, a 200 that broke) stays unknown; a cost is kept.
+    #[test]
+    fn what_no_one_billed_costs_the_key_nothing() {
+        let failed = |label: ErrorLabel, status: Option<u16>| {
+            let mut r = TelemetryRow::new(RowKind::Attempt, "c", "l", "S", "chat", 0);
+            r.ok = false;
+            r.error = Some(label.as_str().to_string());
+            r.http_status = status;
+            r
+        };
+        assert_eq!(key_cost(&failed(ErrorLabel::Connect, None)), Some(0.0));
+        assert_eq!(
+            key_cost(&failed(ErrorLabel::Rejected, Some(400))),
+            Some(0.0)
+        );
+        assert_eq!(
+            key_cost(&failed(ErrorLabel::ServerError, Some(503))),
+            Some(0.0)
+        );
+        assert_eq!(key_cost(&failed(ErrorLabel::Timeout, None)), None);
+        assert_eq!(key_cost(&failed(ErrorLabel::Truncated, Some(200))), None);
+        let mut priced = failed(ErrorLabel::Truncated, Some(200));
+        priced.cost = Some(0.5);
+        assert_eq!(key_cost(&priced), Some(0.5));
+    }
     use super::*;
     use proptest::prelude::*;
 

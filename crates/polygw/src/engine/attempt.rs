@@ -519,7 +519,8 @@ impl AttemptGuard {
         }
         if let Some(mut d) = self.decided.take() {
             self.count(d.row.error.as_deref().unwrap_or("ok"), ttft);
-            self.call.charge(d.tokens, d.row.cost);
+            self.call
+                .charge(d.tokens, polygw_core::telemetry::key_cost(&d.row));
             if self.winner && engine.ports.telemetry.keeps_rows() {
                 d.row.trace = Some(self.call.trace_json());
             }

@@ -417,3 +417,48 @@ async fn messages_refusals_of_the_guard_are_in_anthropics_shape() {
         (401, Some("invalid_api_key"))
     );
 }
+
+/// SPEC §24.2: what no provider billed costs the key nothing — calls the upstream
+/// answered 400, 503 or 429 (an error status before any body) leave the key's spend at
+/// 0, where each used to settle at its whole reservation.
+#[tokio::test]
+async fn error_answers_leave_the_budget_untouched() {
+    for status in [400u16, 503, 429] {
+        let m = mock(Behavior::status(status)).await;
+        let store = Arc::new(Keys::default());
+        store
+            .create(key(
+                7,
+                KeyLimits {
+                    budget_day_nanos: Some(1_000_000_000),
+                    ..KeyLimits::default()
+                },
+            ))
+            .await
+            .unwrap();
+        let rows = RecordingTelemetry::new();
+        let (s, _) = proxy_with(store, rows.clone(), &m).await;
+        let (st, body, _) = call(&s, &secret(7), "llm").await;
+        assert!(st >= 400, "{status}: {st} {body}");
+        let polygw_serve::ScopeClient::Chat(c) = &s.proxy.scopes().next().unwrap().client else {
+            panic!("chat")
+        };
+        let mut usage = c.key_usage("key_7").await.unwrap();
+        for _ in 0..200 {
+            if usage.reserved_nanos == 0 {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+            usage = c.key_usage("key_7").await.unwrap();
+        }
+        assert_eq!(usage.reserved_nanos, 0, "{status}");
+        assert_eq!(
+            usage.day_nanos, 0,
+            "{status}: nothing billed, nothing charged"
+        );
+        assert!(
+            !m.requests().is_empty(),
+            "{status}: the upstream was called"
+        );
+    }
+}
