@@ -132,6 +132,39 @@ fn decode(r: Raw) -> Result<ClientKey, TelemetryError> {
     })
 }
 
+/// [`decode`], or — for a row that cannot be read — the key denied: revoked (as of its
+/// last update), with no scope and no model, so that one bad row neither stops every
+/// later reload (revocations would stop applying) nor lets its key in (SPEC §24.2).
+fn decode_or_deny(r: Raw) -> ClientKey {
+    let (id, name, hash, prefix, created, updated, revoked) = (
+        r.0.clone(),
+        r.1.clone(),
+        r.2.clone(),
+        r.3.clone(),
+        r.11,
+        r.12,
+        r.13,
+    );
+    match decode(r) {
+        Ok(k) => k,
+        Err(e) => {
+            tracing::warn!(key = %id, error = %e, "a client key row cannot be read: the key is denied");
+            ClientKey {
+                id,
+                name,
+                hash,
+                prefix,
+                scopes: Vec::new(),
+                models: Vec::new(),
+                limits: KeyLimits::default(),
+                created_at_ms: created,
+                updated_at_ms: updated,
+                revoked_at_ms: Some(revoked.unwrap_or(updated)),
+            }
+        }
+    }
+}
+
 fn as_i64(v: u64) -> i64 {
     i64::try_from(v).unwrap_or(i64::MAX)
 }
@@ -311,7 +344,7 @@ impl ClientKeyStore for SqlKeyStore {
                 }
             })
             .await?;
-        rows.into_iter().map(decode).collect()
+        Ok(rows.into_iter().map(decode_or_deny).collect())
     }
 
     async fn find(&self, id_or_name: &str) -> Result<Option<ClientKey>, TelemetryError> {
@@ -341,5 +374,42 @@ impl ClientKeyStore for SqlKeyStore {
         let mut keys: Vec<ClientKey> = rows.into_iter().map(decode).collect::<Result<_, _>>()?;
         keys.sort_by_key(|k| k.id != id_or_name);
         Ok(keys.into_iter().next())
+    }
+}
+
+#[cfg(test)]
+mod deny_tests {
+    use super::*;
+
+    /// SPEC §24.2: a row whose scopes are not JSON, or whose limit is negative, is
+    /// denied (revoked, no scope), and reading it does not fail.
+    #[test]
+    fn a_row_that_cannot_be_read_is_denied() {
+        let raw = |scopes: &str, rpm: i64| -> Raw {
+            (
+                "key_1".into(),
+                "app".into(),
+                "h".into(),
+                "pgw-ab".into(),
+                scopes.into(),
+                "[]".into(),
+                rpm,
+                0,
+                0,
+                None,
+                None,
+                1,
+                2,
+                None,
+            )
+        };
+        let ok = decode_or_deny(raw(r#"["LLM"]"#, 5));
+        assert_eq!((ok.scopes.len(), ok.revoked_at_ms), (1, None));
+        for bad in [raw("not json", 5), raw("[]", -1)] {
+            let k = decode_or_deny(bad);
+            assert_eq!(k.revoked_at_ms, Some(2), "denied as of its last update");
+            assert!(k.scopes.is_empty());
+            assert_eq!(k.id, "key_1");
+        }
     }
 }

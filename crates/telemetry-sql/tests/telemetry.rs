@@ -2876,6 +2876,43 @@ mod client_keys {
             s.close().await;
         }
     }
+
+    /// SPEC §24.2: a row that cannot be read (its scopes are no JSON) is denied, and the
+    /// other keys keep loading — revocations keep applying.
+    #[tokio::test]
+    async fn a_row_that_cannot_be_read_is_denied_and_the_rest_load() {
+        for db in TestDb::all().await {
+            let s = SqlKeyStore::connect(db.url(), Duration::from_secs(10))
+                .await
+                .unwrap();
+            let good = key("key_good", "good", "hg");
+            s.create(good.clone()).await.unwrap();
+            s.create(key("key_bad", "bad", "hb")).await.unwrap();
+            let sql = "UPDATE polygw_client_keys SET scopes = 'not json' WHERE id = 'key_bad'";
+            if db.url().starts_with("sqlite") {
+                let mut c = <sqlx::SqliteConnection as sqlx::Connection>::connect(db.url())
+                    .await
+                    .unwrap();
+                sqlx::query(sql).execute(&mut c).await.unwrap();
+            } else {
+                let mut c = <sqlx::PgConnection as sqlx::Connection>::connect(db.url())
+                    .await
+                    .unwrap();
+                sqlx::query(sql).execute(&mut c).await.unwrap();
+            }
+            let keys = s.list().await.unwrap();
+            assert_eq!(keys.len(), 2, "{}", db.name());
+            let find = |id: &str| keys.iter().find(|k| k.id == id).unwrap();
+            assert_eq!(find("key_good"), &good);
+            let bad = find("key_bad");
+            assert!(
+                bad.revoked_at_ms.is_some() && bad.scopes.is_empty(),
+                "{}",
+                db.name()
+            );
+            s.close().await;
+        }
+    }
 }
 
 /// What `polygw report` reads besides the rows (SPEC §19.4, §21.1): one logical call's
