@@ -2621,7 +2621,7 @@ async fn one_call(client: &GatewayClient, seed: u64, idx: usize, keys: &KeyCtx) 
     let key = keys::pick(seed, idx).map(|k| {
         let r = polygw::core::key_quota::key_reservation(
             polygw::core::resume::estimate_prompt_tokens(&req),
-            req.max_tokens,
+            req.output_cap(),
             &keys.sources,
             keys.scope_tpm,
         );

@@ -201,12 +201,13 @@ impl ScopePrices {
     }
 }
 
-/// The output a call may produce: the request's `max_tokens`, else the highest reservation
-/// of the scope's sources (`effective_est_tokens()`: `EST_TOKENS`, or one second of the
-/// tightest TPM), else 0.
-pub fn output_estimate(max_tokens: Option<u32>, sources: &[SourceConfig], scope_tpm: u64) -> u64 {
+/// The output a call may produce: the request's cap ([`crate::ChatRequest::output_cap`]:
+/// any of its cap fields, times `n`), else the highest reservation of the scope's
+/// sources (`effective_est_tokens()`: `EST_TOKENS`, or one second of the tightest TPM),
+/// else 0.
+pub fn output_estimate(max_tokens: Option<u64>, sources: &[SourceConfig], scope_tpm: u64) -> u64 {
     match max_tokens {
-        Some(m) => u64::from(m),
+        Some(m) => m,
         None => sources
             .iter()
             .map(|s| effective_est_tokens(s.est_tokens, s.tpm, scope_tpm))
@@ -246,7 +247,7 @@ impl KeyReservation {
 /// [`output_estimate`], priced at the highest prices of the scope's `sources`.
 pub fn key_reservation(
     prompt_tokens: u64,
-    max_tokens: Option<u32>,
+    max_tokens: Option<u64>,
     sources: &[SourceConfig],
     scope_tpm: u64,
 ) -> KeyReservation {

@@ -202,6 +202,35 @@ impl ChatRequest {
         }
     }
 
+    /// The most output the request can make (SPEC §24.1): its cap — `max_tokens`, or in
+    /// its overlay `max_completion_tokens` / `max_tokens`, or in its native body
+    /// `max_tokens` / `max_output_tokens` / `max_completion_tokens`, the largest —
+    /// times its `n` choices; `None` when it sets no cap.
+    pub fn output_cap(&self) -> Option<u64> {
+        let fields = ["max_tokens", "max_completion_tokens", "max_output_tokens"];
+        let from = |m: Option<&Map<String, Value>>| {
+            m.into_iter()
+                .flat_map(|m| fields.iter().filter_map(move |f| m.get(*f)?.as_u64()))
+                .max()
+        };
+        let cap = [
+            self.max_tokens.map(u64::from),
+            from(self.overlay.as_ref()),
+            from(self.native.as_deref().map(|n| &n.body)),
+        ]
+        .into_iter()
+        .flatten()
+        .max()?;
+        let n = self
+            .overlay
+            .as_ref()
+            .and_then(|o| o.get("n"))
+            .and_then(Value::as_u64)
+            .unwrap_or(1)
+            .max(1);
+        Some(cap.saturating_mul(n))
+    }
+
     /// Checks what no upstream could accept, naming the field.
     pub fn validate(&self) -> Result<(), (String, String)> {
         if self.messages.is_empty() {
@@ -231,6 +260,31 @@ impl ChatRequest {
 
 #[cfg(test)]
 mod tests {
+    /// SPEC §24.1: every cap field counts, the largest wins, times `n`.
+    #[test]
+    fn the_output_cap_reads_every_field_and_n() {
+        use super::ChatRequest;
+        use serde_json::json;
+        assert_eq!(ChatRequest::user("x").output_cap(), None);
+        assert_eq!(
+            ChatRequest::user("x").with_max_tokens(10).output_cap(),
+            Some(10)
+        );
+        let r = ChatRequest::user("x").with_overlay("max_completion_tokens", json!(300));
+        assert_eq!(r.output_cap(), Some(300));
+        let r = r.with_overlay("n", json!(3));
+        assert_eq!(r.output_cap(), Some(900));
+        let mut r = ChatRequest::user("x");
+        r.native = Some(std::sync::Arc::new(crate::native::NativeRequest {
+            body: json!({"max_output_tokens": 4000})
+                .as_object()
+                .unwrap()
+                .clone(),
+            ..Default::default()
+        }));
+        assert_eq!(r.output_cap(), Some(4000));
+    }
+
     /// Issue 22, item 17: an assistant message's `"content": null` reaches the upstream
     /// as sent; an absent content stays absent.
     #[test]

@@ -361,7 +361,7 @@ impl GatewayClient {
             .admit_key(
                 key,
                 polygw_core::resume::estimate_prompt_tokens(request),
-                request.max_tokens,
+                request.output_cap(),
             )
             .await
     }

@@ -154,12 +154,12 @@ impl Engine {
     }
 
     /// Admits a call against a client key (see `GatewayClient::admit_key`): its prompt
-    /// estimate and `max_tokens` give the reservation, at this scope's highest prices.
+    /// estimate and output cap give the reservation, at this scope's highest prices.
     pub(crate) async fn admit_key(
         &self,
         key: &polygw_core::client_key::ClientKey,
         prompt_tokens: u64,
-        max_tokens: Option<u32>,
+        max_tokens: Option<u64>,
     ) -> Result<Arc<crate::client_keys::KeyCharge>, crate::client_keys::KeyAdmitError> {
         use crate::client_keys::KeyAdmitError;
         use polygw_core::ports::{KeyAcquire, KeyAdmission};

@@ -462,3 +462,49 @@ async fn error_answers_leave_the_budget_untouched() {
         );
     }
 }
+
+/// SPEC §24.1: a call reserves its output cap from whichever field carries it —
+/// `max_completion_tokens`, `max_output_tokens`, `max_tokens` — times `n`: a budget
+/// that pays a small cap refuses a call whose cap it could not pay, however the cap is
+/// spelled.
+#[tokio::test]
+async fn every_cap_field_is_reserved() {
+    let m = mock(Behavior::text(&["ok"])).await;
+    let store = Arc::new(Keys::default());
+    // 1.0 per 1M tokens: a token costs 1 000 nanos; the budget pays 1 000 tokens.
+    store
+        .create(key(
+            8,
+            KeyLimits {
+                budget_day_nanos: Some(1_000_000),
+                ..KeyLimits::default()
+            },
+        ))
+        .await
+        .unwrap();
+    let (s, _) = proxy_with(store, RecordingTelemetry::new(), &m).await;
+    let send = |extra: Value| {
+        let mut body = json!({"model": "llm", "messages": [{"role": "user", "content": "hi"}]});
+        body.as_object_mut()
+            .unwrap()
+            .extend(extra.as_object().unwrap().clone());
+        http()
+            .post(format!("{}/chat/completions", s.v1()))
+            .bearer_auth(secret(8))
+            .json(&body)
+            .send()
+    };
+    assert_eq!(
+        send(json!({"max_tokens": 100})).await.unwrap().status(),
+        200
+    );
+    for too_much in [
+        json!({"max_completion_tokens": 1_000_000}),
+        json!({"max_tokens": 100, "n": 20}),
+    ] {
+        let r = send(too_much.clone()).await.unwrap();
+        assert_eq!(r.status(), 429, "{too_much}");
+        let v: Value = r.json().await.unwrap();
+        assert_eq!(v["error"]["code"], "key_budget_day", "{too_much}: {v}");
+    }
+}
