@@ -1806,8 +1806,9 @@ mod checks {
 
     /// Client keys (SPEC §21.1; docs/CHAOS.md, invariant 11): every row carries its call's
     /// key; per key, after the run, nothing in flight or reserved, the settled spend equal
-    /// to what its calls' rows settle at (`settlement_nanos`: the sum of their costs, at
-    /// least the reservation when one is unknown), at most one reservation over the
+    /// to what its calls' rows settle at (`settlement_nanos` of their `key_cost`s: the
+    /// sum of their costs, an attempt no provider billed at 0 (SPEC §24.2), at least the
+    /// reservation when one is unknown), at most one reservation over the
     /// budget, refusals only for the key's own limits and with the reservation admission
     /// computes, no 60 s window with more admissions than its RPM (by the callers'
     /// records and by the upstreams' logs), never more calls open at once than its
@@ -1915,7 +1916,10 @@ mod checks {
                 let rows = by_call.get(c.lid.as_str()).unwrap_or(&empty);
                 let att: Vec<&&TelemetryRow> =
                     rows.iter().filter(|r| r.kind == RowKind::Attempt).collect();
-                let n = settlement_nanos(k.reserve_nanos, att.iter().map(|r| r.cost));
+                let n = settlement_nanos(
+                    k.reserve_nanos,
+                    att.iter().map(|r| polygw::core::telemetry::key_cost(r)),
+                );
                 expected += n;
                 if n > k.reserve_nanos {
                     above_reserve += 1;

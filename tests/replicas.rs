@@ -711,7 +711,10 @@ async fn reconcile_key(
     // Per call (its rows: one attempt each here), what the governance settles.
     let mut calls: BTreeMap<&str, Vec<Option<f64>>> = BTreeMap::new();
     for r in rows.values() {
-        calls.entry(&r.logical_call_id).or_default().push(r.cost);
+        calls
+            .entry(&r.logical_call_id)
+            .or_default()
+            .push(polygw::core::telemetry::key_cost(r));
     }
     let mut spend_nanos = 0u64;
     for (lid, costs) in &calls {

@@ -302,14 +302,15 @@ pub fn ensure_request_id(h: &mut HeaderMap, id: &str) {
     }
 }
 
-/// The upstream headers of the committed attempt (SPEC §17.4): its `x-request-id` as
-/// `x-polygw-upstream-request-id`, `x-ratelimit-*` unchanged.
+/// The upstream headers of the committed attempt (SPEC §17.4, §23.2): its
+/// `x-request-id` (or Anthropic's `request-id`) as `x-polygw-upstream-request-id`,
+/// `x-ratelimit-*` and `anthropic-ratelimit-*` unchanged.
 pub fn upstream_headers(h: &mut HeaderMap, passed: &[(String, String)]) {
     for (n, v) in passed {
         let Ok(value) = HeaderValue::from_str(v) else {
             continue;
         };
-        if n == "x-request-id" {
+        if n == "x-request-id" || n == "request-id" {
             h.insert(names::X_UPSTREAM_REQUEST_ID, value);
         } else if let Ok(name) = HeaderName::from_bytes(n.as_bytes()) {
             h.insert(name, value);

@@ -401,9 +401,14 @@ pub trait ChunkObserver: Send + Sync {
 /// §17.4): the upstream's `x-request-id`, and the `x-ratelimit-*` family.
 pub fn passed_header(name: &str) -> bool {
     name.eq_ignore_ascii_case("x-request-id")
+        // Anthropic's request id, and its rate-limit headers (SPEC §23.2).
+        || name.eq_ignore_ascii_case("request-id")
         || name
             .get(..12)
             .is_some_and(|p| p.eq_ignore_ascii_case("x-ratelimit-"))
+        || name
+            .get(..20)
+            .is_some_and(|p| p.eq_ignore_ascii_case("anthropic-ratelimit-"))
 }
 
 /// The passed headers of a response, in order (at most 32, values at most 256 bytes:

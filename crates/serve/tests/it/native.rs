@@ -799,3 +799,41 @@ async fn what_chat_cannot_express_still_passes_to_a_native_source() {
         assert_eq!(r.status(), 400, "{path}");
     }
 }
+
+/// SPEC §23.2: a `messages` source's `request-id` reaches the client as
+/// `x-polygw-upstream-request-id` (the client's `request-id` stays polygw's), its
+/// `anthropic-ratelimit-*` headers pass, its organization id does not.
+#[tokio::test]
+async fn a_messages_sources_headers_pass_as_the_spec_says() {
+    let headers: std::collections::BTreeMap<String, String> = [
+        ("request-id", "req_upstream_1"),
+        ("anthropic-ratelimit-requests-remaining", "42"),
+        ("anthropic-organization-id", "org-secret"),
+    ]
+    .into_iter()
+    .map(|(k, v)| (k.to_string(), v.to_string()))
+    .collect();
+    for stream in [false, true] {
+        let m = recording_mock(Behavior {
+            headers: headers.clone(),
+            ..Behavior::text(&["Hi"])
+        })
+        .await;
+        let s = messages_scope(vec![messages_source(&format!("h{stream}"), &m)], None).await;
+        let mut body = claude_code_body(stream);
+        body["tools"] = json!([]);
+        let r = post_messages(&s, &body).await;
+        assert_eq!(r.status(), 200);
+        let h = r.headers();
+        assert_eq!(
+            h["x-polygw-upstream-request-id"], "req_upstream_1",
+            "stream={stream}"
+        );
+        assert_eq!(h["anthropic-ratelimit-requests-remaining"], "42");
+        assert!(h.get("anthropic-organization-id").is_none());
+        assert_ne!(
+            h["request-id"], "req_upstream_1",
+            "the client's request-id is polygw's"
+        );
+    }
+}
