@@ -543,6 +543,66 @@ async fn node_sdks_to_native_sources() {
         .all(|r| r.path == "/v1/responses"));
 }
 
+/// An agent's world: a scope `LLM` of a primary (answers "Hello from polygw") and a
+/// fallback (answers "Answered by the fallback") that speak `api`, its models named by
+/// `aliases`, served by `polygw serve`; a home directory and a work directory holding
+/// `note.txt` (whose secret word is "tangerine").
+struct AgentWorld {
+    primary: MockUpstream,
+    _fallback: MockUpstream,
+    serve: Serve,
+    home: tempfile::TempDir,
+    work: tempfile::TempDir,
+}
+
+async fn agent_world(api: &str, aliases: &str) -> AgentWorld {
+    let primary = mock(hello()).await;
+    let fallback = mock(Behavior::text(&["Answered", " by", " the", " fallback"])).await;
+    let mut env = source("LLM", "a", &primary, &[("API", api), ("PRIORITY", "0")]);
+    env.extend(source(
+        "LLM",
+        "b",
+        &fallback,
+        &[("API", api), ("PRIORITY", "1")],
+    ));
+    env.push(var("LLM__MODEL_ALIASES", aliases));
+    env.push(var("LLM__RETRY__BACKOFF_BASE_S", "0.01"));
+    let serve = start(&["--max-wait-s", "10"], env);
+    let work = tempfile::tempdir().unwrap();
+    std::fs::write(
+        work.path().join("note.txt"),
+        "the secret word is tangerine\n",
+    )
+    .unwrap();
+    AgentWorld {
+        primary,
+        _fallback: fallback,
+        serve,
+        home: tempfile::tempdir().unwrap(),
+        work,
+    }
+}
+
+/// The agent's last turn: the primary answers 429 (Retry-After 30 s), the fallback
+/// answers, and the agent shows its answer.
+async fn a_429_is_answered_by_the_fallback<F: std::future::Future<Output = ScriptRun>>(
+    w: &AgentWorld,
+    run: impl FnOnce() -> F,
+) {
+    w.primary.push_script(Behavior {
+        retry_after: Some(RetryAfter::Seconds(30.0)),
+        ..Behavior::status(429)
+    });
+    let run = run().await;
+    assert!(run.ok, "{}\n{}", run.stdout, run.stderr);
+    assert!(
+        run.stdout.contains("Answered by the fallback"),
+        "{}",
+        run.stdout
+    );
+    assert!(w.primary.requests().iter().any(|r| r.status == 429));
+}
+
 /// Claude Code itself (`claude -p`, the pinned npm release) through `polygw serve` to
 /// `messages` sources, offline (issue 35): a plain turn, a tool round (it reads a file
 /// with its Read tool and sends the result back), and a 429 on the primary answered by
@@ -553,18 +613,9 @@ async fn claude_code_through_polygw_to_messages_sources() {
     let Some(claude) = sdk::claude_code(test) else {
         return;
     };
-    let primary = mock(hello()).await;
-    let fallback = mock(Behavior::text(&["Answered", " by", " the", " fallback"])).await;
-    let api = ("API", "messages");
-    let mut env = source("LLM", "a", &primary, &[api, ("PRIORITY", "0")]);
-    env.extend(source("LLM", "b", &fallback, &[api, ("PRIORITY", "1")]));
-    env.push(var("LLM__MODEL_ALIASES", "claude-*"));
-    env.push(var("LLM__RETRY__BACKOFF_BASE_S", "0.01"));
-    let s = start(&["--max-wait-s", "10"], env);
-    let home = tempfile::tempdir().unwrap();
-    let work = tempfile::tempdir().unwrap();
+    let w = agent_world("messages", "claude-*").await;
+    let (primary, s, home, work) = (&w.primary, &w.serve, &w.home, &w.work);
     let note = work.path().join("note.txt");
-    std::fs::write(&note, "the secret word is tangerine\n").unwrap();
     let run_claude = |prompt: &str| {
         let claude = claude.clone();
         let argv = vec![
@@ -644,18 +695,7 @@ async fn claude_code_through_polygw_to_messages_sources() {
     primary.reset_log();
 
     // A 429 on the primary: the fallback answers.
-    primary.push_script(Behavior {
-        retry_after: Some(RetryAfter::Seconds(30.0)),
-        ..Behavior::status(429)
-    });
-    let run = run_claude("Say hello again.").await;
-    assert!(run.ok, "{}\n{}", run.stdout, run.stderr);
-    assert!(
-        run.stdout.contains("Answered by the fallback"),
-        "{}",
-        run.stdout
-    );
-    assert!(primary.requests().iter().any(|r| r.status == 429));
+    a_429_is_answered_by_the_fallback(&w, || run_claude("Say hello again.")).await;
 }
 
 /// The Codex CLI itself (`codex exec`, the pinned npm release) through `polygw serve`
@@ -669,21 +709,8 @@ async fn codex_through_polygw_to_responses_sources() {
     let Some(codex) = sdk::codex(test) else {
         return;
     };
-    let primary = mock(hello()).await;
-    let fallback = mock(Behavior::text(&["Answered", " by", " the", " fallback"])).await;
-    let api = ("API", "responses");
-    let mut env = source("LLM", "a", &primary, &[api, ("PRIORITY", "0")]);
-    env.extend(source("LLM", "b", &fallback, &[api, ("PRIORITY", "1")]));
-    env.push(var("LLM__MODEL_ALIASES", "gpt-*"));
-    env.push(var("LLM__RETRY__BACKOFF_BASE_S", "0.01"));
-    let s = start(&["--max-wait-s", "10"], env);
-    let home = tempfile::tempdir().unwrap();
-    let work = tempfile::tempdir().unwrap();
-    std::fs::write(
-        work.path().join("note.txt"),
-        "the secret word is tangerine\n",
-    )
-    .unwrap();
+    let w = agent_world("responses", "gpt-*").await;
+    let (primary, s, home, work) = (&w.primary, &w.serve, &w.home, &w.work);
     std::fs::write(
         home.path().join("config.toml"),
         format!(
@@ -785,18 +812,7 @@ async fn codex_through_polygw_to_responses_sources() {
     primary.reset_log();
 
     // A 429 on the primary: the fallback answers.
-    primary.push_script(Behavior {
-        retry_after: Some(RetryAfter::Seconds(30.0)),
-        ..Behavior::status(429)
-    });
-    let run = run_codex("Say hello again.").await;
-    assert!(run.ok, "{}\n{}", run.stdout, run.stderr);
-    assert!(
-        run.stdout.contains("Answered by the fallback"),
-        "{}",
-        run.stdout
-    );
-    assert!(primary.requests().iter().any(|r| r.status == 429));
+    a_429_is_answered_by_the_fallback(&w, || run_codex("Say hello again.")).await;
 }
 
 /// 60 generated words.

@@ -4,6 +4,7 @@
 //! client of its scope learned it. One warning per source.
 
 use std::collections::HashSet;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Mutex, OnceLock};
 
 use polygw_core::SourceConfig;
@@ -25,6 +26,10 @@ fn completion_cap() -> &'static Mutex<HashSet<Key>> {
     LEARNED.get_or_init(|| Mutex::new(HashSet::new()))
 }
 
+/// Whether any source was learned so (every attempt asks: no lock, no key, until one
+/// was).
+static ANY_COMPLETION_CAP: AtomicBool = AtomicBool::new(false);
+
 impl Engine {
     fn capability_key(&self, source: usize) -> Key {
         self.key_of(&self.scope.sources[source])
@@ -42,7 +47,7 @@ impl Engine {
     /// The source as an attempt sends to it: with `max_completion_tokens` when the
     /// process learned it takes the cap only so (`None`: as configured).
     pub(crate) fn learned_source(&self, s: &SourceConfig) -> Option<SourceConfig> {
-        if s.max_completion_tokens {
+        if s.max_completion_tokens || !ANY_COMPLETION_CAP.load(Ordering::Relaxed) {
             return None;
         }
         let learned = completion_cap()
@@ -61,6 +66,7 @@ impl Engine {
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .insert(self.key_of(s));
+        ANY_COMPLETION_CAP.store(true, Ordering::Relaxed);
         if newly {
             tracing::warn!(
                 scope = %self.scope.name,

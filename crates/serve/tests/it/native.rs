@@ -409,29 +409,27 @@ async fn an_anthropic_client_lists_models_in_its_shape() {
     assert_eq!(v["object"], "list");
 }
 
+/// Two scopes: `LLM` over a native source, `PLAIN` over a chat source on `chat`.
+async fn native_beside_plain(native: SourceConfig, chat: &MockUpstream) -> Served {
+    let native = scope_with("LLM", ScopeKind::Chat, vec![native], None, |_| {}).await;
+    let plain = scope_with(
+        "PLAIN",
+        ScopeKind::Chat,
+        vec![source("c", chat)],
+        None,
+        |_| {},
+    )
+    .await;
+    serve(vec![native, plain]).await
+}
+
 /// `count_tokens` goes to the scope's `messages` source (its model, the client's
 /// headers) and answers as it does; a scope without one answers polygw's estimate.
 #[tokio::test]
 async fn count_tokens_is_forwarded_to_a_messages_source() {
     let m = recording_mock(Behavior::text(&["x"])).await;
     let chat = recording_mock(Behavior::text(&["x"])).await;
-    let native = scope_with(
-        "LLM",
-        ScopeKind::Chat,
-        vec![messages_source("a", &m)],
-        None,
-        |_| {},
-    )
-    .await;
-    let plain = scope_with(
-        "PLAIN",
-        ScopeKind::Chat,
-        vec![source("c", &chat)],
-        None,
-        |_| {},
-    )
-    .await;
-    let s = serve(vec![native, plain]).await;
+    let s = native_beside_plain(messages_source("a", &m), &chat).await;
     let body = |model: &str| {
         json!({"model": model, "system": "be brief",
             "messages": [{"role": "user", "content": "How many tokens is this question, exactly?"}]})
@@ -621,23 +619,7 @@ async fn a_stored_native_answer_is_continued_by_expansion() {
 async fn input_tokens_is_forwarded_to_a_responses_source() {
     let m = recording_mock(Behavior::text(&["x"])).await;
     let chat = recording_mock(Behavior::text(&["x"])).await;
-    let native = scope_with(
-        "LLM",
-        ScopeKind::Chat,
-        vec![responses_source("a", &m)],
-        None,
-        |_| {},
-    )
-    .await;
-    let plain = scope_with(
-        "PLAIN",
-        ScopeKind::Chat,
-        vec![source("c", &chat)],
-        None,
-        |_| {},
-    )
-    .await;
-    let s = serve(vec![native, plain]).await;
+    let s = native_beside_plain(responses_source("a", &m), &chat).await;
     let post = |model: &str| {
         http()
             .post(format!("{}/responses/input_tokens", s.v1()))
