@@ -419,3 +419,60 @@ async fn a_chunk_queued_during_the_rounds_own_poll_is_delivered_at_once() {
         "the chunk reached the caller after {first_text:?}, not at 10 ms"
     );
 }
+
+/// An attempt no provider billed (a connect failure), dropped while its decided outcome
+/// is being recorded (a slow breaker store; the caller gives up): the call's key settles
+/// what its row charges (0, SPEC §24.2), as when the attempt finishes — not its
+/// reservation (the chaos suite found the two paths disagreeing under Redis).
+#[tokio::test(start_paused = true)]
+async fn an_unbilled_attempt_dropped_while_finishing_charges_its_key_nothing() {
+    use polygw::core::client_key::{ClientKey, KeyLimits};
+    let mut s = scope(1);
+    s.sources[0] = s.sources[0].clone().with_prices(1.0, 2.0);
+    let clock = Arc::new(TokioClock);
+    let slow = Arc::new(SlowBreakers {
+        inner: MemoryBreakerStore::new(clock),
+        delay: ms(2000),
+    });
+    let h = harness(s, None, Some(slow)).await;
+    h.fake.push(
+        "s-0",
+        Script::fail(ms(10), ErrorClass::Transient, ErrorLabel::Connect),
+    );
+    let key = ClientKey {
+        id: "key_race".into(),
+        name: "race".into(),
+        hash: "0".repeat(64),
+        prefix: "pgw-race".into(),
+        scopes: vec![],
+        models: vec![],
+        limits: KeyLimits {
+            budget_day_nanos: Some(1_000_000_000),
+            ..KeyLimits::default()
+        },
+        created_at_ms: 0,
+        updated_at_ms: 0,
+        revoked_at_ms: None,
+    };
+    let req = ChatRequest::user("x");
+    let charge = h.client.admit_key(&key, &req).await.expect("admitted");
+    let options = polygw::CallOptions::default().with_client_key(charge);
+    let call = h.client.chat_with(req, options);
+    assert!(
+        tokio::time::timeout(ms(500), call).await.is_err(),
+        "the call is still finishing its attempt when the caller gives up"
+    );
+    // The settlement goes through the background; let it run.
+    tokio::time::sleep(ms(10)).await;
+    let rows = h.rows.rows();
+    let att: Vec<_> = rows.iter().filter(|r| r.kind == RowKind::Attempt).collect();
+    assert_eq!(att.len(), 1, "{rows:?}");
+    assert_eq!(att[0].error.as_deref(), Some("connect"));
+    assert_eq!(polygw::core::telemetry::key_cost(att[0]), Some(0.0));
+    let u = h.client.key_usage("key_race").await.unwrap();
+    assert_eq!((u.in_flight, u.reserved_nanos), (0, 0));
+    assert_eq!(
+        u.day_nanos, 0,
+        "the key was charged for an unbilled attempt"
+    );
+}

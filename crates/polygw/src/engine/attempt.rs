@@ -598,8 +598,11 @@ impl Drop for AttemptGuard {
         if let Some(mut row) = row {
             self.count(row.error.as_deref().unwrap_or("ok"), None);
             // Undecided: its reservation is what it settles (and its cost is unknown).
-            self.call
-                .charge(tokens.unwrap_or_else(|| self.permit_est()), row.cost);
+            // Decided (dropped while finishing): what its row charges, as in `finish`.
+            self.call.charge(
+                tokens.unwrap_or_else(|| self.permit_est()),
+                polygw_core::telemetry::key_cost(&row),
+            );
             if self.winner && self.engine.ports.telemetry.keeps_rows() {
                 row.trace = Some(self.call.trace_json());
             }
