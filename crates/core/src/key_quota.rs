@@ -294,6 +294,8 @@ pub fn valid_key_id(key_id: &str) -> bool {
 struct Lease {
     end: u64,
     nanos: u64,
+    /// A top-up's lease: money only, no concurrency slot.
+    top_up: bool,
 }
 
 /// The settled spend of one period.
@@ -313,6 +315,8 @@ struct KeyState {
     by_end: BTreeSet<(u64, u64)>,
     /// Σ nanos of the live leases.
     reserved: u64,
+    /// Live leases that are top-ups (not calls in flight).
+    top_ups: u64,
     day: Spend,
     month: Spend,
 }
@@ -356,12 +360,18 @@ impl KeyState {
             self.by_end.pop_first();
             if let Some(l) = self.leases.remove(&id) {
                 self.reserved -= l.nanos;
+                self.top_ups -= u64::from(l.top_up);
                 self.charge(end, l.nanos);
             }
         }
         self.roll(now);
         self.requests.prune(now);
         self.tokens.prune(now);
+    }
+
+    /// Calls in flight (live leases that are not top-ups).
+    fn in_flight(&self) -> u64 {
+        self.leases.len() as u64 - self.top_ups
     }
 
     fn spent(&self, period: BudgetPeriod) -> u64 {
@@ -428,15 +438,16 @@ impl KeyQuotas {
             reason,
             retry_after: hint.map(Duration::from_millis),
         };
-        if req.max_concurrency > 0 && st.leases.len() as u64 >= u64::from(req.max_concurrency) {
+        let call = !req.top_up;
+        if call && req.max_concurrency > 0 && st.in_flight() >= u64::from(req.max_concurrency) {
             let hint = st.by_end.first().map(|&(end, _)| end - now);
             return Err(refuse(RefusalReason::KeyConcurrency, hint));
         }
-        if req.rpm > 0 && st.requests.count() >= u64::from(req.rpm) {
+        if call && req.rpm > 0 && st.requests.count() >= u64::from(req.rpm) {
             let hint = st.requests.hint(now, u64::from(req.rpm));
             return Err(refuse(RefusalReason::KeyRpm, hint));
         }
-        if req.tpm > 0 && st.tokens.total.saturating_add(req.est_tokens) > req.tpm {
+        if call && req.tpm > 0 && st.tokens.total.saturating_add(req.est_tokens) > req.tpm {
             let hint = st.tokens.hint(now, req.tpm, req.est_tokens);
             return Err(refuse(RefusalReason::KeyTpm, hint));
         }
@@ -455,17 +466,21 @@ impl KeyQuotas {
         self.next_id += 1;
         let id = self.next_id;
         let end = now.saturating_add(lease_ms(req.lease));
-        st.requests.push(now);
-        st.tokens.reserve(id, end, req.est_tokens);
+        if call {
+            st.requests.push(now);
+            st.tokens.reserve(id, end, req.est_tokens);
+        }
         st.leases.insert(
             id,
             Lease {
                 end,
                 nanos: req.reserve_nanos,
+                top_up: req.top_up,
             },
         );
         st.by_end.insert((end, id));
         st.reserved += req.reserve_nanos;
+        st.top_ups += u64::from(req.top_up);
         self.permits.insert(id, name);
         Ok(id)
     }
@@ -488,6 +503,7 @@ impl KeyQuotas {
         if let Some(l) = st.leases.remove(&id) {
             st.by_end.remove(&(l.end, id));
             st.reserved -= l.nanos;
+            st.top_ups -= u64::from(l.top_up);
             st.charge(now, cost_nanos);
         }
         st.tokens.settle(now, id, tokens);
@@ -527,7 +543,7 @@ impl KeyQuotas {
         st.advance(now);
         KeyUsage {
             now_unix_ms: now,
-            in_flight: u32::try_from(st.leases.len()).unwrap_or(u32::MAX),
+            in_flight: u32::try_from(st.in_flight()).unwrap_or(u32::MAX),
             requests: st.requests.count(),
             tokens: st.tokens.total,
             reserved_nanos: st.reserved,
@@ -592,6 +608,7 @@ mod tests {
             est_tokens: 0,
             reserve_nanos: 0,
             lease: Duration::from_secs(30),
+            top_up: false,
         }
     }
 
@@ -1114,6 +1131,7 @@ mod tests {
                             est_tokens: est,
                             reserve_nanos: nanos,
                             lease: Duration::from_millis(l.lease_ms),
+                            top_up: false,
                         };
                         let want = reference.admits(key, now, &l, est, nanos);
                         match q.acquire(now, &req) {

@@ -149,7 +149,7 @@ impl KeyStore {
             Ok(id) => {
                 self.ensure_ticker();
                 KeyAdmission::Admitted(KeyPermit::new(
-                    req.est_tokens,
+                    if req.top_up { 0 } else { req.est_tokens },
                     req.reserve_nanos,
                     Box::new(MemoryKeyPermit {
                         keys: self.clone(),
@@ -274,6 +274,7 @@ mod tests {
             est_tokens: 10,
             reserve_nanos: 100,
             lease: Duration::from_secs(30),
+            top_up: false,
         }
     }
 

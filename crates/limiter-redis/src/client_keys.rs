@@ -76,7 +76,8 @@ pub(crate) async fn acquire(
 ) -> Result<KeyAdmission, GovernanceError> {
     let conn = bg.conn();
     let keys = KeyKeys::new(req.key_id)?;
-    let est = exact(req.est_tokens);
+    // A top-up reserves no tokens (key_lib.lua).
+    let est = if req.top_up { 0 } else { exact(req.est_tokens) };
     let nanos = exact(req.reserve_nanos);
     let lease_ms = exact(ms(req.lease)).max(1);
     let budget = |b: Option<u64>| b.map(|b| exact(b).to_string()).unwrap_or_default();
@@ -91,7 +92,8 @@ pub(crate) async fn acquire(
         .arg(nanos)
         .arg(lease_ms)
         .arg(conn.window_ms())
-        .arg(conn.margin_ms());
+        .arg(conn.margin_ms())
+        .arg(if req.top_up { "1" } else { "0" });
     // Dropped (or failed) once the script may have run: finish the admission at 0 (the
     // call never started); a no-op if the script refused or never ran.
     let mut pending = Pending {
@@ -363,6 +365,7 @@ mod tests {
             est_tokens: 400,
             reserve_nanos: 3_000,
             lease: Duration::from_secs(60),
+            top_up: false,
         }
     }
 

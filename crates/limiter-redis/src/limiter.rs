@@ -109,7 +109,9 @@ impl RateLimiter for RedisLimiter {
     }
 
     async fn acquire_key<'r>(&self, req: &KeyAcquire<'r>) -> Result<KeyAdmission, GovernanceError> {
+        // A top-up's id starts with '+' (key_lib.lua: money only, no slot).
         let id = uuid::Uuid::new_v4().simple().to_string();
+        let id = if req.top_up { format!("+{id}") } else { id };
         crate::client_keys::acquire(&self.bg, req, id).await
     }
 

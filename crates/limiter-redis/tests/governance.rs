@@ -244,6 +244,7 @@ macro_rules! key_cases {
             key_tpm_reserve_then_settle,
             key_concurrency_cap_and_finish,
             key_budget_reserve_then_settle,
+            key_top_up_holds_money_only,
             key_drop_settles_at_the_reservation,
             key_leases_renewed_while_held_and_settled_after_a_crash,
             keys_are_independent,

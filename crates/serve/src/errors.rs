@@ -547,6 +547,7 @@ mod tests {
             est_tokens: 0,
             reserve_nanos: 1_500_000,
             lease: Duration::from_secs(60),
+            top_up: false,
         };
         let now = 1_706_745_540_000; // 2024-01-31T23:59:00Z
         let refusal = |reason, secs: Option<u64>| Refusal {

@@ -168,6 +168,7 @@ pub async fn admit(
                 est_tokens,
                 reserve_nanos,
                 lease: Duration::ZERO,
+                top_up: false,
             };
             Err(crate::errors::from_key_refusal(
                 &refusal,

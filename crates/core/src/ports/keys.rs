@@ -52,6 +52,13 @@ pub struct KeyAcquire<'a> {
     /// The lease of the in-flight slot and the reservations, renewed while the permit
     /// lives (use the longest lease of the call's sources: the call outlives each attempt).
     pub lease: Duration,
+    /// A top-up of a call already admitted (SPEC §24.1: an extra leg's money, reserved
+    /// before it launches): only the budgets are checked, and the permit holds money
+    /// only — no request in the RPM window, no tokens, no concurrency slot (`rpm`, `tpm`,
+    /// `max_concurrency` and `est_tokens` are ignored). It settles and ends like any
+    /// permit: finished at 0 when the call settles on its first permit, at its
+    /// reservation when dropped or when its lease ends.
+    pub top_up: bool,
 }
 
 /// Result of a key admission.

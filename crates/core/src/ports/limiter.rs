@@ -357,6 +357,7 @@ mod tests {
             est_tokens: 3,
             reserve_nanos: 4,
             lease: std::time::Duration::from_secs(1),
+            top_up: false,
         };
         let e = block_on(Bare.acquire_key(&req)).unwrap_err();
         assert!(e.message.contains("does not govern client keys"), "{e}");

@@ -3,6 +3,7 @@
 -- ARGV: 1 permit id   2 rpm   3 tpm   4 max concurrency   5 day budget nanos ('' = none)
 --       6 month budget nanos ('' = none)   7 tokens to reserve   8 nanos to reserve
 --       9 lease ms   10 window ms   11 key ttl margin ms
+--       12 '1' for a top-up (a permit id starting with '+': money only, see key_lib.lua)
 -- Returns {1, now} when admitted, {0, reason, hint ms or -1} when refused (reasons:
 -- 1 concurrency, 2 rpm, 3 tpm, 4 day budget, 5 month budget). Checks in that order, the
 -- month's budget before the day's (the reason named is the one that clears last).
@@ -11,6 +12,8 @@ local rpm, tpm, conc = tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[4])
 local budget_day, budget_month = tonumber(ARGV[5]), tonumber(ARGV[6])
 local est, nanos = tonumber(ARGV[7]), tonumber(ARGV[8])
 local lease, W, margin = math.max(tonumber(ARGV[9]), 1), tonumber(ARGV[10]), tonumber(ARGV[11])
+local top_up = ARGV[12] == '1'
+if top_up then rpm, tpm, conc, est = 0, 0, 0, 0 end
 
 advance(W)
 
@@ -20,7 +23,7 @@ local function refuse(code, hint)
 end
 
 local inflight = redis.call('ZCARD', INF)
-if conc > 0 and inflight >= conc then
+if conc > 0 and inflight - meta.u >= conc then
   local first = redis.call('ZRANGE', INF, 0, 0, 'WITHSCORES')
   return refuse(1, tonumber(first[2]) - now)
 end
@@ -63,10 +66,14 @@ end
 
 -- Admit: the request in the window, the tokens in the ledger until the lease end (+ the
 -- window), the slot with its money until the lease end.
-redis.call('ZADD', WIN, now_s, id)
+if not top_up then
+  redis.call('ZADD', WIN, now_s, id)
+  redis.call('ZADD', LED, n(now + lease + W), id .. '|r' .. ARGV[7])
+  set('t', meta.t + est)
+else
+  set('u', meta.u + 1)
+end
 redis.call('ZADD', INF, n(now + lease), id .. '|' .. ARGV[8])
-redis.call('ZADD', LED, n(now + lease + W), id .. '|r' .. ARGV[7])
-set('t', meta.t + est)
 set('r', meta.r + nanos)
 if lease > meta.L then set('L', lease) end
 local moved_e, moved_s = deadlines(now + meta.L, W, margin)
@@ -76,7 +83,7 @@ flush()
 -- TTLs where a deadline moved or a key was created (a set emptied by Redis comes back
 -- without one; the ledger's emptiness is not counted, so it is always set).
 if moved_e or requests == 0 then redis.call('PEXPIREAT', WIN, n(meta.E)) end
-redis.call('PEXPIREAT', LED, n(meta.E))
+if not top_up or moved_e then redis.call('PEXPIREAT', LED, n(meta.E)) end
 if moved_s or inflight == 0 then redis.call('PEXPIREAT', INF, n(meta.S)) end
 if moved_s or created then redis.call('PEXPIREAT', ST, n(meta.S)) end
 return {1, now}

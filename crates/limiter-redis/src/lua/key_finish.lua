@@ -15,6 +15,7 @@ advance(W)
 local slot = id .. '|' .. ARGV[5]
 if redis.call('ZREM', INF, slot) == 1 then
   set('r', meta.r - tonumber(ARGV[5]))
+  if is_top_up(id) then set('u', meta.u - 1) end
   charge(now, cost)
 end
 local reserved = id .. '|r' .. ARGV[4]

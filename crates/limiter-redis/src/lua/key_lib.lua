@@ -4,6 +4,8 @@
 -- (zset "<id>|<nanos>" -> lease end: slots and their money reservations)   3 token ledger
 -- (zset "<id>|r<tokens>" -> lease end + window: a reservation; "<id>|s<tokens>" ->
 -- settled at + window: a settlement)   4 state (hash, below).
+-- A top-up (SPEC 24.1: an extra leg's money) is a slot whose permit id starts with '+': it
+-- holds money only, and "u" counts the live ones (not calls in flight).
 -- State fields: "t" the ledger's tokens, "r" the nanos reserved in flight, "d"/"ds" the
 -- current UTC day (days since the epoch) and the nanos settled in it, "m"/"ms" the same
 -- for the month (months since January 1970), "L" the longest lease seen, "E" the deadline
@@ -50,7 +52,7 @@ local function day_end(ms) return (day_of(ms) + 1) * DAY end
 
 -- The state, read once and written back in one HSET (only where it exists, or once the
 -- script admits: a refusal must not create it without a deadline).
-local names = {'t', 'r', 'd', 'ds', 'm', 'ms', 'L', 'E', 'S'}
+local names = {'t', 'r', 'd', 'ds', 'm', 'ms', 'L', 'E', 'S', 'u'}
 local got = redis.call('HMGET', ST, unpack(names))
 local meta, dirty, exists = {}, {}, false
 for i, name in ipairs(names) do
@@ -95,6 +97,9 @@ local function parse(m)
   return id, tonumber(num)
 end
 
+-- Whether a permit id is a top-up's.
+local function is_top_up(id) return string.sub(id, 1, 1) == '+' end
+
 -- Brings the key to now: leases that ended are settled at their reservation at their end,
 -- in end order; the ledger and the requests pruned; the periods rolled.
 local function advance(W)
@@ -102,14 +107,15 @@ local function advance(W)
   -- more), so are their totals. Otherwise the totals are exact: a set Redis deleted
   -- because it emptied sums to 0 already.
   if now >= meta.E then set('t', 0) end
-  if now >= meta.S then set('r', 0) end
+  if now >= meta.S then set('r', 0); set('u', 0) end
   while true do
     local gone = redis.call('ZRANGEBYSCORE', INF, '-inf', now_s, 'WITHSCORES', 'LIMIT', 0, CHUNK)
     if #gone == 0 then break end
     local members = {}
     for i = 1, #gone, 2 do
-      local _, nanos = parse(gone[i])
+      local id, nanos = parse(gone[i])
       set('r', meta.r - nanos)
+      if is_top_up(id) then set('u', meta.u - 1) end
       charge(tonumber(gone[i + 1]), nanos)
       members[#members + 1] = gone[i]
     end

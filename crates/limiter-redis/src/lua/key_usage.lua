@@ -5,4 +5,4 @@
 -- every key script does), so the figures are those an admission would see.
 advance(tonumber(ARGV[1]))
 flush()
-return {now, redis.call('ZCARD', INF), redis.call('ZCARD', WIN), meta.t, meta.r, meta.ds + meta.r, meta.ms + meta.r}
+return {now, redis.call('ZCARD', INF) - meta.u, redis.call('ZCARD', WIN), meta.t, meta.r, meta.ds + meta.r, meta.ms + meta.r}

@@ -189,6 +189,7 @@ impl Engine {
             est_tokens: r.tokens,
             reserve_nanos: reserve,
             lease: self.scope.limits.lease,
+            top_up: false,
         };
         match self.ports.limiter.acquire_key(&req).await {
             Ok(KeyAdmission::Admitted(p)) => Ok(crate::client_keys::KeyCharge::new(&key.id, p)),

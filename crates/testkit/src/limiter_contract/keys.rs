@@ -49,6 +49,8 @@ pub struct KeyReq {
     pub nanos: u64,
     /// Lease.
     pub lease: Duration,
+    /// A top-up of a call already admitted (money only).
+    pub top_up: bool,
 }
 
 impl KeyReq {
@@ -64,6 +66,7 @@ impl KeyReq {
             est: 0,
             nanos: 0,
             lease: Duration::from_secs(600),
+            top_up: false,
         }
     }
 
@@ -79,6 +82,7 @@ impl KeyReq {
             est_tokens: self.est,
             reserve_nanos: self.nanos,
             lease: self.lease,
+            top_up: self.top_up,
         }
     }
 }
@@ -322,6 +326,61 @@ pub async fn key_budget_reserve_then_settle(h: &dyn LimiterHarness) {
     };
     admit_key(l, &free).await.finish(0, 1 << 41).await.unwrap();
     assert_eq!(usage(l, &free.key).await.day_nanos, 1 << 41);
+}
+
+/// A top-up (SPEC §24.1: an extra leg's money) is checked against the budgets only and
+/// holds money only: no request, no tokens, no concurrency slot — a key at its RPM and
+/// concurrency still tops up its calls in flight. It settles like a permit: finished at
+/// its cost (0: the call settled on its first permit), at its reservation when dropped.
+pub async fn key_top_up_holds_money_only(h: &dyn LimiterHarness) {
+    let l = h.subject().await.limiter;
+    let l = l.as_ref();
+    let r = KeyReq {
+        rpm: 1,
+        tpm: 100,
+        conc: 1,
+        day: Some(10_000),
+        est: 100,
+        nanos: 4_000,
+        ..KeyReq::new()
+    };
+    let mut call = admit_key(l, &r).await;
+    assert_eq!(
+        refuse_key(l, &r).await.reason,
+        RefusalReason::KeyConcurrency
+    );
+    let up = KeyReq {
+        nanos: 5_000,
+        top_up: true,
+        ..r.clone()
+    };
+    let mut a = admit_key(l, &up).await;
+    let u = usage(l, &r.key).await;
+    assert_eq!(figures(&u), (1, 1, 100, 9_000, 9_000, 9_000));
+    // The budget binds a top-up as it binds a call: 9 000 + 5 000 > 10 000.
+    let f = refuse_key(l, &up).await;
+    assert_eq!(f.reason, RefusalReason::KeyBudgetDay);
+    let small = KeyReq {
+        nanos: 1_000,
+        ..up.clone()
+    };
+    let b = admit_key(l, &small).await;
+    assert_eq!(usage(l, &r.key).await.reserved_nanos, 10_000);
+    // The call settles its legs on its own permit; its top-ups end at 0.
+    call.finish(100, 6_000).await.unwrap();
+    a.finish(0, 0).await.unwrap();
+    let u = usage(l, &r.key).await;
+    assert_eq!(
+        (u.in_flight, u.reserved_nanos, u.day_nanos),
+        (0, 1_000, 7_000)
+    );
+    // A top-up dropped unfinished settles at its reservation.
+    drop(b);
+    l.flush().await.unwrap();
+    let u = usage(l, &r.key).await;
+    assert_eq!((u.in_flight, u.reserved_nanos, u.day_nanos), (0, 0, 7_000));
+    // Its concurrency slot was never taken: the next call waits only for the RPM.
+    assert_eq!(refuse_key(l, &r).await.reason, RefusalReason::KeyRpm);
 }
 
 /// A permit dropped unfinished settles at its reservation (tokens and money) and frees
@@ -570,6 +629,8 @@ pub enum KeyModelOp {
     Acquire {
         /// Key index.
         key: usize,
+        /// A top-up (money only).
+        top_up: bool,
         /// Tokens reserved.
         est: u64,
         /// Nanos reserved.
@@ -635,8 +696,8 @@ fn key_ops(advance: bool, len: usize) -> impl Strategy<Value = Vec<KeyModelOp>> 
     // now and then hours: days end within a case
     let big = if advance { 6 * 3_600_000u64 } else { 0 };
     let op = prop_oneof![
-        6 => (0usize..2, 0u64..500, 0u64..4_000)
-            .prop_map(|(key, est, nanos)| KeyModelOp::Acquire { key, est, nanos }),
+        6 => (0usize..2, 0u64..500, 0u64..4_000, proptest::bool::weighted(0.25))
+            .prop_map(|(key, est, nanos, top_up)| KeyModelOp::Acquire { key, est, nanos, top_up }),
         3 => (0usize..16, 0u64..900, 0u64..5_000)
             .prop_map(|(pick, tokens, cost)| KeyModelOp::Finish { pick, tokens, cost }),
         1 => (0usize..16).prop_map(|pick| KeyModelOp::Drop { pick }),
@@ -674,7 +735,12 @@ pub async fn matches_key_model(
     for op in ops {
         let now = clock(h);
         match *op {
-            KeyModelOp::Acquire { key, est, nanos } => {
+            KeyModelOp::Acquire {
+                key,
+                est,
+                nanos,
+                top_up,
+            } => {
                 let r = KeyReq {
                     key: keys[key % 2].clone(),
                     rpm: limits.rpm,
@@ -685,6 +751,7 @@ pub async fn matches_key_model(
                     est,
                     nanos,
                     lease: Duration::from_millis(limits.lease_ms),
+                    top_up,
                 };
                 let want = model.acquire(now, &r.get());
                 let got = l.acquire_key(&r.get()).await.map_err(fail)?;
