@@ -778,6 +778,9 @@ struct KeyCall {
     key: usize,
     /// What it reserves, computed as admission does (`key_quota::key_reservation`).
     reserve_nanos: u64,
+    /// What one leg of it reserves on each source (`key_funds::leg_reserve_nanos`): an
+    /// attempt of unknown cost settles at it (SPEC §24.1).
+    leg_nanos: HashMap<String, u64>,
     /// When admission was asked and when it answered (`None`: the caller dropped the
     /// call before; the backend admission, if any, lies between).
     asked_at: Option<Instant>,
@@ -1806,9 +1809,9 @@ mod checks {
 
     /// Client keys (SPEC §21.1; docs/CHAOS.md, invariant 11): every row carries its call's
     /// key; per key, after the run, nothing in flight or reserved, the settled spend equal
-    /// to what its calls' rows settle at (`settlement_nanos` of their `key_cost`s: the
-    /// sum of their costs, an attempt no provider billed at 0 (SPEC §24.2), at least the
-    /// reservation when one is unknown), at most one reservation over the
+    /// to what its calls' rows settle at (`settle_legs` of their `key_cost`s: the sum of
+    /// their costs, an attempt no provider billed at 0 (SPEC §24.2), an attempt of
+    /// unknown cost at its leg's reservation (SPEC §24.1)), at most one reservation over the
     /// budget, refusals only for the key's own limits and with the reservation admission
     /// computes, no 60 s window with more admissions than its RPM (by the callers'
     /// records and by the upstreams' logs), never more calls open at once than its
@@ -1819,7 +1822,7 @@ mod checks {
         by_call: &HashMap<&str, Vec<&TelemetryRow>>,
         upstream: &HashMap<&str, (usize, &RecordedRequest)>,
     ) -> Vec<String> {
-        use polygw::core::key_quota::settlement_nanos;
+        use polygw::core::key_funds::settle_legs;
         let mut lines = Vec::new();
         // Every row names its call's key (or none).
         let key_of: HashMap<&str, Option<&str>> = ev
@@ -1916,10 +1919,18 @@ mod checks {
                 let rows = by_call.get(c.lid.as_str()).unwrap_or(&empty);
                 let att: Vec<&&TelemetryRow> =
                     rows.iter().filter(|r| r.kind == RowKind::Attempt).collect();
-                let n = settlement_nanos(
-                    k.reserve_nanos,
-                    att.iter().map(|r| polygw::core::telemetry::key_cost(r)),
-                );
+                let n = settle_legs(att.iter().map(|r| {
+                    let leg = r
+                        .source
+                        .as_deref()
+                        .and_then(|s| k.leg_nanos.get(s).copied())
+                        .unwrap_or(k.reserve_nanos);
+                    (
+                        polygw::core::telemetry::key_cost(r)
+                            .map(polygw::core::key_quota::cost_nanos),
+                        leg,
+                    )
+                }));
                 expected += n;
                 if n > k.reserve_nanos {
                     above_reserve += 1;
@@ -2623,15 +2634,35 @@ async fn one_call(client: &GatewayClient, seed: u64, idx: usize, keys: &KeyCtx) 
     };
     let lid = CallOptions::new_logical_call_id();
     let key = keys::pick(seed, idx).map(|k| {
-        let r = polygw::core::key_quota::key_reservation(
-            polygw::core::resume::estimate_prompt_tokens(&req),
-            req.output_cap(),
-            &keys.sources,
-            keys.scope_tpm,
-        );
+        // As admission computes it: a budgeted key's call without a cap reserves (and is
+        // sent) the scope's default cap.
+        let prompt = polygw::core::resume::estimate_prompt_tokens(&req);
+        let cap = req.output_cap().or_else(|| {
+            keys.keys[k]
+                .limits
+                .has_budget()
+                .then(|| polygw::core::key_funds::default_cap(&keys.sources))
+        });
+        let r =
+            polygw::core::key_quota::key_reservation(prompt, cap, &keys.sources, keys.scope_tpm);
+        let leg_nanos = keys
+            .sources
+            .iter()
+            .map(|s| {
+                let n = polygw::core::key_funds::leg_reserve_nanos(
+                    prompt,
+                    cap,
+                    s,
+                    &keys.sources,
+                    keys.scope_tpm,
+                );
+                (s.name.clone(), n)
+            })
+            .collect();
         let rec = Arc::new(Mutex::new(KeyCall {
             key: k,
             reserve_nanos: r.nanos.unwrap_or(0),
+            leg_nanos,
             asked_at: None,
             answered_at: None,
             admitted: false,

@@ -522,7 +522,8 @@ async fn a_drain_past_its_grace_cuts_what_is_left_and_says_so_in_one_line() {
 /// high, so that a budget of 1.00 runs out after a few dozen calls.
 const KEY_PRICE: f64 = 500.0;
 /// Every answer's chunks (= its completion tokens, as the mock reports them) and the
-/// source's `EST_TOKENS`: what each call reserves for its output.
+/// source's `MAX_OUTPUT_TOKENS`: what each call (without a cap of its own) reserves for
+/// its output and is sent as its cap (SPEC §24.1).
 const ANSWER_TOKENS: usize = 4;
 /// Concurrent clients on one key.
 const CLIENTS: usize = 32;
@@ -543,7 +544,7 @@ async fn key_deployment(svc: &Services) -> (Deployment, String) {
             scope_keys: vec![
                 ("OPENAI__0__INPUT_PRICE", KEY_PRICE.to_string()),
                 ("OPENAI__0__OUTPUT_PRICE", KEY_PRICE.to_string()),
-                ("OPENAI__0__EST_TOKENS", ANSWER_TOKENS.to_string()),
+                ("OPENAI__0__MAX_OUTPUT_TOKENS", ANSWER_TOKENS.to_string()),
                 ("OPENAI__0__RPM", "100000".into()),
             ],
             grace_s: 10,
@@ -560,7 +561,8 @@ async fn key_deployment(svc: &Services) -> (Deployment, String) {
 }
 
 /// What a call of `prompt` reserves against its key's budget, nanos: the proxy's prompt
-/// estimate plus `EST_TOKENS`, at the source's prices (`key_quota::key_reservation`).
+/// estimate with its margin plus `MAX_OUTPUT_TOKENS`, at the source's prices
+/// (`key_quota::key_reservation`).
 fn reservation(prompt: &str) -> u64 {
     use polygw::core::key_quota::{price_nanos, ScopePrices};
     let p = price_nanos(KEY_PRICE);
@@ -570,7 +572,10 @@ fn reservation(prompt: &str) -> u64 {
         output: p,
         per_call: None,
     }
-    .reserve_nanos(est, ANSWER_TOKENS as u64)
+    .reserve_nanos(
+        polygw::core::key_funds::with_margin(est),
+        ANSWER_TOKENS as u64,
+    )
     .expect("a priced scope")
 }
 
@@ -773,7 +778,7 @@ async fn reconcile_key(
 /// by three replicas on one Redis Cluster, under 32 concurrent clients through HAProxy.
 /// Two keys with the same limits, one case each, so that each limit binds:
 ///
-/// - **budget**: 32 async-openai clients with prompts whose calls reserve 0.014 and cost
+/// - **budget**: 32 async-openai clients with prompts whose calls reserve 0.017 and cost
 ///   0.012 each, until each is refused `key_budget_day` (a 429 of type
 ///   `insufficient_quota`, which async-openai does not retry); then one client, call by
 ///   call with nothing else in flight, until refused too: the budget is spent to within
@@ -825,8 +830,8 @@ async fn a_keys_budget_and_rpm_hold_across_three_replicas_under_32_concurrent_cl
     let spend_prompt = |c: usize, n: usize| format!("budget {c:02}-{n:03} {}", "x".repeat(64));
     let reserve = reservation(&spend_prompt(0, 0));
     assert_eq!(
-        reserve, 14_000_000,
-        "28 tokens (24 prompt, 4 answer) at 500 per 1M"
+        reserve, 17_000_000,
+        "34 tokens (24 prompt + 25 %, 4 answer) at 500 per 1M"
     );
     let started = Instant::now();
     let clients: Vec<_> = (0..CLIENTS)

@@ -148,7 +148,8 @@ pub fn cost_nanos(cost: f64) -> u64 {
 /// go to any of them, so its reservation takes the dearest.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct ScopePrices {
-    /// Highest `INPUT_PRICE`, nanos per 1M tokens.
+    /// Highest input-side price (`INPUT_PRICE`, `CACHE_WRITE_PRICE`,
+    /// `CACHE_WRITE_1H_PRICE`), nanos per 1M tokens.
     pub input: Option<u64>,
     /// Highest `OUTPUT_PRICE`, nanos per 1M tokens.
     pub output: Option<u64>,
@@ -166,7 +167,11 @@ impl ScopePrices {
         sources
             .into_iter()
             .fold(ScopePrices::default(), |p, s| ScopePrices {
-                input: max(p.input, s.input_price),
+                // The dearest input-side price: a prompt may be written to the cache.
+                input: max(
+                    max(max(p.input, s.input_price), s.cache_write_price),
+                    s.cache_write_1h_price,
+                ),
                 output: max(p.output, s.output_price),
                 per_call: max(p.per_call, s.price_per_call),
             })
@@ -242,9 +247,11 @@ impl KeyReservation {
     }
 }
 
-/// A call's reservation against its key (SPEC §21.1): `prompt_tokens` (the request's
-/// estimated prompt, [`crate::resume::estimate_prompt_tokens`]) plus the
-/// [`output_estimate`], priced at the highest prices of the scope's `sources`.
+/// A call's reservation against its key (SPEC §21.1, §24.1): `prompt_tokens` (the
+/// request's estimated prompt, [`crate::resume::estimate_prompt_tokens`]) plus the
+/// [`output_estimate`]; its money prices the prompt with the margin
+/// ([`crate::key_funds::with_margin`]) and the output at the highest prices of the
+/// scope's `sources`, so that it covers the call's first leg on any of them.
 pub fn key_reservation(
     prompt_tokens: u64,
     max_tokens: Option<u64>,
@@ -254,7 +261,8 @@ pub fn key_reservation(
     let output = output_estimate(max_tokens, sources, scope_tpm);
     KeyReservation {
         tokens: prompt_tokens.saturating_add(output),
-        nanos: ScopePrices::highest(sources).reserve_nanos(prompt_tokens, output),
+        nanos: ScopePrices::highest(sources)
+            .reserve_nanos(crate::key_funds::with_margin(prompt_tokens), output),
     }
 }
 
@@ -679,17 +687,21 @@ mod tests {
         assert_eq!(tiny.reserve_nanos(0, 0), Some(0));
         // The request's max_tokens, else the dearest sources' estimate.
         let srcs = [a.clone(), b.clone(), free.clone()];
+        // The prompt's money with the 25 % margin: 1250 × 0.27 / 1M.
         let r = key_reservation(1000, Some(500), &srcs, 0);
         assert_eq!(
             r,
             KeyReservation {
                 tokens: 1500,
-                nanos: Some(1_365_000)
+                nanos: Some(337_500 + 1_095_000)
             }
         );
         let r = key_reservation(1000, None, &srcs, 0);
         assert_eq!(r.tokens, 5000);
-        assert_eq!(r.nanos, Some(270_000 + 4000 * 2_190));
+        assert_eq!(r.nanos, Some(337_500 + 4000 * 2_190));
+        // A cache write is an input-side price: the dearest one prices the prompt.
+        let w = a.clone().with_cache_write_price(0.3375);
+        assert_eq!(ScopePrices::highest([&w, &b]).input, Some(337_500_000));
         // scope TPM alone derives an estimate (one second of it)
         assert_eq!(output_estimate(None, std::slice::from_ref(&a), 6000), 100);
         assert_eq!(output_estimate(None, std::slice::from_ref(&a), 0), 0);
@@ -717,7 +729,7 @@ mod tests {
         );
         assert_eq!(
             key_reservation(100, Some(0), &[half], 0).nanos,
-            Some(100_000)
+            Some(125_000)
         );
         // per-call prices (OCR) price a call without tokens
         let ocr = free.with_price_per_call(0.002);

@@ -29,6 +29,7 @@ pub mod config;
 mod durations;
 pub mod error;
 pub mod hedge;
+pub mod key_funds;
 pub mod key_quota;
 pub mod latency;
 pub mod native;

@@ -231,6 +231,27 @@ impl ChatRequest {
         Some(cap.saturating_mul(n))
     }
 
+    /// The request with `cap` as its output cap (SPEC §24.1: what a budgeted key's call
+    /// without a cap of its own is sent): `max_tokens` of the chat form, and of a native
+    /// body its API's field (`max_tokens` for Messages, `max_output_tokens` for
+    /// Responses). A request that has a cap keeps it.
+    pub fn with_output_cap(mut self, cap: u64) -> Self {
+        if self.output_cap().is_some() {
+            return self;
+        }
+        self.max_tokens = Some(u32::try_from(cap).unwrap_or(u32::MAX));
+        if let Some(n) = &self.native {
+            let field = match n.api {
+                crate::source::SourceApi::Responses => "max_output_tokens",
+                _ => "max_tokens",
+            };
+            let mut n = (**n).clone();
+            n.body.insert(field.to_string(), Value::from(cap));
+            self.native = Some(std::sync::Arc::new(n));
+        }
+        self
+    }
+
     /// Checks what no upstream could accept, naming the field.
     pub fn validate(&self) -> Result<(), (String, String)> {
         if self.messages.is_empty() {

@@ -85,6 +85,10 @@ pub struct SourceConfig {
     /// The source takes the output cap only as `max_completion_tokens`
     /// (`MAX_TOKENS_FIELD=max_completion_tokens`, or learned from its 400: SPEC §24.4).
     pub max_completion_tokens: bool,
+    /// The most output tokens one call may ask of the source (`MAX_OUTPUT_TOKENS`): what
+    /// a budgeted client key's call without a cap of its own reserves and is sent (SPEC
+    /// §24.1); unset: [`crate::key_funds::DEFAULT_MAX_OUTPUT_TOKENS`].
+    pub max_output_tokens: Option<u64>,
 }
 
 /// The API a source speaks (`{S}__{P}__{i}__API`, SPEC §23.1).
@@ -235,6 +239,7 @@ impl SourceConfig {
             api: SourceApi::Chat,
             auth: None,
             max_completion_tokens: false,
+            max_output_tokens: None,
         }
     }
 
@@ -428,6 +433,7 @@ impl std::fmt::Debug for SourceConfig {
             .field("api", &self.api)
             .field("auth", &self.auth)
             .field("max_completion_tokens", &self.max_completion_tokens)
+            .field("max_output_tokens", &self.max_output_tokens)
             .finish()
     }
 }

@@ -535,6 +535,11 @@ impl GatewayClient {
         request
             .validate()
             .map_err(|(field, message)| GatewayError::InvalidRequest { field, message })?;
+        // A budgeted key's call without a cap is sent the cap it reserved for (§24.1).
+        let request = match options.client_key.as_ref().and_then(|k| k.0.sent_cap()) {
+            Some(cap) => request.with_output_cap(cap),
+            None => request,
+        };
         let engine = &self.engine;
         let (call, span) = self.new_call_with_id(request.stream, options.logical_call_id);
         call.set_max_wait(options.max_wait, options.max_wait_name);

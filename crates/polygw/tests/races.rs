@@ -476,3 +476,112 @@ async fn an_unbilled_attempt_dropped_while_finishing_charges_its_key_nothing() {
         "the key was charged for an unbilled attempt"
     );
 }
+
+/// A client key whose budget holds the call's own reservation and nothing more:
+/// admitted, its first leg runs, but the hedge leg's top-up is refused, so the hedge is
+/// not launched and the call goes on without it (SPEC §24.1).
+#[tokio::test(start_paused = true)]
+async fn a_hedge_the_keys_budget_cannot_fund_is_not_launched() {
+    let mut s = scope(2);
+    for src in &mut s.sources {
+        *src = src.clone().with_prices(1.0, 2.0);
+    }
+    s.hedge.after = polygw_core::hedge::ThresholdSetting::Static(ms(100));
+    s.hedge.budget_pct = 100;
+    let h = harness(s.clone(), None, None).await;
+    h.fake.push("s-0", Script::ok(ms(400), "slow but fine"));
+    h.fake.push("s-1", Script::ok(ms(10), "fast"));
+    let req = ChatRequest::user("x");
+    let admission = polygw::core::key_quota::key_reservation(
+        polygw::core::resume::estimate_prompt_tokens(&req),
+        Some(polygw::core::key_funds::default_cap(&s.sources)),
+        &s.sources,
+        0,
+    )
+    .nanos
+    .unwrap();
+    let key = budget_key("key_tight", admission);
+    let charge = h.client.admit_key(&key, &req).await.expect("admitted");
+    let r = h
+        .client
+        .chat_with(req, polygw::CallOptions::default().with_client_key(charge))
+        .await
+        .unwrap();
+    assert_eq!(r.content, "slow but fine");
+    assert_eq!(h.fake.calls_to("s-1"), 0, "the hedge was launched");
+    tokio::time::sleep(ms(10)).await;
+    let u = h.client.key_usage("key_tight").await.unwrap();
+    let cost: u64 = h
+        .rows
+        .rows()
+        .iter()
+        .filter(|r| r.kind == RowKind::Attempt)
+        .map(|r| polygw::core::key_quota::cost_nanos(r.cost.unwrap()))
+        .sum();
+    assert_eq!((u.reserved_nanos, u.day_nanos), (0, cost));
+}
+
+/// A hedge the budget can fund is topped up before it launches; the leg that lost
+/// (cancelled, its usage unknown) settles at its own reservation, the winner at its cost,
+/// and the top-up is released (SPEC §24.1).
+#[tokio::test(start_paused = true)]
+async fn a_funded_hedge_settles_each_leg_at_its_cost_or_its_reservation() {
+    let mut s = scope(2);
+    s.sources[0] = s.sources[0].clone().with_prices(1.0, 2.0);
+    s.sources[1] = s.sources[1].clone().with_prices(0.5, 1.0);
+    s.hedge.after = polygw_core::hedge::ThresholdSetting::Static(ms(100));
+    s.hedge.budget_pct = 100;
+    let h = harness(s.clone(), None, None).await;
+    h.fake.push("s-0", Script::ok(ms(400), "slow"));
+    h.fake.push("s-1", Script::ok(ms(10), "fast"));
+    let req = ChatRequest::user("x");
+    let prompt = polygw::core::resume::estimate_prompt_tokens(&req);
+    let cap = Some(polygw::core::key_funds::default_cap(&s.sources));
+    let key = budget_key("key_roomy", 1_000_000_000);
+    let charge = h.client.admit_key(&key, &req).await.expect("admitted");
+    let r = h
+        .client
+        .chat_with(req, polygw::CallOptions::default().with_client_key(charge))
+        .await
+        .unwrap();
+    assert_eq!(r.content, "fast");
+    tokio::time::sleep(ms(10)).await;
+    let rows: Vec<_> = h
+        .rows
+        .rows()
+        .into_iter()
+        .filter(|r| r.kind == RowKind::Attempt)
+        .collect();
+    assert_eq!(rows.len(), 2, "{rows:?}");
+    let lost = rows.iter().find(|r| !r.ok).unwrap();
+    assert_eq!(lost.source.as_deref(), Some("s-0"));
+    assert_eq!(lost.cost, None, "{lost:?}");
+    let won = rows.iter().find(|r| r.ok).unwrap();
+    let leg0 =
+        polygw::core::key_funds::leg_reserve_nanos(prompt, cap, &s.sources[0], &s.sources, 0);
+    let u = h.client.key_usage("key_roomy").await.unwrap();
+    assert_eq!(u.reserved_nanos, 0);
+    assert_eq!(
+        u.day_nanos,
+        leg0 + polygw::core::key_quota::cost_nanos(won.cost.unwrap())
+    );
+}
+
+fn budget_key(id: &str, day_nanos: u64) -> polygw::core::client_key::ClientKey {
+    use polygw::core::client_key::{ClientKey, KeyLimits};
+    ClientKey {
+        id: id.into(),
+        name: id.into(),
+        hash: "0".repeat(64),
+        prefix: "pgw-test".into(),
+        scopes: vec![],
+        models: vec![],
+        limits: KeyLimits {
+            budget_day_nanos: Some(day_nanos),
+            ..KeyLimits::default()
+        },
+        created_at_ms: 0,
+        updated_at_ms: 0,
+        revoked_at_ms: None,
+    }
+}

@@ -36,7 +36,7 @@ pub const RESERVED_SEGMENTS: [&str; 15] = [
 ];
 
 /// The FIELDs a source accepts.
-pub const SOURCE_FIELDS: [&str; 25] = [
+pub const SOURCE_FIELDS: [&str; 26] = [
     "BASE_URL",
     "API_KEY",
     "MODEL",
@@ -62,6 +62,7 @@ pub const SOURCE_FIELDS: [&str; 25] = [
     "API",
     "AUTH",
     "MAX_TOKENS_FIELD",
+    "MAX_OUTPUT_TOKENS",
 ];
 
 /// Scope keys: (group or "" for two-segment keys, field).
@@ -446,6 +447,11 @@ fn build_source(
     }
     if let Some((k, v)) = get("AUTH") {
         run(parse_auth(k, v).map(|x| src.auth = x));
+    }
+    if let Some((k, v)) = get("MAX_OUTPUT_TOKENS") {
+        run(parse_int::<u64>(k, v)
+            .and_then(|x| guards::int_in(k, x, &guards::MAX_OUTPUT_TOKENS_RANGE))
+            .map(|x| src.max_output_tokens = Some(x)));
     }
     if let Some((k, v)) = get("MAX_TOKENS_FIELD") {
         run(match v.trim().to_ascii_lowercase().as_str() {

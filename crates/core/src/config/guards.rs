@@ -35,6 +35,8 @@ pub const BATCH_SIZE_RANGE: RangeInclusive<u32> = 1..=100_000;
 pub const MAX_REASKS_RANGE: RangeInclusive<u32> = 0..=10;
 /// Range of `CONTEXT_WINDOW` (tokens).
 pub const CONTEXT_WINDOW_RANGE: RangeInclusive<u64> = 1..=100_000_000;
+/// Range of `{…}__MAX_OUTPUT_TOKENS`.
+pub const MAX_OUTPUT_TOKENS_RANGE: RangeInclusive<u64> = 1..=10_000_000;
 /// Range of `STREAM__MAX_RESUMES`.
 pub const MAX_RESUMES_RANGE: RangeInclusive<u32> = 0..=10;
 /// Range of `CACHE__CAPACITY`.

@@ -1,7 +1,7 @@
-//! Whether a round's primary leg may launch (SPEC §25.4): the one decision of core's
-//! round that every reason to hold a leg back goes through. Today that is the scope's
-//! retry throttle ([`crate::retry_throttle`]); a client key's budget top-up (SPEC §24.1)
-//! joins it here.
+//! Whether a leg may launch: the decisions of core's round that hold a leg back, in one
+//! place — the scope's retry throttle (SPEC §25.4, [`leg_gate`], for a round's primary)
+//! and a client key's budget (SPEC §24.1, [`leg_funding`], for every leg: the first, a
+//! hedge, a resume, a retry; a leg whose top-up is refused is not launched).
 //!
 //! - The first attempt of a call always launches.
 //! - A retry (a round after a failed one, a continuation of a broken stream included)
@@ -52,9 +52,36 @@ pub fn leg_gate(ask: GateAsk) -> Gate {
     }
 }
 
+/// What a client key's budget asks before a leg launches (SPEC §24.1).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Funding {
+    /// The call's funds cover it (or the key has no budget to keep): launch.
+    Covered,
+    /// Top up this many nanos first; if the key refuses, the leg is not launched.
+    TopUp(u64),
+}
+
+/// Whether a leg reserving `leg_nanos` is covered by the call's `funds`, for a key that
+/// has a budget (`budgeted`) or not ([`crate::key_funds`]).
+pub fn leg_funding(funds: &crate::key_funds::CallFunds, leg_nanos: u64, budgeted: bool) -> Funding {
+    match funds.shortfall(leg_nanos) {
+        n if n > 0 && budgeted => Funding::TopUp(n),
+        _ => Funding::Covered,
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_leg_beyond_the_calls_funds_is_topped_up_only_under_a_budget() {
+        let mut f = crate::key_funds::CallFunds::new(100);
+        assert_eq!(leg_funding(&f, 100, true), Funding::Covered);
+        f.hold(60);
+        assert_eq!(leg_funding(&f, 100, true), Funding::TopUp(60));
+        assert_eq!(leg_funding(&f, 100, false), Funding::Covered);
+    }
 
     #[test]
     fn the_first_attempt_and_a_failover_are_never_throttled() {

@@ -8,6 +8,7 @@
 //! the limiter is asked (SPEC §14.7) — through the store's non-blocking release.
 
 use std::collections::BTreeSet;
+use std::sync::Arc;
 use std::time::Duration;
 
 use polygw_core::admission::order_candidates_preferring;
@@ -17,6 +18,7 @@ use polygw_core::ports::{AcquireRequest, Admission, Permit, Refusal};
 use polygw_core::{GovernanceError, ScopeKind, SourceConfig};
 
 use super::Engine;
+use crate::client_keys::{KeyCharge, LegHold};
 
 /// What the breaker said when it admitted an attempt: the epoch its outcome counts in
 /// (SPEC §14.7) and whether it is the source's half-open probe.
@@ -31,6 +33,8 @@ pub(crate) struct BreakerTicket {
 pub(crate) struct Picked {
     pub source_idx: usize,
     pub permit: Permit,
+    /// The reservation its leg holds against the call's client key (SPEC §24.1).
+    pub leg: Option<LegHold>,
     /// The breaker ticket (epoch; whether this attempt is the half-open probe).
     pub probe: BreakerTicket,
 }
@@ -82,6 +86,32 @@ pub(crate) struct Pick {
 }
 
 impl Engine {
+    /// Funds a leg on source `idx` against the call's client key, if its legs are funded
+    /// one by one (see [`KeyCharge::fund_leg`]).
+    async fn fund_leg(
+        &self,
+        key: Option<&Arc<KeyCharge>>,
+        idx: usize,
+    ) -> Result<Result<Option<LegHold>, Refusal>, GovernanceError> {
+        let Some(k) = key else { return Ok(Ok(None)) };
+        let Some((prompt, cap)) = k.leg_pricing() else {
+            return Ok(Ok(None));
+        };
+        let nanos = polygw_core::key_funds::leg_reserve_nanos(
+            prompt,
+            cap,
+            &self.scope.sources[idx],
+            &self.scope.sources,
+            self.scope.limits.tpm,
+        );
+        // A refused top-up ends nothing but this leg: no wait for it (the budget's hint
+        // is the period's end).
+        Ok(k.fund_leg(nanos).await?.map_err(|r| Refusal {
+            reason: r.reason,
+            retry_after: None,
+        }))
+    }
+
     /// The lease of an in-flight slot, a reservation and a half-open probe
     /// (`LIMITS__LEASE_S`, 30 s by default): the backend renews it while the attempt is
     /// alive, so it only bounds how long a crashed process holds capacity (SPEC §14.4).
@@ -117,6 +147,7 @@ impl Engine {
         failed_in_call: &BTreeSet<String>,
         stream: bool,
         prefs: PickPrefs,
+        key: Option<&Arc<KeyCharge>>,
     ) -> Result<Pick, GovernanceError> {
         let capable = |i: usize| self.prefill_capable(i);
         let first = prefs.first.map(|i| self.scope.sources[i].name.as_str());
@@ -145,6 +176,15 @@ impl Engine {
         let mut refusals = Vec::new();
         for idx in order {
             let src = &self.scope.sources[idx];
+            // The client key's budget first (SPEC §24.1): a leg it cannot fund is not
+            // launched; a hold is released if the source does not admit the leg.
+            let leg = match self.fund_leg(key, idx).await? {
+                Ok(leg) => leg,
+                Err(refusal) => {
+                    refusals.push((src.name.clone(), refusal));
+                    continue;
+                }
+            };
             let lease = self.lease(src, stream);
             let ticket = match self
                 .ports
@@ -186,6 +226,7 @@ impl Engine {
                         admitted: Some(Picked {
                             source_idx: idx,
                             permit,
+                            leg,
                             probe: ticket,
                         }),
                         refusals,

@@ -259,6 +259,8 @@ pub(crate) struct AttemptGuard {
     call: Arc<CallShared>,
     control: Arc<LegControl>,
     permit: Option<Permit>,
+    /// The reservation its leg holds against the call's client key (SPEC §24.1).
+    leg: Option<crate::client_keys::LegHold>,
     probe: BreakerTicket,
     source_idx: usize,
     started: Instant,
@@ -289,6 +291,7 @@ impl AttemptGuard {
         call: Arc<CallShared>,
         control: Arc<LegControl>,
         permit: Permit,
+        leg: Option<crate::client_keys::LegHold>,
         info: &LegInfo,
         stream: bool,
     ) -> Self {
@@ -323,6 +326,7 @@ impl AttemptGuard {
             call,
             control,
             permit: Some(permit),
+            leg,
             probe: info.probe,
             base: Some(Box::new(base)),
             resume_mode,
@@ -519,8 +523,11 @@ impl AttemptGuard {
         }
         if let Some(mut d) = self.decided.take() {
             self.count(d.row.error.as_deref().unwrap_or("ok"), ttft);
-            self.call
-                .charge(d.tokens, polygw_core::telemetry::key_cost(&d.row));
+            self.call.charge(
+                d.tokens,
+                polygw_core::telemetry::key_cost(&d.row),
+                self.leg.take(),
+            );
             if self.winner && engine.ports.telemetry.keeps_rows() {
                 d.row.trace = Some(self.call.trace_json());
             }
@@ -602,6 +609,7 @@ impl Drop for AttemptGuard {
             self.call.charge(
                 tokens.unwrap_or_else(|| self.permit_est()),
                 polygw_core::telemetry::key_cost(&row),
+                self.leg.take(),
             );
             if self.winner && self.engine.ports.telemetry.keeps_rows() {
                 row.trace = Some(self.call.trace_json());

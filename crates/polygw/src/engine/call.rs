@@ -106,11 +106,22 @@ impl CallShared {
             .map(|k| k.key_id().to_string())
     }
 
-    /// An attempt's spend, charged to the call's key (if any).
-    pub(crate) fn charge(&self, tokens: u64, cost: Option<f64>) {
+    /// An attempt's spend, charged to the call's key (if any), with the reservation its
+    /// leg held.
+    pub(crate) fn charge(
+        &self,
+        tokens: u64,
+        cost: Option<f64>,
+        leg: Option<crate::client_keys::LegHold>,
+    ) {
         if let Some(k) = self.key.lock().unwrap_or_else(|e| e.into_inner()).as_ref() {
-            k.add(tokens, cost);
+            k.add_leg(tokens, cost, leg);
         }
+    }
+
+    /// The call's key charge, if any.
+    pub(crate) fn key(&self) -> Option<Arc<KeyCharge>> {
+        self.key.lock().unwrap_or_else(|e| e.into_inner()).clone()
     }
 
     /// Sets the call's affinity key.

@@ -166,9 +166,16 @@ impl Engine {
         if key.limits.is_unlimited() {
             return Ok(crate::client_keys::KeyCharge::unmetered(&key.id));
         }
+        // A chat call of a budgeted key without a cap of its own reserves for, and is
+        // sent, the scope's default cap (SPEC §24.1).
+        let chat = self.kind == polygw_core::ScopeKind::Chat;
+        let budgeted = key.limits.has_budget();
+        let send_cap = (chat && budgeted && max_tokens.is_none())
+            .then(|| polygw_core::key_funds::default_cap(&self.scope.sources));
+        let cap = max_tokens.or(send_cap);
         let r = polygw_core::key_quota::key_reservation(
             prompt_tokens,
-            max_tokens,
+            cap,
             &self.scope.sources,
             self.scope.limits.tpm,
         );
@@ -192,6 +199,22 @@ impl Engine {
             top_up: false,
         };
         match self.ports.limiter.acquire_key(&req).await {
+            Ok(KeyAdmission::Admitted(p)) if chat => Ok(crate::client_keys::KeyCharge::funded(
+                &key.id,
+                p,
+                crate::client_keys::LegFunding {
+                    prompt_tokens,
+                    cap,
+                    send_cap,
+                    budgeted,
+                    limiter: self.ports.limiter.clone(),
+                    budget_day_nanos: key.limits.budget_day_nanos,
+                    budget_month_nanos: key.limits.budget_month_nanos,
+                    lease: self.scope.limits.lease,
+                    funds: std::sync::Mutex::new(polygw_core::key_funds::CallFunds::new(reserve)),
+                    top_ups: std::sync::Mutex::new(Vec::new()),
+                },
+            )),
             Ok(KeyAdmission::Admitted(p)) => Ok(crate::client_keys::KeyCharge::new(&key.id, p)),
             Ok(KeyAdmission::Refused(refusal)) => Err(KeyAdmitError::Refused {
                 refusal,

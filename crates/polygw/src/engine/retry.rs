@@ -61,6 +61,7 @@ impl Engine {
                     &call.failed_sources(),
                     stream,
                     prefs.clone(),
+                    call.key().as_ref(),
                 )
                 .await
                 .map_err(|e| {
@@ -644,7 +645,13 @@ impl Engine {
         }
         p.sticky = None;
         let pick = self
-            .try_pick_with(&call.excluded_sources(), &call.failed_sources(), stream, p)
+            .try_pick_with(
+                &call.excluded_sources(),
+                &call.failed_sources(),
+                stream,
+                p,
+                call.key().as_ref(),
+            )
             .await
             .map_err(|e| call.terminal(TerminalReason::GovernanceBackend, Some(e.to_string())))?;
         call.note_refusals(&pick.refusals);

@@ -621,6 +621,7 @@ impl<'a, L: Leg> Exec<'a, L> {
             self.call.clone(),
             control.clone(),
             picked.permit,
+            picked.leg,
             &info,
             self.leg.stream(),
         );
@@ -813,8 +814,14 @@ impl<'a, L: Leg> Exec<'a, L> {
             ..PickPrefs::default()
         };
         let stream = self.leg.stream();
+        let key = self.call.key();
         self.pick = Some(
-            async move { engine.try_pick_with(&exclude, &failed, stream, prefs).await }.boxed(),
+            async move {
+                engine
+                    .try_pick_with(&exclude, &failed, stream, prefs, key.as_ref())
+                    .await
+            }
+            .boxed(),
         );
     }
 

@@ -98,6 +98,8 @@ async fn proxy_with(
     let mut src = source("a", m);
     src.input_price = Some(1.0);
     src.output_price = Some(1.0);
+    // What a budgeted key's call without a cap reserves for, and is sent (SPEC §24.1).
+    src.max_output_tokens = Some(16);
     let chat = scope_with("LLM", ScopeKind::Chat, vec![src], Some(rows), |_| {}).await;
     let other = scope_with("EMB", ScopeKind::Chat, vec![source("a", m)], None, |_| {}).await;
     let cfg = ProxyConfig {
@@ -275,6 +277,11 @@ async fn a_budget_is_spent_exactly_and_never_exceeded() {
     let mut ok = 0;
     loop {
         let (st, body, _) = call(&s, &secret(4), "llm").await;
+        if st == 200 {
+            // The call had no cap: it was sent the one it reserved for.
+            let sent = m.requests().last().unwrap().body["max_tokens"].clone();
+            assert_eq!(sent, json!(16));
+        }
         if st != 200 {
             assert_eq!(
                 (st, body["error"]["code"].as_str()),
