@@ -21,7 +21,10 @@
 //!   ends unfinished (a crashed holder) is settled at its reservation at its lease end.
 //!   Admission refuses when `settled in the current period + every reservation in
 //!   flight + this reservation > budget` — month first, then day, so the reason named is
-//!   the one that clears last. An unsettled reservation counts in the current period whatever
+//!   the one that clears last — with a hint that says which case it is (SPEC §24.2):
+//!   none for a reservation above the budget itself (it never passes), a short one
+//!   ([`IN_FLIGHT_RETRY_MS`]) when the settled spend alone leaves room (calls in flight
+//!   hold the rest), else the period's end. An unsettled reservation counts in the current period whatever
 //!   period it was made in: it can only settle now or later, so wherever it settles it
 //!   may land in this period; counting it here is what keeps spend within the budget
 //!   (see the invariant in the tests) across a period's end.
@@ -45,6 +48,11 @@ use crate::window::{lease_ms, IdMap, Requests, Tokens};
 
 /// One UTC day, in ms.
 pub const DAY_MS: u64 = 86_400_000;
+
+/// The hint of a budget refusal whose budget is held only by calls in flight (SPEC §24.2:
+/// a short `Retry-After`; the calls settle, usually below their reservations). The Redis
+/// script `key_acquire.lua` uses the same figure.
+pub const IN_FLIGHT_RETRY_MS: u64 = 1_000;
 
 // === impl periods ===
 
@@ -465,9 +473,17 @@ impl KeyQuotas {
         ] {
             let Some(limit) = budget else { continue };
             if st.spent(period).saturating_add(req.reserve_nanos) > limit {
-                // The period's end; never, for a reservation above the budget itself.
-                let hint =
-                    (req.reserve_nanos <= limit).then(|| (period_end_ms(period, now) - now).max(1));
+                let settled = st.spent(period) - st.reserved;
+                let hint = if req.reserve_nanos > limit {
+                    // Above the budget itself: it never passes.
+                    None
+                } else if settled.saturating_add(req.reserve_nanos) <= limit {
+                    // Held only by calls in flight: it passes when they settle.
+                    Some(IN_FLIGHT_RETRY_MS)
+                } else {
+                    // Spent for the period: it passes when the period ends.
+                    Some((period_end_ms(period, now) - now).max(1))
+                };
                 return Err(refuse(budget_reason(period), hint));
             }
         }
@@ -765,14 +781,26 @@ mod tests {
         let t = JAN31_2359 - DAY_MS; // Jan 30, 23:59
         let a = q.acquire(t, &r).unwrap();
         let b = q.acquire(t, &r).unwrap();
+        // Held only by the calls in flight: a short hint (SPEC §24.2).
         let e = q.acquire(t, &r).unwrap_err();
         assert_eq!(e.reason, RefusalReason::KeyBudgetDay);
-        assert_eq!(e.retry_after, Some(Duration::from_secs(60)));
+        assert_eq!(
+            e.retry_after,
+            Some(Duration::from_millis(IN_FLIGHT_RETRY_MS))
+        );
         // settling below the reservation makes room at once
         q.finish(t + 1, a, 10, NANO);
-        q.finish(t + 1, b, 10, NANO);
-        assert_eq!(q.usage(t + 1, "k").day_nanos, 2 * NANO);
-        q.acquire(t + 2, &r).unwrap();
+        q.finish(t + 1, b, 10, 6 * NANO);
+        assert_eq!(q.usage(t + 1, "k").day_nanos, 7 * NANO);
+        // Spent for the day (7 settled + 4 > 10): the day's end.
+        let e = q.acquire(t + 1, &r).unwrap_err();
+        assert_eq!(e.reason, RefusalReason::KeyBudgetDay);
+        assert_eq!(e.retry_after, Some(Duration::from_millis(60_000 - 1)));
+        let small = KeyAcquire {
+            reserve_nanos: 3 * NANO,
+            ..r
+        };
+        q.acquire(t + 2, &small).unwrap();
         // a reservation above the budget itself never passes
         let big = KeyAcquire {
             reserve_nanos: 11 * NANO,

@@ -358,15 +358,17 @@ pub fn from_gateway(e: &GatewayError) -> ApiError {
     out
 }
 
-/// SPEC §21.1: a client key's refusal as the proxy answers it, before any source is
-/// asked: 429 with `Retry-After` (the refusal's hint: the window's expiry, the earliest
-/// lease end, the budget period's end) and a body whose `code` is the reason
-/// (`key_rpm`, `key_tpm`, `key_concurrency`, `key_budget_day`, `key_budget_month`) and
-/// whose message names the key, its limit and when it resets (UTC). `x-should-retry` is
-/// false beyond a client library's horizon (a budget waits for its period's end) and when
-/// the call can never pass (a reservation above the budget itself). `key_budget_unpriced`
-/// is a 403: a budgeted key on a scope without prices cannot be served until the
-/// operator sets prices; retrying cannot help. `now_unix_ms` is the proxy's clock.
+/// SPEC §21.1, §24.2: a client key's refusal as the proxy answers it, before any source
+/// is asked: 429 with `Retry-After` (the refusal's hint: the window's expiry, the
+/// earliest lease end, the budget period's end, or a second when calls in flight hold the
+/// budget) and a body whose `code` is the reason (`key_rpm`, `key_tpm`,
+/// `key_concurrency`, `key_budget_day`, `key_budget_month`) and whose message names the
+/// key, its limit and when it resets (UTC). `x-should-retry` is false beyond a client
+/// library's horizon and for a budget spent for its period; true for a budget held by
+/// calls in flight. A call that can never pass (a reservation above the budget itself,
+/// an estimate above the TPM) is a 403 with `x-should-retry: false`, as is
+/// `key_budget_unpriced` (a budgeted key on a scope without prices cannot be served until
+/// the operator sets prices). `now_unix_ms` is the proxy's clock.
 pub fn from_key_refusal(
     r: &polygw::core::ports::Refusal,
     key: &polygw::core::ports::KeyAcquire<'_>,
@@ -435,15 +437,43 @@ pub fn from_key_refusal(
         }
         other => ("requests", format!("client key {id} refused: {other}")),
     };
+    // SPEC §24.2: a call that can never pass (above the key's limit itself) is a 403; a
+    // budget spent for its period a 429 until the reset, not for a client library to
+    // retry; a budget held only by calls in flight a 429 with a short Retry-After.
+    let Some(after) = r.retry_after else {
+        let mut e = ApiError::new(
+            StatusCode::FORBIDDEN,
+            "permission_error",
+            r.reason.as_str(),
+            message,
+        );
+        e.should_retry = Some(false);
+        return e;
+    };
+    let budget = matches!(
+        r.reason,
+        RefusalReason::KeyBudgetDay | RefusalReason::KeyBudgetMonth
+    );
+    let in_flight = budget
+        && after == std::time::Duration::from_millis(polygw::core::key_quota::IN_FLIGHT_RETRY_MS);
+    let message = if in_flight {
+        format!("{message}; calls of this key in flight hold the rest of its budget: retry when they settle")
+    } else {
+        message
+    };
     let mut e = ApiError::new(
         StatusCode::TOO_MANY_REQUESTS,
         kind,
         r.reason.as_str(),
         message,
     );
-    let secs = r.retry_after.map(retry_after_secs);
-    e.retry_after = secs;
-    e.should_retry = Some(secs.is_some_and(|s| s <= CLIENT_RETRY_HORIZON_S));
+    let secs = retry_after_secs(after);
+    e.retry_after = Some(secs);
+    e.should_retry = Some(if budget {
+        in_flight
+    } else {
+        secs <= CLIENT_RETRY_HORIZON_S
+    });
     e
 }
 
@@ -609,8 +639,29 @@ mod tests {
             now,
         );
         assert_eq!(e.should_retry, Some(false));
+        // Never (a reservation above the budget itself): 403, no retry.
         let e = from_key_refusal(&refusal(RefusalReason::KeyBudgetDay, None), &key, now);
-        assert_eq!((e.retry_after, e.should_retry), (None, Some(false)));
+        assert_eq!(
+            (e.status, e.retry_after, e.should_retry),
+            (StatusCode::FORBIDDEN, None, Some(false))
+        );
+        assert!(e.message.contains("cannot pass"), "{}", e.message);
+        // Spent for the day, even a minute before its end: no client retry.
+        let e = from_key_refusal(&refusal(RefusalReason::KeyBudgetDay, Some(30)), &key, now);
+        assert_eq!((e.retry_after, e.should_retry), (Some(30), Some(false)));
+        // Held by calls in flight: a short Retry-After, and a retry may pass.
+        let held = Refusal {
+            reason: RefusalReason::KeyBudgetDay,
+            retry_after: Some(Duration::from_millis(
+                polygw::core::key_quota::IN_FLIGHT_RETRY_MS,
+            )),
+        };
+        let e = from_key_refusal(&held, &key, now);
+        assert_eq!(
+            (e.status, e.retry_after, e.should_retry),
+            (StatusCode::TOO_MANY_REQUESTS, Some(1), Some(true))
+        );
+        assert!(e.message.contains("in flight"), "{}", e.message);
         let e = from_key_refusal(&refusal(RefusalReason::KeyBudgetUnpriced, None), &key, now);
         assert_eq!(
             (e.status, e.code.as_deref()),

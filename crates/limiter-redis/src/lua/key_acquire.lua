@@ -58,8 +58,12 @@ local budgets = {{5, budget_month, meta.ms, month_end(now)}, {4, budget_day, met
 for _, b in ipairs(budgets) do
   local code, limit, settled, ends = b[1], b[2], b[3], b[4]
   if limit and settled + meta.r + nanos > limit then
+    -- -1: above the budget itself (never passes); 1000 (key_quota::IN_FLIGHT_RETRY_MS):
+    -- held only by calls in flight; else spent for the period: its end.
     local hint = -1
-    if nanos <= limit then hint = math.max(ends - now, 1) end
+    if nanos <= limit then
+      if settled + nanos <= limit then hint = 1000 else hint = math.max(ends - now, 1) end
+    end
     return refuse(code, hint)
   end
 end

@@ -202,7 +202,7 @@ async fn a_key_may_call_only_its_scopes_and_models() {
 }
 
 #[tokio::test]
-async fn a_keys_rpm_and_budget_are_429s_naming_the_limit() {
+async fn a_keys_rpm_and_budget_refusals_name_the_limit() {
     let m = mock(Behavior::text(&["hello"])).await;
     let store = Arc::new(Keys::default());
     store
@@ -247,9 +247,12 @@ async fn a_keys_rpm_and_budget_are_429s_naming_the_limit() {
         before,
         "refused before any upstream request"
     );
-    let (st, body, _) = call(&s, &secret(3), "llm").await;
-    assert_eq!(st, 429, "{body}");
+    // A call whose reservation is above the budget itself can never pass: 403 (SPEC §24.2).
+    let (st, body, h) = call(&s, &secret(3), "llm").await;
+    assert_eq!(st, 403, "{body}");
     assert_eq!(body["error"]["code"], "key_budget_day");
+    assert_eq!(h["x-should-retry"], "false");
+    assert!(h.get("retry-after").is_none());
 }
 
 /// A budget holds under a run of calls: each call settles at what its rows cost, the
@@ -276,7 +279,7 @@ async fn a_budget_is_spent_exactly_and_never_exceeded() {
     let (s, _) = proxy_with(store, rows.clone(), &m).await;
     let mut ok = 0;
     loop {
-        let (st, body, _) = call(&s, &secret(4), "llm").await;
+        let (st, body, h) = call(&s, &secret(4), "llm").await;
         if st == 200 {
             // The call had no cap: it was sent the one it reserved for.
             let sent = m.requests().last().unwrap().body["max_tokens"].clone();
@@ -288,6 +291,11 @@ async fn a_budget_is_spent_exactly_and_never_exceeded() {
                 (429, Some("key_budget_day")),
                 "{body}"
             );
+            // Spent for the day (nothing in flight): Retry-After is the reset, and no
+            // client library should retry before it (SPEC §24.2).
+            assert_eq!(h["x-should-retry"], "false");
+            let ra: u64 = h["retry-after"].to_str().unwrap().parse().unwrap();
+            assert!(ra > 1, "{ra}");
             break;
         }
         ok += 1;
@@ -509,8 +517,10 @@ async fn every_cap_field_is_reserved() {
         json!({"max_completion_tokens": 1_000_000}),
         json!({"max_tokens": 100, "n": 20}),
     ] {
+        // Above the budget itself: it can never pass (SPEC §24.2: 403, no retry).
         let r = send(too_much.clone()).await.unwrap();
-        assert_eq!(r.status(), 429, "{too_much}");
+        assert_eq!(r.status(), 403, "{too_much}");
+        assert_eq!(r.headers()["x-should-retry"], "false");
         let v: Value = r.json().await.unwrap();
         assert_eq!(v["error"]["code"], "key_budget_day", "{too_much}: {v}");
     }
