@@ -776,6 +776,10 @@ struct CallRecord {
 struct KeyCall {
     /// The key (index in `Evidence::keys`).
     key: usize,
+    /// Its prompt estimate.
+    prompt: u64,
+    /// The scope's sources and TPM (what reservations are priced from).
+    pricing: Arc<(Vec<polygw::core::SourceConfig>, u64)>,
     /// What it reserves, computed as admission does (`key_quota::key_reservation`).
     reserve_nanos: u64,
     /// What one leg of it reserves on each source (`key_funds::leg_reserve_nanos`): an
@@ -787,6 +791,23 @@ struct KeyCall {
     answered_at: Option<Instant>,
     /// The charge went into the call's options.
     admitted: bool,
+}
+
+impl KeyCall {
+    /// Prices its reservation and its legs' for output cap `cap`, as admission does.
+    fn price(&mut self, cap: Option<u64>) {
+        use polygw::core::key_funds::{leg_reserve_nanos, ESTIMATE_MARGIN_PCT as M};
+        let (sources, tpm) = &*self.pricing;
+        let r = polygw::core::key_quota::key_reservation(self.prompt, cap, M, sources, *tpm);
+        self.reserve_nanos = r.nanos.unwrap_or(0);
+        self.leg_nanos = sources
+            .iter()
+            .map(|s| {
+                let n = leg_reserve_nanos(self.prompt, cap, M, s, sources, *tpm);
+                (s.name.clone(), n)
+            })
+            .collect();
+    }
 }
 
 /// One client key as the checks see it.
@@ -2596,6 +2617,12 @@ async fn keyed_chat(
         match admitted {
             Ok(charge) => {
                 rec.admitted = true;
+                // Admission shrank the cap to what the budget pays for (SPEC §24.1).
+                if let Some(c) = charge.sent_cap() {
+                    if req.output_cap().is_none_or(|own| own > c) {
+                        rec.price(Some(c));
+                    }
+                }
                 options = options.with_client_key(charge);
             }
             Err(KeyAdmitError::Refused {
@@ -2635,7 +2662,8 @@ async fn one_call(client: &GatewayClient, seed: u64, idx: usize, keys: &KeyCtx) 
     let lid = CallOptions::new_logical_call_id();
     let key = keys::pick(seed, idx).map(|k| {
         // As admission computes it: a budgeted key's call without a cap reserves (and is
-        // sent) the scope's default cap.
+        // sent) the scope's default cap (a smaller one if admission shrinks it: see
+        // `keyed_chat`).
         let prompt = polygw::core::resume::estimate_prompt_tokens(&req);
         let cap = req.output_cap().or_else(|| {
             keys.keys[k]
@@ -2643,30 +2671,18 @@ async fn one_call(client: &GatewayClient, seed: u64, idx: usize, keys: &KeyCtx) 
                 .has_budget()
                 .then(|| polygw::core::key_funds::default_cap(&keys.sources))
         });
-        let r =
-            polygw::core::key_quota::key_reservation(prompt, cap, &keys.sources, keys.scope_tpm);
-        let leg_nanos = keys
-            .sources
-            .iter()
-            .map(|s| {
-                let n = polygw::core::key_funds::leg_reserve_nanos(
-                    prompt,
-                    cap,
-                    s,
-                    &keys.sources,
-                    keys.scope_tpm,
-                );
-                (s.name.clone(), n)
-            })
-            .collect();
-        let rec = Arc::new(Mutex::new(KeyCall {
+        let mut call = KeyCall {
             key: k,
-            reserve_nanos: r.nanos.unwrap_or(0),
-            leg_nanos,
+            prompt,
+            pricing: Arc::new((keys.sources.clone(), keys.scope_tpm)),
+            reserve_nanos: 0,
+            leg_nanos: HashMap::new(),
             asked_at: None,
             answered_at: None,
             admitted: false,
-        }));
+        };
+        call.price(cap);
+        let rec = Arc::new(Mutex::new(call));
         (keys.keys[k].clone(), rec)
     });
     let rec = key.as_ref().map(|(_, r)| r.clone());

@@ -573,7 +573,7 @@ fn reservation(prompt: &str) -> u64 {
         per_call: None,
     }
     .reserve_nanos(
-        polygw::core::key_funds::with_margin(est),
+        polygw::core::key_funds::with_margin(est, polygw::core::key_funds::ESTIMATE_MARGIN_PCT),
         ANSWER_TOKENS as u64,
     )
     .expect("a priced scope")

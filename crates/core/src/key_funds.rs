@@ -25,19 +25,71 @@
 use crate::key_quota::{output_estimate, ScopePrices};
 use crate::source::SourceConfig;
 
-/// The margin on the prompt estimate in a reservation, percent (`KEYS__ESTIMATE_MARGIN`
-/// of SPEC §24.1 at its default, 0.25).
+/// The default margin on the prompt estimate in a reservation, percent
+/// (`KEYS__ESTIMATE_MARGIN` = 0.25, SPEC §24.1).
 pub const ESTIMATE_MARGIN_PCT: u64 = 25;
+
+/// The default `KEYS__MIN_OUTPUT_TOKENS`: the smallest cap a call's output is shrunk to
+/// when its key's remaining budget cannot pay for more.
+pub const MIN_OUTPUT_TOKENS: u64 = 1024;
 
 /// The output cap a budgeted key's call without a cap of its own reserves and is sent,
 /// when no source of the scope sets `MAX_OUTPUT_TOKENS`.
 pub const DEFAULT_MAX_OUTPUT_TOKENS: u64 = 4096;
 
-/// The prompt tokens a reservation prices: the estimate plus the margin, rounded up.
-pub fn with_margin(prompt_tokens: u64) -> u64 {
+/// A scope's client-key money settings (`KEYS__*`, SPEC §24.1).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+pub struct KeySettings {
+    /// `KEYS__ESTIMATE_MARGIN`, in percent: the margin on the prompt estimate.
+    pub estimate_margin_pct: u64,
+    /// `KEYS__MIN_OUTPUT_TOKENS`: a call that cannot pay for the smaller of its own cap
+    /// and this is refused; above it, its cap shrinks to what the budget can pay.
+    pub min_output_tokens: u64,
+}
+
+impl Default for KeySettings {
+    fn default() -> Self {
+        KeySettings {
+            estimate_margin_pct: ESTIMATE_MARGIN_PCT,
+            min_output_tokens: MIN_OUTPUT_TOKENS,
+        }
+    }
+}
+
+/// The prompt tokens a reservation prices: the estimate plus `margin_pct` percent,
+/// rounded up.
+pub fn with_margin(prompt_tokens: u64, margin_pct: u64) -> u64 {
     prompt_tokens
-        .saturating_mul(100 + ESTIMATE_MARGIN_PCT)
+        .saturating_mul(100u64.saturating_add(margin_pct))
         .div_ceil(100)
+}
+
+/// The largest output cap a remaining budget of `remaining_nanos` pays for, after the
+/// prompt (`prompt_tokens` with its margin) at `prices` (SPEC §24.1); `None` when it is
+/// below `floor` (the smaller of the call's own cap and `KEYS__MIN_OUTPUT_TOKENS`: the
+/// call is refused) or the prices cannot price it. Never above `wanted`.
+pub fn shrunk_cap(
+    remaining_nanos: u64,
+    prompt_tokens: u64,
+    margin_pct: u64,
+    prices: &ScopePrices,
+    wanted: u64,
+    floor: u64,
+) -> Option<u64> {
+    let prompt = prices.reserve_nanos(with_margin(prompt_tokens, margin_pct), 0)?;
+    let left = remaining_nanos.checked_sub(prompt)?;
+    let cap = match prices.output {
+        Some(0) | None => wanted,
+        // ⌈cap × price / 10⁶⌉ ≤ left  ⇔  cap ≤ ⌊left × 10⁶ / price⌋.
+        Some(p) => u64::try_from(u128::from(left) * 1_000_000 / u128::from(p))
+            .unwrap_or(u64::MAX)
+            .min(wanted),
+    };
+    // A per-call price is a floor the cap cannot lower.
+    let fits = prices
+        .reserve_nanos(with_margin(prompt_tokens, margin_pct), cap)
+        .is_some_and(|n| n <= remaining_nanos);
+    (cap >= floor.min(wanted) && fits).then_some(cap)
 }
 
 /// The cap sent with a budgeted key's call that has none (SPEC §24.1): the smallest
@@ -51,7 +103,7 @@ pub fn default_cap(sources: &[SourceConfig]) -> u64 {
         .unwrap_or(DEFAULT_MAX_OUTPUT_TOKENS)
 }
 
-/// One leg's reservation on `source`, nanos: `prompt_tokens` with the margin at the
+/// One leg's reservation on `source`, nanos: `prompt_tokens` with `margin_pct` at the
 /// source's dearest input-side price plus `cap` (else the source's output estimate) at
 /// its output price. A source whose prices cannot price the leg reserves what the
 /// scope's dearest prices would (`sources`), else 0 (a scope without prices: no budget
@@ -59,11 +111,12 @@ pub fn default_cap(sources: &[SourceConfig]) -> u64 {
 pub fn leg_reserve_nanos(
     prompt_tokens: u64,
     cap: Option<u64>,
+    margin_pct: u64,
     source: &SourceConfig,
     sources: &[SourceConfig],
     scope_tpm: u64,
 ) -> u64 {
-    let prompt = with_margin(prompt_tokens);
+    let prompt = with_margin(prompt_tokens, margin_pct);
     let own = output_estimate(cap, std::slice::from_ref(source), scope_tpm);
     ScopePrices::highest([source])
         .reserve_nanos(prompt, own)

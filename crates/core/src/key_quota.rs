@@ -257,20 +257,23 @@ impl KeyReservation {
 
 /// A call's reservation against its key (SPEC §21.1, §24.1): `prompt_tokens` (the
 /// request's estimated prompt, [`crate::resume::estimate_prompt_tokens`]) plus the
-/// [`output_estimate`]; its money prices the prompt with the margin
+/// [`output_estimate`]; its money prices the prompt with `margin_pct` percent more
 /// ([`crate::key_funds::with_margin`]) and the output at the highest prices of the
 /// scope's `sources`, so that it covers the call's first leg on any of them.
 pub fn key_reservation(
     prompt_tokens: u64,
     max_tokens: Option<u64>,
+    margin_pct: u64,
     sources: &[SourceConfig],
     scope_tpm: u64,
 ) -> KeyReservation {
     let output = output_estimate(max_tokens, sources, scope_tpm);
     KeyReservation {
         tokens: prompt_tokens.saturating_add(output),
-        nanos: ScopePrices::highest(sources)
-            .reserve_nanos(crate::key_funds::with_margin(prompt_tokens), output),
+        nanos: ScopePrices::highest(sources).reserve_nanos(
+            crate::key_funds::with_margin(prompt_tokens, margin_pct),
+            output,
+        ),
     }
 }
 
@@ -704,7 +707,7 @@ mod tests {
         // The request's max_tokens, else the dearest sources' estimate.
         let srcs = [a.clone(), b.clone(), free.clone()];
         // The prompt's money with the 25 % margin: 1250 × 0.27 / 1M.
-        let r = key_reservation(1000, Some(500), &srcs, 0);
+        let r = key_reservation(1000, Some(500), 25, &srcs, 0);
         assert_eq!(
             r,
             KeyReservation {
@@ -712,7 +715,7 @@ mod tests {
                 nanos: Some(337_500 + 1_095_000)
             }
         );
-        let r = key_reservation(1000, None, &srcs, 0);
+        let r = key_reservation(1000, None, 25, &srcs, 0);
         assert_eq!(r.tokens, 5000);
         assert_eq!(r.nanos, Some(337_500 + 4000 * 2_190));
         // A cache write is an input-side price: the dearest one prices the prompt.
@@ -726,7 +729,7 @@ mod tests {
     #[test]
     fn unpriced_scopes_refuse_budgeted_keys_only() {
         let free = SourceConfig::new("c", 0, "http://c", "", "m");
-        let r = key_reservation(100, Some(10), std::slice::from_ref(&free), 0);
+        let r = key_reservation(100, Some(10), 25, std::slice::from_ref(&free), 0);
         assert_eq!(r.nanos, None);
         assert_eq!(r.reserve_nanos(false), Ok(0));
         let e = r.reserve_nanos(true).unwrap_err();
@@ -740,17 +743,17 @@ mod tests {
             ..free.clone()
         };
         assert_eq!(
-            key_reservation(100, Some(10), std::slice::from_ref(&half), 0).nanos,
+            key_reservation(100, Some(10), 25, std::slice::from_ref(&half), 0).nanos,
             None
         );
         assert_eq!(
-            key_reservation(100, Some(0), &[half], 0).nanos,
+            key_reservation(100, Some(0), 25, &[half], 0).nanos,
             Some(125_000)
         );
         // per-call prices (OCR) price a call without tokens
         let ocr = free.with_price_per_call(0.002);
         assert_eq!(
-            key_reservation(0, Some(0), &[ocr], 0).nanos,
+            key_reservation(0, Some(0), 25, &[ocr], 0).nanos,
             Some(2_000_000)
         );
         assert_eq!(price_nanos(-1.0), None);

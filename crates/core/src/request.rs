@@ -235,19 +235,56 @@ impl ChatRequest {
     /// without a cap of its own is sent): `max_tokens` of the chat form, and of a native
     /// body its API's field (`max_tokens` for Messages, `max_output_tokens` for
     /// Responses). A request that has a cap keeps it.
-    pub fn with_output_cap(mut self, cap: u64) -> Self {
+    pub fn with_output_cap(self, cap: u64) -> Self {
         if self.output_cap().is_some() {
             return self;
         }
-        self.max_tokens = Some(u32::try_from(cap).unwrap_or(u32::MAX));
-        if let Some(n) = &self.native {
-            let field = match n.api {
+        self.set_output_cap(cap)
+    }
+
+    /// The request with its output cap set to `total` (all its `n` choices together, as
+    /// [`ChatRequest::output_cap`] counts it; each choice gets `total / n`): in the chat
+    /// form, in every cap field it carries, and in its native body's. Extended thinking
+    /// (Anthropic's `thinking.budget_tokens`, which must stay in `1024 ≤ budget <
+    /// max_tokens`) shrinks with it, or is turned off for the call below that (SPEC §24.1).
+    pub fn set_output_cap(mut self, total: u64) -> Self {
+        const FIELDS: [&str; 3] = ["max_tokens", "max_completion_tokens", "max_output_tokens"];
+        let n = self
+            .overlay
+            .as_ref()
+            .and_then(|o| o.get("n"))
+            .and_then(Value::as_u64)
+            .unwrap_or(1)
+            .max(1);
+        let cap = (total / n).max(1);
+        // The chat form's own field, unless the client capped through another one (a
+        // source refuses both at once).
+        let other = self
+            .overlay
+            .as_ref()
+            .is_some_and(|o| FIELDS.iter().any(|f| o.contains_key(*f)));
+        if self.max_tokens.is_some() || !other {
+            self.max_tokens = Some(u32::try_from(cap).unwrap_or(u32::MAX));
+        }
+        let edit = |m: &mut Map<String, Value>, own: Option<&str>| {
+            for f in FIELDS {
+                if m.contains_key(f) || own == Some(f) {
+                    m.insert(f.to_string(), Value::from(cap));
+                }
+            }
+            fit_thinking(m, cap);
+        };
+        if let Some(o) = self.overlay.as_mut() {
+            edit(o, None);
+        }
+        if let Some(native) = &self.native {
+            let field = match native.api {
                 crate::source::SourceApi::Responses => "max_output_tokens",
                 _ => "max_tokens",
             };
-            let mut n = (**n).clone();
-            n.body.insert(field.to_string(), Value::from(cap));
-            self.native = Some(std::sync::Arc::new(n));
+            let mut native = (**native).clone();
+            edit(&mut native.body, Some(field));
+            self.native = Some(std::sync::Arc::new(native));
         }
         self
     }
@@ -279,6 +316,26 @@ impl ChatRequest {
     }
 }
 
+/// Keeps Anthropic's extended thinking valid under an output cap of `cap`:
+/// `budget_tokens` must be at least 1024 and below `max_tokens`, so it shrinks to
+/// `cap - 1`, and below 1025 thinking is turned off (`thinking` removed).
+fn fit_thinking(m: &mut Map<String, Value>, cap: u64) {
+    let Some(t) = m.get_mut("thinking").and_then(Value::as_object_mut) else {
+        return;
+    };
+    let Some(budget) = t.get("budget_tokens").and_then(Value::as_u64) else {
+        return;
+    };
+    if budget < cap {
+        return;
+    }
+    if cap > 1024 {
+        t.insert("budget_tokens".into(), Value::from(cap - 1));
+    } else {
+        m.remove("thinking");
+    }
+}
+
 #[cfg(test)]
 mod tests {
     /// SPEC §24.1: every cap field counts, the largest wins, times `n`.
@@ -304,6 +361,68 @@ mod tests {
             ..Default::default()
         }));
         assert_eq!(r.output_cap(), Some(4000));
+    }
+
+    /// SPEC §24.1: the cap a budget pays for is sent in every field the request carries,
+    /// per choice; Anthropic's thinking budget shrinks below it, or goes.
+    #[test]
+    fn a_set_cap_reaches_every_field_and_keeps_thinking_valid() {
+        use super::ChatRequest;
+        use crate::source::SourceApi;
+        use serde_json::json;
+        let native = |api, body: serde_json::Value| {
+            let mut r = ChatRequest::user("x");
+            r.native = Some(std::sync::Arc::new(crate::native::NativeRequest {
+                api,
+                body: body.as_object().unwrap().clone(),
+                ..Default::default()
+            }));
+            r
+        };
+        // An uncapped Responses request gets its API's field.
+        let r = native(SourceApi::Responses, json!({"input": "x"})).with_output_cap(4096);
+        assert_eq!(r.native.as_ref().unwrap().body["max_output_tokens"], 4096);
+        assert_eq!(r.output_cap(), Some(4096));
+        // A capped request keeps its own cap unless it is set.
+        let r = native(SourceApi::Messages, json!({"max_tokens": 64000})).with_output_cap(10);
+        assert_eq!(r.output_cap(), Some(64000));
+        let r = native(
+            SourceApi::Messages,
+            json!({"max_tokens": 64000, "thinking": {"type": "enabled", "budget_tokens": 32000}}),
+        )
+        .set_output_cap(8000);
+        let b = &r.native.as_ref().unwrap().body;
+        assert_eq!(b["max_tokens"], 8000);
+        assert_eq!(b["thinking"]["budget_tokens"], 7999);
+        let r = native(
+            SourceApi::Messages,
+            json!({"max_tokens": 64000, "thinking": {"type": "enabled", "budget_tokens": 2000}}),
+        )
+        .set_output_cap(1024);
+        let b = &r.native.as_ref().unwrap().body;
+        assert_eq!(b["max_tokens"], 1024);
+        assert!(
+            b.get("thinking").is_none(),
+            "thinking off below 1025: {b:?}"
+        );
+        // A thinking budget already below the cap stays.
+        let r = native(
+            SourceApi::Messages,
+            json!({"max_tokens": 64000, "thinking": {"type": "enabled", "budget_tokens": 2000}}),
+        )
+        .set_output_cap(5000);
+        assert_eq!(
+            r.native.as_ref().unwrap().body["thinking"]["budget_tokens"],
+            2000
+        );
+        // Per choice: n = 3 shares the total.
+        let r = ChatRequest::user("x")
+            .with_overlay("max_completion_tokens", json!(300))
+            .with_overlay("n", json!(3))
+            .set_output_cap(600);
+        assert_eq!(r.output_cap(), Some(600));
+        assert_eq!(r.max_tokens, None, "only the client's own field");
+        assert_eq!(r.overlay.as_ref().unwrap()["max_completion_tokens"], 200);
     }
 
     /// Issue 22, item 17: an assistant message's `"content": null` reaches the upstream

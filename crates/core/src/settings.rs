@@ -363,6 +363,8 @@ pub struct ScopeSettings {
     pub responses_ttl: Duration,
     /// Prompt-cache affinity (`AFFINITY`, `AFFINITY__TTL_S`, SPEC §20.2).
     pub affinity: crate::affinity::AffinitySettings,
+    /// Client keys' money (`KEYS__ESTIMATE_MARGIN`, `KEYS__MIN_OUTPUT_TOKENS`, SPEC §24.1).
+    pub keys: crate::key_funds::KeySettings,
 }
 
 /// The default `RESPONSES__TTL_S`: 30 days, as OpenAI keeps stored responses.
@@ -389,6 +391,7 @@ impl ScopeSettings {
             ocr_prompt: DEFAULT_OCR_PROMPT.to_string(),
             responses_ttl: DEFAULT_RESPONSES_TTL,
             affinity: crate::affinity::AffinitySettings::default(),
+            keys: crate::key_funds::KeySettings::default(),
         }
     }
 

@@ -535,10 +535,13 @@ impl GatewayClient {
         request
             .validate()
             .map_err(|(field, message)| GatewayError::InvalidRequest { field, message })?;
-        // A budgeted key's call without a cap is sent the cap it reserved for (§24.1).
+        // A budgeted key's call is sent the cap it reserved for when it had none, or a
+        // smaller one than its own that its budget pays for (SPEC §24.1).
         let request = match options.client_key.as_ref().and_then(|k| k.0.sent_cap()) {
-            Some(cap) => request.with_output_cap(cap),
-            None => request,
+            Some(cap) if request.output_cap().is_none_or(|own| own > cap) => {
+                request.set_output_cap(cap)
+            }
+            _ => request,
         };
         let engine = &self.engine;
         let (call, span) = self.new_call_with_id(request.stream, options.logical_call_id);

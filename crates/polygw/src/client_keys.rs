@@ -82,6 +82,8 @@ pub(crate) struct LegFunding {
     pub send_cap: Option<u64>,
     /// The key has a budget: legs are topped up before they launch.
     pub budgeted: bool,
+    /// The scope's `KEYS__ESTIMATE_MARGIN`, percent.
+    pub margin_pct: u64,
     /// Where a top-up is asked.
     pub limiter: Arc<dyn RateLimiter>,
     /// The key's budgets and its permits' lease.
@@ -141,15 +143,19 @@ impl KeyCharge {
         })
     }
 
-    /// The output cap polygw sends with this call (SPEC §24.1: a budgeted key's call
-    /// without a cap of its own is sent the cap it reserved for).
+    /// The output cap polygw sends with this call (SPEC §24.1): a budgeted key's call
+    /// without a cap of its own is sent the cap it reserved for; one whose remaining
+    /// budget could not pay for its own cap, the smaller one it pays for.
     pub fn sent_cap(&self) -> Option<u64> {
         self.funding.as_ref().and_then(|f| f.send_cap)
     }
 
-    /// The call's prompt estimate and output cap, when its legs are funded one by one.
-    pub(crate) fn leg_pricing(&self) -> Option<(u64, Option<u64>)> {
-        self.funding.as_ref().map(|f| (f.prompt_tokens, f.cap))
+    /// The call's prompt estimate, output cap and margin (percent), when its legs are
+    /// funded one by one.
+    pub(crate) fn leg_pricing(&self) -> Option<(u64, Option<u64>, u64)> {
+        self.funding
+            .as_ref()
+            .map(|f| (f.prompt_tokens, f.cap, f.margin_pct))
     }
 
     /// Reserves a leg of `nanos` before it launches (SPEC §24.1): held at once when the

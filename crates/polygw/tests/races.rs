@@ -495,6 +495,7 @@ async fn a_hedge_the_keys_budget_cannot_fund_is_not_launched() {
     let admission = polygw::core::key_quota::key_reservation(
         polygw::core::resume::estimate_prompt_tokens(&req),
         Some(polygw::core::key_funds::default_cap(&s.sources)),
+        25,
         &s.sources,
         0,
     )
@@ -558,7 +559,7 @@ async fn a_funded_hedge_settles_each_leg_at_its_cost_or_its_reservation() {
     assert_eq!(lost.cost, None, "{lost:?}");
     let won = rows.iter().find(|r| r.ok).unwrap();
     let leg0 =
-        polygw::core::key_funds::leg_reserve_nanos(prompt, cap, &s.sources[0], &s.sources, 0);
+        polygw::core::key_funds::leg_reserve_nanos(prompt, cap, 25, &s.sources[0], &s.sources, 0);
     let u = h.client.key_usage("key_roomy").await.unwrap();
     assert_eq!(u.reserved_nanos, 0);
     assert_eq!(

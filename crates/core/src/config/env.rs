@@ -66,7 +66,7 @@ pub const SOURCE_FIELDS: [&str; 26] = [
 ];
 
 /// Scope keys: (group or "" for two-segment keys, field).
-pub const SCOPE_KEYS: [(&str, &str); 45] = [
+pub const SCOPE_KEYS: [(&str, &str); 47] = [
     ("", "CALL_DEADLINE_S"),
     ("", "MODEL_ALIASES"),
     ("", "KIND"),
@@ -112,6 +112,8 @@ pub const SCOPE_KEYS: [(&str, &str); 45] = [
     ("RESPONSES", "TTL_S"),
     ("", "AFFINITY"),
     ("AFFINITY", "TTL_S"),
+    ("KEYS", "ESTIMATE_MARGIN"),
+    ("KEYS", "MIN_OUTPUT_TOKENS"),
 ];
 
 /// `OCR__PROMPT` is the one scope key outside the table above (it is free text).
@@ -538,6 +540,22 @@ fn apply_scope_keys(
                 })
                 .map(|x| s.retry.throttle.ratio = x)),
             ("RETRY", "PREFER") => run(parse_prefer(k, v).map(|x| s.retry.prefer = x)),
+            ("KEYS", "ESTIMATE_MARGIN") => run(v
+                .trim()
+                .parse::<f64>()
+                .ok()
+                .filter(|x| x.is_finite() && (0.0..=10.0).contains(x))
+                .ok_or_else(|| {
+                    invalid(
+                        k,
+                        v,
+                        "a fraction of the prompt estimate added to reservations, 0 to 10, e.g. 0.25",
+                    )
+                })
+                .map(|x| s.keys.estimate_margin_pct = (x * 100.0).round() as u64)),
+            ("KEYS", "MIN_OUTPUT_TOKENS") => run(parse_int::<u64>(k, v)
+                .and_then(|x| guards::int_in(k, x, &guards::MAX_OUTPUT_TOKENS_RANGE))
+                .map(|x| s.keys.min_output_tokens = x)),
             ("RETRY", "ON_NO_RUNNABLE") => {
                 run(parse_on_no_runnable(k, v).map(|x| s.retry.on_no_runnable = x))
             }

@@ -28,6 +28,53 @@ fn a_leg_is_covered_by_what_the_call_holds_or_topped_up() {
 }
 
 #[test]
+fn a_cap_shrinks_to_what_the_budget_pays_down_to_its_floor() {
+    use crate::key_quota::ScopePrices;
+    // 1 nano per input token, 2 per output token (0.001 and 0.002 per 1M).
+    let p = ScopePrices {
+        input: Some(1_000_000),
+        output: Some(2_000_000),
+        per_call: None,
+    };
+    // 100 prompt tokens + 25 % = 125 nanos; 10 125 nanos left pay 5000 output tokens.
+    assert_eq!(shrunk_cap(10_125, 100, 25, &p, 8192, 1024), Some(5_000));
+    // Never above what the call wanted.
+    assert_eq!(shrunk_cap(1_000_000, 100, 25, &p, 4096, 1024), Some(4096));
+    // Below the floor (the smaller of its own cap and the minimum): refused.
+    assert_eq!(shrunk_cap(2_000, 100, 25, &p, 8192, 1024), None);
+    // A call that wanted less than the minimum keeps its own as the floor.
+    assert_eq!(shrunk_cap(1_125, 100, 25, &p, 500, 1024), Some(500));
+    assert_eq!(shrunk_cap(1_124, 100, 25, &p, 500, 1024), None);
+    // Not even the prompt fits.
+    assert_eq!(shrunk_cap(100, 100, 25, &p, 500, 1), None);
+}
+
+proptest! {
+    /// A shrunk cap is one the remaining budget pays for, never above the wanted cap,
+    /// and the largest such (one more token would not fit, unless it is the wanted cap).
+    #[test]
+    fn a_shrunk_cap_is_the_largest_the_budget_pays(
+        remaining in 0u64..50_000_000,
+        prompt in 0u64..20_000,
+        input in 1u64..20_000_000,
+        output in 1u64..80_000_000,
+        wanted in 1u64..100_000,
+        floor in 1u64..5_000,
+    ) {
+        let p = crate::key_quota::ScopePrices { input: Some(input), output: Some(output), per_call: None };
+        if let Some(c) = shrunk_cap(remaining, prompt, 25, &p, wanted, floor) {
+            prop_assert!(c <= wanted && c >= floor.min(wanted));
+            prop_assert!(p.reserve_nanos(with_margin(prompt, 25), c).unwrap() <= remaining);
+            if c < wanted {
+                prop_assert!(p.reserve_nanos(with_margin(prompt, 25), c + 1).unwrap() > remaining);
+            }
+        } else if let Some(n) = p.reserve_nanos(with_margin(prompt, 25), floor.min(wanted)) {
+            prop_assert!(n > remaining, "refused although {n} ≤ {remaining}");
+        }
+    }
+}
+
+#[test]
 fn a_legs_reservation_prices_its_source_with_the_margin() {
     let cheap = SourceConfig::new("a", 0, "http://a", "", "m").with_prices(1.0, 2.0);
     let dear = SourceConfig::new("b", 0, "http://b", "", "m")
@@ -37,20 +84,21 @@ fn a_legs_reservation_prices_its_source_with_the_margin() {
     let all = [cheap.clone(), dear.clone(), free.clone()];
     // 1000 prompt tokens + 25 % at 1.0/M, 100 out at 2.0/M.
     assert_eq!(
-        leg_reserve_nanos(1000, Some(100), &cheap, &all, 0),
+        leg_reserve_nanos(1000, Some(100), 25, &cheap, &all, 0),
         1_250_000 + 200_000
     );
     // The dearest input side is the cache write.
     assert_eq!(
-        leg_reserve_nanos(1000, Some(100), &dear, &all, 0),
+        leg_reserve_nanos(1000, Some(100), 25, &dear, &all, 0),
         1250 * 3_750 + 100 * 15_000
     );
     // An unpriced source reserves what the scope's dearest prices would.
     assert_eq!(
-        leg_reserve_nanos(1000, Some(100), &free, &all, 0),
+        leg_reserve_nanos(1000, Some(100), 25, &free, &all, 0),
         1250 * 3_750 + 100 * 15_000
     );
-    assert_eq!(with_margin(3), 4);
+    assert_eq!(with_margin(3, 25), 4);
+    assert_eq!(with_margin(3, 0), 3);
     let mut capped = cheap.clone();
     capped.max_output_tokens = Some(1000);
     assert_eq!(default_cap(&all), DEFAULT_MAX_OUTPUT_TOKENS);

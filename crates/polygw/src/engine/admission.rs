@@ -94,12 +94,13 @@ impl Engine {
         idx: usize,
     ) -> Result<Result<Option<LegHold>, Refusal>, GovernanceError> {
         let Some(k) = key else { return Ok(Ok(None)) };
-        let Some((prompt, cap)) = k.leg_pricing() else {
+        let Some((prompt, cap, margin)) = k.leg_pricing() else {
             return Ok(Ok(None));
         };
         let nanos = polygw_core::key_funds::leg_reserve_nanos(
             prompt,
             cap,
+            margin,
             &self.scope.sources[idx],
             &self.scope.sources,
             self.scope.limits.tpm,

@@ -15,6 +15,7 @@ pub(crate) mod call;
 mod capability;
 pub(crate) mod emit;
 mod future_set;
+mod key_admission;
 pub(crate) mod latency;
 pub(crate) mod retry;
 pub(crate) mod round;
@@ -150,78 +151,6 @@ impl Engine {
                     ..Default::default()
                 }
             }
-        }
-    }
-
-    /// Admits a call against a client key (see `GatewayClient::admit_key`): its prompt
-    /// estimate and output cap give the reservation, at this scope's highest prices.
-    pub(crate) async fn admit_key(
-        &self,
-        key: &polygw_core::client_key::ClientKey,
-        prompt_tokens: u64,
-        max_tokens: Option<u64>,
-    ) -> Result<Arc<crate::client_keys::KeyCharge>, crate::client_keys::KeyAdmitError> {
-        use crate::client_keys::KeyAdmitError;
-        use polygw_core::ports::{KeyAcquire, KeyAdmission};
-        if key.limits.is_unlimited() {
-            return Ok(crate::client_keys::KeyCharge::unmetered(&key.id));
-        }
-        // A chat call of a budgeted key without a cap of its own reserves for, and is
-        // sent, the scope's default cap (SPEC §24.1).
-        let chat = self.kind == polygw_core::ScopeKind::Chat;
-        let budgeted = key.limits.has_budget();
-        let send_cap = (chat && budgeted && max_tokens.is_none())
-            .then(|| polygw_core::key_funds::default_cap(&self.scope.sources));
-        let cap = max_tokens.or(send_cap);
-        let r = polygw_core::key_quota::key_reservation(
-            prompt_tokens,
-            cap,
-            &self.scope.sources,
-            self.scope.limits.tpm,
-        );
-        let reserve = r
-            .reserve_nanos(key.limits.has_budget())
-            .map_err(|refusal| KeyAdmitError::Refused {
-                refusal,
-                reserve_nanos: 0,
-                est_tokens: r.tokens,
-            })?;
-        let req = KeyAcquire {
-            key_id: &key.id,
-            rpm: key.limits.rpm,
-            tpm: key.limits.tpm,
-            max_concurrency: key.limits.max_concurrency,
-            budget_day_nanos: key.limits.budget_day_nanos,
-            budget_month_nanos: key.limits.budget_month_nanos,
-            est_tokens: r.tokens,
-            reserve_nanos: reserve,
-            lease: self.scope.limits.lease,
-            top_up: false,
-        };
-        match self.ports.limiter.acquire_key(&req).await {
-            Ok(KeyAdmission::Admitted(p)) if chat => Ok(crate::client_keys::KeyCharge::funded(
-                &key.id,
-                p,
-                crate::client_keys::LegFunding {
-                    prompt_tokens,
-                    cap,
-                    send_cap,
-                    budgeted,
-                    limiter: self.ports.limiter.clone(),
-                    budget_day_nanos: key.limits.budget_day_nanos,
-                    budget_month_nanos: key.limits.budget_month_nanos,
-                    lease: self.scope.limits.lease,
-                    funds: std::sync::Mutex::new(polygw_core::key_funds::CallFunds::new(reserve)),
-                    top_ups: std::sync::Mutex::new(Vec::new()),
-                },
-            )),
-            Ok(KeyAdmission::Admitted(p)) => Ok(crate::client_keys::KeyCharge::new(&key.id, p)),
-            Ok(KeyAdmission::Refused(refusal)) => Err(KeyAdmitError::Refused {
-                refusal,
-                reserve_nanos: reserve,
-                est_tokens: r.tokens,
-            }),
-            Err(err) => Err(KeyAdmitError::Backend(err)),
         }
     }
 

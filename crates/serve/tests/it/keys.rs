@@ -525,3 +525,48 @@ async fn every_cap_field_is_reserved() {
         assert_eq!(v["error"]["code"], "key_budget_day", "{too_much}: {v}");
     }
 }
+
+/// SPEC §24.1: a budgeted call whose remaining budget cannot pay for its whole cap is
+/// admitted with the smaller cap it pays for — sent upstream in place of the default —
+/// down to `KEYS__MIN_OUTPUT_TOKENS`; below that it is refused.
+#[tokio::test]
+async fn a_cap_the_budget_cannot_pay_shrinks_down_to_the_minimum() {
+    let m = mock(Behavior::text(&["short"])).await;
+    let store = Arc::new(Keys::default());
+    // 1.0 per 1M tokens: 1000 nanos a token. 2.1M nanos pay ~2090 output tokens, not the
+    // 4096 an uncapped call reserves by default; 1M nanos pay fewer than 1024.
+    for (n, budget) in [(11, 2_100_000u64), (12, 1_000_000)] {
+        store
+            .create(key(
+                n,
+                KeyLimits {
+                    budget_day_nanos: Some(budget),
+                    ..KeyLimits::default()
+                },
+            ))
+            .await
+            .unwrap();
+    }
+    let ring = KeyRing::new(store, Duration::from_secs(3600));
+    ring.refresh().await.unwrap();
+    let mut src = source("a", &m);
+    src.input_price = Some(1.0);
+    src.output_price = Some(1.0);
+    let chat = scope_with("LLM", ScopeKind::Chat, vec![src], None, |_| {}).await;
+    let cfg = ProxyConfig {
+        key_ring: Some(ring),
+        ..ProxyConfig::default()
+    };
+    let s = serve_with(vec![chat], cfg, ServerLimits::default()).await;
+    let (st, body, _) = call(&s, &secret(11), "llm").await;
+    assert_eq!(st, 200, "{body}");
+    let sent = m.requests().last().unwrap().body["max_tokens"]
+        .as_u64()
+        .expect("a cap was sent");
+    assert!((1024..2100).contains(&sent), "sent cap {sent}");
+    let (st, body, h) = call(&s, &secret(12), "llm").await;
+    assert_eq!(st, 403, "{body}");
+    assert_eq!(body["error"]["code"], "key_budget_day");
+    assert_eq!(h["x-should-retry"], "false");
+    assert_eq!(m.requests().len(), 1, "the refused call reached no upstream");
+}
