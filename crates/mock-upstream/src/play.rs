@@ -119,7 +119,7 @@ pub(crate) struct Ctx {
     pub(crate) image_summary: Option<String>,
     /// A prefill prefix to continue from (an honoured prefill request).
     pub(crate) prefill: Option<String>,
-    /// The request's `max_tokens` / `max_completion_tokens` (the smaller when both).
+    /// The request's output cap (`max_tokens`, `max_completion_tokens`, `max_output_tokens`).
     pub(crate) max_tokens: Option<u64>,
     /// What the prefix cache read and wrote for the request, when one is on.
     pub(crate) cache: Option<CacheUse>,
@@ -244,9 +244,13 @@ impl Plan {
             .count() as u64;
         let prompt_tokens = b.prompt_tokens.unwrap_or(ctx.prompt_tokens);
         let cache = ctx.cache.map(|c| c.clamped(prompt_tokens));
+        // A behavior's own `completion_tokens` may exceed its chunks (hidden reasoning, as
+        // a reasoning model bills); like a provider, the mock stops at the request's cap.
+        let completion = b.completion_tokens.unwrap_or(items.len() as u64);
+        let completion = ctx.max_tokens.map_or(completion, |m| completion.min(m));
         let mut usage = Usage {
             prompt_tokens,
-            completion_tokens: b.completion_tokens.unwrap_or(items.len() as u64),
+            completion_tokens: completion,
             reasoning_tokens: (reasoning_n > 0).then_some(reasoning_n),
             ..Usage::default()
         };

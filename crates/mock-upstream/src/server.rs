@@ -611,9 +611,10 @@ async fn raw_bytes(b: &Behavior) -> Result<Option<(Bytes, &'static str)>, String
     Ok(None)
 }
 
-/// The request's `max_tokens` / `max_completion_tokens` (the smaller when both).
+/// The request's output cap: `max_tokens`, `max_completion_tokens` or (Responses)
+/// `max_output_tokens` (the smallest when several).
 fn max_tokens(body: &Value) -> Option<u64> {
-    ["max_tokens", "max_completion_tokens"]
+    ["max_tokens", "max_completion_tokens", "max_output_tokens"]
         .iter()
         .filter_map(|k| body.get(*k).and_then(Value::as_u64))
         .min()

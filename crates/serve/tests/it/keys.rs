@@ -568,5 +568,153 @@ async fn a_cap_the_budget_cannot_pay_shrinks_down_to_the_minimum() {
     assert_eq!(st, 403, "{body}");
     assert_eq!(body["error"]["code"], "key_budget_day");
     assert_eq!(h["x-should-retry"], "false");
-    assert_eq!(m.requests().len(), 1, "the refused call reached no upstream");
+    assert_eq!(
+        m.requests().len(),
+        1,
+        "the refused call reached no upstream"
+    );
+}
+
+/// SPEC §24.1 measured at one process: 32 concurrent clients — with and without caps,
+/// streamed and plain — on a key whose budget buys a handful of calls, then one client
+/// call by call until the budget is spent. The mock bills by its own count: hidden
+/// reasoning (3000 completion tokens behind 4 chunks, up to the cap it is sent) and
+/// cache-write premiums. Its bill for the key never exceeds the budget, at least half of
+/// the budget is used, and the key's settled spend is what the upstream billed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn thirty_two_clients_never_overspend_a_budget_that_buys_a_handful_of_calls() {
+    use polygw_mock_upstream::{CacheDialect, PrefixCache, Prices};
+    let m = mock(Behavior {
+        completion_tokens: Some(3000),
+        ..Behavior::text(&["a ", "b ", "c ", "d"])
+    })
+    .await;
+    m.set_prefix_cache(PrefixCache {
+        min_tokens: 16,
+        block_tokens: 16,
+        ..PrefixCache::new(CacheDialect::Anthropic)
+    });
+    m.set_prices(Prices::new(1.0, 4.0).with_cache_write(1.25));
+    let store = Arc::new(Keys::default());
+    // An uncapped call reserves ~16.5M nanos (4096 out at 4.0/1M) and costs ~12M; a
+    // capped one (500) reserves and costs ~2M.
+    let budget = 60_000_000u64;
+    store
+        .create(key(
+            20,
+            KeyLimits {
+                budget_day_nanos: Some(budget),
+                ..KeyLimits::default()
+            },
+        ))
+        .await
+        .unwrap();
+    let rows = RecordingTelemetry::new();
+    let ring = KeyRing::new(store, Duration::from_secs(3600));
+    ring.refresh().await.unwrap();
+    let mut src = source("a", &m);
+    src.input_price = Some(1.0);
+    src.output_price = Some(4.0);
+    src.cache_write_price = Some(1.25);
+    let chat = scope_with(
+        "LLM",
+        ScopeKind::Chat,
+        vec![src],
+        Some(rows.clone()),
+        |_| {},
+    )
+    .await;
+    let cfg = ProxyConfig {
+        key_ring: Some(ring),
+        ..ProxyConfig::default()
+    };
+    let s = Arc::new(serve_with(vec![chat], cfg, ServerLimits::default()).await);
+    // One call: (status, x-should-retry).
+    async fn one(s: &Served, c: usize, n: usize) -> (u16, Option<String>) {
+        let mut body = json!({
+            "model": "llm",
+            "messages": [{"role": "user", "content": format!(
+                "client {c:02} call {n:03}: tell me about budgets and how they are kept, and why a gateway that overspends them is worse than none at all")}],
+            "stream": c % 2 == 0,
+        });
+        if c % 3 == 0 {
+            body["max_tokens"] = json!(500);
+        }
+        let r = http()
+            .post(format!("{}/chat/completions", s.v1()))
+            .bearer_auth(secret(20))
+            .json(&body)
+            .send()
+            .await
+            .unwrap();
+        let st = r.status().as_u16();
+        let retry = r
+            .headers()
+            .get("x-should-retry")
+            .map(|v| v.to_str().unwrap().to_string());
+        let text = r.text().await.unwrap();
+        if st == 200 && c % 2 == 0 {
+            assert!(text.contains("data: [DONE]"), "{text}");
+        }
+        (st, retry)
+    }
+    let clients: Vec<_> = (0..32)
+        .map(|c| {
+            let s = s.clone();
+            tokio::spawn(async move {
+                let mut ok = 0;
+                loop {
+                    match one(&s, c, ok).await {
+                        (200, _) => ok += 1,
+                        (429 | 403, _) => return ok,
+                        other => panic!("client {c}: {other:?}"),
+                    }
+                }
+            })
+        })
+        .collect();
+    let mut concurrent = 0;
+    for c in clients {
+        concurrent += c.await.unwrap();
+    }
+    // Then call by call, nothing else in flight, until the budget itself refuses.
+    let mut alone = 0;
+    loop {
+        match one(&s, 99, alone).await {
+            (200, _) => alone += 1,
+            (429, Some(r)) if r == "true" => panic!("refused for calls in flight with none"),
+            (429 | 403, _) => break,
+            other => panic!("{other:?}"),
+        }
+        assert!(alone < 100);
+    }
+    let polygw_serve::ScopeClient::Chat(c) = &s.proxy.scopes().next().unwrap().client else {
+        panic!("chat")
+    };
+    let usage = c.key_usage("key_20").await.unwrap();
+    assert_eq!(usage.reserved_nanos, 0, "{usage:?}");
+    let invoice = m.invoice();
+    let billed = polygw::core::key_quota::cost_nanos(invoice.total.unwrap());
+    let calls = invoice.entries.len() as u64;
+    assert_eq!(
+        calls as usize,
+        concurrent + alone,
+        "one upstream request per call"
+    );
+    assert!(
+        invoice.entries.iter().any(|e| e.cache_write_tokens > 0),
+        "cache writes were billed: {:?}",
+        invoice.entries.first()
+    );
+    assert!(billed <= budget, "billed {billed} nanos, budget {budget}");
+    assert!(billed * 2 >= budget, "only {billed} of {budget} used");
+    assert!(
+        usage.day_nanos.abs_diff(billed) <= calls,
+        "settled {} vs billed {billed}",
+        usage.day_nanos
+    );
+    println!(
+        "one process, 32 clients: {calls} calls ({concurrent} concurrent + {alone} one by one), billed {billed} of {budget} nanos: overshoot {}",
+        billed as i64 - budget as i64
+    );
 }
