@@ -553,6 +553,29 @@ struct AgentWorld {
     serve: Serve,
     home: tempfile::TempDir,
     work: tempfile::TempDir,
+    /// The scope's telemetry database (SQLite).
+    db: String,
+    _db_dir: tempfile::TempDir,
+}
+
+impl AgentWorld {
+    /// The agent sessions and agents on the rows so far (SPEC §24.6), waiting for the
+    /// writer: (agent_session_id, agent_id) of each attempt row.
+    async fn attribution(&self) -> Vec<(Option<String>, Option<String>)> {
+        for _ in 0..100 {
+            let rows = polygw_telemetry_sql::read_rows(&self.db, None)
+                .await
+                .unwrap_or_default();
+            if !rows.is_empty() {
+                return rows
+                    .into_iter()
+                    .map(|r| (r.agent_session_id, r.agent_id))
+                    .collect();
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        Vec::new()
+    }
 }
 
 async fn agent_world(api: &str, aliases: &str) -> AgentWorld {
@@ -567,6 +590,9 @@ async fn agent_world(api: &str, aliases: &str) -> AgentWorld {
     ));
     env.push(var("LLM__MODEL_ALIASES", aliases));
     env.push(var("LLM__RETRY__BACKOFF_BASE_S", "0.01"));
+    let db_dir = tempfile::tempdir().unwrap();
+    let db = format!("sqlite://{}", db_dir.path().join("rows.db").display());
+    env.push(var("LLM__TELEMETRY__URL", &db));
     let serve = start(&["--max-wait-s", "10"], env);
     let work = tempfile::tempdir().unwrap();
     std::fs::write(
@@ -580,6 +606,8 @@ async fn agent_world(api: &str, aliases: &str) -> AgentWorld {
         serve,
         home: tempfile::tempdir().unwrap(),
         work,
+        db,
+        _db_dir: db_dir,
     }
 }
 
@@ -669,6 +697,12 @@ async fn claude_code_through_polygw_to_messages_sources() {
     );
     assert!(turn.body["tools"].as_array().is_some_and(|t| !t.is_empty()));
     primary.reset_log();
+    // SPEC §24.6: Claude Code's session id is on the rows.
+    let rows = w.attribution().await;
+    assert!(
+        !rows.is_empty() && rows.iter().all(|(s, _)| s.is_some()),
+        "every row names Claude Code's session: {rows:?}"
+    );
 
     // A tool round: the primary asks Claude Code to read the note, then answers.
     primary.push_script(Behavior {
@@ -774,6 +808,14 @@ async fn codex_through_polygw_to_responses_sources() {
     eprintln!("{test}: Codex's tools: {tools:?}");
     assert!(!tools.is_empty());
     primary.reset_log();
+    // SPEC §24.6: Codex's session (its session_id header, else its prompt_cache_key) is
+    // on the rows.
+    let rows = w.attribution().await;
+    eprintln!("{test}: attribution {rows:?}");
+    assert!(
+        !rows.is_empty() && rows.iter().all(|(s, _)| s.is_some()),
+        "every row names Codex's session: {rows:?}"
+    );
 
     // A tool round: the primary asks for a shell command (Codex's shell tool, by the
     // name Codex gave it), then answers.

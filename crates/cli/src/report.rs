@@ -575,31 +575,87 @@ pub(crate) fn sections(sum: &Summary) -> Vec<Section> {
             .keys
             .iter()
             .map(|k| {
-                let known = k.tokens.rows > 0;
-                vec![
+                let mut row = vec![
                     k.id.clone().unwrap_or_else(|| NO_KEY.to_string()),
                     if k.name.is_empty() {
                         "—".into()
                     } else {
                         k.name.clone()
                     },
-                    k.calls.to_string(),
-                    k.failed_calls.to_string(),
-                    format!(
-                        "{}/{}",
-                        k.tokens.rows,
-                        k.cost.known_rows + k.cost.unknown_rows
-                    ),
-                    count_or_dash(known, k.tokens.prompt),
-                    count_or_dash(known, k.tokens.completion),
-                    money(k.cost.known_sum()),
-                    k.cost.unknown_rows.to_string(),
-                ]
+                ];
+                row.extend(spend_cells(k));
+                row
             })
             .collect(),
         empty: "no call was charged to a client key",
         as_lines: false,
     });
+
+    if !sum.sessions.is_empty() {
+        out.push(Section {
+            title: "Spend per agent session",
+            note: "Rows per agent_session_id (SPEC §24.6: Claude Code's session id, Codex's \
+                   session_id, a prompt_cache_key), the dearest first: calls, failed calls, \
+                   tokens with known usage, the known cost, and the rows whose cost is \
+                   unknown.",
+            headers: vec![
+                "session",
+                "calls",
+                "failed",
+                "usage known",
+                "prompt",
+                "completion",
+                "cost (known)",
+                "unknown cost",
+            ],
+            rows: sum
+                .sessions
+                .iter()
+                .map(|k| {
+                    let mut row = vec![k.id.clone().unwrap_or_else(|| NO_SESSION.to_string())];
+                    row.extend(spend_cells(k));
+                    row
+                })
+                .collect(),
+            empty: "no call named an agent session",
+            as_lines: false,
+        });
+    }
+    if !sum.agents.is_empty() {
+        out.push(Section {
+            title: "Spend per sub-agent",
+            note: "Rows per agent_id (SPEC §24.6: Claude Code's x-claude-code-agent-id), with \
+                   the agent that started it and its session.",
+            headers: vec![
+                "agent",
+                "parent",
+                "session",
+                "calls",
+                "failed",
+                "usage known",
+                "prompt",
+                "completion",
+                "cost (known)",
+                "unknown cost",
+            ],
+            rows: sum
+                .agents
+                .iter()
+                .map(|a| {
+                    let dash = |v: &Option<String>| v.clone().unwrap_or_else(|| "—".into());
+                    let mut row = vec![
+                        a.spend.id.clone().unwrap_or_default(),
+                        dash(&a.parent),
+                        dash(&a.session),
+                    ];
+                    row.extend(spend_cells(&a.spend));
+                    row
+                })
+                .collect(),
+            empty: "no call named a sub-agent",
+            as_lines: false,
+        });
+    }
 
     out.push(Section {
         title: "Slowest calls",
@@ -673,6 +729,28 @@ pub(crate) async fn key_names(
 
 /// The "client key" of rows charged to none.
 pub const NO_KEY: &str = "(no client key)";
+
+/// The row of the calls that named no agent session.
+pub const NO_SESSION: &str = "(no session)";
+
+/// The spend cells of a per-key / per-session / per-agent table: calls, failed, usage
+/// known, prompt, completion, cost (known), unknown cost.
+fn spend_cells(k: &stats::KeyStats) -> Vec<String> {
+    let known = k.tokens.rows > 0;
+    vec![
+        k.calls.to_string(),
+        k.failed_calls.to_string(),
+        format!(
+            "{}/{}",
+            k.tokens.rows,
+            k.cost.known_rows + k.cost.unknown_rows
+        ),
+        count_or_dash(known, k.tokens.prompt),
+        count_or_dash(known, k.tokens.completion),
+        money(k.cost.known_sum()),
+        k.cost.unknown_rows.to_string(),
+    ]
+}
 
 /// Names the keys of `sum` from `polygw_client_keys` (`None`: the database has no such
 /// table): the name, `(revoked)` after a revoked key's, and a key the table does not

@@ -132,9 +132,61 @@ pub struct TelemetryRow {
     /// The client key the call came with (`polygw serve` client keys: SPEC §21.1).
     #[serde(default)]
     pub client_key_id: Option<String>,
+    /// The agent session the call belongs to, as its client named it (SPEC §24.6).
+    #[serde(default)]
+    pub agent_session_id: Option<String>,
+    /// The (sub-)agent that made the call, as its client named it (SPEC §24.6).
+    #[serde(default)]
+    pub agent_id: Option<String>,
+    /// The agent that started that sub-agent (SPEC §24.6).
+    #[serde(default)]
+    pub parent_agent_id: Option<String>,
     /// The call's decision trace, compact JSON, on its last row (SPEC §19.4).
     #[serde(default)]
     pub trace: Option<String>,
+}
+
+/// Who a call is for, as its client says (SPEC §24.6): the agent session, the agent that
+/// made the call and the agent that started it. Every row of the call carries them, so
+/// spend can be summed per session and per sub-agent. Values are ids, not secrets;
+/// [`Attribution::id`] keeps them short and printable.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Attribution {
+    /// `agent_session_id`.
+    pub session: Option<String>,
+    /// `agent_id`.
+    pub agent: Option<String>,
+    /// `parent_agent_id`.
+    pub parent_agent: Option<String>,
+}
+
+impl Attribution {
+    /// The longest id kept, in characters (a longer one is cut).
+    pub const MAX_ID_CHARS: usize = 128;
+
+    /// A client's id as a row keeps it: trimmed, control characters dropped, at most
+    /// [`Self::MAX_ID_CHARS`]; `None` when nothing is left.
+    pub fn id(raw: &str) -> Option<String> {
+        let s: String = raw
+            .trim()
+            .chars()
+            .filter(|c| !c.is_control())
+            .take(Self::MAX_ID_CHARS)
+            .collect();
+        (!s.is_empty()).then_some(s)
+    }
+
+    /// Whether it names nothing.
+    pub fn is_empty(&self) -> bool {
+        self.session.is_none() && self.agent.is_none() && self.parent_agent.is_none()
+    }
+
+    /// Writes it into a row.
+    pub fn apply(&self, row: &mut TelemetryRow) {
+        row.agent_session_id.clone_from(&self.session);
+        row.agent_id.clone_from(&self.agent);
+        row.parent_agent_id.clone_from(&self.parent_agent);
+    }
 }
 
 impl TelemetryRow {
@@ -183,6 +235,9 @@ impl TelemetryRow {
             est_prompt_tokens: None,
             est_received_tokens: None,
             client_key_id: None,
+            agent_session_id: None,
+            agent_id: None,
+            parent_agent_id: None,
             trace: None,
             prefix_chars: None,
         }

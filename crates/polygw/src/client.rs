@@ -56,6 +56,8 @@ pub struct CallOptions {
     /// ([`GatewayClient::admit_key`]), settled with what all its attempts spent; its id is
     /// every row's `client_key_id`.
     pub client_key: Option<crate::client_keys::KeyGrant>,
+    /// The agent session and agents the call is for (SPEC §24.6): on every row of it.
+    pub attribution: polygw_core::telemetry::Attribution,
 }
 
 impl CallOptions {
@@ -548,6 +550,7 @@ impl GatewayClient {
         call.set_max_wait(options.max_wait, options.max_wait_name);
         call.set_api(options.api);
         call.set_key(options.client_key.map(|k| k.0));
+        call.set_attribution(options.attribution);
         if engine.affinity_applies() {
             let given = options.affinity_key.as_deref();
             call.set_affinity(polygw_core::affinity::call_key(given, &request));

@@ -37,6 +37,7 @@
 //! Every header, limit and status the proxy uses is listed in `docs/SERVE.md`.
 
 mod affinity;
+mod attribution;
 mod config;
 mod conn;
 mod errors;

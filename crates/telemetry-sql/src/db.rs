@@ -57,7 +57,7 @@ const fn col(name: &'static str, get: Get) -> Column {
 /// The one list both writers bind from (SQLite row by row, PostgreSQL column by column),
 /// the reader's types for missing columns and the PostgreSQL array types come from: a
 /// column added here is written, typed and read alike by both backends.
-const TABLE: [Column; 37] = [
+const TABLE: [Column; 40] = [
     col("call_id", Get::Text(|r| Some(&r.call_id))),
     col("logical_call_id", Get::Text(|r| Some(&r.logical_call_id))),
     col("scope", Get::Text(|r| Some(&r.scope))),
@@ -112,6 +112,16 @@ const TABLE: [Column; 37] = [
     ),
     col("client_key_id", Get::Text(|r| r.client_key_id.as_deref())),
     col("trace", Get::Text(|r| r.trace.as_deref())),
+    // Migration 6.
+    col(
+        "agent_session_id",
+        Get::Text(|r| r.agent_session_id.as_deref()),
+    ),
+    col("agent_id", Get::Text(|r| r.agent_id.as_deref())),
+    col(
+        "parent_agent_id",
+        Get::Text(|r| r.parent_agent_id.as_deref()),
+    ),
 ];
 
 /// The columns of `llm_calls`, in table order (SPEC §8; migrations 2 and 3 appended
@@ -933,6 +943,9 @@ macro_rules! decode_row {
             est_received_tokens: unsigned(int("est_received_tokens")?, "est_received_tokens", id)?,
             client_key_id: get(row, "client_key_id", id, url)?,
             trace: get(row, "trace", id, url)?,
+            agent_session_id: get(row, "agent_session_id", id, url)?,
+            agent_id: get(row, "agent_id", id, url)?,
+            parent_agent_id: get(row, "parent_agent_id", id, url)?,
             call_id,
         })
     }};

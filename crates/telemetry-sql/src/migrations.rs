@@ -78,6 +78,12 @@ pub const SQLITE: &[EmbeddedMigration] = &[
         file: "0005_polygw_client_keys.sql",
         sql: include_str!("../migrations/sqlite/0005_polygw_client_keys.sql"),
     },
+    EmbeddedMigration {
+        version: 6,
+        description: "polygw attribution",
+        file: "0006_polygw_attribution.sql",
+        sql: include_str!("../migrations/sqlite/0006_polygw_attribution.sql"),
+    },
 ];
 
 /// PostgreSQL migrations, in order (same versions and descriptions as [`SQLITE`]).
@@ -111,6 +117,12 @@ pub const POSTGRES: &[EmbeddedMigration] = &[
         description: "polygw client keys",
         file: "0005_polygw_client_keys.sql",
         sql: include_str!("../migrations/postgres/0005_polygw_client_keys.sql"),
+    },
+    EmbeddedMigration {
+        version: 6,
+        description: "polygw attribution",
+        file: "0006_polygw_attribution.sql",
+        sql: include_str!("../migrations/postgres/0006_polygw_attribution.sql"),
     },
 ];
 

@@ -1673,9 +1673,9 @@ mod schema {
 
     /// A later polygw's migration: one that adds a column and a table of its own.
     const NEXT: EmbeddedMigration = EmbeddedMigration {
-        version: 6,
+        version: 7,
         description: "polygw test region",
-        file: "0006_polygw_test_region.sql",
+        file: "0007_polygw_test_region.sql",
         sql: "ALTER TABLE llm_calls ADD COLUMN region TEXT;\nCREATE INDEX IF NOT EXISTS llm_calls_region ON llm_calls (region);\nCREATE TABLE IF NOT EXISTS polygw_test_regions (region TEXT NOT NULL PRIMARY KEY);",
     };
     /// A later polygw's migration list: this binary's, plus [`NEXT`].
@@ -1685,6 +1685,7 @@ mod schema {
         migrations::SQLITE[2],
         migrations::SQLITE[3],
         migrations::SQLITE[4],
+        migrations::SQLITE[5],
         NEXT,
     ];
     static POSTGRES_NEXT: &[EmbeddedMigration] = &[
@@ -1693,10 +1694,11 @@ mod schema {
         migrations::POSTGRES[2],
         migrations::POSTGRES[3],
         migrations::POSTGRES[4],
+        migrations::POSTGRES[5],
         NEXT,
     ];
     /// This binary's latest migration.
-    const LATEST: i64 = 5;
+    const LATEST: i64 = 6;
 
     #[test]
     fn the_lists_here_are_this_binarys_plus_one() {

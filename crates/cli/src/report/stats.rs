@@ -307,6 +307,17 @@ pub struct KeyStats {
     pub cost: CostTally,
 }
 
+/// Spend of one sub-agent (SPEC §24.6).
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct AgentStats {
+    /// Its spend (`id`: the agent's id).
+    pub spend: KeyStats,
+    /// The agent that started it, as its rows name it.
+    pub parent: Option<String>,
+    /// Its session, as its rows name it.
+    pub session: Option<String>,
+}
+
 /// One of the slowest traced calls (SPEC §19.4).
 #[derive(Debug, Clone, PartialEq)]
 pub struct SlowCall {
@@ -354,6 +365,12 @@ pub struct Summary {
     pub keys: Vec<KeyStats>,
     /// Whether the database has the `polygw_client_keys` table (`None`: not asked).
     pub key_table: Option<bool>,
+    /// Spend per agent session (SPEC §24.6), as [`Summary::keys`] is per key: the
+    /// [`MAX_SESSIONS`] dearest sessions (the rows of none last); empty when no row names
+    /// a session.
+    pub sessions: Vec<KeyStats>,
+    /// Spend per sub-agent (SPEC §24.6); empty when no row names an agent.
+    pub agents: Vec<AgentStats>,
     /// Logical calls among the rows.
     pub calls: u64,
     /// Calls whose last row carries a readable trace.
@@ -595,6 +612,9 @@ pub fn summarize_priced(rows: &[TelemetryRow], book: &PriceBook) -> Summary {
         .collect();
 
     sum.keys = key_stats(rows);
+    sum.sessions = spend_by(rows, |r| r.agent_session_id.as_deref());
+    sum.sessions.truncate(MAX_SESSIONS);
+    sum.agents = agent_stats(rows);
     let (calls, traced, unreadable, slowest) = slowest_calls(rows, MAX_TIMELINE_CALLS);
     sum.calls = calls;
     sum.traced_calls = traced;
@@ -625,16 +645,52 @@ pub fn summarize_priced(rows: &[TelemetryRow], book: &PriceBook) -> Summary {
     sum
 }
 
+/// The most agent sessions the report lists (the dearest).
+pub const MAX_SESSIONS: usize = 20;
+
 /// Spend per client key (see [`Summary::keys`]).
 fn key_stats(rows: &[TelemetryRow]) -> Vec<KeyStats> {
-    if rows.iter().all(|r| r.client_key_id.is_none()) {
+    spend_by(rows, |r| r.client_key_id.as_deref())
+}
+
+/// Spend per sub-agent (see [`Summary::agents`]), with its parent and session.
+fn agent_stats(rows: &[TelemetryRow]) -> Vec<AgentStats> {
+    let mut whose: HashMap<&str, (Option<&str>, Option<&str>)> = HashMap::new();
+    for r in rows {
+        if let Some(a) = r.agent_id.as_deref() {
+            let e = whose.entry(a).or_default();
+            e.0 = e.0.or(r.parent_agent_id.as_deref());
+            e.1 = e.1.or(r.agent_session_id.as_deref());
+        }
+    }
+    spend_by(rows, |r| r.agent_id.as_deref())
+        .into_iter()
+        .filter_map(|spend| {
+            let (parent, session) = whose.get(spend.id.as_deref()?).copied()?;
+            Some(AgentStats {
+                parent: parent.map(str::to_string),
+                session: session.map(str::to_string),
+                spend,
+            })
+        })
+        .collect()
+}
+
+/// Spend per value of `group` (a key, a session, an agent): its calls, failed calls,
+/// tokens and cost; the dearest first, the rows of no value last. Empty when no row has
+/// a value.
+fn spend_by<'r>(
+    rows: &'r [TelemetryRow],
+    group: impl Fn(&'r TelemetryRow) -> Option<&'r str>,
+) -> Vec<KeyStats> {
+    if rows.iter().all(|r| group(r).is_none()) {
         return Vec::new();
     }
-    // Per key: its figures, its calls, its failed calls.
+    // Per value: its figures, its calls, its failed calls.
     type Acc<'a> = (KeyStats, HashSet<&'a str>, HashSet<&'a str>);
     let mut keys: BTreeMap<Option<&str>, Acc<'_>> = BTreeMap::new();
     for r in rows {
-        let id = r.client_key_id.as_deref();
+        let id = group(r);
         let (k, calls, failed) = keys.entry(id).or_insert_with(|| {
             (
                 KeyStats {
@@ -1283,6 +1339,43 @@ pub(crate) mod tests {
         assert_eq!((none.tokens.prompt, none.tokens.completion), (200, 100));
         assert!((none.cost.known - 0.014).abs() < 1e-12);
         assert_eq!((none.cost.known_rows, none.cost.unknown_rows), (3, 2));
+    }
+
+    /// SPEC §24.6: spend per agent session and per sub-agent, from the same rows.
+    #[test]
+    fn spend_per_session_and_sub_agent() {
+        let s = summarize(&fixture());
+        assert!(s.sessions.is_empty() && s.agents.is_empty());
+        let mut rows = fixture();
+        for r in &mut rows {
+            match r.logical_call_id.as_str() {
+                "c1" => {
+                    r.agent_session_id = Some("sess-1".into());
+                    r.agent_id = Some("agent-sub".into());
+                    r.parent_agent_id = Some("agent-main".into());
+                }
+                "c3" => r.agent_session_id = Some("sess-1".into()),
+                _ => {}
+            }
+        }
+        let s = summarize(&rows);
+        let ids: Vec<Option<&str>> = s.sessions.iter().map(|k| k.id.as_deref()).collect();
+        assert_eq!(ids, [Some("sess-1"), None], "sessions, then no session");
+        assert_eq!(s.sessions[0].calls, 2);
+        let keyed = summarize(&keyed_fixture());
+        // The session's spend is its calls' (c1 and c3: what their keys spent).
+        assert_eq!(
+            s.sessions[0].cost.known_sum(),
+            keyed.keys[0].cost.known_sum()
+        );
+        assert_eq!(s.agents.len(), 1);
+        let a = &s.agents[0];
+        assert_eq!(a.spend.id.as_deref(), Some("agent-sub"));
+        assert_eq!(
+            (a.parent.as_deref(), a.session.as_deref()),
+            (Some("agent-main"), Some("sess-1"))
+        );
+        assert_eq!(a.spend.calls, 1);
     }
 
     #[test]

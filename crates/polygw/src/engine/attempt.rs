@@ -311,7 +311,7 @@ impl AttemptGuard {
         base.is_hedge = info.is_hedge;
         base.stream = stream;
         base.api = call.api().map(str::to_string);
-        base.client_key_id = call.client_key_id();
+        call.label_row(&mut base);
         let mut resume_mode = None;
         if let LegKind::Resume { mode, prefix, .. } = &info.kind {
             base.resume_of = info.resume_of.clone();

@@ -65,6 +65,8 @@ pub(crate) struct CallShared {
     trace: Mutex<CallTrace>,
     /// The client key charged (SPEC §21.1): released when the call and its attempts are.
     key: Mutex<Option<Arc<KeyCharge>>>,
+    /// Who the call is for (SPEC §24.6): on every row.
+    attribution: Mutex<polygw_core::telemetry::Attribution>,
     /// The call's prompt-cache affinity key (SPEC §20.2), when the scope keeps affinity.
     affinity: Mutex<Option<polygw_core::affinity::AffinityKey>>,
 }
@@ -80,6 +82,7 @@ impl CallShared {
             clock,
             trace: Mutex::new(CallTrace::default()),
             key: Mutex::new(None),
+            attribution: Mutex::new(Default::default()),
             affinity: Mutex::new(None),
             logical_call_id,
             started,
@@ -95,6 +98,20 @@ impl CallShared {
     /// Charges the call to a client key.
     pub(crate) fn set_key(&self, key: Option<Arc<KeyCharge>>) {
         *self.key.lock().unwrap_or_else(|e| e.into_inner()) = key;
+    }
+
+    /// Sets who the call is for.
+    pub(crate) fn set_attribution(&self, a: polygw_core::telemetry::Attribution) {
+        *self.attribution.lock().unwrap_or_else(|e| e.into_inner()) = a;
+    }
+
+    /// Writes the call's client key and attribution into a row of it.
+    pub(crate) fn label_row(&self, row: &mut polygw_core::telemetry::TelemetryRow) {
+        row.client_key_id = self.client_key_id();
+        self.attribution
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .apply(row);
     }
 
     /// The client key's id, for the rows.

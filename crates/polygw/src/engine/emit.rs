@@ -93,7 +93,7 @@ impl Engine {
         );
         r.stream = call.stream;
         r.api = call.api().map(str::to_string);
-        r.client_key_id = call.client_key_id();
+        call.label_row(&mut r);
         r.latency_ms = Some(ms(self
             .ports
             .clock

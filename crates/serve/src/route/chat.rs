@@ -113,6 +113,8 @@ async fn inner(
     }
     options.api = Some("chat");
     options.affinity_key = crate::affinity::chat_key(headers, &parsed.request);
+    options.attribution =
+        crate::attribution::of(headers, crate::attribution::chat_cache_key(&parsed.request));
     if parsed.request.stream {
         let enc = ChatEncoder::new(id, parsed.include_usage);
         return respond(

@@ -146,6 +146,7 @@ async fn create_inner(
     }
     options.api = Some("messages");
     options.affinity_key = crate::affinity::messages_key(headers, &req, &t.request);
+    options.attribution = crate::attribution::of(headers, None);
     let mut resp = if t.request.stream {
         let estimate = t.meta.prompt_estimate();
         let enc = MessagesEncoder {

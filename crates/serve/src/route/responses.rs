@@ -247,6 +247,11 @@ async fn create_inner(
     }
     options.api = Some("responses");
     options.affinity_key = crate::affinity::responses_key(headers, &req, &t.request);
+    options.attribution = crate::attribution::of(
+        headers,
+        req.affinity_key()
+            .or_else(|| crate::attribution::chat_cache_key(&t.request)),
+    );
     let saving = Saving {
         store: req.store().then(|| store.clone()),
         scope: owner,

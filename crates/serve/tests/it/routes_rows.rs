@@ -11,6 +11,81 @@ use serde_json::json;
 
 use crate::support::*;
 
+/// SPEC §24.6: the agent session and agent ids coding agents send are on the rows of
+/// every route — Claude Code's headers on Messages, Codex's `session_id` on Responses, a
+/// chat request's `prompt_cache_key`.
+#[tokio::test]
+async fn agent_sessions_and_sub_agents_are_on_the_rows() {
+    let m = mock(Behavior::text(&["hello"])).await;
+    let rows = RecordingTelemetry::new();
+    let scope = scope_with(
+        "LLM",
+        ScopeKind::Chat,
+        vec![source("a", &m)],
+        Some(rows.clone()),
+        |_| {},
+    )
+    .await;
+    let s = serve_with(vec![scope], ProxyConfig::default(), ServerLimits::default()).await;
+    let c = http();
+    let r = c
+        .post(format!("{}/messages", s.v1()))
+        .header("anthropic-version", "2023-06-01")
+        .header("x-claude-code-session-id", "cc-session")
+        .header("x-claude-code-agent-id", "sub-1")
+        .header("x-claude-code-parent-agent-id", "main")
+        .json(&json!({"model": "llm", "max_tokens": 16, "messages": [{"role": "user", "content": "hi"}]}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    let r = c
+        .post(format!("{}/responses", s.v1()))
+        .header("session_id", "codex-session")
+        .json(&json!({"model": "llm", "input": "hi", "prompt_cache_key": "pck"}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    let r = c
+        .post(format!("{}/chat/completions", s.v1()))
+        .json(&json!({"model": "llm", "prompt_cache_key": "chat-pck",
+            "messages": [{"role": "user", "content": "hi"}]}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    let mut got = Vec::new();
+    for _ in 0..200 {
+        got = rows
+            .rows()
+            .iter()
+            .map(|r| {
+                (
+                    r.api.clone().unwrap_or_default(),
+                    r.agent_session_id.clone(),
+                    r.agent_id.clone(),
+                    r.parent_agent_id.clone(),
+                )
+            })
+            .collect();
+        if got.len() >= 3 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    got.sort();
+    let s = |v: &str| Some(v.to_string());
+    assert_eq!(
+        got,
+        [
+            ("chat".into(), s("chat-pck"), None, None),
+            ("messages".into(), s("cc-session"), s("sub-1"), s("main")),
+            ("responses".into(), s("codex-session"), None, None),
+        ]
+    );
+}
+
 #[tokio::test]
 async fn each_route_names_itself_in_the_rows() {
     let m = mock(Behavior::text(&["hello"])).await;
