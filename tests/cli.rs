@@ -630,3 +630,70 @@ async fn keys_are_made_listed_honoured_and_revoked() {
     }
     eprintln!("revocation took effect after {:?}", t0.elapsed());
 }
+
+/// SPEC §24.2: on the memory backend a client key's spend survives a restart of `polygw
+/// serve` — restored from the telemetry rows of the day before serving. A budget of 0.030
+/// per day; each call reserves 0.012 (a 6-token prompt estimate + 25 %, the 4-token cap
+/// `MAX_OUTPUT_TOKENS` it is sent, at 0.001 a token) and costs 0.004. Three calls before the
+/// restart leave 0.018: two more pass after it, then the budget refuses (a fresh budget
+/// would have let five through).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_keys_spend_survives_a_restart_on_the_memory_backend() {
+    let dir = tempfile::tempdir().unwrap();
+    let db = format!("sqlite://{}", dir.path().join("polygw.db").display());
+    let env = vec![("POLYGW_KEYS_DB".to_string(), db.clone())];
+    let o = polygw(
+        &["keys", "create", "--name", "app", "--budget", "0.03/day"],
+        &env,
+    );
+    let (out, err) = text(&o);
+    assert!(o.status.success(), "{out}\n{err}");
+    let key = out.trim().to_string();
+    let m = mock(Behavior::text(&["hi", " there"])).await;
+    m.set_prices(polygw_mock_upstream::Prices::new(1000.0, 1000.0));
+    let mut senv = source(
+        "LLM",
+        "a",
+        &m,
+        &[
+            ("INPUT_PRICE", "1000"),
+            ("OUTPUT_PRICE", "1000"),
+            ("MAX_OUTPUT_TOKENS", "4"),
+        ],
+    );
+    senv.push(("LLM__TELEMETRY__URL".into(), db.clone()));
+    senv.extend(env.clone());
+    let ask = |base: String, key: String| async move {
+        reqwest::Client::new()
+            .post(format!("{base}/v1/chat/completions"))
+            .bearer_auth(key)
+            .json(&serde_json::json!({"model": "llm", "messages": [{"role": "user", "content": "hello"}]}))
+            .send()
+            .await
+            .unwrap()
+            .status()
+            .as_u16()
+    };
+    let s = serve(&senv);
+    for _ in 0..3 {
+        assert_eq!(ask(s.base.clone(), key.clone()).await, 200);
+    }
+    s.terminate();
+    drop(s);
+    let s = serve(&senv);
+    let mut after = 0;
+    loop {
+        match ask(s.base.clone(), key.clone()).await {
+            200 => after += 1,
+            st => {
+                assert_eq!(st, 429, "refused by the budget");
+                break;
+            }
+        }
+        assert!(after < 10, "the budget never ran out");
+    }
+    assert_eq!(after, 2, "the spend before the restart still counts");
+    let invoice = m.invoice();
+    assert_eq!(invoice.entries.len(), 5);
+    assert!(invoice.total.unwrap() <= 0.030 + 1e-12, "{invoice:?}");
+}

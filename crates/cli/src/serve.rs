@@ -109,6 +109,10 @@ struct Loaded {
     recorders: Vec<Arc<dyn TelemetryRecorder>>,
     /// Per database (redacted URL): its recorder and the scopes writing to it.
     databases: Vec<(String, Arc<dyn TelemetryRecorder>, Vec<String>)>,
+    /// The telemetry databases' URLs, credentials included (never printed).
+    telemetry_urls: Vec<Secret>,
+    /// Each scope's settings, by name (its sources' prices bound unknown costs).
+    settings: HashMap<String, polygw::ScopeSettings>,
 }
 
 /// Builds the clients of the named scopes (default: every chat and embedding scope),
@@ -123,6 +127,7 @@ async fn load(named: &[String]) -> Result<Loaded> {
     );
     let mut recorders: HashMap<String, Shared> = HashMap::new();
     let mut scopes = Vec::new();
+    let mut settings = HashMap::new();
     for name in names {
         let kind = env::kind_of(&name)?;
         if kind == ScopeKind::Ocr {
@@ -134,6 +139,7 @@ async fn load(named: &[String]) -> Result<Loaded> {
         }
         let loaded = env::load(&name, kind).with_context(|| format!("scope {name}"))?;
         env::print_warnings(&name, &loaded.warnings);
+        settings.insert(name.clone(), loaded.settings.clone());
         let mut b = GatewayClient::builder(loaded.settings.clone()).metrics(metrics.clone());
         if let Some(url) = &loaded.settings.telemetry_url {
             let key = url.expose().to_string();
@@ -169,6 +175,7 @@ async fn load(named: &[String]) -> Result<Loaded> {
     if scopes.is_empty() {
         bail!("no chat or embedding scope to serve");
     }
+    let telemetry_urls = recorders.keys().map(|u| Secret::new(u.clone())).collect();
     let databases: Vec<(String, Arc<dyn TelemetryRecorder>, Vec<String>)> = recorders
         .into_iter()
         .map(|(url, (rec, _, users))| (polygw::core::secret::redact_url(&url), rec, users))
@@ -178,7 +185,100 @@ async fn load(named: &[String]) -> Result<Loaded> {
         metrics,
         recorders: databases.iter().map(|(_, r, _)| r.clone()).collect(),
         databases,
+        telemetry_urls,
+        settings,
     })
+}
+
+/// SPEC §24.2: with client keys on the memory backend (no `REDIS__URL`), a key's spend of
+/// the current UTC day and month is restored from the rows of the scopes' telemetry
+/// databases before serving, so that a restart does not reset a budget. An unknown cost
+/// counts at its upper bound (SPEC §20.4: the estimate's prompt at the dearest price and
+/// what arrived plus the source's `MAX_OUTPUT_TOKENS`), else 0 (said in the log line).
+/// A database that cannot be read is a warning: the keys then start from what the others
+/// hold.
+async fn restore_key_spend(loaded: &Loaded) {
+    use polygw::core::key_funds::DEFAULT_MAX_OUTPUT_TOKENS;
+    use polygw::core::key_quota::{period_start_ms, restored_spend, RestoredSpend};
+    use polygw::core::telemetry::{gap_cost_range, TokenPrices};
+    let memory: Vec<&GatewayClient> = loaded
+        .scopes
+        .iter()
+        .filter(|s| {
+            loaded
+                .settings
+                .get(&s.name)
+                .is_some_and(|st| st.redis_url.is_none())
+        })
+        .filter_map(|s| match &s.client {
+            polygw_serve::ScopeClient::Chat(c) => Some(c),
+            polygw_serve::ScopeClient::Embedding(_) => None,
+        })
+        .collect();
+    if memory.is_empty() {
+        return;
+    }
+    let now = u64::try_from(
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_millis()),
+    )
+    .unwrap_or(0);
+    let month =
+        polygw::core::key_quota::period_id(polygw::core::client_key::BudgetPeriod::Month, now);
+    let since = period_start_ms(polygw::core::client_key::BudgetPeriod::Month, month);
+    let bound = |r: &polygw::core::TelemetryRow| {
+        let src = loaded
+            .settings
+            .get(&r.scope)?
+            .sources
+            .iter()
+            .find(|s| Some(&s.name) == r.source.as_ref())?;
+        let allowance = src.max_output_tokens.unwrap_or(DEFAULT_MAX_OUTPUT_TOKENS);
+        gap_cost_range(
+            r.est_prompt_tokens.unwrap_or(0),
+            r.est_received_tokens.unwrap_or(0),
+            allowance,
+            &TokenPrices::of(src),
+        )?
+        .high
+    };
+    let mut total: HashMap<String, RestoredSpend> = HashMap::new();
+    for url in &loaded.telemetry_urls {
+        let rows = match polygw::telemetry::read_rows(url.expose(), i64::try_from(since).ok()).await
+        {
+            Ok(r) => r,
+            Err(e) => {
+                tracing::warn!(
+                    database = %polygw::core::secret::redact_url(url.expose()),
+                    error = %e,
+                    "client keys' spend not restored from this telemetry database"
+                );
+                continue;
+            }
+        };
+        for (k, s) in restored_spend(rows.iter(), now, bound) {
+            let t = total.entry(k).or_default();
+            t.day_nanos += s.day_nanos;
+            t.month_nanos += s.month_nanos;
+            t.unbounded_rows += s.unbounded_rows;
+        }
+    }
+    let unbounded: u64 = total.values().map(|s| s.unbounded_rows).sum();
+    for (key, s) in &total {
+        for c in &memory {
+            if let Err(e) = c.restore_key_spend(key, s.day_nanos, s.month_nanos).await {
+                tracing::warn!(key = %key, error = %e, "client key's spend not restored");
+            }
+        }
+    }
+    if !total.is_empty() {
+        tracing::info!(
+            keys = total.len(),
+            unknown_cost_rows_counted_as_0 = unbounded,
+            "client keys' spend of this UTC day and month restored from telemetry"
+        );
+    }
 }
 
 /// Counts SIGTERM and Ctrl-C (SIGINT) from the start of the command.
@@ -322,6 +422,9 @@ pub async fn run(args: ServeArgs) -> Result<ExitCode> {
         max_connections_per_client: args.max_connections_per_client.max(1),
         grace,
     };
+    if config.key_ring.is_some() {
+        restore_key_spend(&loaded).await;
+    }
     let databases = loaded.databases;
     let proxy = Proxy::with_telemetry(
         config,

@@ -300,6 +300,59 @@ pub fn settlement_nanos(reserve_nanos: u64, costs: impl IntoIterator<Item = Opti
     }
 }
 
+/// A key's spend in the current UTC day and month, as its telemetry rows settle it
+/// ([`restored_spend`]).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct RestoredSpend {
+    /// Settled in the current day, nanos.
+    pub day_nanos: u64,
+    /// Settled in the current month, nanos.
+    pub month_nanos: u64,
+    /// Rows whose cost is unknown and unbounded (counted as 0).
+    pub unbounded_rows: u64,
+}
+
+/// What each client key spent in the current UTC day and month at `now_ms`, from its
+/// calls' rows (SPEC §24.2: restoring a memory backend's spend after a restart): each
+/// attempt row at [`crate::telemetry::key_cost`] — an attempt no provider billed at 0 —
+/// and one of unknown cost at `bound(row)`, the upper bound of what it may have cost
+/// (SPEC §20.4), counted in `unbounded_rows` (and as 0) when there is none. Rows of no
+/// key, of another period, and terminal rows count nothing.
+pub fn restored_spend<'r>(
+    rows: impl IntoIterator<Item = &'r crate::telemetry::TelemetryRow>,
+    now_ms: u64,
+    bound: impl Fn(&crate::telemetry::TelemetryRow) -> Option<f64>,
+) -> HashMap<String, RestoredSpend> {
+    use crate::telemetry::{key_cost, RowKind};
+    let day = period_id(BudgetPeriod::Day, now_ms);
+    let month = period_id(BudgetPeriod::Month, now_ms);
+    let mut out: HashMap<String, RestoredSpend> = HashMap::new();
+    for r in rows {
+        let (Some(key), RowKind::Attempt | RowKind::CacheHit) = (&r.client_key_id, r.kind) else {
+            continue;
+        };
+        let Ok(at) = u64::try_from(r.created_at_ms) else {
+            continue;
+        };
+        if period_id(BudgetPeriod::Month, at) != month {
+            continue;
+        }
+        let e = out.entry(key.clone()).or_default();
+        let nanos = match key_cost(r).or_else(|| bound(r)) {
+            Some(c) => cost_nanos(c),
+            None => {
+                e.unbounded_rows += 1;
+                0
+            }
+        };
+        e.month_nanos = e.month_nanos.saturating_add(nanos);
+        if period_id(BudgetPeriod::Day, at) == day {
+            e.day_nanos = e.day_nanos.saturating_add(nanos);
+        }
+    }
+    out
+}
+
 /// Whether `key_id` can name a key's state in every backend (not empty; no braces, which
 /// would break the Redis hash tag and so the atomicity of its script on a cluster).
 pub fn valid_key_id(key_id: &str) -> bool {
@@ -537,6 +590,18 @@ impl KeyQuotas {
         if !st.holds(id) {
             self.permits.remove(&id);
         }
+    }
+
+    /// Restores a key's spend settled earlier in the current day and month (SPEC §24.2:
+    /// a memory backend's spend survives a restart, seeded from telemetry): the periods'
+    /// settled spend becomes at least `day_nanos` and `month_nanos` (never less than what
+    /// this process settled already: restoring twice changes nothing).
+    pub fn restore(&mut self, now: u64, key_id: &str, day_nanos: u64, month_nanos: u64) {
+        let now = self.tick(now);
+        let st = self.keys.entry(Arc::from(key_id)).or_default();
+        st.advance(now);
+        st.day.settled = st.day.settled.max(day_nanos);
+        st.month.settled = st.month.settled.max(month_nanos.max(day_nanos));
     }
 
     /// The heartbeat: extends permit `id`'s lease (slot, money and token reservations) to
@@ -832,6 +897,56 @@ mod tests {
         assert_eq!(e.reason, RefusalReason::KeyBudgetMonth);
         // the next month both are
         q.acquire(JAN31_2359 + 60_000, &r).unwrap();
+    }
+
+    #[test]
+    fn spend_restored_from_rows_counts_this_day_and_month_and_bounds_the_unknown() {
+        use crate::error::ErrorLabel;
+        use crate::telemetry::{RowKind, TelemetryRow};
+        let now = JAN31_2359 + 60_000 + 3_600_000; // Feb 1, 01:00
+        let row = |key: Option<&str>, at: u64, cost: Option<f64>, err: Option<ErrorLabel>| {
+            let mut r = TelemetryRow::new(RowKind::Attempt, "c", "l", "LLM", "chat", at as i64);
+            r.client_key_id = key.map(str::to_string);
+            r.cost = cost;
+            r.ok = err.is_none();
+            r.error = err.map(|e| e.as_str().to_string());
+            r
+        };
+        let rows = [
+            row(Some("k"), now - 1_000, Some(0.000_002), None), // today
+            row(Some("k"), now - 2 * 3_600_000, Some(0.000_003), None), // Jan 31: last month
+            row(Some("k"), now - 500, None, Some(ErrorLabel::Connect)), // unbilled: 0
+            row(Some("k"), now - 400, None, Some(ErrorLabel::Timeout)), // bounded
+            row(Some("k"), now - 300, None, Some(ErrorLabel::Cancelled)), // unbounded
+            row(None, now - 200, Some(1.0), None),
+        ];
+        let got = restored_spend(rows.iter(), now, |r| {
+            (r.error.as_deref() == Some("timeout")).then_some(0.000_004)
+        });
+        assert_eq!(got.len(), 1);
+        assert_eq!(
+            got["k"],
+            RestoredSpend {
+                day_nanos: 6_000,
+                month_nanos: 6_000,
+                unbounded_rows: 1
+            }
+        );
+        // Restored into the model: admission sees it; restoring again changes nothing.
+        let mut q = KeyQuotas::new();
+        q.restore(now, "k", 6_000, 6_000);
+        q.restore(now, "k", 6_000, 6_000);
+        let u = q.usage(now, "k");
+        assert_eq!((u.day_nanos, u.month_nanos), (6_000, 6_000));
+        let r = KeyAcquire {
+            budget_day_nanos: Some(10_000),
+            reserve_nanos: 5_000,
+            ..key("k")
+        };
+        assert_eq!(
+            q.acquire(now, &r).unwrap_err().reason,
+            RefusalReason::KeyBudgetDay
+        );
     }
 
     #[test]

@@ -162,6 +162,17 @@ impl KeyStore {
         })
     }
 
+    pub(crate) fn restore(
+        &self,
+        key_id: &str,
+        day_nanos: u64,
+        month_nanos: u64,
+    ) -> Result<(), GovernanceError> {
+        check(key_id)?;
+        self.with(|st, now| st.model.restore(now, key_id, day_nanos, month_nanos));
+        Ok(())
+    }
+
     pub(crate) fn usage(&self, key_id: &str) -> Result<KeyUsage, GovernanceError> {
         check(key_id)?;
         Ok(self.with(|st, now| st.model.usage(now, key_id)))

@@ -208,6 +208,15 @@ impl RateLimiter for MemoryLimiter {
     async fn key_usage(&self, key_id: &str) -> Result<KeyUsage, GovernanceError> {
         self.keys.usage(key_id)
     }
+    async fn restore_key_spend(
+        &self,
+        key_id: &str,
+        day_nanos: u64,
+        month_nanos: u64,
+    ) -> Result<bool, GovernanceError> {
+        self.keys.restore(key_id, day_nanos, month_nanos)?;
+        Ok(true)
+    }
 }
 
 /// The backend of a memory permit. The first settlement wins (as in the Redis backend),

@@ -368,6 +368,22 @@ impl GatewayClient {
             .await
     }
 
+    /// Restores a client key's spend of the current UTC day and month into this scope's
+    /// governance backend when its state does not outlive the process (memory; SPEC
+    /// §24.2); `Ok(false)` when the backend keeps spend itself (Redis).
+    pub async fn restore_key_spend(
+        &self,
+        key_id: &str,
+        day_nanos: u64,
+        month_nanos: u64,
+    ) -> Result<bool, polygw_core::GovernanceError> {
+        self.engine
+            .ports
+            .limiter
+            .restore_key_spend(key_id, day_nanos, month_nanos)
+            .await
+    }
+
     /// A client key's figures in this scope's governance backend (in flight, the
     /// window's requests and tokens, the day's and month's spend).
     pub async fn key_usage(

@@ -87,6 +87,21 @@ pub trait RateLimiter: Send + Sync + std::fmt::Debug {
         Err(keys_unsupported(key_id))
     }
 
+    /// Restores a key's spend settled earlier in the current UTC day and month, for a
+    /// backend whose state does not outlive its process (SPEC §24.2: a memory backend's
+    /// spend survives a restart, seeded from telemetry; [`crate::key_quota::restored_spend`]).
+    /// Settled spend only grows: restoring what is already counted changes nothing.
+    /// Returns whether the backend took it; the default (a shared backend such as Redis,
+    /// whose spend persists) takes nothing.
+    async fn restore_key_spend(
+        &self,
+        _key_id: &str,
+        _day_nanos: u64,
+        _month_nanos: u64,
+    ) -> Result<bool, GovernanceError> {
+        Ok(false)
+    }
+
     /// Whether the backend answers for `scope` now (readiness, SPEC §21.2): one cheap
     /// round trip to where the scope's state lives (on a Redis Cluster, the node that
     /// holds the scope's slot), bounded by the backend's operation timeout. An
