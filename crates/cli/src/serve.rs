@@ -218,11 +218,9 @@ async fn restore_key_spend(loaded: &Loaded) {
     if memory.is_empty() {
         return;
     }
-    let now = u64::try_from(
-        std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map_or(0, |d| d.as_millis()),
-    )
+    let now = u64::try_from(polygw::core::ports::Clock::unix_ms(
+        &polygw::clock::TokioClock,
+    ))
     .unwrap_or(0);
     let month =
         polygw::core::key_quota::period_id(polygw::core::client_key::BudgetPeriod::Month, now);
