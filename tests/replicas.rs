@@ -778,7 +778,7 @@ async fn reconcile_key(
 /// by three replicas on one Redis Cluster, under 32 concurrent clients through HAProxy.
 /// Two keys with the same limits, one case each, so that each limit binds:
 ///
-/// - **budget**: 32 async-openai clients with prompts whose calls reserve 0.017 and cost
+/// - **budget**: 32 async-openai clients with prompts whose calls reserve 0.0155 and cost
 ///   0.012 each, until each is refused `key_budget_day` (a 429 of type
 ///   `insufficient_quota`, which async-openai does not retry); then one client, call by
 ///   call with nothing else in flight, until refused too: the budget is spent to within
@@ -830,8 +830,8 @@ async fn a_keys_budget_and_rpm_hold_across_three_replicas_under_32_concurrent_cl
     let spend_prompt = |c: usize, n: usize| format!("budget {c:02}-{n:03} {}", "x".repeat(64));
     let reserve = reservation(&spend_prompt(0, 0));
     assert_eq!(
-        reserve, 17_000_000,
-        "34 tokens (24 prompt + 25 %, 4 answer) at 500 per 1M"
+        reserve, 15_500_000,
+        "31 tokens (21 prompt + 25 %, 4 answer) at 500 per 1M"
     );
     let started = Instant::now();
     let clients: Vec<_> = (0..CLIENTS)

@@ -28,6 +28,7 @@ pub mod client_key;
 pub mod config;
 mod durations;
 pub mod error;
+pub mod estimate;
 pub mod hedge;
 pub mod key_funds;
 pub mod key_quota;

@@ -465,21 +465,10 @@ pub fn estimate_bytes(bytes: usize) -> u64 {
     (bytes as u64).div_ceil(4)
 }
 
-/// The estimated prompt tokens of a request: its messages' text (and tool definitions).
+/// The estimated prompt tokens of a request (SPEC §24.3: every part of it, images by
+/// the providers' formulas; [`crate::estimate::request_tokens`]).
 pub fn estimate_prompt_tokens(req: &ChatRequest) -> u64 {
-    let mut n = 0u64;
-    for m in &req.messages {
-        n += match &m.content {
-            Some(Value::String(s)) => estimate_tokens(s),
-            Some(v) => estimate_tokens(&v.to_string()),
-            None => 0,
-        };
-        n += 4; // role and framing
-    }
-    if let Some(t) = &req.tools {
-        n += estimate_tokens(&Value::Array(t.clone()).to_string());
-    }
-    n.max(1)
+    crate::estimate::request_tokens(req)
 }
 
 /// The continuation request of a prefill resume: the original request plus one final
