@@ -50,6 +50,12 @@ const BENCHES: &[Part] = &[
         ],
     },
     Part {
+        name: "estimate",
+        in_all: true,
+        what: "the prompt estimate's error against the o200k tokenizer: English, Chinese, code, tool-call JSON; a 40 KB tool call; an image",
+        cargo: &["bench", "-p", "polygw", "--bench", "estimate"],
+    },
+    Part {
         name: "hedging",
         in_all: true,
         what: "hedging efficacy on the long-tail profile (off / first-token / stall / both)",

@@ -122,15 +122,19 @@ fn map_tokens(m: &Map<String, Value>) -> u64 {
     m.iter().map(|(k, v)| field_tokens(k, v)).sum()
 }
 
-/// A field: its name and its value, plus one for the structure around them — except
-/// fields that are not text to a model (an opaque signature).
+/// A field: its name and its value, plus [`FIELD_FRAMING`] for the structure around them
+/// (quotes, colon, comma) — except fields that are not text to a model (an opaque
+/// signature).
 fn field_tokens(key: &str, v: &Value) -> u64 {
     match key {
         // A thinking block's signature is verified, not read.
         "signature" => 1,
-        _ => text_tokens(key) + 1 + value_tokens(v),
+        _ => text_tokens(key) + FIELD_FRAMING + value_tokens(v),
     }
 }
+
+/// Tokens of a JSON field's structure (calibrated with the text weights).
+const FIELD_FRAMING: u64 = 2;
 
 /// The estimated tokens of a JSON value as a model reads it (see the module doc).
 pub fn value_tokens(v: &Value) -> u64 {
