@@ -1357,3 +1357,70 @@ fn check_outage_answers(api: &str, calls: &[Value]) {
     // call: its client must not multiply it.
     assert_eq!(calls[0]["should_retry"], "false", "{api}: {:#}", calls[0]);
 }
+
+/// Issue 39 through the official Python SDKs, with a client key whose budget (0.10 a day)
+/// pays for three calls' reservations but not for twelve: four calls to a broken source
+/// (a 400, then 503s, each retried twice by the SDK — twelve admissions) leave it
+/// untouched (SPEC §24.2), and a reasoning-model source that refuses `max_tokens` then
+/// serves Chat Completions, Responses and Messages clients (SPEC §24.4: learned from its
+/// first 400, resent as `max_completion_tokens`).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn python_sdks_with_a_budget_through_failures_and_a_reasoning_model() {
+    let test = "python_sdks_with_a_budget_through_failures_and_a_reasoning_model";
+    let Some(py) = sdk::python_sdks(test) else {
+        return;
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let db = format!("sqlite://{}", dir.path().join("keys.db").display());
+    let keys_env = vec![var("POLYGW_KEYS_DB", &db)];
+    let o = support::polygw(
+        &["keys", "create", "--name", "agent", "--budget", "0.10/day"],
+        &keys_env,
+    );
+    assert!(o.status.success(), "{o:?}");
+    let secret = String::from_utf8(o.stdout).unwrap().trim().to_string();
+    let broken = mock(Behavior::status(503)).await;
+    broken.push_script(Behavior {
+        error_code: Some("invalid_request_error".into()),
+        ..Behavior::status(400)
+    });
+    let reasoner = mock(Behavior {
+        refuses_max_tokens: true,
+        ..hello()
+    })
+    .await;
+    let prices = [("INPUT_PRICE", "1000"), ("OUTPUT_PRICE", "1000")];
+    let mut env = source("BROKEN", "b", &broken, &prices);
+    env.extend(source("REASONER", "r", &reasoner, &prices));
+    env.extend(keys_env);
+    let s = serve_args(&["--grace-s", "5"], &env);
+    let run = sdk::run(
+        py,
+        vec![sdk::python_script("budget.py").display().to_string()],
+        vec![var("POLYGW_ROOT", &s.base), var("POLYGW_KEY", &secret)],
+        SCRIPT_LIMIT,
+    )
+    .await;
+    eprintln!("{test}: took {:?}\n{}", run.took, run.stderr);
+    let out = run.json();
+    let failures: Vec<u64> = out["failures"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|v| v.as_u64().unwrap())
+        .collect();
+    assert_eq!(failures.len(), 4, "{out}");
+    assert_eq!(failures[0], 400, "{out}");
+    assert!(failures[1..].iter().all(|s| *s >= 500), "{out}");
+    for api in ["chat", "responses", "messages"] {
+        assert_eq!(out[api], "Hello from polygw", "{api}: {out}");
+    }
+    let log = reasoner.requests();
+    let refused = log.iter().filter(|r| r.status == 400).count();
+    assert_eq!(refused, 1, "one refusal teaches the field: {log:#?}");
+    for r in log.iter().filter(|r| r.status == 200) {
+        assert!(r.body.get("max_tokens").is_none(), "{:#}", r.body);
+        assert_eq!(r.body["max_completion_tokens"], 50, "{:#}", r.body);
+    }
+    assert_eq!(log.iter().filter(|r| r.status == 200).count(), 3);
+}

@@ -92,6 +92,10 @@ pub struct Behavior {
     /// Messages: thinking streams no `thinking_delta` (Anthropic's `display:
     /// "omitted"`): its block starts, then silence until its signature.
     pub thinking_omitted: bool,
+    /// A reasoning model's chat endpoint (OpenAI's o-series, GPT-5): a request carrying
+    /// `max_tokens` is refused with OpenAI's 400 `unsupported_parameter`, naming
+    /// `max_completion_tokens` (SPEC §24.4).
+    pub refuses_max_tokens: bool,
 }
 
 /// An alias: one queued script is one [`Behavior`].
@@ -135,6 +139,7 @@ impl Default for Behavior {
             prefill: None,
             prefill_dialects: None,
             thinking_omitted: false,
+            refuses_max_tokens: false,
         }
     }
 }

@@ -510,6 +510,22 @@ async fn handle_request(
             }
             let b = shared.next_behavior(&body);
             guard_behavior(&guard, &b);
+            if b.refuses_max_tokens && api == WireApi::Chat && body.get("max_tokens").is_some() {
+                // OpenAI's own wording for a reasoning model.
+                return Ok(simple(
+                    guard,
+                    400,
+                    error_json_in(
+                        api,
+                        400,
+                        Some("unsupported_parameter"),
+                        Some(
+                            "Unsupported parameter: 'max_tokens' is not supported with this \
+                             model. Use 'max_completion_tokens' instead.",
+                        ),
+                    ),
+                ));
+            }
             if path.ends_with("/embeddings") {
                 embeddings(&shared, kill, guard, b, body).await
             } else {
