@@ -1442,6 +1442,7 @@ async fn sdks_count_images_and_tool_calls_as_the_providers_bill_them() {
     let png_1024x768 = "iVBORw0KGgoAAAANSUhEUgAABAAAAAMACAIAAAAAAAAAAAAAAAAAAAAAAAAAAAAAAA==";
     let run = python(py, test, "estimate.py", &[png_1024x768], &s).await;
     let out = run.json();
+    eprintln!("{test}: {out}");
     let n = |k: &str| out[k].as_u64().unwrap_or_else(|| panic!("{k}: {out}"));
     let text = n("messages_text");
     assert!((1..40).contains(&text), "{out}");
@@ -1452,7 +1453,14 @@ async fn sdks_count_images_and_tool_calls_as_the_providers_bill_them() {
     // it with its framing (docs/BENCHMARKS.md, "Prompt estimate").
     for k in ["messages_tool", "responses_tool"] {
         let t = n(k);
-        assert!((12_850 * 4 / 5..=12_850 * 5 / 4).contains(&t), "{k}: {t} ({out})");
+        assert!(
+            (12_850 * 4 / 5..=12_850 * 5 / 4).contains(&t),
+            "{k}: {t} ({out})"
+        );
     }
-    assert!(plain.requests().is_empty(), "counted by polygw: {:?}", plain.requests());
+    assert!(
+        plain.requests().is_empty(),
+        "counted by polygw: {:?}",
+        plain.requests()
+    );
 }

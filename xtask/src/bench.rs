@@ -130,6 +130,7 @@ pub const PARTS: &[&str] = &[
     "overhead",
     "serve",
     "serve-instructions",
+    "estimate",
     "hedging",
     "cache-affinity",
     "governance",

@@ -152,7 +152,9 @@ fn acquire(budget: u64, nanos: u64, top_up: bool) -> KeyAcquire<'static> {
         budget_month_nanos: None,
         est_tokens: 0,
         reserve_nanos: nanos,
-        lease: Duration::from_secs(3600),
+        // Longer than any run: a holder's heartbeat renews its lease; an expired one
+        // would settle at its reservation (the model's crash rule), not at its cost.
+        lease: Duration::from_secs(30 * 86_400),
         top_up,
     }
 }
