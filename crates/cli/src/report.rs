@@ -560,17 +560,7 @@ pub(crate) fn sections(sum: &Summary) -> Vec<Section> {
                  as 0). Names from polygw_client_keys; keys by id only, nothing secret."
             }
         },
-        headers: vec![
-            "client key",
-            "name",
-            "calls",
-            "failed",
-            "usage known",
-            "prompt",
-            "completion",
-            "cost (known)",
-            "unknown cost",
-        ],
+        headers: [&["client key", "name"][..], &SPEND_HEADERS].concat(),
         rows: sum
             .keys
             .iter()
@@ -598,16 +588,7 @@ pub(crate) fn sections(sum: &Summary) -> Vec<Section> {
                    session_id, a prompt_cache_key), the dearest first: calls, failed calls, \
                    tokens with known usage, the known cost, and the rows whose cost is \
                    unknown.",
-            headers: vec![
-                "session",
-                "calls",
-                "failed",
-                "usage known",
-                "prompt",
-                "completion",
-                "cost (known)",
-                "unknown cost",
-            ],
+            headers: [&["session"][..], &SPEND_HEADERS].concat(),
             rows: sum
                 .sessions
                 .iter()
@@ -626,18 +607,7 @@ pub(crate) fn sections(sum: &Summary) -> Vec<Section> {
             title: "Spend per sub-agent",
             note: "Rows per agent_id (SPEC §24.6: Claude Code's x-claude-code-agent-id), with \
                    the agent that started it and its session.",
-            headers: vec![
-                "agent",
-                "parent",
-                "session",
-                "calls",
-                "failed",
-                "usage known",
-                "prompt",
-                "completion",
-                "cost (known)",
-                "unknown cost",
-            ],
+            headers: [&["agent", "parent", "session"][..], &SPEND_HEADERS].concat(),
             rows: sum
                 .agents
                 .iter()
@@ -732,6 +702,17 @@ pub const NO_KEY: &str = "(no client key)";
 
 /// The row of the calls that named no agent session.
 pub const NO_SESSION: &str = "(no session)";
+
+/// The headers of [`spend_cells`].
+const SPEND_HEADERS: [&str; 7] = [
+    "calls",
+    "failed",
+    "usage known",
+    "prompt",
+    "completion",
+    "cost (known)",
+    "unknown cost",
+];
 
 /// The spend cells of a per-key / per-session / per-agent table: calls, failed, usage
 /// known, prompt, completion, cost (known), unknown cost.

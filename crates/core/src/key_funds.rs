@@ -76,12 +76,18 @@ pub fn shrunk_cap(
     wanted: u64,
     floor: u64,
 ) -> Option<u64> {
-    let prompt = prices.reserve_nanos(with_margin(prompt_tokens, margin_pct), 0)?;
-    let left = remaining_nanos.checked_sub(prompt)?;
+    let prompt = with_margin(prompt_tokens, margin_pct);
+    // ⌈(prompt × in + cap × out) / 10⁶⌉ ≤ remaining  ⇔  cap × out ≤ remaining × 10⁶ −
+    // prompt × in (the reservation rounds the sum once, as `reserve_nanos` does).
+    let in_part = match (prompt, prices.input) {
+        (0, _) => 0,
+        (p, Some(price)) => u128::from(p) * u128::from(price),
+        (_, None) => return None,
+    };
+    let left = (u128::from(remaining_nanos) * 1_000_000).checked_sub(in_part)?;
     let cap = match prices.output {
         Some(0) | None => wanted,
-        // ⌈cap × price / 10⁶⌉ ≤ left  ⇔  cap ≤ ⌊left × 10⁶ / price⌋.
-        Some(p) => u64::try_from(u128::from(left) * 1_000_000 / u128::from(p))
+        Some(p) => u64::try_from(left / u128::from(p))
             .unwrap_or(u64::MAX)
             .min(wanted),
     };

@@ -221,14 +221,17 @@ impl ChatRequest {
         .into_iter()
         .flatten()
         .max()?;
-        let n = self
-            .overlay
+        Some(cap.saturating_mul(self.choices()))
+    }
+
+    /// The choices it asks for (its overlay's `n`, at least 1).
+    fn choices(&self) -> u64 {
+        self.overlay
             .as_ref()
             .and_then(|o| o.get("n"))
             .and_then(Value::as_u64)
             .unwrap_or(1)
-            .max(1);
-        Some(cap.saturating_mul(n))
+            .max(1)
     }
 
     /// The request with `cap` as its output cap (SPEC §24.1: what a budgeted key's call
@@ -249,14 +252,7 @@ impl ChatRequest {
     /// max_tokens`) shrinks with it, or is turned off for the call below that (SPEC §24.1).
     pub fn set_output_cap(mut self, total: u64) -> Self {
         const FIELDS: [&str; 3] = ["max_tokens", "max_completion_tokens", "max_output_tokens"];
-        let n = self
-            .overlay
-            .as_ref()
-            .and_then(|o| o.get("n"))
-            .and_then(Value::as_u64)
-            .unwrap_or(1)
-            .max(1);
-        let cap = (total / n).max(1);
+        let cap = (total / self.choices()).max(1);
         // The chat form's own field, unless the client capped through another one (a
         // source refuses both at once).
         let other = self
