@@ -586,3 +586,41 @@ fn budget_key(id: &str, day_nanos: u64) -> polygw::core::client_key::ClientKey {
         revoked_at_ms: None,
     }
 }
+
+/// A retry the key's budget cannot fund (SPEC §24.1): the first attempt timed out, so it
+/// may have been billed and settles at its reservation, which is all the budget holds;
+/// the retry's top-up is refused, so no second attempt is made and the call ends naming
+/// the budget. The key settles exactly that one reservation.
+#[tokio::test(start_paused = true)]
+async fn a_retry_the_keys_budget_cannot_fund_is_not_made() {
+    let mut s = scope(1);
+    s.sources[0] = s.sources[0].clone().with_prices(1.0, 2.0);
+    let h = harness(s.clone(), None, None).await;
+    h.fake.push(
+        "s-0",
+        Script::fail(ms(10), ErrorClass::Transient, ErrorLabel::Timeout),
+    );
+    h.fake.set_default("s-0", Script::ok(ms(10), "too late"));
+    let req = ChatRequest::user("x");
+    let admission = polygw::core::key_quota::key_reservation(
+        polygw::core::resume::estimate_prompt_tokens(&req),
+        Some(polygw::core::key_funds::default_cap(&s.sources)),
+        25,
+        &s.sources,
+        0,
+    )
+    .nanos
+    .unwrap();
+    let key = budget_key("key_retry", admission);
+    let charge = h.client.admit_key(&key, &req).await.expect("admitted");
+    let e = h
+        .client
+        .chat_with(req, polygw::CallOptions::default().with_client_key(charge))
+        .await
+        .unwrap_err();
+    assert_eq!(h.fake.calls_to("s-0"), 1, "the retry was made: {e}");
+    assert!(e.to_string().contains("key_budget_day"), "{e}");
+    tokio::time::sleep(ms(10)).await;
+    let u = h.client.key_usage("key_retry").await.unwrap();
+    assert_eq!((u.reserved_nanos, u.day_nanos), (0, admission));
+}
