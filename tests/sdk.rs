@@ -1427,7 +1427,7 @@ async fn python_sdks_with_a_budget_through_failures_and_a_reasoning_model() {
 
 /// SPEC §24.3 as the official SDKs read it: `count_tokens` (Anthropic) and
 /// `responses.input_tokens` (OpenAI) on chat sources, answered with polygw's estimate. An
-/// image inline (300 KB of base64) counts by the providers' formula for its size (a
+/// image inline (30 KB of base64, ~7 500 tokens as text) counts by the providers' formula for its size (a
 /// 1024×768 PNG: 1049), not by its bytes; a 40 KB tool call sent back counts its
 /// arguments — both within a factor of 1.25 of the benchmark's figures (cargo xtask bench
 /// estimate: the image 1049, 40 KB of code in JSON about 12 000 o200k tokens).

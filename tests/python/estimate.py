@@ -4,7 +4,7 @@
 polygw answers with its own estimate. Environment: POLYGW_ROOT, POLYGW_KEY; argv[1] is
 a 1024×768 PNG's header in base64.
 
-Counts: a short text; the same with the image inline (300 KB of base64); a 40 KB tool
+Counts: a short text; the same with the image inline (30 KB of base64); a 40 KB tool
 call sent back (Messages `tool_use` input, Responses `function_call` arguments) with its
 result. Prints one JSON object of the counts.
 """
@@ -17,7 +17,7 @@ import anthropic
 import openai
 
 root, key = os.environ["POLYGW_ROOT"], os.environ["POLYGW_KEY"]
-png = sys.argv[1] + "A" * 300_000
+png = sys.argv[1] + "A" * 30_000
 corpus = os.path.join(os.path.dirname(__file__), "..", "..", "crates", "polygw", "benches",
                       "estimate_corpus", "code.txt")
 code = open(corpus).read()  # the benchmark's code corpus
