@@ -88,6 +88,22 @@ async fn call(s: &Served, key: &str, model: &str) -> (u16, Value, reqwest::heade
     (status, r.json().await.unwrap_or(Value::Null), headers)
 }
 
+/// A proxy of one chat scope `LLM` over `src`, with the store's keys (rows to `rows`).
+async fn keyed_proxy(
+    store: Arc<Keys>,
+    src: polygw::SourceConfig,
+    rows: Option<Arc<RecordingTelemetry>>,
+) -> Served {
+    let ring = KeyRing::new(store, Duration::from_secs(3600));
+    ring.refresh().await.unwrap();
+    let chat = scope_with("LLM", ScopeKind::Chat, vec![src], rows, |_| {}).await;
+    let cfg = ProxyConfig {
+        key_ring: Some(ring),
+        ..ProxyConfig::default()
+    };
+    serve_with(vec![chat], cfg, ServerLimits::default()).await
+}
+
 async fn proxy_with(
     store: Arc<Keys>,
     rows: Arc<RecordingTelemetry>,
@@ -547,17 +563,10 @@ async fn a_cap_the_budget_cannot_pay_shrinks_down_to_the_minimum() {
             .await
             .unwrap();
     }
-    let ring = KeyRing::new(store, Duration::from_secs(3600));
-    ring.refresh().await.unwrap();
     let mut src = source("a", &m);
     src.input_price = Some(1.0);
     src.output_price = Some(1.0);
-    let chat = scope_with("LLM", ScopeKind::Chat, vec![src], None, |_| {}).await;
-    let cfg = ProxyConfig {
-        key_ring: Some(ring),
-        ..ProxyConfig::default()
-    };
-    let s = serve_with(vec![chat], cfg, ServerLimits::default()).await;
+    let s = keyed_proxy(store, src, None).await;
     let (st, body, _) = call(&s, &secret(11), "llm").await;
     assert_eq!(st, 200, "{body}");
     let sent = m.requests().last().unwrap().body["max_tokens"]
@@ -609,26 +618,11 @@ async fn thirty_two_clients_never_overspend_a_budget_that_buys_a_handful_of_call
         ))
         .await
         .unwrap();
-    let rows = RecordingTelemetry::new();
-    let ring = KeyRing::new(store, Duration::from_secs(3600));
-    ring.refresh().await.unwrap();
     let mut src = source("a", &m);
     src.input_price = Some(1.0);
     src.output_price = Some(4.0);
     src.cache_write_price = Some(1.25);
-    let chat = scope_with(
-        "LLM",
-        ScopeKind::Chat,
-        vec![src],
-        Some(rows.clone()),
-        |_| {},
-    )
-    .await;
-    let cfg = ProxyConfig {
-        key_ring: Some(ring),
-        ..ProxyConfig::default()
-    };
-    let s = Arc::new(serve_with(vec![chat], cfg, ServerLimits::default()).await);
+    let s = Arc::new(keyed_proxy(store, src, Some(RecordingTelemetry::new())).await);
     // One call: (status, x-should-retry).
     async fn one(s: &Served, c: usize, n: usize) -> (u16, Option<String>) {
         let mut body = json!({
