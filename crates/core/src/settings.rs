@@ -361,6 +361,9 @@ pub struct ScopeSettings {
     /// How long a stored Responses API answer is kept (`RESPONSES__TTL_S`, SPEC §18.1).
     #[serde(with = "crate::durations::secs")]
     pub responses_ttl: Duration,
+    /// Bytes of stored Responses each client key holds at most
+    /// (`RESPONSES__MAX_BYTES_PER_KEY`, SPEC §24.5).
+    pub responses_max_bytes_per_key: u64,
     /// Prompt-cache affinity (`AFFINITY`, `AFFINITY__TTL_S`, SPEC §20.2).
     pub affinity: crate::affinity::AffinitySettings,
     /// Client keys' money (`KEYS__ESTIMATE_MARGIN`, `KEYS__MIN_OUTPUT_TOKENS`, SPEC §24.1).
@@ -369,6 +372,10 @@ pub struct ScopeSettings {
 
 /// The default `RESPONSES__TTL_S`: 30 days, as OpenAI keeps stored responses.
 pub const DEFAULT_RESPONSES_TTL: Duration = Duration::from_secs(30 * 24 * 3600);
+
+/// The default `RESPONSES__MAX_BYTES_PER_KEY`: 64 MiB (an agent's day of turns, each
+/// stored once).
+pub const DEFAULT_RESPONSES_MAX_BYTES_PER_KEY: u64 = 64 << 20;
 
 impl ScopeSettings {
     /// A scope with these sources and defaults everywhere else.
@@ -390,6 +397,7 @@ impl ScopeSettings {
             max_reasks: DEFAULT_MAX_REASKS,
             ocr_prompt: DEFAULT_OCR_PROMPT.to_string(),
             responses_ttl: DEFAULT_RESPONSES_TTL,
+            responses_max_bytes_per_key: DEFAULT_RESPONSES_MAX_BYTES_PER_KEY,
             affinity: crate::affinity::AffinitySettings::default(),
             keys: crate::key_funds::KeySettings::default(),
         }

@@ -1,39 +1,41 @@
-//! [`MemoryResponseStore`]: stored OpenAI Responses (SPEC §18.1) for a scope without a
-//! telemetry database — bounded in entries and bytes, oldest evicted first, expired
-//! entries purged lazily.
+//! [`MemoryResponseStore`]: stored OpenAI Responses (SPEC §18.1, §24.5) for a scope
+//! without a telemetry database — bounded per owner (`RESPONSES__MAX_BYTES_PER_KEY`,
+//! the owner's entries that expire soonest leave first) and in total (a put that only
+//! another owner's entries could make room for is refused), expired entries purged
+//! lazily.
 
 use std::collections::{BTreeMap, HashMap};
 use std::fmt;
 use std::sync::{Arc, LazyLock, Mutex, Weak};
 
 use async_trait::async_trait;
-use hashlink::LinkedHashMap;
-use polygw_core::ports::{ResponseStore, StoredResponse};
+use polygw_core::ports::store::MAX_TURNS;
+use polygw_core::ports::{entry_bytes, ResponseStore, StoredResponse};
 use polygw_core::TelemetryError;
 use serde_json::Value;
 
 use crate::lock;
 
-/// Bytes counted for an entry besides its JSON text and key (map and index nodes, string
-/// headers), so that many tiny entries are bounded too.
-pub const ENTRY_OVERHEAD: usize = 160;
+pub use polygw_core::ports::store::ENTRY_OVERHEAD;
 
-/// The bounds of a [`MemoryResponseStore`].
+/// The bounds of a [`MemoryResponseStore`] as a whole (each owner's own bound is the
+/// `max_bytes` of its puts).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct ResponseStoreLimits {
-    /// Entries held at most (default 10 000); 0 stores nothing.
+    /// Entries held at most (default 100 000); 0 stores nothing.
     pub max_entries: usize,
-    /// Bytes held at most (default 64 MiB): the JSON text of each response and its input
-    /// items, its scope and id, and [`ENTRY_OVERHEAD`]. A single entry larger than this
-    /// is refused (`put` fails).
-    pub max_bytes: usize,
+    /// Bytes held at most (default 256 MiB), as
+    /// [`polygw_core::ports::entry_bytes`] counts them. A put that would exceed this
+    /// evicts only entries of its own owner; when those are not enough, it is refused:
+    /// no owner's entries leave for another's.
+    pub max_bytes: u64,
 }
 
 impl Default for ResponseStoreLimits {
     fn default() -> Self {
         ResponseStoreLimits {
-            max_entries: 10_000,
-            max_bytes: 64 << 20,
+            max_entries: 100_000,
+            max_bytes: 256 << 20,
         }
     }
 }
@@ -42,70 +44,121 @@ impl Default for ResponseStoreLimits {
 struct Entry {
     response: Arc<str>,
     input_items: Arc<str>,
+    previous_id: Option<String>,
     created_at_ms: i64,
     expires_at_ms: i64,
-    bytes: usize,
-    /// Insertion number (unique), for the expiry index.
+    bytes: u64,
+    /// Insertion number (unique), for the expiry indexes.
     seq: u64,
+}
+
+/// One owner's entries.
+#[derive(Default)]
+struct Owner {
+    entries: HashMap<String, Entry>,
+    /// (expires_at_ms, seq) → id, soonest first: the owner's eviction order.
+    by_expiry: BTreeMap<(i64, u64), String>,
+    bytes: u64,
 }
 
 #[derive(Default)]
 struct State {
-    /// Entries by key, in insertion order (oldest first: the eviction order).
-    entries: LinkedHashMap<String, Entry>,
-    /// (expires_at_ms, seq) → key, soonest first.
-    by_expiry: BTreeMap<(i64, u64), String>,
-    bytes: usize,
+    owners: HashMap<String, Owner>,
+    /// (expires_at_ms, seq) → (owner, id), soonest first: the purge order.
+    by_expiry: BTreeMap<(i64, u64), (String, String)>,
+    bytes: u64,
+    len: usize,
     next_seq: u64,
 }
 
 impl State {
-    fn remove(&mut self, key: &str) -> bool {
-        match self.entries.remove(key) {
-            Some(e) => {
-                self.forget(&e);
-                true
-            }
-            None => false,
+    /// Removes `owner`'s entry `id`; whether it was there.
+    fn remove(&mut self, owner: &str, id: &str) -> bool {
+        let Some(o) = self.owners.get_mut(owner) else {
+            return false;
+        };
+        let Some(e) = o.entries.remove(id) else {
+            return false;
+        };
+        o.by_expiry.remove(&(e.expires_at_ms, e.seq));
+        o.bytes -= e.bytes;
+        if o.entries.is_empty() {
+            self.owners.remove(owner);
         }
-    }
-
-    fn forget(&mut self, e: &Entry) {
         self.by_expiry.remove(&(e.expires_at_ms, e.seq));
         self.bytes -= e.bytes;
+        self.len -= 1;
+        true
     }
 
     /// Removes every entry expired at `now_ms` (each entry is purged once: amortised
     /// O(log n) per entry).
     fn purge_expired(&mut self, now_ms: i64) {
-        while let Some(first) = self.by_expiry.first_entry() {
-            if first.key().0 > now_ms {
+        while let Some((&(at, _), (owner, id))) = self.by_expiry.first_key_value() {
+            if at > now_ms {
                 break;
             }
-            let key = first.remove();
-            if let Some(e) = self.entries.remove(&key) {
-                self.bytes -= e.bytes;
-            }
+            let (owner, id) = (owner.clone(), id.clone());
+            self.remove(&owner, &id);
         }
     }
 
-    fn evict_oldest(&mut self) -> bool {
-        match self.entries.pop_front() {
-            Some((_, e)) => {
-                self.forget(&e);
-                true
+    /// Removes `owner`'s entry that expires soonest; whether there was one.
+    fn evict_soonest(&mut self, owner: &str) -> bool {
+        let id = self
+            .owners
+            .get(owner)
+            .and_then(|o| o.by_expiry.first_key_value())
+            .map(|(_, id)| id.clone());
+        id.is_some_and(|id| self.remove(owner, &id))
+    }
+
+    /// Moves the expiry of the live turns `from` continues (within `owner`) to `until`
+    /// where that is later.
+    fn renew_chain(&mut self, owner: &str, from: Option<&str>, now_ms: i64, until: i64) {
+        let Some(o) = self.owners.get_mut(owner) else {
+            return;
+        };
+        let mut next = from.map(str::to_string);
+        let mut steps = 0;
+        while let Some(id) = next.take() {
+            steps += 1;
+            if steps > MAX_TURNS {
+                break;
             }
-            None => false,
+            let Some(e) = o.entries.get_mut(&id) else {
+                break;
+            };
+            if e.expires_at_ms <= now_ms {
+                break;
+            }
+            next = e.previous_id.clone();
+            if e.expires_at_ms >= until {
+                continue;
+            }
+            o.by_expiry.remove(&(e.expires_at_ms, e.seq));
+            let ids = self
+                .by_expiry
+                .remove(&(e.expires_at_ms, e.seq))
+                .expect("every entry is indexed");
+            e.expires_at_ms = until;
+            o.by_expiry.insert((until, e.seq), id);
+            self.by_expiry.insert((until, e.seq), ids);
         }
     }
 }
 
-/// A bounded in-process [`ResponseStore`] (SPEC §18.1, the store of a scope without a
-/// telemetry database): at most [`ResponseStoreLimits::max_entries`] entries and
-/// [`ResponseStoreLimits::max_bytes`] bytes; when a `put` would exceed either, the oldest
-/// entries (by the time they were put) leave first, after any that expired. Entries past
-/// their `expires_at_ms` are never returned and are purged lazily (by `put`, at the new
-/// entry's `created_at_ms`, and by `get`, at its `now_ms`).
+/// A bounded in-process [`ResponseStore`] (SPEC §18.1, §24.5: the store of a scope
+/// without a telemetry database).
+///
+/// - Each owner (`StoredResponse::scope`: the scope, and the client key that stored the
+///   entry) holds at most the `max_bytes` of its puts; when a put would exceed it, that
+///   owner's entries that expire soonest leave first (a conversation in use is renewed
+///   by each turn, so these are the least recently used).
+/// - The whole store holds at most [`ResponseStoreLimits`]; a put that would exceed it
+///   evicts only its own owner's entries, and is refused when those are not enough.
+/// - Entries past their `expires_at_ms` are never returned and are purged lazily (by
+///   `put`, at the new entry's `created_at_ms`, and by `get`, at its `now_ms`).
 ///
 /// The response and its input items are kept as JSON text (what the byte bound counts,
 /// and several times smaller than parsed values) and parsed on `get`: values come back
@@ -134,11 +187,6 @@ impl Default for MemoryResponseStore {
     }
 }
 
-/// The map key of (scope, id): unambiguous (the scope's length first).
-fn key(scope: &str, id: &str) -> String {
-    format!("{}:{scope}{id}", scope.len())
-}
-
 impl MemoryResponseStore {
     /// An empty store with these bounds.
     pub fn new(limits: ResponseStoreLimits) -> Self {
@@ -155,7 +203,7 @@ impl MemoryResponseStore {
 
     /// Entries held now (expired ones included until purged).
     pub fn len(&self) -> usize {
-        lock(&self.state).entries.len()
+        lock(&self.state).len
     }
 
     /// Whether it holds nothing.
@@ -164,22 +212,33 @@ impl MemoryResponseStore {
     }
 
     /// Bytes held now, as [`ResponseStoreLimits::max_bytes`] counts them.
-    pub fn bytes(&self) -> usize {
+    pub fn bytes(&self) -> u64 {
         lock(&self.state).bytes
+    }
+
+    /// Bytes `owner` holds now.
+    pub fn owner_bytes(&self, owner: &str) -> u64 {
+        lock(&self.state).owners.get(owner).map_or(0, |o| o.bytes)
     }
 }
 
 #[async_trait]
 impl ResponseStore for MemoryResponseStore {
-    async fn put(&self, r: StoredResponse) -> Result<(), TelemetryError> {
+    async fn put(&self, r: StoredResponse, max_bytes: u64) -> Result<(), TelemetryError> {
         let bad = |e: serde_json::Error| {
             TelemetryError(format!("response {:?} cannot be stored: {e}", r.id))
         };
         let response: Arc<str> = serde_json::to_string(&r.response).map_err(bad)?.into();
         let input_items: Arc<str> = serde_json::to_string(&r.input_items).map_err(bad)?.into();
-        let k = key(&r.scope, &r.id);
-        let bytes = k.len() + response.len() + input_items.len() + ENTRY_OVERHEAD;
+        let bytes = entry_bytes(&r, response.len(), input_items.len());
         let limits = self.limits;
+        if bytes > max_bytes {
+            return Err(TelemetryError(format!(
+                "response {:?} ({bytes} bytes) is larger than RESPONSES__MAX_BYTES_PER_KEY \
+                 ({max_bytes} bytes); not stored",
+                r.id
+            )));
+        }
         if limits.max_entries == 0 || bytes > limits.max_bytes {
             return Err(TelemetryError(format!(
                 "response {:?} ({bytes} bytes) does not fit the in-process response store \
@@ -188,22 +247,57 @@ impl ResponseStore for MemoryResponseStore {
             )));
         }
         let mut st = lock(&self.state);
-        st.remove(&k);
         st.purge_expired(r.created_at_ms);
-        while st.entries.len() >= limits.max_entries || st.bytes + bytes > limits.max_bytes {
-            if !st.evict_oldest() {
+        let mine = st.owners.get(&r.scope);
+        let (held, held_len) = mine.map_or((0, 0), |o| (o.bytes, o.entries.len()));
+        // What the whole store would need freed, from this owner's entries only (the
+        // entry it replaces counts as freed).
+        let others = st.bytes - held;
+        let others_len = st.len - held_len;
+        if others + bytes > limits.max_bytes || others_len + 1 > limits.max_entries {
+            return Err(TelemetryError(format!(
+                "response {:?} ({bytes} bytes) does not fit the in-process response store: \
+                 other keys hold {others} of its {} bytes ({others_len} of its {} \
+                 entries), and no key's responses are evicted for another's",
+                r.id, limits.max_bytes, limits.max_entries
+            )));
+        }
+        st.remove(&r.scope, &r.id);
+        st.renew_chain(
+            &r.scope,
+            r.previous_id.as_deref(),
+            r.created_at_ms,
+            r.expires_at_ms,
+        );
+        let cap = max_bytes.min(limits.max_bytes - others);
+        let cap_len = limits.max_entries - others_len;
+        loop {
+            let (b, n) = st
+                .owners
+                .get(&r.scope)
+                .map_or((0, 0), |o| (o.bytes, o.entries.len()));
+            if b + bytes <= cap && n < cap_len {
+                break;
+            }
+            if !st.evict_soonest(&r.scope) {
                 break;
             }
         }
         st.next_seq += 1;
         let seq = st.next_seq;
-        st.by_expiry.insert((r.expires_at_ms, seq), k.clone());
+        st.by_expiry
+            .insert((r.expires_at_ms, seq), (r.scope.clone(), r.id.clone()));
         st.bytes += bytes;
-        st.entries.insert(
-            k,
+        st.len += 1;
+        let o = st.owners.entry(r.scope).or_default();
+        o.by_expiry.insert((r.expires_at_ms, seq), r.id.clone());
+        o.bytes += bytes;
+        o.entries.insert(
+            r.id,
             Entry {
                 response,
                 input_items,
+                previous_id: r.previous_id,
                 created_at_ms: r.created_at_ms,
                 expires_at_ms: r.expires_at_ms,
                 bytes,
@@ -222,18 +316,22 @@ impl ResponseStore for MemoryResponseStore {
         let found = {
             let mut st = lock(&self.state);
             st.purge_expired(now_ms);
-            st.entries.get(&key(scope, id)).and_then(|e| {
-                (e.expires_at_ms > now_ms).then(|| {
-                    (
-                        e.response.clone(),
-                        e.input_items.clone(),
-                        e.created_at_ms,
-                        e.expires_at_ms,
-                    )
+            st.owners
+                .get(scope)
+                .and_then(|o| o.entries.get(id))
+                .and_then(|e| {
+                    (e.expires_at_ms > now_ms).then(|| {
+                        (
+                            e.response.clone(),
+                            e.input_items.clone(),
+                            e.previous_id.clone(),
+                            e.created_at_ms,
+                            e.expires_at_ms,
+                        )
+                    })
                 })
-            })
         };
-        let Some((response, items, created_at_ms, expires_at_ms)) = found else {
+        let Some((response, items, previous_id, created_at_ms, expires_at_ms)) = found else {
             return Ok(None);
         };
         let bad = |what: &str, e: serde_json::Error| {
@@ -247,13 +345,14 @@ impl ResponseStore for MemoryResponseStore {
             response: serde_json::from_str::<Value>(&response).map_err(|e| bad("response", e))?,
             input_items: serde_json::from_str::<Vec<Value>>(&items)
                 .map_err(|e| bad("input_items", e))?,
+            previous_id,
             created_at_ms,
             expires_at_ms,
         }))
     }
 
     async fn delete(&self, scope: &str, id: &str) -> Result<bool, TelemetryError> {
-        Ok(lock(&self.state).remove(&key(scope, id)))
+        Ok(lock(&self.state).remove(scope, id))
     }
 }
 
@@ -261,8 +360,8 @@ type Registry = Mutex<HashMap<String, Weak<MemoryResponseStore>>>;
 
 static REGISTRY: LazyLock<Registry> = LazyLock::new(|| Mutex::new(HashMap::new()));
 
-/// The process-wide response store of scope `scope`, with the default bounds (10 000
-/// entries, 64 MiB): every client of that scope in this process shares it, so a response
+/// The process-wide response store of scope `scope`, with the default bounds (100 000
+/// entries, 256 MiB): every client of that scope in this process shares it, so a response
 /// stored through one is found through another. It lives while some handle of it does.
 pub fn shared_responses(scope: &str) -> Arc<MemoryResponseStore> {
     shared_responses_with(scope, ResponseStoreLimits::default())

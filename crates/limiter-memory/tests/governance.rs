@@ -611,6 +611,8 @@ mod store_contract {
         large_values_round_trip,
         many_entries,
         concurrent_clients,
+        chains_link_turns_and_renew_them,
+        an_owner_is_bounded_and_never_evicts_another,
     );
 
     #[test]
@@ -629,10 +631,10 @@ mod response_store {
     use polygw_limiter_memory::{
         shared_responses, shared_responses_with, MemoryResponseStore, ResponseStoreLimits,
     };
-    use polygw_testkit::store_contract::{entry, DAY_MS, T0};
+    use polygw_testkit::store_contract::{entry, DAY_MS, T0, UNBOUNDED};
     use serde_json::json;
 
-    fn store(max_entries: usize, max_bytes: usize) -> MemoryResponseStore {
+    fn store(max_entries: usize, max_bytes: u64) -> MemoryResponseStore {
         MemoryResponseStore::new(ResponseStoreLimits {
             max_entries,
             max_bytes,
@@ -642,19 +644,19 @@ mod response_store {
     #[test]
     fn defaults_are_documented() {
         let l = ResponseStoreLimits::default();
-        assert_eq!((l.max_entries, l.max_bytes), (10_000, 64 << 20));
+        assert_eq!((l.max_entries, l.max_bytes), (100_000, 256 << 20));
         assert_eq!(MemoryResponseStore::default().limits(), l);
     }
 
     #[tokio::test]
     async fn the_oldest_entries_leave_first_when_the_count_is_reached() {
-        let s = store(3, usize::MAX);
+        let s = store(3, u64::MAX);
         for i in 0..3 {
-            s.put(entry("S", &format!("r{i}"), "x")).await.unwrap();
+            s.put(entry("S", &format!("r{i}"), "x"), UNBOUNDED).await.unwrap();
         }
         // Replacing r0 makes it the newest: r1 is now the oldest.
-        s.put(entry("S", "r0", "again")).await.unwrap();
-        s.put(entry("S", "r3", "x")).await.unwrap();
+        s.put(entry("S", "r0", "again"), UNBOUNDED).await.unwrap();
+        s.put(entry("S", "r3", "x"), UNBOUNDED).await.unwrap();
         assert_eq!(s.len(), 3);
         assert!(s.get("S", "r1", T0).await.unwrap().is_none());
         for id in ["r0", "r2", "r3"] {
@@ -666,12 +668,12 @@ mod response_store {
     async fn bytes_are_bounded_and_accounted_exactly() {
         let one = {
             let s = MemoryResponseStore::default();
-            s.put(entry("S", "r0", "x")).await.unwrap();
+            s.put(entry("S", "r0", "x"), UNBOUNDED).await.unwrap();
             s.bytes()
         };
         let s = store(1000, one * 3 + one / 2);
         for i in 0..10 {
-            s.put(entry("S", &format!("r{i}"), "x")).await.unwrap();
+            s.put(entry("S", &format!("r{i}"), "x"), UNBOUNDED).await.unwrap();
             assert!(s.bytes() <= one * 3 + one / 2);
         }
         assert_eq!(s.len(), 3);
@@ -682,7 +684,7 @@ mod response_store {
         // Deleting and replacing keep the count exact.
         assert!(s.delete("S", "r9").await.unwrap());
         assert_eq!(s.bytes(), 2 * one);
-        s.put(entry("S", "r8", "x")).await.unwrap();
+        s.put(entry("S", "r8", "x"), UNBOUNDED).await.unwrap();
         assert_eq!((s.len(), s.bytes()), (2, 2 * one));
         s.delete("S", "r8").await.unwrap();
         s.delete("S", "r7").await.unwrap();
@@ -692,25 +694,63 @@ mod response_store {
     #[tokio::test]
     async fn an_entry_larger_than_the_bound_is_refused_and_evicts_nothing() {
         let s = store(10, 4096);
-        s.put(entry("S", "small", "x")).await.unwrap();
+        s.put(entry("S", "small", "x"), UNBOUNDED).await.unwrap();
         let mut big = entry("S", "big", "x");
         big.response = json!({"text": "y".repeat(5000)});
-        let e = s.put(big).await.unwrap_err().0;
+        let e = s.put(big, UNBOUNDED).await.unwrap_err().0;
         assert!(e.contains("does not fit"), "{e}");
         assert!(s.get("S", "small", T0).await.unwrap().is_some());
         assert!(s.get("S", "big", T0).await.unwrap().is_none());
-        let none = store(0, usize::MAX);
-        assert!(none.put(entry("S", "r", "x")).await.is_err());
+        let none = store(0, u64::MAX);
+        assert!(none.put(entry("S", "r", "x"), UNBOUNDED).await.is_err());
         assert!(none.is_empty());
+    }
+
+    /// The whole store's bound never evicts one owner's entries for another's: the put
+    /// that only another owner's entries could make room for is refused, and an owner
+    /// over its share makes room from its own.
+    #[tokio::test]
+    async fn the_store_bound_never_evicts_another_owners_entries() {
+        let one = {
+            let s = MemoryResponseStore::default();
+            s.put(entry("A", "r0", "x"), UNBOUNDED).await.unwrap();
+            s.bytes()
+        };
+        let s = store(1000, one * 4);
+        for i in 0..4 {
+            s.put(entry("A", &format!("r{i}"), "x"), UNBOUNDED)
+                .await
+                .unwrap();
+        }
+        let e = s.put(entry("B", "r0", "x"), UNBOUNDED).await.unwrap_err().0;
+        assert!(e.contains("no key's responses are evicted"), "{e}");
+        assert_eq!((s.owner_bytes("A"), s.owner_bytes("B")), (4 * one, 0));
+        // A makes room from its own: its oldest leaves.
+        s.put(entry("A", "r4", "x"), UNBOUNDED).await.unwrap();
+        assert!(s.get("A", "r0", T0).await.unwrap().is_none());
+        assert_eq!(s.len(), 4);
+        // Once A deletes, B stores; A's next put then evicts A's own, not B's.
+        assert!(s.delete("A", "r1").await.unwrap());
+        s.put(entry("B", "r0", "x"), UNBOUNDED).await.unwrap();
+        s.put(entry("A", "r5", "x"), UNBOUNDED).await.unwrap();
+        assert!(s.get("B", "r0", T0).await.unwrap().is_some());
+        assert_eq!((s.owner_bytes("A"), s.owner_bytes("B")), (3 * one, one));
+        // The entry count bounds the same way.
+        let s = store(2, u64::MAX);
+        s.put(entry("A", "r0", "x"), UNBOUNDED).await.unwrap();
+        s.put(entry("A", "r1", "x"), UNBOUNDED).await.unwrap();
+        assert!(s.put(entry("B", "r0", "x"), UNBOUNDED).await.is_err());
+        s.put(entry("A", "r2", "x"), UNBOUNDED).await.unwrap();
+        assert_eq!(s.len(), 2);
     }
 
     #[tokio::test]
     async fn expired_entries_are_purged_lazily_and_go_before_live_ones() {
-        let s = store(3, usize::MAX);
+        let s = store(3, u64::MAX);
         for i in 0..3 {
             let mut r = entry("S", &format!("short{i}"), "x");
             r.expires_at_ms = T0 + 100 + i;
-            s.put(r).await.unwrap();
+            s.put(r, UNBOUNDED).await.unwrap();
         }
         assert_eq!(s.len(), 3);
         // A get at a later time purges what expired by then.
@@ -719,11 +759,11 @@ mod response_store {
         // A put purges at its created_at: the expired entry goes, no live one is evicted.
         let mut live = entry("S", "live0", "x");
         live.created_at_ms = T0 + 1_000;
-        s.put(live).await.unwrap();
+        s.put(live, UNBOUNDED).await.unwrap();
         assert_eq!(s.len(), 1);
-        s.put(entry("S", "live1", "x")).await.unwrap();
-        s.put(entry("S", "live2", "x")).await.unwrap();
-        s.put(entry("S", "live3", "x")).await.unwrap();
+        s.put(entry("S", "live1", "x"), UNBOUNDED).await.unwrap();
+        s.put(entry("S", "live2", "x"), UNBOUNDED).await.unwrap();
+        s.put(entry("S", "live3", "x"), UNBOUNDED).await.unwrap();
         assert_eq!(s.len(), 3);
         assert!(s.get("S", "live0", T0 + 2_000).await.unwrap().is_none());
         assert!(s
@@ -743,7 +783,7 @@ mod response_store {
         let c = shared_responses("RS_SHARED_B");
         assert!(Arc::ptr_eq(&a, &b));
         assert!(!Arc::ptr_eq(&a, &c));
-        a.put(entry("RS_SHARED_A", "r", "x")).await.unwrap();
+        a.put(entry("RS_SHARED_A", "r", "x"), UNBOUNDED).await.unwrap();
         assert!(b.get("RS_SHARED_A", "r", T0).await.unwrap().is_some());
         // The first creation's bounds hold; once every handle is gone, a new store.
         let small = ResponseStoreLimits {

@@ -1,5 +1,5 @@
 //! The embedded, additive migrations of polygw's tables (`llm_calls`, and
-//! `polygw_responses` since migration 4), one list per backend, run with sqlx's migrator
+//! `polygw_responses` since migration 4, `polygw_response_turns` since 7), one list per backend, run with sqlx's migrator
 //! on connect.
 //!
 //! The SQL files live in `migrations/sqlite/` and `migrations/postgres/` and are embedded
@@ -84,6 +84,12 @@ pub const SQLITE: &[EmbeddedMigration] = &[
         file: "0006_polygw_attribution.sql",
         sql: include_str!("../migrations/sqlite/0006_polygw_attribution.sql"),
     },
+    EmbeddedMigration {
+        version: 7,
+        description: "polygw response turns",
+        file: "0007_polygw_response_turns.sql",
+        sql: include_str!("../migrations/sqlite/0007_polygw_response_turns.sql"),
+    },
 ];
 
 /// PostgreSQL migrations, in order (same versions and descriptions as [`SQLITE`]).
@@ -123,6 +129,12 @@ pub const POSTGRES: &[EmbeddedMigration] = &[
         description: "polygw attribution",
         file: "0006_polygw_attribution.sql",
         sql: include_str!("../migrations/postgres/0006_polygw_attribution.sql"),
+    },
+    EmbeddedMigration {
+        version: 7,
+        description: "polygw response turns",
+        file: "0007_polygw_response_turns.sql",
+        sql: include_str!("../migrations/postgres/0007_polygw_response_turns.sql"),
     },
 ];
 

@@ -1673,9 +1673,9 @@ mod schema {
 
     /// A later polygw's migration: one that adds a column and a table of its own.
     const NEXT: EmbeddedMigration = EmbeddedMigration {
-        version: 7,
+        version: 8,
         description: "polygw test region",
-        file: "0007_polygw_test_region.sql",
+        file: "0008_polygw_test_region.sql",
         sql: "ALTER TABLE llm_calls ADD COLUMN region TEXT;\nCREATE INDEX IF NOT EXISTS llm_calls_region ON llm_calls (region);\nCREATE TABLE IF NOT EXISTS polygw_test_regions (region TEXT NOT NULL PRIMARY KEY);",
     };
     /// A later polygw's migration list: this binary's, plus [`NEXT`].
@@ -1686,6 +1686,7 @@ mod schema {
         migrations::SQLITE[3],
         migrations::SQLITE[4],
         migrations::SQLITE[5],
+        migrations::SQLITE[6],
         NEXT,
     ];
     static POSTGRES_NEXT: &[EmbeddedMigration] = &[
@@ -1695,10 +1696,11 @@ mod schema {
         migrations::POSTGRES[3],
         migrations::POSTGRES[4],
         migrations::POSTGRES[5],
+        migrations::POSTGRES[6],
         NEXT,
     ];
     /// This binary's latest migration.
-    const LATEST: i64 = 6;
+    const LATEST: i64 = 7;
 
     #[test]
     fn the_lists_here_are_this_binarys_plus_one() {
@@ -1839,6 +1841,13 @@ mod schema {
                 "{}: (scope, id) and expires_at_ms",
                 db.name()
             );
+            // The turns table (migration 7) and its two indexes.
+            assert!(has_table(&db, "polygw_response_turns").await, "{}", db.name());
+            let turn_indexes = match db.backend() {
+                Backend::Sqlite => db.scalar("SELECT COUNT(*) FROM sqlite_master WHERE type = 'index' AND name IN ('polygw_response_turns_expires_at_ms', 'polygw_response_turns_scope_expires')").await,
+                Backend::Postgres => db.scalar("SELECT COUNT(*) FROM pg_indexes WHERE schemaname = current_schema() AND indexname IN ('polygw_response_turns_expires_at_ms', 'polygw_response_turns_scope_expires')").await,
+            };
+            assert_eq!(turn_indexes, 2, "{}", db.name());
             let indexes = match db.backend() {
                 Backend::Sqlite => db.scalar("SELECT COUNT(*) FROM sqlite_master WHERE type = 'index' AND name IN ('llm_calls_created_at', 'llm_calls_logical_call_id')").await,
                 Backend::Postgres => db.scalar("SELECT COUNT(*) FROM pg_indexes WHERE schemaname = current_schema() AND indexname IN ('llm_calls_created_at', 'llm_calls_logical_call_id')").await,
@@ -2364,7 +2373,7 @@ mod responses {
     use polygw_telemetry_sql::{
         Backend, RecorderConfig, SqlRecorder, SqlResponseStore, PURGE_BATCH, STORE_PG_CONNECTIONS,
     };
-    use polygw_testkit::store_contract::{self as sc, entry, StoreHarness, T0};
+    use polygw_testkit::store_contract::{self as sc, entry, StoreHarness, T0, UNBOUNDED};
     use sqlx::Connection;
 
     use crate::common::*;
@@ -2434,6 +2443,8 @@ mod responses {
         large_values_round_trip,
         many_entries,
         concurrent_clients,
+        chains_link_turns_and_renew_them,
+        an_owner_is_bounded_and_never_evicts_another,
     );
 
     #[test]
@@ -2455,14 +2466,14 @@ mod responses {
             for i in 0..n {
                 let mut r = entry("S", &format!("old{i}"), "x");
                 r.expires_at_ms = T0 + 10 + i as i64;
-                s.put(r).await.unwrap();
+                s.put(r, UNBOUNDED).await.unwrap();
             }
-            s.put(entry("S", "live", "x")).await.unwrap();
+            s.put(entry("S", "live", "x"), UNBOUNDED).await.unwrap();
             assert_eq!(s.len().await.unwrap(), n as u64 + 1, "{}", db.name());
             // Every old row expired by T0 + 10 + n; a put at that time purges one batch.
             let mut later = entry("S", "later", "x");
             later.created_at_ms = T0 + 10 + n as i64;
-            s.put(later.clone()).await.unwrap();
+            s.put(later.clone(), UNBOUNDED).await.unwrap();
             assert_eq!(
                 s.len().await.unwrap(),
                 (n + 2) as u64 - PURGE_BATCH as u64,
@@ -2498,6 +2509,47 @@ mod responses {
         }
     }
 
+    /// Rows of migration 4's table (each holding its whole conversation) are still read,
+    /// as turns that continue nothing, continued by new turns, deleted and purged; new
+    /// turns never go there (an older binary does not see them: a 404, never a shortened
+    /// conversation).
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn rows_stored_before_turns_are_read_as_whole_conversations() {
+        for db in TestDb::all().await {
+            let rec = SqlRecorder::connect(db.url(), fast_config()).await.unwrap();
+            let s = rec.response_store();
+            let old = entry("S", "resp_old", "stored whole");
+            let response = serde_json::to_string(&old.response).unwrap();
+            let items = serde_json::to_string(&old.input_items).unwrap();
+            db.exec(&format!(
+                "INSERT INTO polygw_responses (id, scope, response, input_items, created_at_ms, \
+                 expires_at_ms) VALUES ('resp_old', 'S', '{}', '{}', {}, {})",
+                response.replace('\'', "''"),
+                items.replace('\'', "''"),
+                old.created_at_ms,
+                old.expires_at_ms
+            ))
+            .await;
+            assert_eq!(s.get("S", "resp_old", T0).await.unwrap().as_ref(), Some(&old));
+            let mut next = entry("S", "resp_new", "a turn");
+            next.previous_id = Some("resp_old".into());
+            s.put(next.clone(), UNBOUNDED).await.unwrap();
+            let chain = s.chain("S", "resp_new", T0).await.unwrap();
+            assert_eq!(chain, [next, old.clone()], "{}", db.name());
+            assert_eq!(s.chain("S", "resp_old", T0).await.unwrap(), [old]);
+            assert_eq!(
+                db.scalar("SELECT COUNT(*) FROM polygw_responses").await,
+                1,
+                "new turns are not written to the old table"
+            );
+            assert!(s.delete("S", "resp_old").await.unwrap());
+            assert_eq!(s.get("S", "resp_old", T0).await.unwrap(), None);
+            let chain = s.chain("S", "resp_new", T0).await.unwrap();
+            assert!(polygw_core::ports::conversation(&chain).is_err());
+            rec.shutdown().await;
+        }
+    }
+
     /// SQLite: the store keeps the recorder's connection (and writer) while it lives,
     /// also after every recorder handle is dropped; `shutdown` ends it on both backends,
     /// and later calls fail with an error saying so.
@@ -2509,7 +2561,7 @@ mod responses {
             assert_eq!(s.backend(), db.backend());
             let monitor = rec.monitor();
             drop(rec);
-            s.put(entry("S", "r", "x")).await.unwrap();
+            s.put(entry("S", "r", "x"), UNBOUNDED).await.unwrap();
             assert!(
                 s.get("S", "r", T0).await.unwrap().is_some(),
                 "{}",
@@ -2532,7 +2584,7 @@ mod responses {
             rec.shutdown().await;
             let e = s.get("S", "r", T0).await.unwrap_err().0;
             assert!(e.contains("shut down"), "{}: {e}", db.name());
-            assert!(s.put(entry("S", "r2", "x")).await.is_err());
+            assert!(s.put(entry("S", "r2", "x"), UNBOUNDED).await.is_err());
         }
     }
 
@@ -2544,7 +2596,7 @@ mod responses {
             .unwrap();
         let s = rec.response_store();
         let r = entry("S", "mem", "in memory");
-        s.put(r.clone()).await.unwrap();
+        s.put(r.clone(), UNBOUNDED).await.unwrap();
         assert_eq!(s.get("S", "mem", T0).await.unwrap(), Some(r));
         rec.shutdown().await;
     }
@@ -2581,7 +2633,7 @@ mod responses {
             .map(|i| {
                 let s = s.clone();
                 tokio::spawn(async move {
-                    s.put(entry("S", &format!("r{i}"), "x")).await.unwrap();
+                    s.put(entry("S", &format!("r{i}"), "x"), UNBOUNDED).await.unwrap();
                     s.get("S", &format!("r{i}"), T0).await.unwrap().unwrap();
                 })
             })
@@ -2622,14 +2674,14 @@ mod responses {
             .await
             .unwrap();
         let s = rec.response_store();
-        s.put(entry("S", "before", "x")).await.unwrap();
+        s.put(entry("S", "before", "x"), UNBOUNDED).await.unwrap();
         proxy.hang().await;
         let t = tokio::time::Instant::now();
         let e = s.get("S", "before", T0).await.unwrap_err().0;
         assert!(t.elapsed() < Duration::from_secs(3), "{:?}", t.elapsed());
         assert!(!e.is_empty());
         let t = tokio::time::Instant::now();
-        assert!(s.put(entry("S", "during", "x")).await.is_err());
+        assert!(s.put(entry("S", "during", "x"), UNBOUNDED).await.is_err());
         assert!(t.elapsed() < Duration::from_secs(3), "{:?}", t.elapsed());
         proxy.resume();
         wait_until(

@@ -125,13 +125,17 @@ pub fn entry(scope: &str, id: &str, text: &str) -> StoredResponse {
         scope: scope.to_string(),
         response: response_json(id, text),
         input_items: input_items_json(4),
+        previous_id: None,
         created_at_ms: T0,
         expires_at_ms: T0 + DAY_MS,
     }
 }
 
+/// A per-owner bound no case reaches.
+pub const UNBOUNDED: u64 = u64::MAX;
+
 async fn put(s: &dyn ResponseStore, r: &StoredResponse) {
-    s.put(r.clone()).await.expect("put");
+    s.put(r.clone(), UNBOUNDED).await.expect("put");
 }
 
 async fn get(s: &dyn ResponseStore, scope: &str, id: &str, now: i64) -> Option<StoredResponse> {
@@ -361,8 +365,122 @@ pub async fn concurrent_clients(h: &dyn StoreHarness) {
     }
 }
 
+/// A turn that continues another, in a conversation of three (SPEC §24.5).
+pub fn turn(scope: &str, id: &str, previous: Option<&str>, at: i64) -> StoredResponse {
+    let mut r = entry(scope, id, &format!("answer {id}"));
+    r.input_items = vec![json!({"type": "message", "role": "user",
+        "content": [{"type": "input_text", "text": format!("question {id}")}]})];
+    r.previous_id = previous.map(str::to_string);
+    r.created_at_ms = at;
+    r.expires_at_ms = at + DAY_MS;
+    r
+}
+
+/// Turns link up: `chain` returns the turn and those it continues, newest first, each
+/// with its own input only; a turn whose predecessor is gone ends the chain there; each
+/// turn renews the live turns it continues to its own expiry, so the first turn of a
+/// conversation in use outlives its own TTL.
+pub async fn chains_link_turns_and_renew_them(h: &dyn StoreHarness) {
+    let (s, other) = (h.store().await, h.other().await);
+    let sc = scope();
+    let t1 = turn(&sc, "resp_t1", None, T0);
+    let t2 = turn(&sc, "resp_t2", Some("resp_t1"), T0 + DAY_MS / 2);
+    let t3 = turn(&sc, "resp_t3", Some("resp_t2"), T0 + DAY_MS - 1);
+    for t in [&t1, &t2, &t3] {
+        put(s.as_ref(), t).await;
+    }
+    // Past t1's own expiry: renewed with t3's.
+    let later = T0 + DAY_MS + 1_000;
+    let chain = other.chain(&sc, "resp_t3", later).await.expect("chain");
+    let ids: Vec<&str> = chain.iter().map(|r| r.id.as_str()).collect();
+    assert_eq!(ids, ["resp_t3", "resp_t2", "resp_t1"]);
+    assert_eq!(chain[0], t3);
+    assert_eq!(chain[2].input_items, t1.input_items, "each turn its own input");
+    assert_eq!(chain[2].expires_at_ms, t3.expires_at_ms, "renewed");
+    let whole = polygw_core::ports::conversation(&chain).expect("a whole conversation");
+    assert_eq!(whole.len(), 3 * (1 + 3), "three inputs and three outputs of three items");
+    // From the middle: two turns. Unknown: empty.
+    assert_eq!(s.chain(&sc, "resp_t2", later).await.unwrap().len(), 2);
+    assert!(s.chain(&sc, "resp_none", T0).await.unwrap().is_empty());
+    // Another owner sees none of it.
+    assert!(s.chain(&scope(), "resp_t3", T0).await.unwrap().is_empty());
+    // A deleted turn breaks the chain where it was: no shorter conversation passes for
+    // the whole.
+    assert!(delete(s.as_ref(), &sc, "resp_t2").await);
+    let chain = s.chain(&sc, "resp_t3", later).await.unwrap();
+    assert_eq!(chain.len(), 1);
+    let broken = polygw_core::ports::conversation(&chain).unwrap_err();
+    assert_eq!(broken.missing, "resp_t2");
+    // Past everything: nothing.
+    assert!(s
+        .chain(&sc, "resp_t3", t3.expires_at_ms)
+        .await
+        .unwrap()
+        .is_empty());
+    // A renewal never shortens a turn that lives longer already.
+    let mut long = turn(&sc, "resp_long", None, T0);
+    long.expires_at_ms = T0 + 10 * DAY_MS;
+    put(s.as_ref(), &long).await;
+    put(s.as_ref(), &turn(&sc, "resp_after", Some("resp_long"), T0)).await;
+    assert_eq!(
+        get(s.as_ref(), &sc, "resp_long", T0).await.unwrap().expires_at_ms,
+        T0 + 10 * DAY_MS
+    );
+}
+
+/// Bytes one entry of [`turn`] counts (all turns of a case are the same size when their
+/// ids are).
+pub fn turn_bytes(r: &StoredResponse) -> u64 {
+    let response = serde_json::to_string(&r.response).expect("json").len();
+    let items = serde_json::to_string(&r.input_items).expect("json").len();
+    polygw_core::ports::entry_bytes(r, response, items)
+}
+
+/// An owner's entries stay within the `max_bytes` of its puts: the ones that expire
+/// soonest leave first, the one put never; another owner's entries never leave for it;
+/// an entry larger than the bound is refused and changes nothing.
+pub async fn an_owner_is_bounded_and_never_evicts_another(h: &dyn StoreHarness) {
+    let s = h.store().await;
+    let (a, b) = (scope(), scope());
+    let one = turn_bytes(&turn(&a, "resp_00", None, T0));
+    let bound = one * 3 + one / 2;
+    // b's entries, put without a bound, before and after a's.
+    put(s.as_ref(), &turn(&b, "resp_b0", None, T0)).await;
+    for i in 0..8 {
+        let r = turn(&a, &format!("resp_{i:02}"), None, T0 + i);
+        s.put(r, bound).await.expect("put within the bound");
+    }
+    put(s.as_ref(), &turn(&b, "resp_b1", None, T0)).await;
+    let now = T0 + 10;
+    let mut live = Vec::new();
+    for i in 0..8 {
+        if get(s.as_ref(), &a, &format!("resp_{i:02}"), now).await.is_some() {
+            live.push(i);
+        }
+    }
+    assert_eq!(live, [5, 6, 7], "the three that expire last");
+    for id in ["resp_b0", "resp_b1"] {
+        assert!(get(s.as_ref(), &b, id, now).await.is_some(), "{id}");
+    }
+    // A renewed conversation outlives an older one.
+    let mut keep = turn(&a, "resp_08", Some("resp_05"), T0 + 20);
+    keep.expires_at_ms = T0 + 2 * DAY_MS;
+    s.put(keep, bound).await.unwrap();
+    assert!(get(s.as_ref(), &a, "resp_05", now).await.is_some(), "renewed");
+    assert!(get(s.as_ref(), &a, "resp_06", now).await.is_none(), "evicted");
+    // Too large on its own: refused, nothing evicted.
+    let mut big = turn(&a, "resp_big", None, T0 + 30);
+    big.response = json!({"id": "resp_big", "text": "y".repeat(bound as usize)});
+    let e = s.put(big, bound).await.expect_err("larger than the bound").0;
+    assert!(e.contains("RESPONSES__MAX_BYTES_PER_KEY"), "{e}");
+    assert!(get(s.as_ref(), &a, "resp_big", now).await.is_none());
+    for id in ["resp_05", "resp_07", "resp_08"] {
+        assert!(get(s.as_ref(), &a, id, now).await.is_some(), "{id}");
+    }
+}
+
 /// Every case, by name (for a harness that runs them in one test).
-pub const CASES: [&str; 8] = [
+pub const CASES: [&str; 10] = [
     "put_get_round_trip",
     "another_scopes_id_is_invisible",
     "expired_entries_are_never_returned",
@@ -371,6 +489,8 @@ pub const CASES: [&str; 8] = [
     "large_values_round_trip",
     "many_entries",
     "concurrent_clients",
+    "chains_link_turns_and_renew_them",
+    "an_owner_is_bounded_and_never_evicts_another",
 ];
 
 /// Runs the case `name` of [`CASES`].
@@ -384,6 +504,10 @@ pub async fn run(name: &str, h: &dyn StoreHarness) {
         "large_values_round_trip" => large_values_round_trip(h).await,
         "many_entries" => many_entries(h).await,
         "concurrent_clients" => concurrent_clients(h).await,
+        "chains_link_turns_and_renew_them" => chains_link_turns_and_renew_them(h).await,
+        "an_owner_is_bounded_and_never_evicts_another" => {
+            an_owner_is_bounded_and_never_evicts_another(h).await
+        }
         other => panic!("no store contract case {other:?}"),
     }
 }

@@ -66,7 +66,7 @@ pub const SOURCE_FIELDS: [&str; 26] = [
 ];
 
 /// Scope keys: (group or "" for two-segment keys, field).
-pub const SCOPE_KEYS: [(&str, &str); 47] = [
+pub const SCOPE_KEYS: [(&str, &str); 48] = [
     ("", "CALL_DEADLINE_S"),
     ("", "MODEL_ALIASES"),
     ("", "KIND"),
@@ -110,6 +110,7 @@ pub const SCOPE_KEYS: [(&str, &str); 47] = [
     ("TLS", "CA_FILE"),
     ("STRUCTURED", "MAX_REASKS"),
     ("RESPONSES", "TTL_S"),
+    ("RESPONSES", "MAX_BYTES_PER_KEY"),
     ("", "AFFINITY"),
     ("AFFINITY", "TTL_S"),
     ("KEYS", "ESTIMATE_MARGIN"),
@@ -628,6 +629,9 @@ fn apply_scope_keys(
                 Ok(())
             }),
             ("RESPONSES", "TTL_S") => run(parse_secs(k, v).map(|x| s.responses_ttl = x)),
+            ("RESPONSES", "MAX_BYTES_PER_KEY") => run(parse_int::<u64>(k, v)
+                .and_then(|x| guards::int_in(k, x, &guards::RESPONSES_MAX_BYTES_PER_KEY_RANGE))
+                .map(|x| s.responses_max_bytes_per_key = x)),
             ("", "AFFINITY") => run(v
                 .parse::<crate::affinity::AffinityMode>()
                 .map(|x| s.affinity.mode = x)

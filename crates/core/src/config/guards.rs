@@ -41,6 +41,8 @@ pub const MAX_OUTPUT_TOKENS_RANGE: RangeInclusive<u64> = 1..=10_000_000;
 pub const MAX_RESUMES_RANGE: RangeInclusive<u32> = 0..=10;
 /// Range of `CACHE__CAPACITY`.
 pub const CACHE_CAPACITY_RANGE: RangeInclusive<u64> = 1..=100_000_000;
+/// Range of `RESPONSES__MAX_BYTES_PER_KEY`: 64 KiB (a few turns) to 1 TiB.
+pub const RESPONSES_MAX_BYTES_PER_KEY_RANGE: RangeInclusive<u64> = 65_536..=(1 << 40);
 /// Range of `STREAM__STALL_THRESHOLD_MS`.
 pub const STALL_THRESHOLD_MS_RANGE: RangeInclusive<u64> = 1..=3_600_000;
 /// The longest time any setting may hold (a day; longer is a typo, and overflows timers).

@@ -29,7 +29,9 @@ pub use observer::{
     passed_header, passed_headers, ChunkObserver, NullObserver, RawText, StreamDelta, ToolCallDelta,
 };
 pub use rng::{Rng, SplitMix64};
-pub use store::{NullStore, ResponseStore, StoredResponse};
+pub use store::{
+    answered_input, conversation, entry_bytes, BrokenChain, NullStore, ResponseStore, StoredResponse,
+};
 pub use telemetry::{FlushReport, NullRecorder, TelemetryRecorder};
 pub use transport::{
     ChatAttempt, EmbeddingResult, EmbeddingTransport, NativeAnswer, NativeCall, OcrResult,

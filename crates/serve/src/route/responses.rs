@@ -12,7 +12,9 @@ use axum::http::{header, HeaderMap, HeaderValue, StatusCode, Uri};
 use axum::response::{IntoResponse, Response};
 use axum::{Extension, Json};
 use futures_util::future::BoxFuture;
-use polygw::core::ports::{ResponseStore, StoredResponse};
+use polygw::core::ports::{
+    answered_input, conversation, BrokenChain, ResponseStore, StoredResponse,
+};
 use polygw::{CallOptions, GatewayClient, LlmResponse, StreamDelta};
 use polygw_dialects::responses::{self as wire, ResponsesStream};
 use polygw_dialects::{DialectError, SseEvent};
@@ -53,6 +55,18 @@ fn not_found(id: &str) -> ApiError {
         "invalid_request_error",
         "not_found",
         format!("No response with id '{id}' found (it was not stored, expired, or was deleted)."),
+    )
+    .with_param("previous_response_id")
+}
+
+/// A stored response whose conversation lost a turn (404: the conversation cannot be
+/// continued as it was).
+fn broken_chain(id: &str, broken: &BrokenChain) -> ApiError {
+    ApiError::new(
+        StatusCode::NOT_FOUND,
+        "invalid_request_error",
+        "not_found",
+        format!("The conversation of response '{id}' cannot be rebuilt: {broken}."),
     )
     .with_param("previous_response_id")
 }
@@ -157,19 +171,18 @@ async fn create_inner(
     let mut passes_state = false;
     let history: Vec<Value> = match req.previous_response_id() {
         None => Vec::new(),
-        Some(prev) => match store.get(&owner, prev, now_ms()).await {
-            Ok(Some(s)) => {
-                let mut h = s.input_items;
-                if let Some(out) = s.response.get("output").and_then(Value::as_array) {
-                    h.extend(out.iter().cloned());
+        Some(prev) => match store.chain(&owner, prev, now_ms()).await {
+            Ok(chain) => match conversation(&chain) {
+                Ok(h) if !chain.is_empty() => h,
+                // Not stored, or stored with a turn gone: a `responses` source may hold
+                // it; no source is ever sent a shortened conversation.
+                _ if native_body.is_some() => {
+                    passes_state = true;
+                    Vec::new()
                 }
-                h
-            }
-            Ok(None) if native_body.is_some() => {
-                passes_state = true;
-                Vec::new()
-            }
-            Ok(None) => return error_response(&not_found(prev)),
+                Ok(_) => return error_response(&not_found(prev)),
+                Err(broken) => return error_response(&broken_chain(prev, &broken)),
+            },
             Err(e) => return error_response(&store_error(e)),
         },
     };
@@ -252,14 +265,15 @@ async fn create_inner(
         req.affinity_key()
             .or_else(|| crate::attribution::chat_cache_key(&t.request)),
     );
+    drop(history);
+    // One turn: this request's input, linked to the turn it continues (SPEC §24.5).
     let saving = Saving {
         store: req.store().then(|| store.clone()),
         scope: owner,
         ttl_ms: ttl_ms(client),
-        input_items: history
-            .into_iter()
-            .chain(t.meta.input_items().iter().cloned())
-            .collect(),
+        max_bytes: client.settings().responses_max_bytes_per_key,
+        input_items: t.meta.input_items().to_vec(),
+        previous_id: req.previous_response_id().map(str::to_string),
     };
     let mut resp = if t.request.stream {
         let enc = ResponsesEncoder {
@@ -411,8 +425,12 @@ struct Saving {
     store: Option<Arc<dyn ResponseStore>>,
     scope: String,
     ttl_ms: i64,
-    /// The conversation's input items up to this response.
+    /// `RESPONSES__MAX_BYTES_PER_KEY`.
+    max_bytes: u64,
+    /// This turn's input items.
     input_items: Vec<Value>,
+    /// The response this turn continues.
+    previous_id: Option<String>,
 }
 
 impl Saving {
@@ -427,11 +445,13 @@ impl Saving {
             scope: self.scope,
             response: response.clone(),
             input_items: self.input_items,
+            previous_id: self.previous_id,
             created_at_ms: now,
             expires_at_ms: now.saturating_add(self.ttl_ms),
         };
+        let max_bytes = self.max_bytes;
         Some(Box::pin(async move {
-            match tokio::time::timeout(std::time::Duration::from_secs(5), store.put(entry)).await {
+            match tokio::time::timeout(std::time::Duration::from_secs(5), store.put(entry, max_bytes)).await {
                 Ok(Ok(())) => {}
                 Ok(Err(e)) => tracing::warn!(error = %e, "storing a response failed"),
                 Err(_) => tracing::warn!("storing a response took more than 5 s; given up"),
@@ -571,17 +591,24 @@ fn stores(st: &AppState, key: Option<&ClientKey>) -> Vec<(String, Arc<dyn Respon
         .collect()
 }
 
-/// The stored response `id` of `key`, from whichever scope stored it; the answer to
-/// give when there is none (404) or a store failed.
+/// The stored response `id` of `key` and the turns it continues (newest first), from
+/// whichever scope stored it; the answer to give when there is none (404) or a store
+/// failed.
 async fn find_stored(
     st: &AppState,
     key: Option<&ClientKey>,
     id: &str,
-) -> Result<StoredResponse, Response> {
+    whole: bool,
+) -> Result<Vec<StoredResponse>, Response> {
     for (scope, store) in stores(st, key) {
-        match store.get(&scope, id, now_ms()).await {
-            Ok(Some(s)) => return Ok(s),
-            Ok(None) => {}
+        let found = if whole {
+            store.chain(&scope, id, now_ms()).await
+        } else {
+            store.get(&scope, id, now_ms()).await.map(Vec::from_iter)
+        };
+        match found {
+            Ok(v) if v.is_empty() => {}
+            Ok(v) => return Ok(v),
             Err(e) => return Err(error_response(&store_error(e))),
         }
     }
@@ -595,8 +622,8 @@ pub async fn get(
     Path(id): Path<String>,
 ) -> Response {
     let key = key.map(|Extension(k)| k);
-    match find_stored(&st, key.as_deref(), &id).await {
-        Ok(s) => Json(s.response).into_response(),
+    match find_stored(&st, key.as_deref(), &id, false).await {
+        Ok(mut v) => Json(v.swap_remove(0).response).into_response(),
         Err(r) => r,
     }
 }
@@ -608,15 +635,21 @@ pub async fn input_items(
     Path(id): Path<String>,
 ) -> Response {
     let key = key.map(|Extension(k)| k);
-    let s = match find_stored(&st, key.as_deref(), &id).await {
-        Ok(s) => s,
+    let chain = match find_stored(&st, key.as_deref(), &id, true).await {
+        Ok(c) => c,
         Err(r) => return r,
     };
-    let first = s.input_items.first().and_then(|i| i.get("id")).cloned();
-    let last = s.input_items.last().and_then(|i| i.get("id")).cloned();
+    let items = match answered_input(&chain) {
+        Ok(items) => items,
+        Err(broken) => {
+            return error_response(&broken_chain(&id, &broken).with_param("response_id"))
+        }
+    };
+    let first = items.first().and_then(|i| i.get("id")).cloned();
+    let last = items.last().and_then(|i| i.get("id")).cloned();
     Json(json!({
         "object": "list",
-        "data": s.input_items,
+        "data": items,
         "first_id": first,
         "last_id": last,
         "has_more": false,
