@@ -1464,3 +1464,133 @@ async fn sdks_count_images_and_tool_calls_as_the_providers_bill_them() {
         plain.requests()
     );
 }
+
+/// SPEC §24.5 as the OpenAI SDK meets it (tests/python/conversation.py): two client keys
+/// hold stored Responses conversations in the scope's telemetry database, with
+/// `RESPONSES__MAX_BYTES_PER_KEY` at its minimum (64 KiB).
+/// - Each turn is stored once, with its own input only and a link to the turn before:
+///   storage grows with the turn, while the upstream still gets the whole conversation.
+/// - A key past its bound loses its own oldest turns; its conversation is then refused
+///   (404 naming the lost turn), never sent upstream shortened; the other key's
+///   conversation is untouched and continues.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn python_conversations_are_stored_by_turn_and_bounded_per_key() {
+    let test = "python_conversations_are_stored_by_turn_and_bounded_per_key";
+    let Some(py) = sdk::python_sdks(test) else {
+        return;
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let db = format!("sqlite://{}", dir.path().join("polygw.db").display());
+    let keys_env = vec![var("POLYGW_KEYS_DB", &db)];
+    let (mut secrets, mut owners) = (Vec::new(), Vec::new());
+    for name in ["ann", "bob"] {
+        let o = support::polygw(&["keys", "create", "--name", name], &keys_env);
+        assert!(o.status.success(), "{o:?}");
+        secrets.push(String::from_utf8(o.stdout.clone()).unwrap().trim().to_string());
+        // "client key ID (NAME): shown once …": stored responses are owned by
+        // SCOPE/ID.
+        let (_, err) = support::text(&o);
+        let id = err
+            .split_whitespace()
+            .nth(2)
+            .unwrap_or_else(|| panic!("{err}"));
+        owners.push(format!("PLAIN/{id}"));
+    }
+    let plain = mock(hello()).await;
+    let mut env = source("PLAIN", "p", &plain, &[]);
+    env.push(var("PLAIN__TELEMETRY__URL", &db));
+    env.push(var("PLAIN__RESPONSES__MAX_BYTES_PER_KEY", "65536"));
+    env.extend(keys_env);
+    let s = serve_args(&["--grace-s", "5"], &env);
+    let run = sdk::run(
+        py,
+        vec![sdk::python_script("conversation.py").display().to_string()],
+        vec![
+            var("POLYGW_ROOT", &s.base),
+            var("POLYGW_KEY_A", &secrets[0]),
+            var("POLYGW_KEY_B", &secrets[1]),
+        ],
+        SCRIPT_LIMIT,
+    )
+    .await;
+    eprintln!("{test}: took {:?}\n{}", run.took, run.stderr);
+    let out = run.json();
+    let ids = |k: &str| -> Vec<String> {
+        out[k]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|v| v.as_str().unwrap().to_string())
+            .collect()
+    };
+    let (a, b) = (ids("a"), ids("b"));
+    assert_eq!(b.len(), 4, "{out}");
+    let refusal = out["a_refusal"].as_str().unwrap();
+    assert!(
+        refusal.contains("no longer stored") && refusal.contains("RESPONSES__MAX_BYTES_PER_KEY"),
+        "{refusal}"
+    );
+
+    // Upstream: A's twelfth turn carried the whole conversation (12 questions, 11
+    // answers), and no request ever carried a shortened one: each request's user
+    // messages are turns 0..=i of its conversation, in order.
+    let log = plain.requests();
+    let users = |r: &RecordedRequest| -> Vec<String> {
+        messages(r)
+            .iter()
+            .filter(|m| m["role"] == "user")
+            .map(|m| text_of(m).split(':').next().unwrap_or_default().to_string())
+            .collect()
+    };
+    let twelfth = log
+        .iter()
+        .find(|r| users(r).last().is_some_and(|u| u == "turn 11") && users(r).len() == 12)
+        .expect("A's twelfth turn went upstream whole");
+    assert_eq!(roles(twelfth).len(), 23, "{:?}", roles(twelfth));
+    for r in &log {
+        let u = users(r);
+        let expect: Vec<String> = (0..u.len()).map(|i| format!("turn {i}")).collect();
+        assert_eq!(u, expect, "a conversation went upstream shortened or out of order");
+    }
+
+    // The store: one row per turn, each with its own input only, A within its bound,
+    // all of B's turns there.
+    let rec = polygw_telemetry_sql::SqlRecorder::connect(
+        &db,
+        polygw_telemetry_sql::RecorderConfig::default(),
+    )
+    .await
+    .unwrap();
+    use polygw::core::ports::ResponseStore;
+    let store = rec.response_store();
+    let (owner_a, owner_b) = (&owners[0], &owners[1]);
+    let b_chain = store
+        .chain(owner_b, b.last().unwrap(), 0)
+        .await
+        .unwrap();
+    assert_eq!(b_chain.len(), 4, "B's conversation is whole");
+    for t in &b_chain {
+        assert_eq!(t.input_items.len(), 1, "one turn, its own input: {t:?}");
+    }
+    let a_bytes = store.owner_bytes(owner_a).await.unwrap();
+    let b_bytes = store.owner_bytes(owner_b).await.unwrap();
+    assert!(a_bytes <= 65_536, "{a_bytes}");
+    // Storage grows with the turn: B's four turns count the same (the fourth does not
+    // hold the three before it), and the owner's sum is theirs exactly.
+    let sizes: Vec<u64> = b_chain
+        .iter()
+        .map(|t| {
+            let r = serde_json::to_string(&t.response).unwrap().len();
+            let i = serde_json::to_string(&t.input_items).unwrap().len();
+            polygw::core::ports::entry_bytes(t, r, i)
+        })
+        .collect();
+    assert_eq!(sizes.iter().sum::<u64>(), b_bytes, "{sizes:?}");
+    let (lo, hi) = (sizes.iter().min().unwrap(), sizes.iter().max().unwrap());
+    assert!(hi - lo < 100, "turn sizes {sizes:?}");
+    eprintln!(
+        "{test}: A holds {a_bytes} bytes after {} turns; B's turns {sizes:?}",
+        a.len()
+    );
+    rec.shutdown().await;
+}
