@@ -1486,7 +1486,12 @@ async fn python_conversations_are_stored_by_turn_and_bounded_per_key() {
     for name in ["ann", "bob"] {
         let o = support::polygw(&["keys", "create", "--name", name], &keys_env);
         assert!(o.status.success(), "{o:?}");
-        secrets.push(String::from_utf8(o.stdout.clone()).unwrap().trim().to_string());
+        secrets.push(
+            String::from_utf8(o.stdout.clone())
+                .unwrap()
+                .trim()
+                .to_string(),
+        );
         // "client key ID (NAME): shown once …": stored responses are owned by
         // SCOPE/ID.
         let (_, err) = support::text(&o);
@@ -1550,7 +1555,10 @@ async fn python_conversations_are_stored_by_turn_and_bounded_per_key() {
     for r in &log {
         let u = users(r);
         let expect: Vec<String> = (0..u.len()).map(|i| format!("turn {i}")).collect();
-        assert_eq!(u, expect, "a conversation went upstream shortened or out of order");
+        assert_eq!(
+            u, expect,
+            "a conversation went upstream shortened or out of order"
+        );
     }
 
     // The store: one row per turn, each with its own input only, A within its bound,
@@ -1564,10 +1572,7 @@ async fn python_conversations_are_stored_by_turn_and_bounded_per_key() {
     use polygw::core::ports::ResponseStore;
     let store = rec.response_store();
     let (owner_a, owner_b) = (&owners[0], &owners[1]);
-    let b_chain = store
-        .chain(owner_b, b.last().unwrap(), 0)
-        .await
-        .unwrap();
+    let b_chain = store.chain(owner_b, b.last().unwrap(), 0).await.unwrap();
     assert_eq!(b_chain.len(), 4, "B's conversation is whole");
     for t in &b_chain {
         assert_eq!(t.input_items.len(), 1, "one turn, its own input: {t:?}");

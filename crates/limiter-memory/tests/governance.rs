@@ -652,7 +652,9 @@ mod response_store {
     async fn the_oldest_entries_leave_first_when_the_count_is_reached() {
         let s = store(3, u64::MAX);
         for i in 0..3 {
-            s.put(entry("S", &format!("r{i}"), "x"), UNBOUNDED).await.unwrap();
+            s.put(entry("S", &format!("r{i}"), "x"), UNBOUNDED)
+                .await
+                .unwrap();
         }
         // Replacing r0 makes it the newest: r1 is now the oldest.
         s.put(entry("S", "r0", "again"), UNBOUNDED).await.unwrap();
@@ -673,7 +675,9 @@ mod response_store {
         };
         let s = store(1000, one * 3 + one / 2);
         for i in 0..10 {
-            s.put(entry("S", &format!("r{i}"), "x"), UNBOUNDED).await.unwrap();
+            s.put(entry("S", &format!("r{i}"), "x"), UNBOUNDED)
+                .await
+                .unwrap();
             assert!(s.bytes() <= one * 3 + one / 2);
         }
         assert_eq!(s.len(), 3);
@@ -783,7 +787,9 @@ mod response_store {
         let c = shared_responses("RS_SHARED_B");
         assert!(Arc::ptr_eq(&a, &b));
         assert!(!Arc::ptr_eq(&a, &c));
-        a.put(entry("RS_SHARED_A", "r", "x"), UNBOUNDED).await.unwrap();
+        a.put(entry("RS_SHARED_A", "r", "x"), UNBOUNDED)
+            .await
+            .unwrap();
         assert!(b.get("RS_SHARED_A", "r", T0).await.unwrap().is_some());
         // The first creation's bounds hold; once every handle is gone, a new store.
         let small = ResponseStoreLimits {

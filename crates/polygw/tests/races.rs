@@ -624,3 +624,121 @@ async fn a_retry_the_keys_budget_cannot_fund_is_not_made() {
     let u = h.client.key_usage("key_retry").await.unwrap();
     assert_eq!((u.reserved_nanos, u.day_nanos), (0, admission));
 }
+
+/// Wall time that moves with tokio's paused clock from a chosen instant (for tests that
+/// cross a UTC day's end).
+#[derive(Debug)]
+struct PausedUnixClock {
+    start: Instant,
+    unix_ms: i64,
+}
+
+impl polygw::core::ports::Clock for PausedUnixClock {
+    fn now(&self) -> std::time::Instant {
+        Instant::now().into_std()
+    }
+    fn unix_ms(&self) -> i64 {
+        self.unix_ms + (Instant::now() - self.start).as_millis() as i64
+    }
+}
+
+/// A UTC day's end under load (SPEC §24.1, §24.2): 32 clients keep calling with one key
+/// from 30 s before midnight to 60 s after, each call 2.5 s long, so calls admitted
+/// before midnight settle after it. Each day's settled spend stays within the day's
+/// budget (a reservation made yesterday still counts today until it settles), what the
+/// key settled is what the upstream billed, and both days' budgets are used (a gateway
+/// that refuses everything across the boundary does not pass).
+#[tokio::test(start_paused = true)]
+async fn a_days_end_under_load_settles_each_day_within_its_budget() {
+    // 2026-12-07T00:00:00Z, 30 s ahead.
+    let midnight = 1_796_601_600_000_i64;
+    let clock = Arc::new(PausedUnixClock {
+        start: Instant::now(),
+        unix_ms: midnight - 30_000,
+    });
+    let mut s = scope(1);
+    s.sources[0] = s.sources[0].clone().with_prices(1.0, 2.0);
+    let fake = FakeTransport::new(clock.clone());
+    let rows = RecordingTelemetry::new();
+    let limiter = Arc::new(MemoryLimiter::new(clock.clone()));
+    let client = GatewayClient::builder(s)
+        .transport(fake.clone())
+        .telemetry(rows.clone())
+        .limiter(limiter)
+        .breakers(Arc::new(MemoryBreakerStore::new(clock.clone())))
+        .clock(clock.clone())
+        .rng(Arc::new(SplitMix64::new(7)))
+        .build()
+        .await
+        .expect("client");
+    fake.set_default("s-0", Script::ok(ms(2_500), "twenty chars of text"));
+    // One call bills 10 prompt and 20 completion tokens: 50 000 nanos. The day's budget
+    // pays 400 of them: a little more than the clients make in day one's last 30 s (so
+    // calls are in flight at midnight and settle in day two), far less than in day
+    // two's first 60 s (where the budget binds).
+    let budget = 20_000_000;
+    let key = budget_key("key_midnight", budget);
+    let mut tasks = Vec::new();
+    for i in 0..32u64 {
+        let (client, key) = (client.clone(), key.clone());
+        tasks.push(tokio::spawn(async move {
+            tokio::time::sleep(ms(i * 97)).await;
+            let mut billed = 0u32;
+            let end = tokio::time::Instant::now() + ms(90_000 - i * 97);
+            while tokio::time::Instant::now() < end {
+                let req = ChatRequest::user("x").with_max_tokens(20);
+                match client.admit_key(&key, &req).await {
+                    Ok(charge) => {
+                        client
+                            .chat_with(req, polygw::CallOptions::default().with_client_key(charge))
+                            .await
+                            .expect("an admitted call is answered");
+                        billed += 1;
+                    }
+                    Err(_) => tokio::time::sleep(ms(250)).await,
+                }
+            }
+            billed
+        }));
+    }
+    // The day's spend just before midnight.
+    tokio::time::sleep(ms(30_000 - 1)).await;
+    let before = client.key_usage("key_midnight").await.unwrap();
+    assert_eq!(before.now_unix_ms, (midnight - 1) as u64);
+    let mut calls = 0;
+    for t in tasks {
+        calls += t.await.unwrap();
+    }
+    tokio::time::sleep(ms(100)).await;
+    let after = client.key_usage("key_midnight").await.unwrap();
+    let billed: u64 = rows
+        .rows()
+        .iter()
+        .filter(|r| r.kind == RowKind::Attempt)
+        .map(|r| polygw::core::key_quota::cost_nanos(r.cost.expect("billed")))
+        .sum();
+    let per_call = 50_000;
+    assert_eq!(billed, calls as u64 * per_call);
+    // Day one: what had settled by 23:59:59.999 (a usage's day figure is settled +
+    // reserved); the calls then in flight settled in day two, and the two days' sum is
+    // what the upstream billed.
+    assert!(before.in_flight > 0, "no call crossed midnight: {before:?}");
+    let day_one = before.day_nanos - before.reserved_nanos;
+    assert_eq!(day_one + after.day_nanos, billed, "{before:?} {after:?}");
+    assert!(day_one <= budget, "day one settled {day_one} of {budget}");
+    assert!(
+        after.day_nanos <= budget,
+        "day two settled {} of {budget}",
+        after.day_nanos
+    );
+    assert!(day_one >= budget / 2, "day one used {day_one} of {budget}");
+    assert_eq!(
+        after.day_nanos, budget,
+        "day two's budget binds, used whole"
+    );
+    assert_eq!((after.in_flight, after.reserved_nanos), (0, 0));
+    eprintln!(
+        "{calls} calls: day one settled {day_one}, day two {} (budget {budget} each)",
+        after.day_nanos
+    );
+}

@@ -1842,7 +1842,11 @@ mod schema {
                 db.name()
             );
             // The turns table (migration 7) and its two indexes.
-            assert!(has_table(&db, "polygw_response_turns").await, "{}", db.name());
+            assert!(
+                has_table(&db, "polygw_response_turns").await,
+                "{}",
+                db.name()
+            );
             let turn_indexes = match db.backend() {
                 Backend::Sqlite => db.scalar("SELECT COUNT(*) FROM sqlite_master WHERE type = 'index' AND name IN ('polygw_response_turns_expires_at_ms', 'polygw_response_turns_scope_expires')").await,
                 Backend::Postgres => db.scalar("SELECT COUNT(*) FROM pg_indexes WHERE schemaname = current_schema() AND indexname IN ('polygw_response_turns_expires_at_ms', 'polygw_response_turns_scope_expires')").await,
@@ -2530,7 +2534,10 @@ mod responses {
                 old.expires_at_ms
             ))
             .await;
-            assert_eq!(s.get("S", "resp_old", T0).await.unwrap().as_ref(), Some(&old));
+            assert_eq!(
+                s.get("S", "resp_old", T0).await.unwrap().as_ref(),
+                Some(&old)
+            );
             let mut next = entry("S", "resp_new", "a turn");
             next.previous_id = Some("resp_old".into());
             s.put(next.clone(), UNBOUNDED).await.unwrap();
@@ -2633,7 +2640,9 @@ mod responses {
             .map(|i| {
                 let s = s.clone();
                 tokio::spawn(async move {
-                    s.put(entry("S", &format!("r{i}"), "x"), UNBOUNDED).await.unwrap();
+                    s.put(entry("S", &format!("r{i}"), "x"), UNBOUNDED)
+                        .await
+                        .unwrap();
                     s.get("S", &format!("r{i}"), T0).await.unwrap().unwrap();
                 })
             })

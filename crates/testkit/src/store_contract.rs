@@ -395,10 +395,17 @@ pub async fn chains_link_turns_and_renew_them(h: &dyn StoreHarness) {
     let ids: Vec<&str> = chain.iter().map(|r| r.id.as_str()).collect();
     assert_eq!(ids, ["resp_t3", "resp_t2", "resp_t1"]);
     assert_eq!(chain[0], t3);
-    assert_eq!(chain[2].input_items, t1.input_items, "each turn its own input");
+    assert_eq!(
+        chain[2].input_items, t1.input_items,
+        "each turn its own input"
+    );
     assert_eq!(chain[2].expires_at_ms, t3.expires_at_ms, "renewed");
     let whole = polygw_core::ports::conversation(&chain).expect("a whole conversation");
-    assert_eq!(whole.len(), 3 * (1 + 3), "three inputs and three outputs of three items");
+    assert_eq!(
+        whole.len(),
+        3 * (1 + 3),
+        "three inputs and three outputs of three items"
+    );
     // From the middle: two turns. Unknown: empty.
     assert_eq!(s.chain(&sc, "resp_t2", later).await.unwrap().len(), 2);
     assert!(s.chain(&sc, "resp_none", T0).await.unwrap().is_empty());
@@ -423,7 +430,10 @@ pub async fn chains_link_turns_and_renew_them(h: &dyn StoreHarness) {
     put(s.as_ref(), &long).await;
     put(s.as_ref(), &turn(&sc, "resp_after", Some("resp_long"), T0)).await;
     assert_eq!(
-        get(s.as_ref(), &sc, "resp_long", T0).await.unwrap().expires_at_ms,
+        get(s.as_ref(), &sc, "resp_long", T0)
+            .await
+            .unwrap()
+            .expires_at_ms,
         T0 + 10 * DAY_MS
     );
 }
@@ -454,7 +464,10 @@ pub async fn an_owner_is_bounded_and_never_evicts_another(h: &dyn StoreHarness) 
     let now = T0 + 10;
     let mut live = Vec::new();
     for i in 0..8 {
-        if get(s.as_ref(), &a, &format!("resp_{i:02}"), now).await.is_some() {
+        if get(s.as_ref(), &a, &format!("resp_{i:02}"), now)
+            .await
+            .is_some()
+        {
             live.push(i);
         }
     }
@@ -466,12 +479,22 @@ pub async fn an_owner_is_bounded_and_never_evicts_another(h: &dyn StoreHarness) 
     let mut keep = turn(&a, "resp_08", Some("resp_05"), T0 + 20);
     keep.expires_at_ms = T0 + 2 * DAY_MS;
     s.put(keep, bound).await.unwrap();
-    assert!(get(s.as_ref(), &a, "resp_05", now).await.is_some(), "renewed");
-    assert!(get(s.as_ref(), &a, "resp_06", now).await.is_none(), "evicted");
+    assert!(
+        get(s.as_ref(), &a, "resp_05", now).await.is_some(),
+        "renewed"
+    );
+    assert!(
+        get(s.as_ref(), &a, "resp_06", now).await.is_none(),
+        "evicted"
+    );
     // Too large on its own: refused, nothing evicted.
     let mut big = turn(&a, "resp_big", None, T0 + 30);
     big.response = json!({"id": "resp_big", "text": "y".repeat(bound as usize)});
-    let e = s.put(big, bound).await.expect_err("larger than the bound").0;
+    let e = s
+        .put(big, bound)
+        .await
+        .expect_err("larger than the bound")
+        .0;
     assert!(e.contains("RESPONSES__MAX_BYTES_PER_KEY"), "{e}");
     assert!(get(s.as_ref(), &a, "resp_big", now).await.is_none());
     for id in ["resp_05", "resp_07", "resp_08"] {

@@ -30,7 +30,8 @@ pub use observer::{
 };
 pub use rng::{Rng, SplitMix64};
 pub use store::{
-    answered_input, conversation, entry_bytes, BrokenChain, NullStore, ResponseStore, StoredResponse,
+    answered_input, conversation, entry_bytes, BrokenChain, NullStore, ResponseStore,
+    StoredResponse,
 };
 pub use telemetry::{FlushReport, NullRecorder, TelemetryRecorder};
 pub use transport::{

@@ -451,7 +451,12 @@ impl Saving {
         };
         let max_bytes = self.max_bytes;
         Some(Box::pin(async move {
-            match tokio::time::timeout(std::time::Duration::from_secs(5), store.put(entry, max_bytes)).await {
+            match tokio::time::timeout(
+                std::time::Duration::from_secs(5),
+                store.put(entry, max_bytes),
+            )
+            .await
+            {
                 Ok(Ok(())) => {}
                 Ok(Err(e)) => tracing::warn!(error = %e, "storing a response failed"),
                 Err(_) => tracing::warn!("storing a response took more than 5 s; given up"),
