@@ -147,9 +147,13 @@ mod tests {
     fn count_tokens_needs_no_max_tokens() {
         let body = json!({"model": "m", "system": "sys", "messages": [{"role": "user", "content": "x".repeat(400)}]});
         let n = count_tokens(body.to_string().as_bytes()).unwrap();
-        // The system text and one message with its framing (SPEC §24.3's estimate).
+        // The request's framing, the system text and one message with its framing
+        // (SPEC §24.3's estimate).
         let text = polygw_core::estimate::text_tokens;
-        assert_eq!(n, text("sys") + 4 + text(&"x".repeat(400)) + 4);
+        assert_eq!(
+            n,
+            polygw_core::estimate::REQUEST_FRAMING + text("sys") + 4 + text(&"x".repeat(400)) + 4
+        );
         assert!(parse_request(body.to_string().as_bytes()).is_err());
     }
 }
