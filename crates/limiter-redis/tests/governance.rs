@@ -1535,3 +1535,214 @@ mod tls {
         let _ = std::fs::remove_dir_all(ca.parent().unwrap());
     }
 }
+
+/// The key scripts across a day's, a month's and a year's end (SPEC §24.1, §24.2): the
+/// real `key_*.lua` scripts, their clock moved from the server's `TIME` to two trailing
+/// arguments (the only edit), replay random admissions and settlements of 16 calls in
+/// flight across each boundary against core's `KeyQuotas` at the same instants; every
+/// answer and every usage figure must agree, and each day's settled spend stays within
+/// its budget.
+mod periods {
+    use polygw_core::client_key::BudgetPeriod;
+    use polygw_core::error::RefusalReason;
+    use polygw_core::key_quota::{period_end_ms, KeyQuotas};
+    use polygw_core::ports::KeyAcquire;
+    use polygw_testkit::services::{redis_url, unique_name};
+    use redis::aio::MultiplexedConnection;
+    use redis::Script;
+    use std::time::Duration;
+
+    const LIB: &str = include_str!("../src/lua/key_lib.lua");
+    const TIME: &str = "local t = redis.call('TIME')";
+    const WINDOW_MS: u64 = 60_000;
+    const MARGIN_MS: u64 = 3_600_000;
+    const LEASE_MS: u64 = 600_000;
+
+    /// A key script whose `now` is its last two arguments (seconds, microseconds).
+    fn timed(body: &str) -> Script {
+        assert!(LIB.contains(TIME), "key_lib.lua reads the server's TIME");
+        let lib = LIB.replace(TIME, "local t = {ARGV[#ARGV - 1], ARGV[#ARGV]}");
+        Script::new(&format!("{lib}{body}"))
+    }
+
+    struct Key {
+        con: MultiplexedConnection,
+        keys: Vec<String>,
+        acquire: Script,
+        finish: Script,
+        usage: Script,
+    }
+
+    impl Key {
+        fn invoke<'a>(&self, s: &'a Script, at: u64) -> (redis::ScriptInvocation<'a>, u64) {
+            let mut inv = s.prepare_invoke();
+            for k in &self.keys {
+                inv.key(k);
+            }
+            (inv, at)
+        }
+
+        async fn run<T: redis::FromRedisValue>(
+            &self,
+            inv: (redis::ScriptInvocation<'_>, u64),
+        ) -> T {
+            let (mut inv, at) = inv;
+            inv.arg(at / 1000).arg((at % 1000) * 1000);
+            inv.invoke_async(&mut self.con.clone())
+                .await
+                .expect("script")
+        }
+
+        async fn acquire(&self, at: u64, id: &str, day: u64, nanos: u64) -> Vec<i64> {
+            let mut inv = self.invoke(&self.acquire, at);
+            inv.0
+                .arg(id)
+                .arg(0)
+                .arg(0)
+                .arg(0)
+                .arg(day)
+                .arg("")
+                .arg(0)
+                .arg(nanos)
+                .arg(LEASE_MS)
+                .arg(WINDOW_MS)
+                .arg(MARGIN_MS)
+                .arg("0");
+            self.run(inv).await
+        }
+
+        async fn finish(&self, at: u64, id: &str, cost: u64, nanos: u64) {
+            let mut inv = self.invoke(&self.finish, at);
+            inv.0
+                .arg(id)
+                .arg(0)
+                .arg(cost)
+                .arg(0)
+                .arg(nanos)
+                .arg(WINDOW_MS)
+                .arg(MARGIN_MS);
+            self.run::<redis::Value>(inv).await;
+        }
+
+        async fn usage(&self, at: u64) -> Vec<i64> {
+            let mut inv = self.invoke(&self.usage, at);
+            inv.0.arg(WINDOW_MS);
+            self.run(inv).await
+        }
+    }
+
+    fn req<'a>(key: &'a str, day: u64, nanos: u64) -> KeyAcquire<'a> {
+        KeyAcquire {
+            key_id: key,
+            rpm: 0,
+            tpm: 0,
+            max_concurrency: 0,
+            budget_day_nanos: Some(day),
+            budget_month_nanos: None,
+            est_tokens: 0,
+            reserve_nanos: nanos,
+            lease: Duration::from_millis(LEASE_MS),
+            top_up: false,
+        }
+    }
+
+    /// One boundary: 20 s of calls on each side of `boundary` (Unix ms).
+    async fn across(url: &str, boundary: u64, seed: u64) {
+        let con = redis::Client::open(url)
+            .unwrap()
+            .get_multiplexed_async_connection()
+            .await
+            .unwrap();
+        let name = unique_name("MIDNIGHT");
+        let p = format!("polygw:key:{{{name}}}");
+        let key = Key {
+            con,
+            keys: ["win", "inflight", "ledger", "state"]
+                .iter()
+                .map(|s| format!("{p}:{s}"))
+                .collect(),
+            acquire: timed(include_str!("../src/lua/key_acquire.lua")),
+            finish: timed(include_str!("../src/lua/key_finish.lua")),
+            usage: timed(include_str!("../src/lua/key_usage.lua")),
+        };
+        let mut model = KeyQuotas::new();
+        let mut rng = fastrand::Rng::with_seed(seed);
+        let budget = 1_000_000u64;
+        // (model permit id, redis permit id, reserved nanos)
+        let mut flying: Vec<(u64, String, u64)> = Vec::new();
+        let mut settled_by_day = std::collections::BTreeMap::<u64, u64>::new();
+        let mut at = boundary - 20_000;
+        let mut n = 0;
+        while at < boundary + 20_000 {
+            at += rng.u64(1..400);
+            if flying.len() < 16 && rng.bool() {
+                let nanos = rng.u64(10_000..80_000);
+                n += 1;
+                let id = format!("p{n}");
+                let got = key.acquire(at, &id, budget, nanos).await;
+                let want = model.acquire(at, &req(&name, budget, nanos));
+                match (&got[..], want) {
+                    ([1, now], Ok(mid)) => {
+                        assert_eq!(*now as u64, at);
+                        flying.push((mid, id, nanos));
+                    }
+                    ([0, 4, hint], Err(r)) => {
+                        assert_eq!(r.reason, RefusalReason::KeyBudgetDay, "at {at}");
+                        let want = r.retry_after.map_or(-1, |d| d.as_millis() as i64);
+                        assert_eq!(*hint, want, "hint at {at}");
+                    }
+                    (got, want) => panic!("at {at}: redis {got:?}, model {want:?}"),
+                }
+            } else if !flying.is_empty() {
+                let (mid, id, nanos) = flying.swap_remove(rng.usize(..flying.len()));
+                // Billed at most what was reserved, sometimes nothing.
+                let cost = if rng.u8(..10) == 0 {
+                    0
+                } else {
+                    rng.u64(0..=nanos)
+                };
+                key.finish(at, &id, cost, nanos).await;
+                model.finish(at, mid, 0, cost);
+                *settled_by_day.entry(at / 86_400_000).or_default() += cost;
+            }
+            let got = key.usage(at).await;
+            let want = model.usage(at, &name);
+            assert_eq!(
+                got,
+                vec![
+                    at as i64,
+                    i64::from(want.in_flight),
+                    want.requests as i64,
+                    want.tokens as i64,
+                    want.reserved_nanos as i64,
+                    want.day_nanos as i64,
+                    want.month_nanos as i64
+                ],
+                "usage at {at} (boundary {boundary})"
+            );
+        }
+        for (day, s) in &settled_by_day {
+            assert!(*s <= budget, "day {day} settled {s} of {budget}");
+        }
+        assert!(
+            settled_by_day.len() == 2,
+            "settlements on both sides: {settled_by_day:?}"
+        );
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn the_key_scripts_roll_days_months_and_years_as_core_does() {
+        let Some(url) = redis_url() else { return };
+        // 2026-12-06T23:59:40Z's day; 2027-01-31's month (a 31-day month); 2028-02-29
+        // (a leap day, then March); 2026-12-31 (a year).
+        let days = [
+            1_796_601_600_000u64,
+            period_end_ms(BudgetPeriod::Month, 1_801_353_600_000),
+            period_end_ms(BudgetPeriod::Day, 1_835_395_200_000),
+            period_end_ms(BudgetPeriod::Month, 1_798_675_200_000 - 1),
+        ];
+        for (i, b) in days.into_iter().enumerate() {
+            across(&url, b, 7 + i as u64).await;
+        }
+    }
+}
