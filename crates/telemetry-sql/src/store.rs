@@ -257,16 +257,18 @@ impl SqlResponseStore {
         Ok(())
     }
 
-    /// A row of migration 4's table (a whole conversation: it continues nothing).
-    async fn get_legacy(
+    /// The live row `id` of `scope` in the table `tpl` reads ([`GET_SQL`] or
+    /// [`GET_LEGACY`]: a row of migration 4's table continues nothing).
+    async fn get_from(
         &self,
+        tpl: &str,
         scope: &str,
         id: &str,
         now_ms: i64,
     ) -> Result<Option<StoredResponse>, TelemetryError> {
         let raw: Option<RawRow> = self
             .bounded("read a stored response", async {
-                on_db!(&self.base.db, GET_LEGACY, |p, q| sqlx::query_as(q)
+                on_db!(&self.base.db, tpl, |p, q| sqlx::query_as(q)
                     .bind(scope)
                     .bind(id)
                     .bind(now_ms)
@@ -409,19 +411,9 @@ impl ResponseStore for SqlResponseStore {
         id: &str,
         now_ms: i64,
     ) -> Result<Option<StoredResponse>, TelemetryError> {
-        let raw: Option<RawRow> = self
-            .bounded("read a stored response", async {
-                on_db!(&self.base.db, GET_SQL, |p, q| sqlx::query_as(q)
-                    .bind(scope)
-                    .bind(id)
-                    .bind(now_ms)
-                    .fetch_optional(p)
-                    .await)
-            })
-            .await?;
-        match raw {
-            Some(raw) => decode(scope, id, raw).map(Some),
-            None => self.get_legacy(scope, id, now_ms).await,
+        match self.get_from(GET_SQL, scope, id, now_ms).await? {
+            Some(r) => Ok(Some(r)),
+            None => self.get_from(GET_LEGACY, scope, id, now_ms).await,
         }
     }
 
@@ -455,7 +447,7 @@ impl ResponseStore for SqlResponseStore {
             Some(_) => None,
         };
         if let Some(older) = older {
-            if let Some(r) = self.get_legacy(scope, &older, now_ms).await? {
+            if let Some(r) = self.get_from(GET_LEGACY, scope, &older, now_ms).await? {
                 chain.push(r);
             }
         }

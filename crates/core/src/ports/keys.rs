@@ -187,6 +187,7 @@ impl KeyPermitBackend for NoopKeyPermit {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::ports::block_on;
     use std::sync::{Arc, Mutex};
 
     #[derive(Debug, Default)]
@@ -211,15 +212,6 @@ mod tests {
                 .lock()
                 .unwrap()
                 .push(format!("drop {tokens} {cost}"));
-        }
-    }
-
-    fn block_on<F: std::future::Future>(f: F) -> F::Output {
-        let mut f = std::pin::pin!(f);
-        let mut cx = std::task::Context::from_waker(std::task::Waker::noop());
-        match f.as_mut().poll(&mut cx) {
-            std::task::Poll::Ready(v) => v,
-            std::task::Poll::Pending => panic!("pending"),
         }
     }
 

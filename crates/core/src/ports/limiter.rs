@@ -285,6 +285,7 @@ impl RateLimiter for UnlimitedLimiter {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::ports::block_on;
     use std::sync::{Arc, Mutex};
 
     #[derive(Debug, Default)]
@@ -305,17 +306,6 @@ mod tests {
         }
         fn settle_on_drop(&self, tokens: Option<u64>) {
             self.0 .0.lock().unwrap().push(format!("drop {tokens:?}"));
-        }
-    }
-
-    fn block_on<F: std::future::Future>(f: F) -> F::Output {
-        // Futures here never pend; poll once with a no-op waker.
-        let mut f = std::pin::pin!(f);
-        let waker = std::task::Waker::noop();
-        let mut cx = std::task::Context::from_waker(waker);
-        match f.as_mut().poll(&mut cx) {
-            std::task::Poll::Ready(v) => v,
-            std::task::Poll::Pending => panic!("pending"),
         }
     }
 

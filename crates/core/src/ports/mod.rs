@@ -54,3 +54,15 @@ pub use self::{
     telemetry::MockTelemetryRecorder,
     transport::{MockEmbeddingTransport, MockOcrTransport, MockTransport},
 };
+
+/// Runs a future that never pends (the ports' test doubles answer at once): polls it
+/// once with a no-op waker.
+#[cfg(test)]
+pub(crate) fn block_on<F: std::future::Future>(f: F) -> F::Output {
+    let mut f = std::pin::pin!(f);
+    let mut cx = std::task::Context::from_waker(std::task::Waker::noop());
+    match f.as_mut().poll(&mut cx) {
+        std::task::Poll::Ready(v) => v,
+        std::task::Poll::Pending => panic!("a test double's future pended"),
+    }
+}

@@ -203,6 +203,7 @@ impl ResponseStore for NullStore {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::ports::block_on;
     use serde_json::json;
 
     fn turn(id: &str, prev: Option<&str>) -> StoredResponse {
@@ -287,16 +288,6 @@ mod tests {
         }
         async fn delete(&self, _: &str, _: &str) -> Result<bool, TelemetryError> {
             Ok(false)
-        }
-    }
-
-    fn block_on<F: std::future::Future>(f: F) -> F::Output {
-        // These futures never pend; poll once with a no-op waker.
-        let mut f = std::pin::pin!(f);
-        let mut cx = std::task::Context::from_waker(std::task::Waker::noop());
-        match f.as_mut().poll(&mut cx) {
-            std::task::Poll::Ready(v) => v,
-            std::task::Poll::Pending => panic!("pending"),
         }
     }
 
