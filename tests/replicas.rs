@@ -520,7 +520,7 @@ async fn a_drain_past_its_grace_cuts_what_is_left_and_says_so_in_one_line() {
 
 /// The key tests' source prices (per 1M tokens, in and out; the mocks bill the same):
 /// high, so that a budget of 1.00 runs out after a few dozen calls.
-const KEY_PRICE: f64 = 500.0;
+const KEY_PRICE: f64 = 400.0;
 /// Every answer's chunks (= its completion tokens, as the mock reports them) and the
 /// source's `MAX_OUTPUT_TOKENS`: what each call (without a cap of its own) reserves for
 /// its output and is sent as its cap (SPEC §24.1).
@@ -830,8 +830,8 @@ async fn a_keys_budget_and_rpm_hold_across_three_replicas_under_32_concurrent_cl
     let spend_prompt = |c: usize, n: usize| format!("budget {c:02}-{n:03} {}", "x".repeat(64));
     let reserve = reservation(&spend_prompt(0, 0));
     assert_eq!(
-        reserve, 15_500_000,
-        "31 tokens (21 prompt + 25 %, 4 answer) at 500 per 1M"
+        reserve, 13_600_000,
+        "34 tokens (24 prompt + 25 %, 4 answer) at 400 per 1M"
     );
     let started = Instant::now();
     let clients: Vec<_> = (0..CLIENTS)
