@@ -67,6 +67,9 @@ pub struct RecordedRequest {
     pub call_id: Option<String>,
     /// Whether an `Authorization` header was present.
     pub authorization: bool,
+    /// The `Authorization` header's bearer token, as sent (the mock's clients send test
+    /// keys; tests check which key reached it, e.g. after a rotation).
+    pub bearer: Option<String>,
     /// When the request (head and body) had arrived.
     pub arrived_at: Instant,
     /// When the response headers were sent.

@@ -399,6 +399,10 @@ async fn handle_request(
         },
         call_id: call_id.clone(),
         authorization: auth.is_some(),
+        bearer: auth
+            .as_deref()
+            .and_then(|a| a.strip_prefix("Bearer "))
+            .map(str::to_string),
         arrived_at: now(),
         headers_at: None,
         ended_at: None,
