@@ -18,7 +18,7 @@ use crate::conn::ConnCtx;
 use crate::errors::{from_gateway, ApiError};
 use crate::names;
 use crate::scope::{GateRefusal, ScopeClient, Slot};
-use crate::state::{cut_done, Served, State};
+use crate::state::{cut_done, Scopes, Served, State};
 
 /// The connection of a request, when served by [`crate::serve`].
 pub type Conn = Option<Extension<Arc<ConnCtx>>>;
@@ -181,15 +181,15 @@ pub async fn read_body_up_to(
 
 /// The chat scope a request's `model` selects.
 pub fn chat_scope<'a>(
-    st: &'a State,
+    scopes: &'a Scopes,
     model: &str,
 ) -> Result<(&'a Served, &'a GatewayClient), ApiError> {
-    let Some(served) = st.scope_for(model) else {
-        return Err(st.unknown_model(model));
+    let Some(served) = scopes.scope_for(model) else {
+        return Err(scopes.unknown_model(model));
     };
     match &served.scope.client {
         ScopeClient::Chat(c) => Ok((served, c)),
-        ScopeClient::Embedding(_) => Err(st.wrong_kind(model, served.scope.kind())),
+        ScopeClient::Embedding(_) => Err(State::wrong_kind(model, served.scope.kind())),
     }
 }
 

@@ -4,6 +4,8 @@
 
 use std::sync::Arc;
 
+use arc_swap::ArcSwap;
+
 use axum::middleware;
 use axum::routing::{get, post};
 use axum::Router;
@@ -17,7 +19,7 @@ use crate::metrics::ProxyCounters;
 use crate::ready::Readiness;
 use crate::route::{admin, chat, embeddings, messages, meta, responses};
 use crate::scope::{Gate, Scope, ScopeClient};
-use crate::state::{Served, State};
+use crate::state::{Scopes, Served, State};
 
 /// The OpenAI-compatible proxy over a set of scopes. Cheap to clone.
 #[derive(Debug, Clone)]
@@ -55,18 +57,12 @@ impl Proxy {
             .map(|k| k.expose().trim().as_bytes().to_vec())
             .filter(|k| !k.is_empty())
             .collect();
-        let scopes = scopes
-            .into_iter()
-            .map(|scope| Served {
-                scope,
-                gate: Gate::new(config.max_calls_per_scope, config.max_queued_per_scope),
-            })
-            .collect();
+        let scopes = served(&config, &Scopes::default(), scopes);
         let (cut, _) = watch::channel(false);
         Proxy {
             state: Arc::new(State {
                 cfg: config,
-                scopes,
+                scopes: ArcSwap::from_pointee(scopes),
                 keys,
                 metrics,
                 recorders,
@@ -115,14 +111,31 @@ impl Proxy {
             .with_state(st)
     }
 
-    /// The scopes served.
-    pub fn scopes(&self) -> impl Iterator<Item = &Scope> {
-        self.state.scopes.iter().map(|s| &s.scope)
+    /// The scopes served now.
+    pub fn scopes(&self) -> std::vec::IntoIter<Scope> {
+        self.state
+            .scopes()
+            .iter()
+            .map(|s| s.scope.clone())
+            .collect::<Vec<_>>()
+            .into_iter()
     }
 
     /// Every model name served (scope names and aliases).
     pub fn known_models(&self) -> Vec<String> {
-        self.state.known_models()
+        self.state.scopes().known_models()
+    }
+
+    /// Serves `scopes` from now on, in place of the scopes served until now (SPEC §26.2,
+    /// a reload): requests that began before keep the scopes they found, so a call in
+    /// flight finishes with the configuration it started with; a scope served before
+    /// and now (by name) keeps its gate, with the calls running and waiting in it. What
+    /// each scope's sources keep (breakers, quotas, latency evidence) is the clients'
+    /// affair: clients of a scope built in one process share its governance state.
+    pub fn replace_scopes(&self, scopes: Vec<Scope>) {
+        let old = self.state.scopes();
+        let new = served(&self.state.cfg, &old, scopes);
+        self.state.scopes.store(Arc::new(new));
     }
 
     /// Whether client keys are required.
@@ -152,7 +165,7 @@ impl Proxy {
     /// cuts).
     pub fn calls_running(&self) -> usize {
         self.state
-            .scopes
+            .scopes()
             .iter()
             .map(|s| s.gate.running(self.state.cfg.max_calls_per_scope))
             .sum()
@@ -163,4 +176,27 @@ impl Proxy {
     pub fn cut(&self) {
         self.state.cut.send_replace(true);
     }
+}
+
+/// `scopes` as served, each with the gate of the scope of the same name in `old` (else a
+/// new one).
+fn served(config: &ProxyConfig, old: &Scopes, scopes: Vec<Scope>) -> Scopes {
+    Scopes(
+        scopes
+            .into_iter()
+            .map(|scope| {
+                let gate = old
+                    .iter()
+                    .find(|s| s.scope.name == scope.name)
+                    .map(|s| s.gate.clone())
+                    .unwrap_or_else(|| {
+                        Arc::new(Gate::new(
+                            config.max_calls_per_scope,
+                            config.max_queued_per_scope,
+                        ))
+                    });
+                Served { scope, gate }
+            })
+            .collect(),
+    )
 }

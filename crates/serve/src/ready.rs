@@ -138,7 +138,7 @@ fn databases(st: &State) -> Vec<Database> {
             scopes: Vec::new(),
         })
         .collect();
-    for s in &st.scopes {
+    for s in st.scopes().iter() {
         let rec = recorder(&s.scope.client);
         let url = settings(&s.scope.client).telemetry_url.as_ref();
         let i = match dbs.iter().position(|d| same(&d.recorder, &rec)) {
@@ -178,7 +178,8 @@ async fn bounded<E: std::fmt::Display>(
 
 /// Runs every check once (concurrently).
 async fn run(st: &State) -> Checked {
-    let governance = join_all(st.scopes.iter().map(|s| async move {
+    let scopes = st.scopes();
+    let governance = join_all(scopes.iter().map(|s| async move {
         let set = settings(&s.scope.client);
         let backend = if set.redis_url.is_some() {
             "redis"

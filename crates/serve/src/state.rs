@@ -4,6 +4,8 @@
 
 use std::sync::Arc;
 
+use arc_swap::ArcSwap;
+
 use axum::http::StatusCode;
 use polygw::core::ports::TelemetryRecorder;
 use polygw::{Metrics, ScopeKind};
@@ -15,17 +17,63 @@ use crate::metrics::ProxyCounters;
 use crate::ready::Readiness;
 use crate::scope::{Gate, Scope, ScopeClient};
 
-/// A scope and its gate.
+/// A scope and its gate (shared by the snapshots a reload makes, while the scope is
+/// served: calls running and waiting count across a reload).
 #[derive(Debug)]
 pub(crate) struct Served {
     pub scope: Scope,
-    pub gate: Gate,
+    pub gate: Arc<Gate>,
+}
+
+/// The served scopes: one snapshot, replaced whole by a reload (SPEC §26.2). A request
+/// works with the snapshot it loaded when it began, so a call in flight finishes with the
+/// configuration it started with.
+#[derive(Debug, Default)]
+pub(crate) struct Scopes(pub Vec<Served>);
+
+impl Scopes {
+    /// The served scope `model` names, of any kind: a scope's name or an exact alias
+    /// first (case-insensitive), then the `*` glob aliases, the most specific (longest)
+    /// pattern first (SPEC §18.3).
+    pub fn scope_for(&self, model: &str) -> Option<&Served> {
+        self.0
+            .iter()
+            .find(|s| s.scope.names_exactly(model))
+            .or_else(|| {
+                self.0
+                    .iter()
+                    .filter_map(|s| s.scope.glob_match(model).map(|len| (len, s)))
+                    .max_by_key(|(len, _)| *len)
+                    .map(|(_, s)| s)
+            })
+    }
+
+    /// Every model name served (scope names and aliases; glob patterns as written).
+    pub fn known_models(&self) -> Vec<String> {
+        self.0
+            .iter()
+            .flat_map(|s| {
+                std::iter::once(s.scope.name.clone()).chain(s.scope.aliases.iter().cloned())
+            })
+            .collect()
+    }
+
+    /// The 404 of an unknown model, listing the known ones.
+    pub fn unknown_model(&self, model: &str) -> ApiError {
+        State::unknown_model_among(model, &self.known_models())
+    }
+
+    /// The served scopes.
+    pub fn iter(&self) -> std::slice::Iter<'_, Served> {
+        self.0.iter()
+    }
 }
 
 /// Shared by every request.
 pub(crate) struct State {
     pub cfg: ProxyConfig,
-    pub scopes: Vec<Served>,
+    /// The served scopes now ([`State::scopes`]).
+    pub scopes: ArcSwap<Scopes>,
     pub keys: Vec<Vec<u8>>,
     pub metrics: Arc<Metrics>,
     pub recorders: Vec<Arc<dyn TelemetryRecorder>>,
@@ -38,7 +86,7 @@ pub(crate) struct State {
 impl std::fmt::Debug for State {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("State")
-            .field("scopes", &self.scopes)
+            .field("scopes", &self.scopes.load())
             .field("keys", &self.keys.len())
             .finish_non_exhaustive()
     }
@@ -50,35 +98,9 @@ impl State {
         !self.keys.is_empty() || self.cfg.key_ring.is_some()
     }
 
-    /// The served scope `model` names, of any kind: a scope's name or an exact alias
-    /// first (case-insensitive), then the `*` glob aliases, the most specific (longest)
-    /// pattern first (SPEC §18.3).
-    pub fn scope_for(&self, model: &str) -> Option<&Served> {
-        self.scopes
-            .iter()
-            .find(|s| s.scope.names_exactly(model))
-            .or_else(|| {
-                self.scopes
-                    .iter()
-                    .filter_map(|s| s.scope.glob_match(model).map(|len| (len, s)))
-                    .max_by_key(|(len, _)| *len)
-                    .map(|(_, s)| s)
-            })
-    }
-
-    /// Every model name served (scope names and aliases; glob patterns as written).
-    pub fn known_models(&self) -> Vec<String> {
-        self.scopes
-            .iter()
-            .flat_map(|s| {
-                std::iter::once(s.scope.name.clone()).chain(s.scope.aliases.iter().cloned())
-            })
-            .collect()
-    }
-
-    /// The 404 of an unknown model, listing the known ones.
-    pub fn unknown_model(&self, model: &str) -> ApiError {
-        Self::unknown_model_among(model, &self.known_models())
+    /// The served scopes now: a snapshot, which a reload does not change.
+    pub fn scopes(&self) -> Arc<Scopes> {
+        self.scopes.load_full()
     }
 
     /// The 404 of a model not among `known` (a client key's own, say), listing those.
@@ -96,7 +118,7 @@ impl State {
     }
 
     /// The 404 of a model served on another endpoint.
-    pub fn wrong_kind(&self, model: &str, kind: ScopeKind) -> ApiError {
+    pub fn wrong_kind(model: &str, kind: ScopeKind) -> ApiError {
         let endpoint = match kind {
             ScopeKind::Chat => "/v1/chat/completions, /v1/responses and /v1/messages",
             _ => "/v1/embeddings",
@@ -117,7 +139,7 @@ impl State {
         if !self.recorders.is_empty() {
             return self.recorders.iter().map(|r| r.dropped()).sum();
         }
-        self.scopes
+        self.scopes()
             .iter()
             .map(|s| match &s.scope.client {
                 ScopeClient::Chat(c) => c.telemetry_dropped(),

@@ -78,7 +78,7 @@ fn not_found() -> Response {
 /// Every served chat scope's status, and the proxy's own flags.
 async fn status_json(st: &AppState) -> Result<Value, ApiError> {
     let mut scopes = Vec::new();
-    for s in &st.scopes {
+    for s in st.scopes().iter() {
         if let ScopeClient::Chat(c) = &s.scope.client {
             let status = c.status().await.map_err(|e| {
                 ApiError::new(
@@ -157,8 +157,8 @@ pub async fn act(
             message,
         ))
     };
-    let Some(served) = st
-        .scopes
+    let all = st.scopes();
+    let Some(served) = all
         .iter()
         .find(|s| s.scope.name.eq_ignore_ascii_case(&scope))
     else {
@@ -168,8 +168,7 @@ pub async fn act(
             format!(
                 "no scope `{}` (scopes: {})",
                 scope.chars().take(64).collect::<String>(),
-                st.scopes
-                    .iter()
+                all.iter()
                     .map(|s| s.scope.name.as_str())
                     .collect::<Vec<_>>()
                     .join(", ")

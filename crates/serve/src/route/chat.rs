@@ -88,7 +88,8 @@ async fn inner(
     };
     // Parsed once; the raw body is not kept for the call.
     drop(bytes);
-    let (served, client) = match chat_scope(st, &parsed.model) {
+    let scopes = st.scopes();
+    let (served, client) = match chat_scope(&scopes, &parsed.model) {
         Ok(x) => x,
         Err(e) => return error_response(&e),
     };

@@ -61,11 +61,12 @@ async fn inner(
         Err(e) => return error_response(&e),
     };
     drop(bytes);
-    let Some(served) = st.scope_for(&parsed.model) else {
-        return error_response(&st.unknown_model(&parsed.model));
+    let scopes = st.scopes();
+    let Some(served) = scopes.scope_for(&parsed.model) else {
+        return error_response(&scopes.unknown_model(&parsed.model));
     };
     let ScopeClient::Embedding(client) = &served.scope.client else {
-        return error_response(&st.wrong_kind(&parsed.model, served.scope.kind()));
+        return error_response(&AppState::wrong_kind(&parsed.model, served.scope.kind()));
     };
     // The client key's scopes, models, limits and budgets (SPEC §21.1), before a slot.
     let charge = match crate::keys::admit(key, &served.scope.name, &parsed.model, async |k| {

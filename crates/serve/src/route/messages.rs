@@ -93,7 +93,8 @@ async fn create_inner(
         Ok((r, _)) => r.model().to_string(),
         Err(_) => crate::http::model_in(&bytes).unwrap_or_default(),
     };
-    let (served, client) = match chat_scope(st, &model) {
+    let scopes = st.scopes();
+    let (served, client) = match chat_scope(&scopes, &model) {
         Ok(x) => x,
         Err(e) => match parsed {
             Err(d) => return anthropic_error(&dialect_error(d)),
@@ -232,7 +233,7 @@ pub async fn count_tokens(
                 .get("model")
                 .and_then(|m| m.as_str())
                 .unwrap_or_default();
-            match chat_scope(&st, model) {
+            match chat_scope(&st.scopes(), model) {
                 Ok((_, client)) => {
                     let credential = crate::http::credential_for(client, &headers, proxy);
                     client

@@ -33,7 +33,7 @@ fn anthropic_model(id: &str) -> serde_json::Value {
 /// The scope names and aliases a client key may use (no key: every one) — issue 39: a
 /// key is shown only its own scopes' models.
 fn models_for(st: &AppState, key: Option<&ClientKey>) -> Vec<String> {
-    st.scopes
+    st.scopes()
         .iter()
         .filter(|s| key.is_none_or(|k| may_use_scope(k, &s.scope.name)))
         .flat_map(|s| std::iter::once(s.scope.name.clone()).chain(s.scope.aliases.iter().cloned()))
@@ -89,7 +89,7 @@ pub async fn model(
     {
         return Json(model_object(m)).into_response();
     }
-    match st.scope_for(&id) {
+    match st.scopes().scope_for(&id) {
         Some(s)
             if key
                 .as_deref()
@@ -136,7 +136,7 @@ pub async fn readyz(State(st): State<Arc<AppState>>) -> Response {
 /// served scopes, their kind and sources. 200 while draining too.
 pub async fn healthz(State(st): State<Arc<AppState>>) -> Response {
     let scopes: Vec<serde_json::Value> = st
-        .scopes
+        .scopes()
         .iter()
         .map(|s| {
             json!({
@@ -157,7 +157,7 @@ pub async fn root() -> Response {
 /// `GET /metrics`: Prometheus text (no auth).
 pub async fn metrics(State(st): State<Arc<AppState>>) -> Response {
     let gates: Vec<(String, usize, usize, u64)> = st
-        .scopes
+        .scopes()
         .iter()
         .map(|s| {
             (

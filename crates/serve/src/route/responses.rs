@@ -132,7 +132,8 @@ async fn create_inner(
         Ok(r) => r.model().to_string(),
         Err(_) => crate::http::model_in(&bytes).unwrap_or_default(),
     };
-    let (served, client) = match chat_scope(st, &model) {
+    let scopes = st.scopes();
+    let (served, client) = match chat_scope(&scopes, &model) {
         Ok(x) => x,
         Err(e) => match parsed {
             Err(d) => return error_response(&dialect_error(d)),
@@ -385,8 +386,9 @@ pub async fn input_tokens(
         Ok(t) => polygw::core::resume::estimate_prompt_tokens(&t.request),
         Err(e) => return error_response(&dialect_error(e)),
     };
+    let scopes = st.scopes();
     let forwarded = match (
-        chat_scope(&st, req.model()),
+        chat_scope(&scopes, req.model()),
         serde_json::from_slice::<serde_json::Map<String, Value>>(&bytes),
     ) {
         (Ok((_, client)), Ok(body)) => {
@@ -586,7 +588,7 @@ fn owner_scope(scope: &str, key: Option<&ClientKey>) -> String {
 /// The chat clients' stores, as each holds `key`'s responses — of the scopes the key
 /// may use now (a key whose scopes changed reads and deletes no other scope's).
 fn stores(st: &AppState, key: Option<&ClientKey>) -> Vec<(String, Arc<dyn ResponseStore>)> {
-    st.scopes
+    st.scopes()
         .iter()
         .filter(|s| key.is_none_or(|k| may_use_scope(k, &s.scope.name)))
         .filter_map(|s| match &s.scope.client {

@@ -317,7 +317,8 @@ async fn a_budget_is_spent_exactly_and_never_exceeded() {
         ok += 1;
         assert!(ok < 1_000, "the budget never ran out");
     }
-    let polygw_serve::ScopeClient::Chat(c) = &s.proxy.scopes().next().unwrap().client else {
+    let scope = s.proxy.scopes().next().unwrap();
+    let polygw_serve::ScopeClient::Chat(c) = &scope.client else {
         panic!("chat")
     };
     let mut usage = c.key_usage("key_4").await.unwrap();
@@ -471,7 +472,8 @@ async fn error_answers_leave_the_budget_untouched() {
         let (s, _) = proxy_with(store, rows.clone(), &m).await;
         let (st, body, _) = call(&s, &secret(7), "llm").await;
         assert!(st >= 400, "{status}: {st} {body}");
-        let polygw_serve::ScopeClient::Chat(c) = &s.proxy.scopes().next().unwrap().client else {
+        let scope = s.proxy.scopes().next().unwrap();
+        let polygw_serve::ScopeClient::Chat(c) = &scope.client else {
             panic!("chat")
         };
         let mut usage = c.key_usage("key_7").await.unwrap();
@@ -682,7 +684,8 @@ async fn thirty_two_clients_never_overspend_a_budget_that_buys_a_handful_of_call
         }
         assert!(alone < 100);
     }
-    let polygw_serve::ScopeClient::Chat(c) = &s.proxy.scopes().next().unwrap().client else {
+    let scope = s.proxy.scopes().next().unwrap();
+    let polygw_serve::ScopeClient::Chat(c) = &scope.client else {
         panic!("chat")
     };
     let usage = c.key_usage("key_20").await.unwrap();
