@@ -35,6 +35,7 @@ pub mod key_quota;
 pub mod latency;
 pub mod native;
 pub mod ports;
+pub mod reload;
 pub mod request;
 pub mod response;
 pub mod resume;
