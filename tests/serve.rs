@@ -314,3 +314,219 @@ async fn the_openai_python_sdk_works_against_serve() {
         "the 429 was answered, not polled"
     );
 }
+
+/// Waits for a line of the proxy's output that contains `what` (other lines are kept
+/// in `seen`).
+fn wait_line(s: &Serve, what: &str, seen: &mut Vec<String>) -> String {
+    let until = Instant::now() + Duration::from_secs(30);
+    while let Some(left) = until.checked_duration_since(Instant::now()) {
+        match s.lines.recv_timeout(left) {
+            Ok(l) if l.contains(what) => return l,
+            Ok(l) => seen.push(l),
+            Err(_) => break,
+        }
+    }
+    panic!("no line with {what:?} within 30 s: {seen:#?}");
+}
+
+/// Writes an env file whole (a new file renamed over the old, as editors do).
+fn write_env(path: &std::path::Path, lines: &[String]) {
+    let tmp = path.with_extension("tmp");
+    std::fs::write(&tmp, lines.join("\n") + "\n").unwrap();
+    std::fs::rename(&tmp, path).unwrap();
+}
+
+/// Wall time, to compare with the rows' `created_at_ms`.
+#[allow(clippy::disallowed_methods)]
+fn unix_ms() -> i64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_millis() as i64
+}
+
+/// SPEC §26.2: `polygw serve --env-file FILE` reloads when the file changes, under load.
+/// 16 clients stream without pause while the file rotates the upstream key, adds a
+/// source (preferred over the first), changes a price, and then turns bad (a limit that
+/// is not a number). Not one call fails; each change applies to the calls that begin
+/// after it (the new key upstream, the new source answering, the new price on the
+/// rows), calls in flight finish with the configuration they began with, and the bad
+/// file is refused whole: the configuration before it keeps serving.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reload_under_load_applies_each_change_and_drops_no_call() {
+    let stream = Behavior {
+        gap_ms: 40.0,
+        ..Behavior::text(&["one ", "two ", "three"])
+    };
+    let (a, b) = (mock(stream.clone()).await, mock(stream).await);
+    let dir = tempfile::tempdir().unwrap();
+    let db = format!("sqlite://{}", dir.path().join("t.db").display());
+    let file = dir.path().join("polygw.env");
+    let a_lines = |key: &str, price: &str| {
+        vec![
+            format!("LLM__TELEMETRY__URL={db}"),
+            format!("LLM__A__0__BASE_URL={}", a.base_url()),
+            format!("LLM__A__0__API_KEY={key}"),
+            "LLM__A__0__MODEL=model-a".to_string(),
+            "LLM__A__0__PRIORITY=1".to_string(),
+            "LLM__A__0__INPUT_PRICE=1".to_string(),
+            format!("LLM__A__0__OUTPUT_PRICE={price}"),
+        ]
+    };
+    let b_lines = |price: &str| {
+        vec![
+            format!("LLM__B__0__BASE_URL={}", b.base_url()),
+            "LLM__B__0__API_KEY=sk-b-key".to_string(),
+            "LLM__B__0__MODEL=model-b".to_string(),
+            "LLM__B__0__PRIORITY=0".to_string(),
+            "LLM__B__0__INPUT_PRICE=1".to_string(),
+            format!("LLM__B__0__OUTPUT_PRICE={price}"),
+        ]
+    };
+    write_env(&file, &a_lines("sk-key-one", "1"));
+    let s = serve(
+        &["--grace-s", "5", "--env-file", file.to_str().unwrap()],
+        &[],
+    );
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let http = reqwest::Client::new();
+    let mut clients = Vec::new();
+    for _ in 0..16 {
+        let (http, base, stop) = (http.clone(), s.base.clone(), stop.clone());
+        clients.push(tokio::spawn(async move {
+            let (mut ok, mut failed) = (0u32, Vec::new());
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                let r = http
+                    .post(format!("{base}/v1/chat/completions"))
+                    .json(&serde_json::json!({"model": "LLM", "stream": true,
+                        "messages": [{"role": "user", "content": "count"}]}))
+                    .send()
+                    .await;
+                let body = match r {
+                    Ok(r) if r.status() == 200 => r.text().await.unwrap_or_default(),
+                    Ok(r) => {
+                        failed.push(format!(
+                            "{} {}",
+                            r.status(),
+                            r.text().await.unwrap_or_default()
+                        ));
+                        continue;
+                    }
+                    Err(e) => {
+                        failed.push(e.to_string());
+                        continue;
+                    }
+                };
+                if body.contains("three") && body.trim_end().ends_with("data: [DONE]") {
+                    ok += 1;
+                } else {
+                    failed.push(body);
+                }
+            }
+            (ok, failed)
+        }));
+    }
+    let mut seen = Vec::new();
+    let settle = Duration::from_millis(800);
+    tokio::time::sleep(settle).await;
+
+    // 1. The key rotates.
+    write_env(&file, &a_lines("sk-key-two", "1"));
+    wait_line(&s, "reloaded", &mut seen);
+    let rotated = Instant::now().into_std();
+    tokio::time::sleep(settle).await;
+    // 2. A preferred source joins.
+    let mut with_b = a_lines("sk-key-two", "1");
+    with_b.extend(b_lines("1"));
+    write_env(&file, &with_b);
+    let line = wait_line(&s, "reloaded", &mut seen);
+    assert!(line.contains("new b-0"), "{line}");
+    let joined = Instant::now().into_std();
+    tokio::time::sleep(settle).await;
+    // 3. B's price changes.
+    let mut priced = a_lines("sk-key-two", "1");
+    priced.extend(b_lines("1000"));
+    write_env(&file, &priced);
+    wait_line(&s, "reloaded", &mut seen);
+    let repriced_ms = unix_ms();
+    tokio::time::sleep(settle).await;
+    // 4. A bad file: refused whole; the configuration before it serves on.
+    let mut bad = priced.clone();
+    bad.push("LLM__A__0__RPM=abc".to_string());
+    bad.push("LLM__B__0__PRIORITY=5".to_string());
+    write_env(&file, &bad);
+    let line = wait_line(&s, "refused", &mut seen);
+    assert!(line.contains("RPM") && line.contains("kept"), "{line}");
+    assert!(!line.contains("sk-"), "no key in the log: {line}");
+    let refused = Instant::now().into_std();
+    tokio::time::sleep(settle).await;
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    let mut calls = 0;
+    for c in clients {
+        let (ok, failed) = c.await.unwrap();
+        assert!(
+            failed.is_empty(),
+            "calls failed across the reloads: {failed:#?}"
+        );
+        calls += ok;
+    }
+    assert!(calls >= 100, "{calls} calls");
+    eprintln!("{calls} calls through 3 reloads and a refused one");
+
+    // Upstream: after the rotation, A saw the new key only (calls that began before it
+    // may carry the old one for their last chunks' time); B took the calls once it
+    // joined, and still after the bad file.
+    let log_a = a.requests();
+    let late = rotated + Duration::from_millis(300);
+    assert!(log_a
+        .iter()
+        .any(|r| r.bearer.as_deref() == Some("sk-key-one")));
+    for r in log_a.iter().filter(|r| r.arrived_at > late) {
+        assert_eq!(r.bearer.as_deref(), Some("sk-key-two"), "{r:?}");
+    }
+    let log_b = b.requests();
+    assert!(log_b
+        .iter()
+        .all(|r| r.arrived_at > joined - Duration::from_millis(300)));
+    assert!(
+        log_b.iter().any(|r| r.arrived_at > refused),
+        "the bad file changed B's priority"
+    );
+    let a_after_b = log_a
+        .iter()
+        .filter(|r| r.arrived_at > joined + Duration::from_millis(300))
+        .count();
+    assert_eq!(
+        a_after_b, 0,
+        "the preferred source takes every call once it joins"
+    );
+
+    // Telemetry: one successful attempt per call; B's calls that began after its price
+    // changed cost the new price, those that began before it the old one.
+    let lines = s.terminate();
+    let rows = polygw_telemetry_sql::read_rows(&db, None).await.unwrap();
+    let attempts: Vec<_> = rows
+        .iter()
+        .filter(|r| r.kind == polygw::core::telemetry::RowKind::Attempt)
+        .collect();
+    assert!(attempts.iter().all(|r| r.ok), "{lines:#?}");
+    assert_eq!(attempts.len() as u32, calls, "one attempt per call");
+    let b_cost = |keep: &dyn Fn(i64) -> bool| -> Vec<f64> {
+        attempts
+            .iter()
+            .filter(|r| r.source.as_deref() == Some("b-0") && keep(r.created_at_ms))
+            .map(|r| r.cost.expect("priced"))
+            .collect()
+    };
+    let (before, after) = (
+        b_cost(&|t| t < repriced_ms - 300),
+        b_cost(&|t| t > repriced_ms + 300),
+    );
+    assert!(
+        !before.is_empty() && !after.is_empty(),
+        "{before:?} {after:?}"
+    );
+    let (old, new) = (before[0], after[0]);
+    assert!(before.iter().all(|c| *c == old) && after.iter().all(|c| *c == new));
+    assert!(new > old * 100.0, "the new price applies: {old} → {new}");
+}

@@ -85,6 +85,12 @@ pub struct ServeArgs {
     /// Open connections per client address.
     #[arg(long, default_value_t = 64)]
     pub max_connections_per_client: usize,
+    /// Read the scopes' variables from this file too (dotenv syntax; a variable it sets
+    /// wins over the process's), and reload them on SIGHUP or when the file changes: new
+    /// calls get the new configuration, calls in flight finish with theirs, and a file
+    /// that fails a check is refused whole (the running configuration is kept).
+    #[arg(long)]
+    pub env_file: Option<std::path::PathBuf>,
 }
 
 fn secs(flag: &str, v: f64) -> Result<Duration> {
@@ -105,31 +111,44 @@ fn positive_secs(flag: &str, v: f64) -> Result<Duration> {
 /// The served scopes, their shared metrics and telemetry recorders.
 struct Loaded {
     scopes: Vec<Scope>,
-    metrics: Arc<Metrics>,
     recorders: Vec<Arc<dyn TelemetryRecorder>>,
     /// Per database (redacted URL): its recorder and the scopes writing to it.
-    databases: Vec<(String, Arc<dyn TelemetryRecorder>, Vec<String>)>,
+    databases: Vec<Reported>,
     /// The telemetry databases' URLs, credentials included (never printed).
     telemetry_urls: Vec<Secret>,
     /// Each scope's settings, by name (its sources' prices bound unknown costs).
     settings: HashMap<String, polygw::ScopeSettings>,
 }
 
-/// Builds the clients of the named scopes (default: every chat and embedding scope),
-/// sharing one metrics registry and one telemetry recorder per database URL.
-async fn load(named: &[String]) -> Result<Loaded> {
-    let names = env::scopes(named)?;
-    let metrics = Arc::new(Metrics::new());
-    type Shared = (
-        Arc<dyn TelemetryRecorder>,
-        Arc<dyn polygw::core::ports::ResponseStore>,
-        Vec<String>,
-    );
-    let mut recorders: HashMap<String, Shared> = HashMap::new();
+/// A database the final flush reports on: its redacted URL, its recorder, the scopes
+/// writing to it.
+type Reported = (String, Arc<dyn TelemetryRecorder>, Vec<String>);
+
+/// A telemetry database's recorder and response store.
+type Database = (
+    Arc<dyn TelemetryRecorder>,
+    Arc<dyn polygw::core::ports::ResponseStore>,
+);
+
+/// The recorders opened so far, by URL: a reload reuses them (one recorder per
+/// database for the life of the process).
+#[derive(Default)]
+struct Recorders(HashMap<String, Database>);
+
+/// Builds the clients of the named scopes (default: every chat and embedding scope) from
+/// `env`, sharing `metrics` and one telemetry recorder per database URL.
+async fn load(
+    env: &env::Env,
+    named: &[String],
+    metrics: &Arc<Metrics>,
+    opened: &mut Recorders,
+) -> Result<Loaded> {
+    let names = env.scopes(named)?;
+    let mut users: HashMap<String, Vec<String>> = HashMap::new();
     let mut scopes = Vec::new();
     let mut settings = HashMap::new();
     for name in names {
-        let kind = env::kind_of(&name)?;
+        let kind = env.kind_of(&name)?;
         if kind == ScopeKind::Ocr {
             if named.is_empty() {
                 eprintln!("note: scope {name} is an OCR scope ({name}__KIND=ocr): not served (OpenAI's API has no OCR endpoint)");
@@ -137,13 +156,15 @@ async fn load(named: &[String]) -> Result<Loaded> {
             }
             bail!("scope {name} is an OCR scope ({name}__KIND=ocr): polygw serve serves chat and embedding scopes");
         }
-        let loaded = env::load(&name, kind).with_context(|| format!("scope {name}"))?;
+        let loaded = env
+            .load(&name, kind)
+            .with_context(|| format!("scope {name}"))?;
         env::print_warnings(&name, &loaded.warnings);
         settings.insert(name.clone(), loaded.settings.clone());
         let mut b = GatewayClient::builder(loaded.settings.clone()).metrics(metrics.clone());
         if let Some(url) = &loaded.settings.telemetry_url {
             let key = url.expose().to_string();
-            if !recorders.contains_key(&key) {
+            if !opened.0.contains_key(&key) {
                 let sql = polygw::telemetry::SqlRecorder::connect(
                     url.expose(),
                     polygw::telemetry::RecorderConfig::default(),
@@ -158,10 +179,10 @@ async fn load(named: &[String]) -> Result<Loaded> {
                 // Stored Responses live in the same database (SPEC §18.1).
                 let store: Arc<dyn polygw::core::ports::ResponseStore> =
                     Arc::new(sql.response_store());
-                recorders.insert(key.clone(), (Arc::new(sql), store, Vec::new()));
+                opened.0.insert(key.clone(), (Arc::new(sql), store));
             }
-            let (rec, store, users) = recorders.get_mut(&key).context("just inserted")?;
-            users.push(name.clone());
+            let (rec, store) = opened.0.get(&key).context("just inserted")?;
+            users.entry(key).or_default().push(name.clone());
             b = b.telemetry(rec.clone()).responses(store.clone());
         }
         let clients = b
@@ -175,14 +196,16 @@ async fn load(named: &[String]) -> Result<Loaded> {
     if scopes.is_empty() {
         bail!("no chat or embedding scope to serve");
     }
-    let telemetry_urls = recorders.keys().map(|u| Secret::new(u.clone())).collect();
-    let databases: Vec<(String, Arc<dyn TelemetryRecorder>, Vec<String>)> = recorders
+    let telemetry_urls = users.keys().map(|u| Secret::new(u.clone())).collect();
+    let databases: Vec<Reported> = users
         .into_iter()
-        .map(|(url, (rec, _, users))| (polygw::core::secret::redact_url(&url), rec, users))
+        .filter_map(|(url, users)| {
+            let (rec, _) = opened.0.get(&url)?;
+            Some((polygw::core::secret::redact_url(&url), rec.clone(), users))
+        })
         .collect();
     Ok(Loaded {
         scopes,
-        metrics,
         recorders: databases.iter().map(|(_, r, _)| r.clone()).collect(),
         databases,
         telemetry_urls,
@@ -277,6 +300,118 @@ async fn restore_key_spend(loaded: &Loaded) {
             "client keys' spend of this UTC day and month restored from telemetry"
         );
     }
+}
+
+/// What reloading `--env-file` needs (SPEC §26.2).
+struct Reload {
+    path: std::path::PathBuf,
+    named: Vec<String>,
+    proxy: Proxy,
+    metrics: Arc<Metrics>,
+    opened: Arc<tokio::sync::Mutex<Recorders>>,
+    /// The databases the final flush reports on (those of the configuration served).
+    databases: Arc<std::sync::Mutex<Vec<Reported>>>,
+    /// The settings served now, by scope.
+    running: HashMap<String, polygw::ScopeSettings>,
+}
+
+/// How often the env file is looked at for a change.
+const RELOAD_POLL: Duration = Duration::from_secs(1);
+
+/// Reloads the env file on SIGHUP, and when its content changes (looked at every
+/// [`RELOAD_POLL`]; an editor that replaces the file is seen too).
+async fn reload_loop(mut r: Reload) {
+    #[cfg(unix)]
+    let mut hup = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup()).ok();
+    let mut seen = std::fs::read(&r.path).ok();
+    let mut tick = tokio::time::interval(RELOAD_POLL);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        #[cfg(unix)]
+        let hangup = async {
+            match hup.as_mut() {
+                Some(s) => {
+                    s.recv().await;
+                }
+                None => std::future::pending::<()>().await,
+            }
+        };
+        #[cfg(not(unix))]
+        let hangup = std::future::pending::<()>();
+        let why = tokio::select! {
+            () = hangup => "SIGHUP",
+            _ = tick.tick() => {
+                let now = std::fs::read(&r.path).ok();
+                if now == seen {
+                    continue;
+                }
+                seen = now;
+                "the file changed"
+            }
+        };
+        if r.proxy.is_draining() {
+            return;
+        }
+        reload(&mut r, why).await;
+    }
+}
+
+/// One reload: the whole file loads and passes every check, or nothing changes.
+async fn reload(r: &mut Reload, why: &str) {
+    let shown = r.path.display().to_string();
+    let env = match env::Env::with_file(&r.path) {
+        Ok(e) => e,
+        Err(e) => {
+            tracing::error!(file = %shown, error = %format!("{e:#}"), "reload refused; the running configuration is kept");
+            eprintln!(
+                "reload of {shown} ({why}) refused: {e:#}; the running configuration is kept"
+            );
+            return;
+        }
+    };
+    let loaded = {
+        let mut opened = r.opened.lock().await;
+        load(&env, &r.named, &r.metrics, &mut opened).await
+    };
+    let loaded = match loaded {
+        Ok(l) => l,
+        Err(e) => {
+            tracing::error!(file = %shown, error = %format!("{e:#}"), "reload refused; the running configuration is kept");
+            eprintln!(
+                "reload of {shown} ({why}) refused: {e:#}; the running configuration is kept"
+            );
+            return;
+        }
+    };
+    let mut lines = Vec::new();
+    for scope in &loaded.scopes {
+        let Some(new) = loaded.settings.get(&scope.name) else {
+            continue;
+        };
+        let changes = polygw::core::reload::scope_changes(r.running.get(&scope.name), new);
+        if let polygw_serve::ScopeClient::Chat(c) = &scope.client {
+            for source in changes.to_reset() {
+                if let Err(e) = c.reset_breaker(source).await {
+                    tracing::warn!(scope = %scope.name, source, error = %e, "resetting the breaker of a changed source failed");
+                }
+            }
+        }
+        lines.push(format!("{}: {}", scope.name, changes.summary()));
+    }
+    for gone in r
+        .running
+        .keys()
+        .filter(|k| !loaded.settings.contains_key(*k))
+    {
+        lines.push(format!("{gone}: no longer served"));
+    }
+    r.proxy.replace_scopes(loaded.scopes);
+    r.running = loaded.settings;
+    if let Ok(mut d) = r.databases.lock() {
+        *d = loaded.databases;
+    }
+    tracing::info!(file = %shown, reason = why, changes = %lines.join(" | "), "configuration reloaded");
+    eprintln!("reloaded {shown} ({why}): {}", lines.join(" | "));
 }
 
 /// Counts SIGTERM and Ctrl-C (SIGINT) from the start of the command.
@@ -376,7 +511,19 @@ pub async fn run(args: ServeArgs) -> Result<ExitCode> {
     }
     let sig = signals();
     // Everything that can stop the proxy from starting is configuration: exit 2.
-    let loaded = match load(&args.scope).await {
+    let env = match &args.env_file {
+        Some(path) => match env::Env::with_file(path) {
+            Ok(e) => e,
+            Err(e) => {
+                eprintln!("error: {e:#}");
+                return Ok(ExitCode::from(2));
+            }
+        },
+        None => env::Env::process(),
+    };
+    let metrics = Arc::new(Metrics::new());
+    let opened = Arc::new(tokio::sync::Mutex::new(Recorders::default()));
+    let loaded = match load(&env, &args.scope, &metrics, &mut *opened.lock().await).await {
         Ok(l) => l,
         Err(e) => {
             eprintln!("error: {e:#}");
@@ -423,13 +570,25 @@ pub async fn run(args: ServeArgs) -> Result<ExitCode> {
     if config.key_ring.is_some() {
         restore_key_spend(&loaded).await;
     }
-    let databases = loaded.databases;
+    let databases = Arc::new(std::sync::Mutex::new(loaded.databases));
+    let running = loaded.settings;
     let proxy = Proxy::with_telemetry(
         config,
         loaded.scopes,
-        Some(loaded.metrics),
+        Some(metrics.clone()),
         loaded.recorders,
     );
+    if let Some(path) = args.env_file.clone() {
+        tokio::spawn(reload_loop(Reload {
+            path,
+            named: args.scope.clone(),
+            proxy: proxy.clone(),
+            metrics,
+            opened,
+            databases: databases.clone(),
+            running,
+        }));
+    }
     let listener = tokio::net::TcpListener::bind(args.listen)
         .await
         .with_context(|| format!("binding {}", args.listen))?;
@@ -492,6 +651,10 @@ pub async fn run(args: ServeArgs) -> Result<ExitCode> {
                 polygw_serve::ScopeClient::Embedding(c) => c.shutdown().await,
             };
         }
+        let databases = databases
+            .lock()
+            .map(|d| d.clone())
+            .unwrap_or_else(|p| p.into_inner().clone());
         for (url, rec, users) in &databases {
             match rec.flush().await {
                 Ok(r) => eprintln!(
