@@ -328,14 +328,7 @@ async fn reload_loop(mut r: Reload) {
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
         #[cfg(unix)]
-        let hangup = async {
-            match hup.as_mut() {
-                Some(s) => {
-                    s.recv().await;
-                }
-                None => std::future::pending::<()>().await,
-            }
-        };
+        let hangup = next_signal(&mut hup);
         #[cfg(not(unix))]
         let hangup = std::future::pending::<()>();
         let why = tokio::select! {
@@ -414,6 +407,17 @@ async fn reload(r: &mut Reload, why: &str) {
     eprintln!("reloaded {shown} ({why}): {}", lines.join(" | "));
 }
 
+/// The next delivery of a signal (never, when it could not be installed).
+#[cfg(unix)]
+async fn next_signal(sig: &mut Option<tokio::signal::unix::Signal>) {
+    match sig.as_mut() {
+        Some(s) => {
+            s.recv().await;
+        }
+        None => std::future::pending::<()>().await,
+    }
+}
+
 /// Counts SIGTERM and Ctrl-C (SIGINT) from the start of the command.
 fn signals() -> watch::Receiver<u32> {
     let (tx, rx) = watch::channel(0u32);
@@ -423,14 +427,7 @@ fn signals() -> watch::Receiver<u32> {
             tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()).ok();
         loop {
             #[cfg(unix)]
-            let terminate = async {
-                match term.as_mut() {
-                    Some(s) => {
-                        s.recv().await;
-                    }
-                    None => std::future::pending::<()>().await,
-                }
-            };
+            let terminate = next_signal(&mut term);
             #[cfg(not(unix))]
             let terminate = std::future::pending::<()>();
             tokio::select! {
