@@ -96,6 +96,13 @@ pub struct Behavior {
     /// `max_tokens` is refused with OpenAI's 400 `unsupported_parameter`, naming
     /// `max_completion_tokens` (SPEC §24.4).
     pub refuses_max_tokens: bool,
+    /// The provider group that signs (SPEC §23.5): Messages thinking blocks it sends
+    /// are signed `sig-GROUP`; a request that carries a thinking block signed otherwise
+    /// (or a `redacted_thinking` block whose data is not `red-GROUP…`) is refused with
+    /// Anthropic's 400 "Invalid `signature` in `thinking` block", and a Responses
+    /// `reasoning` item whose `encrypted_content` is not `enc-GROUP…` with OpenAI's 400
+    /// `invalid_encrypted_content`. `None`: unsigned checks (`mock-signature`).
+    pub signing_group: Option<String>,
 }
 
 /// An alias: one queued script is one [`Behavior`].
@@ -140,6 +147,7 @@ impl Default for Behavior {
             prefill_dialects: None,
             thinking_omitted: false,
             refuses_max_tokens: false,
+            signing_group: None,
         }
     }
 }

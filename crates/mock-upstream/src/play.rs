@@ -377,14 +377,19 @@ pub(crate) fn response_json(b: &Behavior, ctx: &Ctx, plan: &Plan) -> Value {
     w.final_response(&plan.finish_reason, usage)
 }
 
+/// The signature of the thinking blocks this answer sends (`Behavior::signing_group`).
+fn signature(b: &Behavior) -> String {
+    b.signing_group
+        .as_ref()
+        .map_or_else(|| "mock-signature".to_string(), |g| format!("sig-{g}"))
+}
+
 /// The plain Messages answer (`message`) of a plan.
 pub(crate) fn message_json(b: &Behavior, ctx: &Ctx, plan: &Plan) -> Value {
     let mut content = Vec::new();
     let reasoning = plan.reasoning();
     if !reasoning.is_empty() {
-        content.push(
-            json!({"type": "thinking", "thinking": reasoning, "signature": "mock-signature"}),
-        );
+        content.push(json!({"type": "thinking", "thinking": reasoning, "signature": signature(b)}));
     }
     let text = plan.full_content();
     if !text.is_empty() || b.tool_call.is_none() {
@@ -488,7 +493,7 @@ impl Stream<'_> {
         if let Some((index, kind)) = self.block.take() {
             if kind == BlockKind::Thinking {
                 let v = json!({"type": "content_block_delta", "index": index,
-                    "delta": {"type": "signature_delta", "signature": "mock-signature"}});
+                    "delta": {"type": "signature_delta", "signature": signature(self.b)}});
                 self.event(&v).await;
             }
             self.event(&json!({"type": "content_block_stop", "index": index}))

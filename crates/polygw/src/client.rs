@@ -159,6 +159,25 @@ impl<'r> ChatLeg<'r> {
     }
 }
 
+/// `request` with the signed state of its native body removed, and what went; `None`
+/// when it had none (the refusal then stands).
+fn without_signed_state(
+    request: &ChatRequest,
+) -> Option<(ChatRequest, polygw_core::native::signed::Stripped)> {
+    let native = request.native.as_ref()?;
+    let mut body = native.body.clone();
+    let stripped = polygw_core::native::signed::strip_signed(native.api, &mut body);
+    if stripped.removed == 0 {
+        return None;
+    }
+    let mut out = request.clone();
+    out.native = Some(Arc::new(polygw_core::native::NativeRequest {
+        body,
+        ..(**native).clone()
+    }));
+    Some((out, stripped))
+}
+
 impl Leg for ChatLeg<'_> {
     type Output = TransportResult;
 
@@ -193,6 +212,34 @@ impl Leg for ChatLeg<'_> {
                         ..src.clone()
                     };
                     self.send(engine, &again, call_id, observer, kind).await
+                }
+                // The source refused signed state another source produced (thinking
+                // signatures, encrypted reasoning; SPEC §23.5's safety net): sent once
+                // more, at once, without it — not a failure of the call.
+                Err(e)
+                    if self
+                        .request
+                        .native
+                        .as_ref()
+                        .is_some_and(|n| n.api == src.api)
+                        && polygw_core::native::signed::signature_rejection(src.api, &e) =>
+                {
+                    match without_signed_state(self.request) {
+                        Some((request, stripped)) => {
+                            tracing::warn!(
+                                scope = %engine.scope.name,
+                                source = %src.name,
+                                removed = stripped.removed,
+                                thinking_off = stripped.thinking_off,
+                                "the source refused signed state from another source (thinking \
+                                 signatures or encrypted reasoning): sent once more without it"
+                            );
+                            ChatLeg { request: &request }
+                                .send(engine, src, call_id, observer, kind)
+                                .await
+                        }
+                        None => Err(e),
+                    }
                 }
                 r => r,
             }

@@ -5,6 +5,7 @@
 
 pub mod messages;
 pub mod responses;
+pub mod signed;
 
 use serde_json::{Map, Value};
 

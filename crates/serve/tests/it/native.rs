@@ -819,3 +819,97 @@ async fn a_messages_sources_headers_pass_as_the_spec_says() {
         );
     }
 }
+
+/// SPEC §23.5's safety net: a conversation whose history another provider signed (its
+/// thinking blocks, its encrypted reasoning) reaches a source that cannot verify them.
+/// The source's 400 ("Invalid `signature` in `thinking` block", `invalid_encrypted_content`)
+/// is answered by sending the request once more, at once, without the signed state —
+/// Messages: its thinking blocks gone, and manual thinking off (the latest assistant turn
+/// no longer begins with one); Responses: its encrypted reasoning items gone. The client
+/// gets the answer, not the 400; a history the source signed itself passes untouched.
+#[tokio::test]
+async fn signed_state_another_source_produced_is_dropped_once_refused() {
+    let signer = |g: &str| Behavior {
+        signing_group: Some(g.to_string()),
+        ..Behavior::text(&["fine"])
+    };
+    // Messages, streamed and not.
+    for stream in [false, true] {
+        let m = recording_mock(signer("b")).await;
+        let s = messages_scope(vec![messages_source("b", &m)], None).await;
+        let history = |sig: &str| {
+            json!({
+                "model": "llm", "max_tokens": 1000, "stream": stream,
+                "thinking": {"type": "enabled", "budget_tokens": 512},
+                "messages": [
+                    {"role": "user", "content": "weather in Paris?"},
+                    {"role": "assistant", "content": [
+                        {"type": "thinking", "thinking": "I should call the tool", "signature": sig},
+                        {"type": "tool_use", "id": "toolu_1", "name": "get_weather", "input": {"city": "Paris"}}
+                    ]},
+                    {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1", "content": "21 °C"}]}
+                ]
+            })
+        };
+        let r = post_messages(&s, &history("sig-a")).await;
+        assert_eq!(r.status(), 200, "stream={stream}");
+        let text = r.text().await.unwrap();
+        assert!(text.contains("fine"), "{text}");
+        let reqs = m.requests();
+        assert_eq!(reqs.len(), 2, "one refusal, one resend: {reqs:#?}");
+        assert_eq!(reqs[0].status, 400);
+        let resent = &reqs[1].body;
+        assert!(resent.get("thinking").is_none(), "{resent:#}");
+        assert_eq!(
+            resent["messages"][1]["content"],
+            json!([{"type": "tool_use", "id": "toolu_1", "name": "get_weather", "input": {"city": "Paris"}}])
+        );
+        assert_eq!(resent["messages"][2], history("sig-a")["messages"][2]);
+        // Its own signature: passed as sent, once.
+        let r = post_messages(&s, &history("sig-b")).await;
+        assert_eq!(r.status(), 200);
+        let reqs = m.requests();
+        assert_eq!(reqs.len(), 3);
+        let mut want = history("sig-b");
+        want["model"] = json!("claude-b");
+        assert_eq!(reqs[2].body, want);
+    }
+    // Responses: encrypted reasoning of another organization.
+    let m = recording_mock(signer("b")).await;
+    let scope = scope_with(
+        "LLM",
+        ScopeKind::Chat,
+        vec![responses_source("b", &m)],
+        None,
+        |_| {},
+    )
+    .await;
+    let s = serve(vec![scope]).await;
+    let body = json!({
+        "model": "llm", "store": false,
+        "input": [
+            {"type": "message", "role": "user", "content": "weather?"},
+            {"type": "reasoning", "id": "rs_1", "summary": [], "encrypted_content": "enc-a-123"},
+            {"type": "function_call", "call_id": "call_1", "name": "get_weather", "arguments": "{}"},
+            {"type": "function_call_output", "call_id": "call_1", "output": "21"}
+        ]
+    });
+    let r = http()
+        .post(format!("{}/responses", s.v1()))
+        .header("authorization", "Bearer client-key")
+        .json(&body)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    let reqs = m.requests();
+    assert_eq!(reqs.len(), 2, "{reqs:#?}");
+    assert_eq!(reqs[0].status, 400);
+    let kinds: Vec<&str> = reqs[1].body["input"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|i| i["type"].as_str().unwrap())
+        .collect();
+    assert_eq!(kinds, ["message", "function_call", "function_call_output"]);
+}
