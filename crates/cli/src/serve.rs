@@ -352,19 +352,12 @@ async fn reload_loop(mut r: Reload) {
 /// One reload: the whole file loads and passes every check, or nothing changes.
 async fn reload(r: &mut Reload, why: &str) {
     let shown = r.path.display().to_string();
-    let env = match env::Env::with_file(&r.path) {
-        Ok(e) => e,
-        Err(e) => {
-            tracing::error!(file = %shown, error = %format!("{e:#}"), "reload refused; the running configuration is kept");
-            eprintln!(
-                "reload of {shown} ({why}) refused: {e:#}; the running configuration is kept"
-            );
-            return;
+    let loaded = match env::Env::with_file(&r.path) {
+        Ok(env) => {
+            let mut opened = r.opened.lock().await;
+            load(&env, &r.named, &r.metrics, &mut opened).await
         }
-    };
-    let loaded = {
-        let mut opened = r.opened.lock().await;
-        load(&env, &r.named, &r.metrics, &mut opened).await
+        Err(e) => Err(e),
     };
     let loaded = match loaded {
         Ok(l) => l,
