@@ -532,3 +532,87 @@ async fn processes_sharing_redis_converge_on_one_threshold() {
         c.shutdown().await;
     }
 }
+
+/// SPEC §26.2 for library users: a `ReloadingClient` follows its env file. `reload()`
+/// applies a rotated key at once; a bad file is refused whole (the running client
+/// stays); a change to the file is picked up by itself; a source that stays the same
+/// upstream keeps its state (a drain set on the first client holds after the reload),
+/// and calls on the old client finish with it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reloading_client_follows_its_env_file() {
+    let m = mock().await;
+    m.set_default(Behavior::text(&["fine"]));
+    let b = mock().await;
+    b.set_default(Behavior::text(&["from b"]));
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("polygw.env");
+    let write = |key: &str, extra: &[&str]| {
+        let mut lines = vec![
+            format!("RELOADLIB__A__0__BASE_URL={}", m.base_url()),
+            format!("RELOADLIB__A__0__API_KEY={key}"),
+            "RELOADLIB__A__0__MODEL=model-a".to_string(),
+        ];
+        lines.extend(extra.iter().map(|l| l.to_string()));
+        let tmp = file.with_extension("tmp");
+        std::fs::write(&tmp, lines.join("\n")).unwrap();
+        std::fs::rename(&tmp, &file).unwrap();
+    };
+    let last_key = |m: &MockUpstream| m.requests().last().and_then(|r| r.bearer.clone());
+    write("sk-one", &[]);
+    let r = polygw::ReloadingClient::watch("RELOADLIB", &file)
+        .await
+        .unwrap();
+    let first = r.client();
+    first.chat(ChatRequest::user("hi")).await.unwrap();
+    assert_eq!(last_key(&m).as_deref(), Some("sk-one"));
+
+    // A bad file: refused whole, naming the key; the running client stays.
+    write("sk-two", &["RELOADLIB__A__0__RPM=abc"]);
+    let e = r.reload().await.unwrap_err().to_string();
+    assert!(e.contains("RELOADLIB__A__0__RPM"), "{e}");
+    assert!(!e.contains("sk-two"), "no key in the error: {e}");
+    r.client().chat(ChatRequest::user("hi")).await.unwrap();
+    assert_eq!(last_key(&m).as_deref(), Some("sk-one"));
+
+    // The same upstream keeps its state: drained on the first client, drained after.
+    first.set_drained("a-0", true).await.unwrap();
+    write("sk-two", &[]);
+    let changes = r.reload().await.unwrap();
+    assert_eq!(changes.summary(), "kept a-0");
+    let second = r.client();
+    let drained = second.status().await.unwrap();
+    assert_eq!(drained.sources[0].state, "drained", "{drained:?}");
+    second.set_drained("a-0", false).await.unwrap();
+    second.chat(ChatRequest::user("hi")).await.unwrap();
+    assert_eq!(last_key(&m).as_deref(), Some("sk-two"));
+
+    // A change of the file is picked up by itself (polled every second): a new source,
+    // preferred.
+    write(
+        "sk-two",
+        &[
+            "RELOADLIB__A__0__PRIORITY=1",
+            &format!("RELOADLIB__B__0__BASE_URL={}", b.base_url()),
+            "RELOADLIB__B__0__API_KEY=sk-b",
+            "RELOADLIB__B__0__MODEL=model-b",
+            "RELOADLIB__B__0__PRIORITY=0",
+        ],
+    );
+    let until = tokio::time::Instant::now() + Duration::from_secs(10);
+    loop {
+        let got = r.client().chat(ChatRequest::user("hi")).await.unwrap();
+        if got.content == "from b" {
+            break;
+        }
+        assert!(
+            tokio::time::Instant::now() < until,
+            "the file change was not picked up"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    // The first client still serves, with its own configuration.
+    let old = first.chat(ChatRequest::user("hi")).await.unwrap();
+    assert_eq!(old.content, "fine");
+    assert_eq!(last_key(&m).as_deref(), Some("sk-one"));
+    drop(r);
+}

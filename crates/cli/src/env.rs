@@ -3,7 +3,7 @@
 
 use std::path::{Path, PathBuf};
 
-use anyhow::{bail, Context, Result};
+use anyhow::{bail, Result};
 use polygw::core::config::{discover_scopes, load_scope};
 use polygw::core::LoadedScope;
 use polygw::ScopeKind;
@@ -27,13 +27,7 @@ impl Env {
     /// `#` comments, optional `export `, single or double quotes (dotenv syntax). An
     /// unreadable file, or a line that does not parse, is an error naming it.
     pub fn with_file(path: &Path) -> Result<Env> {
-        let mut vars = Vec::new();
-        let lines = dotenvy::from_path_iter(path)
-            .with_context(|| format!("reading the env file {}", path.display()))?;
-        for item in lines {
-            let (k, v) = item.with_context(|| format!("in the env file {}", path.display()))?;
-            vars.push((k, v));
-        }
+        let vars = polygw::env::env_file_vars(path)?;
         Ok(Env {
             file: Some((path.to_path_buf(), vars)),
         })
@@ -46,17 +40,10 @@ impl Env {
 
     /// `base` with the file's variables (of `scope`, when given) over it.
     fn overlay(&self, base: Vec<(String, String)>, scope: Option<&str>) -> Vec<(String, String)> {
-        let Some((_, file)) = &self.file else {
-            return base;
-        };
-        let prefix = scope.map(|s| format!("{}__", s.to_uppercase()));
-        let mine = |k: &str| prefix.as_deref().is_none_or(|p| k.starts_with(p));
-        let mut out: Vec<(String, String)> = base
-            .into_iter()
-            .filter(|(k, _)| !file.iter().any(|(f, _)| f == k))
-            .collect();
-        out.extend(file.iter().filter(|(k, _)| mine(k)).cloned());
-        out
+        match &self.file {
+            Some((_, file)) => polygw::env::overlay(base, file, scope),
+            None => base,
+        }
     }
 
     /// The scopes to use: those named (upper-cased), else every scope with a source key.

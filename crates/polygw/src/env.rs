@@ -87,3 +87,46 @@ mod tests {
         assert!(utf8_vars(vars, None).unwrap().is_empty());
     }
 }
+
+/// The variables of an env file (dotenv syntax: `KEY=VALUE` lines, `#` comments,
+/// optional `export `, single or double quotes), in file order. An unreadable file or a
+/// line that does not parse is an error naming the file (never a value: the file may
+/// hold keys).
+pub fn env_file_vars(path: &std::path::Path) -> Result<Vec<(String, String)>, ConfigError> {
+    let bad = |e: dotenvy::Error| ConfigError::Invalid {
+        key: "env file".into(),
+        value: path.display().to_string(),
+        expected: format!("a readable file of KEY=VALUE lines ({})", redact_dotenv(&e)),
+    };
+    let mut out = Vec::new();
+    for item in dotenvy::from_path_iter(path).map_err(bad)? {
+        out.push(item.map_err(bad)?);
+    }
+    Ok(out)
+}
+
+/// A dotenv error without the text of the line it could not parse.
+fn redact_dotenv(e: &dotenvy::Error) -> String {
+    match e {
+        dotenvy::Error::LineParse(_, index) => format!("line parse error at byte {index}"),
+        dotenvy::Error::Io(io) => io.to_string(),
+        other => other.to_string(),
+    }
+}
+
+/// `base` with `file`'s variables over it: a variable the file sets wins; with `scope`,
+/// only the file's variables of that scope (`{SCOPE}__…`) are added.
+pub fn overlay(
+    base: Vec<(String, String)>,
+    file: &[(String, String)],
+    scope: Option<&str>,
+) -> Vec<(String, String)> {
+    let prefix = scope.map(|s| format!("{}__", s.to_uppercase()));
+    let mine = |k: &str| prefix.as_deref().is_none_or(|p| k.starts_with(p));
+    let mut out: Vec<(String, String)> = base
+        .into_iter()
+        .filter(|(k, _)| !file.iter().any(|(f, _)| f == k))
+        .collect();
+    out.extend(file.iter().filter(|(k, _)| mine(k)).cloned());
+    out
+}

@@ -32,6 +32,7 @@ mod engine;
 pub mod env;
 pub mod metrics;
 mod ocr;
+mod reload;
 mod schema;
 mod scope_client;
 mod stream;
@@ -47,6 +48,7 @@ pub use engine::Ports;
 pub use env::process_vars;
 pub use metrics::Metrics;
 pub use ocr::{OcrClient, OcrText, MAX_IMAGE_BYTES};
+pub use reload::{ReloadingClient, RELOAD_POLL};
 pub use stream::{ChatEvent, ChatStream};
 pub use structured::{strip_code_fence, Structured};
 
