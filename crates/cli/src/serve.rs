@@ -371,17 +371,13 @@ async fn reload(r: &mut Reload, why: &str) {
     };
     let mut lines = Vec::new();
     for scope in &loaded.scopes {
-        let Some(new) = loaded.settings.get(&scope.name) else {
-            continue;
-        };
-        let changes = polygw::core::reload::scope_changes(r.running.get(&scope.name), new);
-        if let polygw_serve::ScopeClient::Chat(c) = &scope.client {
-            for source in changes.to_reset() {
-                if let Err(e) = c.reset_breaker(source).await {
-                    tracing::warn!(scope = %scope.name, source, error = %e, "resetting the breaker of a changed source failed");
-                }
+        let before = r.running.get(&scope.name);
+        let changes = match &scope.client {
+            polygw_serve::ScopeClient::Chat(c) => c.took_over_from(before).await,
+            polygw_serve::ScopeClient::Embedding(c) => {
+                polygw::core::reload::scope_changes(before, c.settings())
             }
-        }
+        };
         lines.push(format!("{}: {}", scope.name, changes.summary()));
     }
     for gone in r

@@ -64,13 +64,22 @@ impl GatewayClient {
             b = b.cache(p.cache.clone());
         }
         let client = b.build().await?;
-        let changes = scope_changes(Some(old), &settings);
+        let changes = client.took_over_from(Some(old)).await;
+        Ok((client, changes))
+    }
+
+    /// What this client changes from `before` (the settings it replaces; `None`: a new
+    /// scope), having reset the breaker of every source whose name now points at another
+    /// upstream (a failure of the old upstream must not hold the new one out).
+    pub async fn took_over_from(&self, before: Option<&ScopeSettings>) -> ScopeChanges {
+        let now = &self.engine.scope;
+        let changes = scope_changes(before, now);
         for source in changes.to_reset() {
-            if let Err(e) = client.reset_breaker(source).await {
-                tracing::warn!(scope = %settings.name, source, error = %e, "resetting the breaker of a changed source failed");
+            if let Err(e) = self.reset_breaker(source).await {
+                tracing::warn!(scope = %now.name, source, error = %e, "resetting the breaker of a changed source failed");
             }
         }
-        Ok((client, changes))
+        changes
     }
 }
 

@@ -492,15 +492,7 @@ async fn a_hedge_the_keys_budget_cannot_fund_is_not_launched() {
     h.fake.push("s-0", Script::ok(ms(400), "slow but fine"));
     h.fake.push("s-1", Script::ok(ms(10), "fast"));
     let req = ChatRequest::user("x");
-    let admission = polygw::core::key_quota::key_reservation(
-        polygw::core::resume::estimate_prompt_tokens(&req),
-        Some(polygw::core::key_funds::default_cap(&s.sources)),
-        25,
-        &s.sources,
-        0,
-    )
-    .nanos
-    .unwrap();
+    let admission = admission_nanos(&req, &s);
     let key = budget_key("key_tight", admission);
     let charge = h.client.admit_key(&key, &req).await.expect("admitted");
     let r = h
@@ -568,6 +560,20 @@ async fn a_funded_hedge_settles_each_leg_at_its_cost_or_its_reservation() {
     );
 }
 
+/// What the admission of `req` reserves on scope `s` without a cap of its own (the
+/// default cap, the default margin).
+fn admission_nanos(req: &ChatRequest, s: &ScopeSettings) -> u64 {
+    polygw::core::key_quota::key_reservation(
+        polygw::core::resume::estimate_prompt_tokens(req),
+        Some(polygw::core::key_funds::default_cap(&s.sources)),
+        25,
+        &s.sources,
+        0,
+    )
+    .nanos
+    .expect("a priced scope")
+}
+
 fn budget_key(id: &str, day_nanos: u64) -> polygw::core::client_key::ClientKey {
     use polygw::core::client_key::{ClientKey, KeyLimits};
     ClientKey {
@@ -602,15 +608,7 @@ async fn a_retry_the_keys_budget_cannot_fund_is_not_made() {
     );
     h.fake.set_default("s-0", Script::ok(ms(10), "too late"));
     let req = ChatRequest::user("x");
-    let admission = polygw::core::key_quota::key_reservation(
-        polygw::core::resume::estimate_prompt_tokens(&req),
-        Some(polygw::core::key_funds::default_cap(&s.sources)),
-        25,
-        &s.sources,
-        0,
-    )
-    .nanos
-    .unwrap();
+    let admission = admission_nanos(&req, &s);
     let key = budget_key("key_retry", admission);
     let charge = h.client.admit_key(&key, &req).await.expect("admitted");
     let e = h

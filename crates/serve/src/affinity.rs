@@ -68,16 +68,9 @@ pub fn messages_key(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use axum::http::HeaderValue;
     use serde_json::json;
 
-    fn headers(pairs: &[(&'static str, &str)]) -> HeaderMap {
-        let mut h = HeaderMap::new();
-        for (k, v) in pairs {
-            h.insert(*k, HeaderValue::from_str(v).unwrap());
-        }
-        h
-    }
+    use crate::http::test_headers as headers;
 
     fn chat(body: Value) -> ChatRequest {
         let mut r = ChatRequest::user("hi");

@@ -51,15 +51,8 @@ pub fn chat_cache_key(request: &polygw::ChatRequest) -> Option<&str> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use axum::http::HeaderValue;
 
-    fn headers(pairs: &[(&'static str, &str)]) -> HeaderMap {
-        let mut h = HeaderMap::new();
-        for (k, v) in pairs {
-            h.insert(*k, HeaderValue::from_str(v).unwrap());
-        }
-        h
-    }
+    use crate::http::test_headers as headers;
 
     #[test]
     fn claude_codes_headers_then_codexs_then_the_cache_key() {

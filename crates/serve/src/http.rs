@@ -520,6 +520,16 @@ pub fn forwarded_or_estimate(
     }
 }
 
+/// A header map of `pairs` (unit tests).
+#[cfg(test)]
+pub(crate) fn test_headers(pairs: &[(&'static str, &str)]) -> HeaderMap {
+    let mut h = HeaderMap::new();
+    for (k, v) in pairs {
+        h.insert(*k, axum::http::HeaderValue::from_str(v).unwrap());
+    }
+    h
+}
+
 #[cfg(test)]
 mod tests {
     use super::count_value;

@@ -59,6 +59,17 @@ fn secret(n: u8) -> String {
     )
 }
 
+/// Key `n` with a day budget and nothing else.
+fn budget_key(n: u8, day_nanos: u64) -> ClientKey {
+    key(
+        n,
+        KeyLimits {
+            budget_day_nanos: Some(day_nanos),
+            ..KeyLimits::default()
+        },
+    )
+}
+
 fn key(n: u8, limits: KeyLimits) -> ClientKey {
     let s = secret(n);
     ClientKey {
@@ -281,16 +292,7 @@ async fn a_budget_is_spent_exactly_and_never_exceeded() {
     // Prices of 1.0 per 1M tokens: a call costs a few thousand nanos, its reservation
     // (its prompt and output estimates) somewhat more: some 30 calls fit.
     let budget = 100_000u64;
-    store
-        .create(key(
-            4,
-            KeyLimits {
-                budget_day_nanos: Some(budget),
-                ..KeyLimits::default()
-            },
-        ))
-        .await
-        .unwrap();
+    store.create(budget_key(4, budget)).await.unwrap();
     let rows = RecordingTelemetry::new();
     let (s, _) = proxy_with(store, rows.clone(), &m).await;
     let mut ok = 0;
@@ -458,16 +460,7 @@ async fn error_answers_leave_the_budget_untouched() {
     for status in [400u16, 503, 429] {
         let m = mock(Behavior::status(status)).await;
         let store = Arc::new(Keys::default());
-        store
-            .create(key(
-                7,
-                KeyLimits {
-                    budget_day_nanos: Some(1_000_000_000),
-                    ..KeyLimits::default()
-                },
-            ))
-            .await
-            .unwrap();
+        store.create(budget_key(7, 1_000_000_000)).await.unwrap();
         let rows = RecordingTelemetry::new();
         let (s, _) = proxy_with(store, rows.clone(), &m).await;
         let (st, body, _) = call(&s, &secret(7), "llm").await;
@@ -505,16 +498,7 @@ async fn every_cap_field_is_reserved() {
     let m = mock(Behavior::text(&["ok"])).await;
     let store = Arc::new(Keys::default());
     // 1.0 per 1M tokens: a token costs 1 000 nanos; the budget pays 1 000 tokens.
-    store
-        .create(key(
-            8,
-            KeyLimits {
-                budget_day_nanos: Some(1_000_000),
-                ..KeyLimits::default()
-            },
-        ))
-        .await
-        .unwrap();
+    store.create(budget_key(8, 1_000_000)).await.unwrap();
     let (s, _) = proxy_with(store, RecordingTelemetry::new(), &m).await;
     let send = |extra: Value| {
         let mut body = json!({"model": "llm", "messages": [{"role": "user", "content": "hi"}]});
@@ -554,16 +538,7 @@ async fn a_cap_the_budget_cannot_pay_shrinks_down_to_the_minimum() {
     // 1.0 per 1M tokens: 1000 nanos a token. 2.1M nanos pay ~2090 output tokens, not the
     // 4096 an uncapped call reserves by default; 1M nanos pay fewer than 1024.
     for (n, budget) in [(11, 2_100_000u64), (12, 1_000_000)] {
-        store
-            .create(key(
-                n,
-                KeyLimits {
-                    budget_day_nanos: Some(budget),
-                    ..KeyLimits::default()
-                },
-            ))
-            .await
-            .unwrap();
+        store.create(budget_key(n, budget)).await.unwrap();
     }
     let mut src = source("a", &m);
     src.input_price = Some(1.0);
@@ -610,16 +585,7 @@ async fn thirty_two_clients_never_overspend_a_budget_that_buys_a_handful_of_call
     // An uncapped call reserves ~16.5M nanos (4096 out at 4.0/1M) and costs ~12M; a
     // capped one (500) reserves and costs ~2M.
     let budget = 60_000_000u64;
-    store
-        .create(key(
-            20,
-            KeyLimits {
-                budget_day_nanos: Some(budget),
-                ..KeyLimits::default()
-            },
-        ))
-        .await
-        .unwrap();
+    store.create(budget_key(20, budget)).await.unwrap();
     let mut src = source("a", &m);
     src.input_price = Some(1.0);
     src.output_price = Some(4.0);

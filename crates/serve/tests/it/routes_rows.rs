@@ -1,21 +1,19 @@
 //! Every route's calls in telemetry (SPEC §18.4): the `api` column names the route a
 //! call came by; and stored Responses expire after `RESPONSES__TTL_S` (SPEC §18.1).
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use polygw::ScopeKind;
-use polygw_mock_upstream::Behavior;
+use polygw_mock_upstream::{Behavior, MockUpstream};
 use polygw_serve::{ProxyConfig, ServerLimits};
 use polygw_testkit::fakes::RecordingTelemetry;
 use serde_json::json;
 
 use crate::support::*;
 
-/// SPEC §24.6: the agent session and agent ids coding agents send are on the rows of
-/// every route — Claude Code's headers on Messages, Codex's `session_id` on Responses, a
-/// chat request's `prompt_cache_key`.
-#[tokio::test]
-async fn agent_sessions_and_sub_agents_are_on_the_rows() {
+/// A proxy over one mock answering "hello", its rows recorded.
+async fn recorded_proxy() -> (MockUpstream, Arc<RecordingTelemetry>, Served) {
     let m = mock(Behavior::text(&["hello"])).await;
     let rows = RecordingTelemetry::new();
     let scope = scope_with(
@@ -27,6 +25,15 @@ async fn agent_sessions_and_sub_agents_are_on_the_rows() {
     )
     .await;
     let s = serve_with(vec![scope], ProxyConfig::default(), ServerLimits::default()).await;
+    (m, rows, s)
+}
+
+/// SPEC §24.6: the agent session and agent ids coding agents send are on the rows of
+/// every route — Claude Code's headers on Messages, Codex's `session_id` on Responses, a
+/// chat request's `prompt_cache_key`.
+#[tokio::test]
+async fn agent_sessions_and_sub_agents_are_on_the_rows() {
+    let (_m, rows, s) = recorded_proxy().await;
     let c = http();
     let r = c
         .post(format!("{}/messages", s.v1()))
@@ -88,17 +95,7 @@ async fn agent_sessions_and_sub_agents_are_on_the_rows() {
 
 #[tokio::test]
 async fn each_route_names_itself_in_the_rows() {
-    let m = mock(Behavior::text(&["hello"])).await;
-    let rows = RecordingTelemetry::new();
-    let scope = scope_with(
-        "LLM",
-        ScopeKind::Chat,
-        vec![source("a", &m)],
-        Some(rows.clone()),
-        |_| {},
-    )
-    .await;
-    let s = serve_with(vec![scope], ProxyConfig::default(), ServerLimits::default()).await;
+    let (_m, rows, s) = recorded_proxy().await;
     let c = http();
     for (path, body) in [
         (
