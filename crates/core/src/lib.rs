@@ -34,6 +34,7 @@ pub mod key_funds;
 pub mod key_quota;
 pub mod latency;
 pub mod native;
+pub mod otel;
 pub mod ports;
 pub mod reload;
 pub mod request;

@@ -10,6 +10,7 @@ pub mod keys;
 pub mod latency_store;
 pub mod limiter;
 pub mod observer;
+pub mod otel;
 pub mod rng;
 pub mod store;
 pub mod telemetry;
@@ -28,6 +29,7 @@ pub use limiter::{
 pub use observer::{
     passed_header, passed_headers, ChunkObserver, NullObserver, RawText, StreamDelta, ToolCallDelta,
 };
+pub use otel::{NullExporter, OtelExporter};
 pub use rng::{Rng, SplitMix64};
 pub use store::{
     answered_input, conversation, entry_bytes, BrokenChain, NullStore, ResponseStore,
