@@ -47,7 +47,8 @@ pub fn layer_of(name: &str) -> Option<Layer> {
         "polygw-transport-openai"
         | "polygw-limiter-memory"
         | "polygw-limiter-redis"
-        | "polygw-telemetry-sql" => Layer::Adapter,
+        | "polygw-telemetry-sql"
+        | "polygw-otel" => Layer::Adapter,
         "polygw" => Layer::Facade,
         "polygw-dialects" => Layer::Dialect,
         "polygw-serve" => Layer::Server,
@@ -178,7 +179,10 @@ pub const TOKIO_BANNED_FEATURES: &[&str] = &["net", "fs", "process"];
 /// I/O crates and the only workspace crates that may depend on them directly
 /// (normal or build edges; tests may use anything).
 pub const WRAPPERS: &[(&str, &[&str])] = &[
-    ("reqwest", &["polygw-transport-openai"]),
+    // The OTLP exporter's HTTP client is the workspace's reqwest (one TLS stack).
+    ("reqwest", &["polygw-transport-openai", "polygw-otel"]),
+    ("opentelemetry-otlp", &["polygw-otel"]),
+    ("opentelemetry_sdk", &["polygw-otel"]),
     ("redis", &["polygw-limiter-redis"]),
     ("sqlx", &["polygw-telemetry-sql"]),
     ("axum", &["polygw-serve", "polygw-mock-upstream"]),
