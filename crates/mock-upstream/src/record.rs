@@ -70,6 +70,8 @@ pub struct RecordedRequest {
     /// The `Authorization` header's bearer token, as sent (the mock's clients send test
     /// keys; tests check which key reached it, e.g. after a rotation).
     pub bearer: Option<String>,
+    /// The W3C `traceparent` header, as sent.
+    pub traceparent: Option<String>,
     /// When the request (head and body) had arrived.
     pub arrived_at: Instant,
     /// When the response headers were sent.

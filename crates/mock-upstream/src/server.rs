@@ -368,6 +368,7 @@ async fn handle_request(
             .map(str::to_string)
     };
     let call_id = header("x-polygw-call-id");
+    let traceparent = header("traceparent");
     let auth = header(AUTHORIZATION.as_str());
     let raw = Limited::new(req.into_body(), shared.cfg.max_request_bytes)
         .collect()
@@ -403,6 +404,7 @@ async fn handle_request(
             .as_deref()
             .and_then(|a| a.strip_prefix("Bearer "))
             .map(str::to_string),
+        traceparent,
         arrived_at: now(),
         headers_at: None,
         ended_at: None,

@@ -47,6 +47,7 @@ pub struct GatewayBuilder {
     rng: Option<Arc<dyn Rng>>,
     metrics: Option<Arc<Metrics>>,
     evidence: Option<Arc<crate::UpstreamEvidence>>,
+    otel: Option<Arc<dyn polygw_core::ports::OtelExporter>>,
 }
 
 impl GatewayBuilder {
@@ -69,6 +70,7 @@ impl GatewayBuilder {
             rng: None,
             metrics: None,
             evidence: None,
+            otel: None,
         }
     }
 
@@ -151,6 +153,13 @@ impl GatewayBuilder {
     /// The random source.
     pub fn rng(mut self, r: Arc<dyn Rng>) -> Self {
         self.rng = Some(r);
+        self
+    }
+    /// Where finished calls go as OpenTelemetry spans and metrics (SPEC §26.1).
+    /// Default: the process's exporter as its `OTEL_*` variables configure it
+    /// ([`crate::otel`]), none when they set no OTLP endpoint.
+    pub fn otel(mut self, e: Arc<dyn polygw_core::ports::OtelExporter>) -> Self {
+        self.otel = Some(e);
         self
     }
     /// Metrics shared with other clients (e.g. every scope of `polygw serve`).
@@ -267,7 +276,12 @@ impl GatewayBuilder {
                 crate::engine::latency::backend_key(s.redis_url.as_ref()),
             )
         });
+        let otel = match self.otel {
+            Some(o) => o,
+            None => crate::otel::from_env()?,
+        };
         let ports = Ports {
+            otel,
             transport,
             embedder,
             ocr,

@@ -58,6 +58,12 @@ pub struct CallOptions {
     pub client_key: Option<crate::client_keys::KeyGrant>,
     /// The agent session and agents the call is for (SPEC §24.6): on every row of it.
     pub attribution: polygw_core::telemetry::Attribution,
+    /// The caller's W3C `traceparent` (SPEC §26.1): the call's span continues its
+    /// trace. `polygw serve` passes the client's header.
+    pub trace_parent: Option<polygw_core::otel::TraceParent>,
+    /// The model the client named (the span's `gen_ai.request.model`); default: the
+    /// scope's name.
+    pub model: Option<String>,
 }
 
 impl CallOptions {
@@ -119,6 +125,7 @@ impl<'r> ChatLeg<'r> {
         engine: &'a Engine,
         source: &'a SourceConfig,
         call_id: &'a str,
+        traceparent: Option<&'a str>,
         observer: &'a dyn ChunkObserver,
         kind: &'a LegKind,
     ) -> BoxFuture<'a, Result<TransportResult, AttemptError>> {
@@ -142,6 +149,7 @@ impl<'r> ChatLeg<'r> {
                         call_id,
                         stall_threshold,
                         observer,
+                        traceparent,
                     };
                     engine.ports.transport.chat(attempt).await
                 }
@@ -154,6 +162,7 @@ impl<'r> ChatLeg<'r> {
                 call_id,
                 stall_threshold,
                 observer,
+                traceparent,
             }),
         }
     }
@@ -190,6 +199,7 @@ impl Leg for ChatLeg<'_> {
         engine: &'a Engine,
         source: &'a SourceConfig,
         call_id: &'a str,
+        traceparent: Option<&'a str>,
         observer: &'a dyn ChunkObserver,
         kind: &'a LegKind,
     ) -> BoxFuture<'a, Result<TransportResult, AttemptError>> {
@@ -197,7 +207,9 @@ impl Leg for ChatLeg<'_> {
             // What the process learned about the source (SPEC §24.4).
             let learned = engine.learned_source(source);
             let src = learned.as_ref().unwrap_or(source);
-            let r = self.send(engine, src, call_id, observer, kind).await;
+            let r = self
+                .send(engine, src, call_id, traceparent, observer, kind)
+                .await;
             match r {
                 // The source takes the cap only as `max_completion_tokens`: learned,
                 // and the request sent again at once — not a failure of the call.
@@ -211,7 +223,8 @@ impl Leg for ChatLeg<'_> {
                         max_completion_tokens: true,
                         ..src.clone()
                     };
-                    self.send(engine, &again, call_id, observer, kind).await
+                    self.send(engine, &again, call_id, traceparent, observer, kind)
+                        .await
                 }
                 // The source refused signed state another source produced (thinking
                 // signatures, encrypted reasoning; SPEC §23.5's safety net): sent once
@@ -235,7 +248,7 @@ impl Leg for ChatLeg<'_> {
                                  signatures or encrypted reasoning): sent once more without it"
                             );
                             ChatLeg { request: &request }
-                                .send(engine, src, call_id, observer, kind)
+                                .send(engine, src, call_id, traceparent, observer, kind)
                                 .await
                         }
                         None => Err(e),
@@ -614,6 +627,9 @@ impl GatewayClient {
         call.set_api(options.api);
         call.set_key(options.client_key.map(|k| k.0));
         call.set_attribution(options.attribution);
+        engine.trace_call(&call, options.trace_parent, |o| {
+            o.set_request(&request, options.model.clone())
+        });
         if engine.affinity_applies() {
             let given = options.affinity_key.as_deref();
             call.set_affinity(polygw_core::affinity::call_key(given, &request));
@@ -638,6 +654,9 @@ impl GatewayClient {
         span: &tracing::Span,
         result: &Result<LlmResponse, GatewayError>,
     ) {
+        if let Some(o) = call.otel() {
+            o.end(self.engine.ports.clock.now(), result.as_ref());
+        }
         if let Ok(r) = result {
             span.record("gen_ai.response.model", r.model.as_str());
             if let Some(f) = &r.finish_reason {

@@ -69,6 +69,7 @@ impl Leg for EmbedLeg<'_> {
         engine: &'a Engine,
         source: &'a SourceConfig,
         call_id: &'a str,
+        _traceparent: Option<&'a str>,
         _observer: &'a dyn ChunkObserver,
         _kind: &'a LegKind,
     ) -> BoxFuture<'a, Result<EmbeddingResult, AttemptError>> {

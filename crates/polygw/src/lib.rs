@@ -32,6 +32,7 @@ mod engine;
 pub mod env;
 pub mod metrics;
 mod ocr;
+pub mod otel;
 mod reload;
 mod schema;
 mod scope_client;

@@ -68,6 +68,7 @@ impl Leg for OcrLeg<'_> {
         engine: &'a Engine,
         source: &'a SourceConfig,
         call_id: &'a str,
+        _traceparent: Option<&'a str>,
         _observer: &'a dyn ChunkObserver,
         _kind: &'a LegKind,
     ) -> BoxFuture<'a, Result<OcrResult, AttemptError>> {

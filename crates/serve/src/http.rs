@@ -234,12 +234,19 @@ pub async fn enter_gate(
     }
 }
 
-/// The options of a proxied call: the proxy's wait bound, named as its flag, and the
-/// call's id (known before the call, for `x-request-id`).
-pub fn call_options(st: &State, id: &str) -> CallOptions {
-    CallOptions::default()
+/// The options of a proxied call: the proxy's wait bound, named as its flag, the
+/// call's id (known before the call, for `x-request-id`), and the client's W3C
+/// `traceparent` (SPEC §26.1: an invalid one is ignored, and the call starts a trace of
+/// its own, as Trace Context says).
+pub fn call_options(st: &State, id: &str, headers: &HeaderMap) -> CallOptions {
+    let mut o = CallOptions::default()
         .with_max_wait_named(st.cfg.max_wait, "--max-wait-s")
-        .with_logical_call_id(id)
+        .with_logical_call_id(id);
+    o.trace_parent = headers
+        .get("traceparent")
+        .and_then(|v| v.to_str().ok())
+        .and_then(polygw::otel::TraceParent::parse);
+    o
 }
 
 /// How a plain call ended, besides its answer.

@@ -128,6 +128,7 @@ async fn bench_loopback() {
                             call_id: "bench",
                             stall_threshold: Duration::from_secs(1),
                             observer: &NullObserver,
+                            traceparent: None,
                         })
                         .await
                         .unwrap();

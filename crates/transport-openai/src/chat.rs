@@ -33,6 +33,15 @@ pub(crate) enum ReadError {
 }
 
 /// Reads a whole body, failing past `cap` bytes (checked against Content-Length first).
+/// The attempt's W3C `traceparent` (SPEC §26.1: the upstream request continues the
+/// caller's trace under the attempt's span), when the call is traced.
+fn traced(rb: reqwest::RequestBuilder, traceparent: Option<&str>) -> reqwest::RequestBuilder {
+    match traceparent.and_then(|t| reqwest::header::HeaderValue::from_str(t).ok()) {
+        Some(v) => rb.header("traceparent", v),
+        None => rb,
+    }
+}
+
 pub(crate) async fn read_capped(
     mut resp: reqwest::Response,
     cap: usize,
@@ -392,9 +401,11 @@ impl OpenAiTransport {
         client: Option<&ClientCredential>,
         body: Vec<u8>,
         call_id: &str,
+        traceparent: Option<&str>,
     ) -> Result<TransportResult, AttemptError> {
         let key = source.api_key.expose();
         let rb = self.post_attempt(source, None, client, body, call_id, false);
+        let rb = traced(rb, traceparent);
         let (status, is_sse, bytes, headers) = self.plain_bytes(source, rb).await?;
         if is_sse {
             let mut r = self.sse_as_plain(source, &bytes, status)?;
@@ -487,8 +498,14 @@ impl OpenAiTransport {
         }
         let body = chat_body_bytes(attempt.source, attempt.request);
         let client = attempt.request.client_credential.as_ref();
-        self.plain_chat(attempt.source, client, body, attempt.call_id)
-            .await
+        self.plain_chat(
+            attempt.source,
+            client,
+            body,
+            attempt.call_id,
+            attempt.traceparent,
+        )
+        .await
     }
 
     /// A plain call to a native source: the client's body with the edits of SPEC
@@ -502,6 +519,7 @@ impl OpenAiTransport {
         let (native, body) = attempt_body(&attempt)?;
         let client = attempt.request.client_credential.as_ref();
         let rb = self.post_attempt(source, native, client, body, attempt.call_id, false);
+        let rb = traced(rb, attempt.traceparent);
         let (status, is_sse, bytes, headers) = self.plain_bytes(source, rb).await?;
         if is_sse {
             let mut r = self.sse_as_plain(source, &bytes, status)?;
@@ -525,6 +543,7 @@ impl OpenAiTransport {
         let (native, bytes) = attempt_body(&attempt)?;
         let client = attempt.request.client_credential.as_ref();
         let rb = self.post_attempt(source, native, client, bytes, attempt.call_id, true);
+        let rb = traced(rb, attempt.traceparent);
 
         let ttft_budget = source.ttft_budget();
         let itb = source.inter_token_budget();
@@ -704,7 +723,7 @@ impl OpenAiTransport {
             base64::engine::general_purpose::STANDARD.encode(image)
         );
         let body = serde_json::to_vec(&ocr_body(source, &uri, prompt)).unwrap_or_default();
-        let r = self.plain_chat(source, None, body, call_id).await?;
+        let r = self.plain_chat(source, None, body, call_id, None).await?;
         Ok(OcrResult {
             text: r.content,
             model: r.model,

@@ -184,6 +184,7 @@ mod common {
             call_id: "call-test-1",
             stall_threshold,
             observer: obs,
+            traceparent: None,
         })
         .await
     }

@@ -32,6 +32,8 @@ pub struct ChatAttempt<'a> {
     pub stall_threshold: Duration,
     /// Called for every incremental chunk.
     pub observer: &'a dyn ChunkObserver,
+    /// The W3C `traceparent` the request carries (SPEC §26.1), when the call is traced.
+    pub traceparent: Option<&'a str>,
 }
 
 impl std::fmt::Debug for ChatAttempt<'_> {

@@ -63,6 +63,7 @@ pub(crate) trait Leg: Send + Sync {
         engine: &'a Engine,
         source: &'a SourceConfig,
         call_id: &'a str,
+        traceparent: Option<&'a str>,
         observer: &'a dyn ChunkObserver,
         kind: &'a LegKind,
     ) -> BoxFuture<'a, Result<Self::Output, AttemptError>>;
@@ -531,10 +532,24 @@ impl AttemptGuard {
             if self.winner && engine.ports.telemetry.keeps_rows() {
                 d.row.trace = Some(self.call.trace_json());
             }
+            self.trace_attempt(&d.row);
             engine.ports.telemetry.record(*d.row);
         }
         self.armed = false;
         engine.freed.notify_one();
+    }
+
+    /// The attempt's span (SPEC §26.1), when the call is traced.
+    fn trace_attempt(&self, row: &TelemetryRow) {
+        if let Some(o) = self.call.otel() {
+            let now = self.engine.ports.clock.now();
+            o.attempt(
+                row,
+                self.started,
+                now,
+                &self.engine.source_servers[self.source_idx],
+            );
+        }
     }
 
     /// The tokens its permit reserved (what an undecided attempt settles).
@@ -614,6 +629,7 @@ impl Drop for AttemptGuard {
             if self.winner && self.engine.ports.telemetry.keeps_rows() {
                 row.trace = Some(self.call.trace_json());
             }
+            self.trace_attempt(&row);
             self.engine.ports.telemetry.record(*row);
         }
         if let Some(permit) = self.permit.take() {

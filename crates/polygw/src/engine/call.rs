@@ -69,6 +69,17 @@ pub(crate) struct CallShared {
     attribution: Mutex<polygw_core::telemetry::Attribution>,
     /// The call's prompt-cache affinity key (SPEC §20.2), when the scope keeps affinity.
     affinity: Mutex<Option<polygw_core::affinity::AffinityKey>>,
+    /// What the call collects for OpenTelemetry (SPEC §26.1), when it is exported;
+    /// handed over when the call's last reference goes.
+    otel: std::sync::OnceLock<Box<crate::otel::OtelCall>>,
+}
+
+impl Drop for CallShared {
+    fn drop(&mut self) {
+        if let Some(o) = self.otel.get() {
+            o.finish(self, self.clock.now());
+        }
+    }
 }
 
 impl CallShared {
@@ -84,6 +95,7 @@ impl CallShared {
             key: Mutex::new(None),
             attribution: Mutex::new(Default::default()),
             affinity: Mutex::new(None),
+            otel: std::sync::OnceLock::new(),
             logical_call_id,
             started,
             stream,
@@ -103,6 +115,31 @@ impl CallShared {
     /// Sets who the call is for.
     pub(crate) fn set_attribution(&self, a: polygw_core::telemetry::Attribution) {
         *self.attribution.lock().unwrap_or_else(|e| e.into_inner()) = a;
+    }
+
+    /// Traces the call (SPEC §26.1).
+    pub(crate) fn set_otel(&self, o: crate::otel::OtelCall) {
+        let _ = self.otel.set(Box::new(o));
+    }
+
+    /// What the call collects for OpenTelemetry, when it is traced.
+    pub(crate) fn otel(&self) -> Option<&crate::otel::OtelCall> {
+        self.otel.get().map(|b| &**b)
+    }
+
+    /// Who the call is for.
+    pub(crate) fn attribution(&self) -> polygw_core::telemetry::Attribution {
+        self.attribution
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
+    }
+
+    /// The trace so far (events in time order).
+    pub(crate) fn trace_snapshot(&self) -> CallTrace {
+        let mut t = self.trace.lock().unwrap_or_else(|e| e.into_inner()).clone();
+        t.events.sort_by_key(|e| e.t);
+        t
     }
 
     /// Writes the call's client key and attribution into a row of it.
@@ -181,9 +218,7 @@ impl CallShared {
 
     /// The trace so far, as the `trace` column holds it (events in time order).
     pub(crate) fn trace_json(&self) -> String {
-        let mut t = self.trace.lock().unwrap_or_else(|e| e.into_inner()).clone();
-        t.events.sort_by_key(|e| e.t);
-        t.to_json()
+        self.trace_snapshot().to_json()
     }
 
     pub(crate) fn progress(&self) -> std::sync::MutexGuard<'_, Progress> {

@@ -10,6 +10,30 @@ use super::Engine;
 use crate::clock::new_id;
 
 impl Engine {
+    /// Traces `call` (SPEC §26.1) when the process exports OpenTelemetry: its place in
+    /// the caller's trace, and what `facts` records of its request.
+    pub(crate) fn trace_call(
+        &self,
+        call: &CallShared,
+        parent: Option<polygw_core::otel::TraceParent>,
+        facts: impl FnOnce(&crate::otel::OtelCall),
+    ) {
+        if !self.ports.otel.enabled() {
+            return;
+        }
+        let o = crate::otel::OtelCall::new(
+            self.ports.otel.clone(),
+            &self.scope.name,
+            self.kind.operation(),
+            &call.logical_call_id,
+            parent,
+            call.started,
+            self.ports.clock.unix_ms(),
+        );
+        facts(&o);
+        call.set_otel(o);
+    }
+
     /// Ends a logical call: the call metric, the span's `error.type`, and on failure
     /// the `terminal_failure` row.
     pub(crate) fn conclude(

@@ -63,6 +63,8 @@ pub struct Ports {
     pub clock: Arc<dyn Clock>,
     /// Randomness (weighted choice, jitter).
     pub rng: Arc<dyn Rng>,
+    /// Where finished calls go as OpenTelemetry spans and metrics (SPEC §26.1).
+    pub otel: Arc<dyn polygw_core::ports::OtelExporter>,
 }
 
 /// Everything a client of one scope shares between its calls.
@@ -86,6 +88,8 @@ pub(crate) struct Engine {
     /// `server.address`), computed once: 6 000 instructions per attempt otherwise
     /// (issue 27).
     pub source_addresses: Vec<String>,
+    /// Each source's host and port (the spans' `server.address`/`server.port`).
+    pub source_servers: Vec<(Option<String>, Option<u16>)>,
     /// Signalled (`notify_one`) whenever an attempt of this client ends, freeing its slot
     /// and settling its reservation: one call waiting for a runnable source looks again
     /// at once (SPEC §14.6).
@@ -119,6 +123,11 @@ impl Engine {
             .iter()
             .map(|s| polygw_core::secret::redact_url(&s.base_url))
             .collect();
+        let source_servers = scope
+            .sources
+            .iter()
+            .map(|s| crate::otel::server_of(&s.base_url))
+            .collect();
         Engine {
             scope,
             kind,
@@ -129,6 +138,7 @@ impl Engine {
             metrics,
             scope_metrics,
             source_metrics,
+            source_servers,
             source_addresses,
             freed: tokio::sync::Notify::new(),
         }
@@ -141,6 +151,21 @@ impl Engine {
         }
         if let Err(e) = self.ports.breakers.flush().await {
             tracing::warn!(error = %e, "flushing the breaker store's background work failed");
+        }
+        if self.ports.otel.enabled() {
+            // Spans and metrics of the calls so far (SPEC §26.1); the exporter's flush
+            // blocks its caller, so it runs off the runtime's threads.
+            let otel = self.ports.otel.clone();
+            let shipped =
+                tokio::task::spawn_blocking(move || otel.flush(std::time::Duration::from_secs(5)))
+                    .await
+                    .unwrap_or(false);
+            if !shipped {
+                tracing::warn!(
+                    dropped = self.ports.otel.dropped(),
+                    "OpenTelemetry: the final export did not complete"
+                );
+            }
         }
         match self.ports.telemetry.flush().await {
             Ok(r) => r,

@@ -658,9 +658,21 @@ impl<'a, L: Leg> Exec<'a, L> {
             first_seen: AtomicBool::new(false),
         };
         let leg = self.leg;
+        // The upstream request continues the call's trace under the attempt's span.
+        let traceparent = self
+            .call
+            .otel()
+            .and_then(|o| o.upstream_header(&info.call_id));
         let fut = async move {
             let result = leg
-                .call(engine, src, &info.call_id, &observer, &info.kind)
+                .call(
+                    engine,
+                    src,
+                    &info.call_id,
+                    traceparent.as_deref(),
+                    &observer,
+                    &info.kind,
+                )
                 .instrument(span.clone())
                 .await;
             if let Err(e) = &result {

@@ -108,11 +108,12 @@ async fn inner(
         Ok(s) => s,
         Err(e) => return early(e),
     };
-    let mut options = call_options(st, id);
+    let mut options = call_options(st, id, headers);
     if let Some(c) = charge {
         options = options.with_client_key(c);
     }
     options.api = Some("chat");
+    options.model = Some(parsed.model.clone());
     options.affinity_key = crate::affinity::chat_key(headers, &parsed.request);
     options.attribution =
         crate::attribution::of(headers, crate::attribution::chat_cache_key(&parsed.request));

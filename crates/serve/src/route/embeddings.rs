@@ -81,7 +81,7 @@ async fn inner(
         Ok(s) => s,
         Err(e) => return early(e),
     };
-    let mut options = call_options(st, id);
+    let mut options = call_options(st, id, headers);
     if let Some(c) = charge {
         options = options.with_client_key(c);
     }

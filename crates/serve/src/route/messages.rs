@@ -141,11 +141,12 @@ async fn create_inner(
         Err(e) => return early(e),
     };
     let message_id = format!("msg_{id}");
-    let mut options = call_options(st, id);
+    let mut options = call_options(st, id, headers);
     if let Some(c) = charge {
         options = options.with_client_key(c);
     }
     options.api = Some("messages");
+    options.model = Some(model.clone());
     options.affinity_key = crate::affinity::messages_key(headers, &req, &t.request);
     options.attribution = crate::attribution::of(headers, None);
     let mut resp = if t.request.stream {

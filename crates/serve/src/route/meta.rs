@@ -170,6 +170,15 @@ pub async fn metrics(State(st): State<Arc<AppState>>) -> Response {
         .collect();
     let mut text = st.metrics.render_prometheus(st.telemetry_dropped());
     text.push_str(&st.counters.render(&gates));
+    // The process's OpenTelemetry exporter (SPEC §26.1): what it dropped.
+    if let Ok(otel) = polygw::otel::from_env() {
+        if otel.enabled() {
+            text.push_str(&format!(
+                "# HELP polygw_otel_dropped_total Finished calls the OpenTelemetry exporter dropped (queue full or export failed).\n# TYPE polygw_otel_dropped_total counter\npolygw_otel_dropped_total {}\n",
+                otel.dropped()
+            ));
+        }
+    }
     (
         [(
             header::CONTENT_TYPE,

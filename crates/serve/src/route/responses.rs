@@ -255,11 +255,12 @@ async fn create_inner(
     };
     let response_id = format!("resp_{id}");
     let created_at = unix_now();
-    let mut options = call_options(st, id);
+    let mut options = call_options(st, id, headers);
     if let Some(c) = charge {
         options = options.with_client_key(c);
     }
     options.api = Some("responses");
+    options.model = Some(model.clone());
     options.affinity_key = crate::affinity::responses_key(headers, &req, &t.request);
     options.attribution = crate::attribution::of(
         headers,
