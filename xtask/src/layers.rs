@@ -548,7 +548,10 @@ mod tests {
             "{t}"
         );
         assert!(t.contains("stale allow-list entry"), "{t}");
-        assert!(t.contains("only [\"polygw-transport-openai\"] may"), "{t}");
+        assert!(
+            t.contains("only [\"polygw-transport-openai\", \"polygw-otel\"] may"),
+            "{t}"
+        );
     }
 
     #[test]
