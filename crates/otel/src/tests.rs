@@ -100,7 +100,7 @@ fn a_span_keeps_its_ids_times_events_and_status() {
         }],
         error: Some("all_sources_failed".into()),
     };
-    let d = span_data(&out, &scope());
+    let d = span_data(out, &scope());
     assert_eq!(
         d.span_context.trace_id().to_string(),
         "4bf92f3577b34da6a3ce929d0e0e4736"

@@ -63,6 +63,21 @@ pub(crate) fn server_of(base_url: &str) -> (Option<String>, Option<u16>) {
     }
 }
 
+/// The upstream's response id of a plain answer: from the object when the transport
+/// kept one, else read from its bytes without building the whole tree (a stream's id is
+/// not kept).
+fn response_id(r: &LlmResponse) -> Option<String> {
+    #[derive(serde::Deserialize)]
+    struct IdOnly {
+        id: Option<String>,
+    }
+    match (&r.upstream, &r.upstream_body) {
+        (Some(o), _) => o.get("id").and_then(|v| v.as_str()).map(str::to_string),
+        (None, Some(b)) => serde_json::from_slice::<IdOnly>(b).ok().and_then(|i| i.id),
+        (None, None) => None,
+    }
+}
+
 /// How a call ended.
 #[derive(Debug, Default)]
 struct Ending {
@@ -184,9 +199,7 @@ impl OtelCall {
             Ok(r) => {
                 e.cache_hit = r.call_stats.cache_hit;
                 e.answer = Some(AnswerFacts {
-                    id: r
-                        .upstream_object()
-                        .and_then(|o| o.get("id").and_then(|v| v.as_str()).map(str::to_string)),
+                    id: response_id(r),
                     model: r.model.clone(),
                     finish_reason: r.finish_reason.clone(),
                     source: r.source.clone(),

@@ -30,10 +30,11 @@ fn hex_bytes<const N: usize>(s: &str) -> Option<[u8; N]> {
 
 /// Lower-case hex of `b`.
 pub fn hex(b: &[u8]) -> String {
-    use std::fmt::Write;
+    const DIGITS: &[u8; 16] = b"0123456789abcdef";
     let mut s = String::with_capacity(2 * b.len());
     for x in b {
-        let _ = write!(s, "{x:02x}");
+        s.push(char::from(DIGITS[usize::from(x >> 4)]));
+        s.push(char::from(DIGITS[usize::from(x & 0x0f)]));
     }
     s
 }
@@ -70,12 +71,13 @@ impl TraceParent {
 
     /// The header for a request made under span `span_id` of this trace.
     pub fn header(trace_id: &TraceId, span_id: &SpanId, sampled: bool) -> String {
-        format!(
-            "00-{}-{}-{}",
-            hex(trace_id),
-            hex(span_id),
-            if sampled { "01" } else { "00" }
-        )
+        let mut h = String::with_capacity(55);
+        h.push_str("00-");
+        h.push_str(&hex(trace_id));
+        h.push('-');
+        h.push_str(&hex(span_id));
+        h.push_str(if sampled { "-01" } else { "-00" });
+        h
     }
 }
 

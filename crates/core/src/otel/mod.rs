@@ -150,7 +150,7 @@ impl SpanOut {
 #[derive(Debug, Clone, PartialEq)]
 pub struct EventOut {
     /// Its name (`polygw.hedge_launched`, `polygw.stall`, `polygw.resume`,
-    /// `polygw.commit`, …).
+    /// `polygw.commit`, `polygw.no_leg`, `polygw.end`).
     pub name: &'static str,
     /// When, nanoseconds since the Unix epoch.
     pub at_ns: u64,
@@ -329,10 +329,13 @@ impl FinishedCall {
         let mut a: Vec<Attr> = vec![
             (attr::OPERATION_NAME, s(op)),
             (attr::REQUEST_MODEL, s(model)),
-            (attr::REQUEST_STREAM, Value::Bool(self.stream)),
             (attr::SCOPE, s(&self.scope)),
             (attr::LOGICAL_CALL_ID, s(&self.logical_call_id)),
         ];
+        // What is false or zero is left out (every attribute is encoded per span).
+        if self.stream {
+            a.push((attr::REQUEST_STREAM, Value::Bool(true)));
+        }
         if let Some(api) = &self.api {
             a.push((attr::API, s(api)));
         }
@@ -359,9 +362,15 @@ impl FinishedCall {
             .filter(|x| x.row.resume_mode.is_some())
             .count() as u64;
         a.push((attr::ATTEMPTS, int(attempts)));
-        a.push((attr::HEDGES, int(hedges)));
-        a.push((attr::RESUMES, int(resumes)));
-        a.push((attr::CACHE_HIT, Value::Bool(self.cache_hit)));
+        if hedges > 0 {
+            a.push((attr::HEDGES, int(hedges)));
+        }
+        if resumes > 0 {
+            a.push((attr::RESUMES, int(resumes)));
+        }
+        if self.cache_hit {
+            a.push((attr::CACHE_HIT, Value::Bool(true)));
+        }
         if let Some(c) = self.cost() {
             a.push((attr::COST, Value::Float(c)));
         }
@@ -465,10 +474,8 @@ impl FinishedCall {
                             }
                             push("polygw.resume", a)
                         }
-                        _ => {
-                            a.push((attr::LEG_ROLE, s(why)));
-                            push("polygw.launch", a)
-                        }
+                        // Primary and retry legs are the child spans themselves.
+                        _ => {}
                     }
                 }
                 TraceEvent::NoLeg { leg, by, why } => {
@@ -482,21 +489,15 @@ impl FinishedCall {
                     }
                     push("polygw.no_leg", a)
                 }
-                TraceEvent::FirstToken { leg } => {
-                    push("polygw.first_token", vec![(attr::LEG, int(*leg as u64))])
-                }
                 TraceEvent::Commit { leg } => {
                     push("polygw.commit", vec![(attr::LEG, int(*leg as u64))])
                 }
-                TraceEvent::Cancel { leg, why } => push(
-                    "polygw.cancel",
-                    vec![(attr::LEG, int(*leg as u64)), (attr::REASON, s(why))],
-                ),
-                TraceEvent::Fail { leg, why } => push(
-                    "polygw.attempt_failed",
-                    vec![(attr::LEG, int(*leg as u64)), (attr::ERROR_TYPE, s(why))],
-                ),
-                TraceEvent::Won { leg } => push("polygw.won", vec![(attr::LEG, int(*leg as u64))]),
+                // A leg's first token, cancellation, failure and win are on its span
+                // (its times, status and `error.type`).
+                TraceEvent::FirstToken { .. }
+                | TraceEvent::Cancel { .. }
+                | TraceEvent::Fail { .. }
+                | TraceEvent::Won { .. } => {}
                 TraceEvent::End { why } => push("polygw.end", vec![(attr::REASON, s(why))]),
             }
         }
@@ -510,7 +511,6 @@ impl FinishedCall {
         let mut a: Vec<Attr> = vec![
             (attr::OPERATION_NAME, s(op)),
             (attr::REQUEST_MODEL, s(model)),
-            (attr::SCOPE, s(&r.scope)),
             (attr::CALL_ID, s(&r.call_id)),
             (attr::LEG_ROLE, s(leg_role(r))),
             (attr::USAGE_SOURCE, s(r.usage_source.as_str())),
@@ -617,13 +617,14 @@ impl FinishedCall {
         let op = operation_name(&self.operation);
         for x in &self.attempts {
             let r = &x.row;
+            // The source names its scope: the request's points carry no `polygw.scope`
+            // (each attribute is hashed at every measurement).
             let mut base: Vec<Attr> = vec![
                 (attr::OPERATION_NAME, s(op)),
                 (
                     attr::REQUEST_MODEL,
                     s(r.model.as_deref().unwrap_or("unknown")),
                 ),
-                (attr::SCOPE, s(&r.scope)),
             ];
             if let Some(p) = &r.provider {
                 base.push((attr::PROVIDER_NAME, s(p)));
