@@ -269,3 +269,134 @@ async fn a_receiver_down_or_slow_fails_no_call_and_drops_are_counted() {
         }
     }
 }
+
+/// An attribute of a span Phoenix returns: a flat key, or the same key nested by dots.
+fn phoenix_attr<'a>(span: &'a serde_json::Value, key: &str) -> Option<&'a serde_json::Value> {
+    let attrs = &span["attributes"];
+    attrs
+        .get(key)
+        .or_else(|| key.split('.').try_fold(attrs, |v, part| v.get(part)))
+}
+
+/// A free loopback port.
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+/// Arize Phoenix (pinned, from PyPI), a receiver teams use, started by the test: the
+/// spans of a resumed streamed call are read back through its REST API.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn phoenix_shows_a_resumed_call_under_the_callers_trace() {
+    let Some(phoenix) =
+        support::sdk::phoenix("phoenix_shows_a_resumed_call_under_the_callers_trace")
+    else {
+        return;
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let port = free_port();
+    let mut child = std::process::Command::new(&phoenix)
+        .arg("serve")
+        .env("PHOENIX_HOST", "127.0.0.1")
+        .env("PHOENIX_PORT", port.to_string())
+        .env("PHOENIX_GRPC_PORT", free_port().to_string())
+        .env("PHOENIX_WORKING_DIR", dir.path())
+        .env("PHOENIX_TELEMETRY_ENABLED", "false")
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .expect("phoenix serve");
+    struct Kill<'a>(&'a mut std::process::Child);
+    impl Drop for Kill<'_> {
+        fn drop(&mut self) {
+            let _ = self.0.kill();
+            let _ = self.0.wait();
+        }
+    }
+    let _kill = Kill(&mut child);
+    let base = format!("http://127.0.0.1:{port}");
+    let http = reqwest::Client::new();
+    let until = tokio::time::Instant::now() + Duration::from_secs(90);
+    loop {
+        if let Ok(r) = http.get(format!("{base}/healthz")).send().await {
+            if r.status().is_success() {
+                break;
+            }
+        }
+        assert!(tokio::time::Instant::now() < until, "Phoenix did not start");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+
+    let a = mock(Behavior {
+        fault: Some(Fault::ResetAfter { chunks: 30 }),
+        ..words(60)
+    })
+    .await;
+    let b = mock(words(60)).await;
+    let s = serve_args(
+        &[],
+        &env(
+            &a,
+            &b,
+            &base,
+            // Phoenix takes traces; metrics go nowhere.
+            &[("OTEL_METRICS_EXPORTER", "none")],
+        ),
+    );
+    let trace = "0af7651916cd43dd8448eb211c80319c";
+    let caller = "b7ad6b7169203331";
+    let (status, body) = stream(&s.base, Some(&format!("00-{trace}-{caller}-01"))).await;
+    assert_eq!(status, 200);
+    assert!(body.contains("[DONE]"));
+
+    let url = format!("{base}/v1/projects/default/spans?trace_id={trace}&limit=100");
+    let until = tokio::time::Instant::now() + Duration::from_secs(30);
+    let spans: Vec<serde_json::Value> = loop {
+        let got: serde_json::Value = match http.get(&url).send().await {
+            Ok(r) if r.status().is_success() => r.json().await.unwrap_or_default(),
+            _ => serde_json::Value::Null,
+        };
+        let spans = got["data"].as_array().cloned().unwrap_or_default();
+        if spans.len() >= 3 {
+            break spans;
+        }
+        assert!(
+            tokio::time::Instant::now() < until,
+            "Phoenix never showed the call's three spans: {got}"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    };
+    let root = spans
+        .iter()
+        .find(|s| s["parent_id"] == caller)
+        .unwrap_or_else(|| panic!("no span under the caller's: {spans:#?}"));
+    assert_eq!(root["context"]["trace_id"], trace);
+    assert_eq!(root["name"], "chat llm");
+    let events: Vec<&str> = root["events"]
+        .as_array()
+        .map(|e| e.iter().filter_map(|e| e["name"].as_str()).collect())
+        .unwrap_or_default();
+    assert!(events.contains(&"polygw.resume"), "{events:?}");
+    let root_id = root["context"]["span_id"].clone();
+    let children: Vec<_> = spans.iter().filter(|s| s["parent_id"] == root_id).collect();
+    assert_eq!(
+        children.len(),
+        2,
+        "one span per upstream request: {spans:#?}"
+    );
+    let resume = children
+        .iter()
+        .find(|s| phoenix_attr(s, "polygw.leg_role").and_then(|v| v.as_str()) == Some("resume"))
+        .expect("the resume leg's span");
+    let out = phoenix_attr(resume, "gen_ai.usage.output_tokens").and_then(|v| {
+        v.as_i64()
+            .or_else(|| v.as_str().and_then(|s| s.parse().ok()))
+    });
+    assert!(
+        out.is_some_and(|n| n > 0),
+        "usage on the answering request: {resume:#}"
+    );
+}

@@ -278,6 +278,46 @@ pub mod sdk {
         }
     }
 
+    const PHOENIX_HOW: &str = "run .ci/run (its step \"client SDKs\"), or: python3 -m venv \
+        target/phoenix-venv && target/phoenix-venv/bin/pip install -r tests/python/phoenix-requirements.txt";
+
+    /// Arize Phoenix's `phoenix` command in `target/phoenix-venv`, when the version
+    /// tests/python/phoenix-requirements.txt pins is installed there; else `None` after
+    /// printing why (a panic under `CI=true`).
+    pub fn phoenix(test: &str) -> Option<PathBuf> {
+        let venv = root().join("target/phoenix-venv");
+        let bin = venv.join("bin/phoenix");
+        if !bin.exists() {
+            return missing(
+                test,
+                format!("{} does not exist", bin.display()),
+                PHOENIX_HOW,
+            );
+        }
+        let req = root().join("tests/python/phoenix-requirements.txt");
+        let want = std::fs::read_to_string(&req).ok().and_then(|t| {
+            pins(&t)
+                .into_iter()
+                .find(|(n, _)| n == "arize-phoenix")
+                .map(|(_, v)| v)
+        });
+        let check = "import importlib.metadata as m; print(m.version('arize-phoenix'))";
+        let have = Command::new(venv.join("bin/python"))
+            .args(["-c", check])
+            .output()
+            .ok()
+            .filter(|o| o.status.success())
+            .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string());
+        match (want, have) {
+            (Some(w), Some(h)) if w == h => Some(bin),
+            (w, h) => missing(
+                test,
+                format!("arize-phoenix: pinned {w:?}, installed {h:?}"),
+                PHOENIX_HOW,
+            ),
+        }
+    }
+
     /// `tests/python/NAME`.
     pub fn python_script(name: &str) -> PathBuf {
         root().join("tests/python").join(name)

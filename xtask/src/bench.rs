@@ -50,6 +50,20 @@ const BENCHES: &[Part] = &[
         ],
     },
     Part {
+        name: "serve-otel",
+        in_all: true,
+        what: "the proxy's CPU per call with OpenTelemetry export off / on / receiver down / receiver slow, as ratios in one run (SPEC §26.1: ≤ 1.10×)",
+        cargo: &[
+            "bench",
+            "-p",
+            "polygw-cli",
+            "--bench",
+            "serve",
+            "--",
+            "--otel",
+        ],
+    },
+    Part {
         name: "estimate",
         in_all: true,
         what: "the prompt estimate's error against the o200k tokenizer: English, Chinese, code, tool-call JSON; a 40 KB tool call; an image",
@@ -130,6 +144,7 @@ pub const PARTS: &[&str] = &[
     "overhead",
     "serve",
     "serve-instructions",
+    "serve-otel",
     "estimate",
     "hedging",
     "cache-affinity",

@@ -489,6 +489,8 @@ async fn count_instructions(
             run_calls(&v, 200, 1).await;
             counts::callgrind(pid, true, dir, &prefix);
             run_calls(&v, n, 1).await;
+            // Work the proxy does after the calls (an export thread's batches) counts.
+            tokio::time::sleep(Duration::from_secs(2)).await;
             match counts::callgrind(pid, false, dir, &prefix) {
                 Some(ir) => println!(
                     "  {:<40} {:>10.0} instructions per call",
@@ -499,6 +501,219 @@ async fn count_instructions(
             }
         }
         drop(serve);
+    }
+}
+
+/// A minimal OTLP/HTTP receiver for the OpenTelemetry comparison: it reads each request
+/// whole and answers 200 after `delay` (keep-alive). Its address.
+fn otlp_sink(delay: Duration) -> String {
+    use std::io::{Read, Write};
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind the OTLP sink");
+    let addr = listener.local_addr().expect("address");
+    std::thread::spawn(move || {
+        for conn in listener.incoming() {
+            let Ok(mut conn) = conn else { continue };
+            std::thread::spawn(move || {
+                let mut buf = Vec::new();
+                let mut chunk = [0u8; 16 * 1024];
+                loop {
+                    // Headers, then the body its content-length announces.
+                    let head_end = loop {
+                        if let Some(i) = buf.windows(4).position(|w| w == b"\r\n\r\n") {
+                            break i + 4;
+                        }
+                        match conn.read(&mut chunk) {
+                            Ok(0) | Err(_) => return,
+                            Ok(n) => buf.extend_from_slice(&chunk[..n]),
+                        }
+                    };
+                    let head = String::from_utf8_lossy(&buf[..head_end]).to_ascii_lowercase();
+                    let len: usize = head
+                        .lines()
+                        .find_map(|l| l.strip_prefix("content-length:"))
+                        .and_then(|v| v.trim().parse().ok())
+                        .unwrap_or(0);
+                    while buf.len() < head_end + len {
+                        match conn.read(&mut chunk) {
+                            Ok(0) | Err(_) => return,
+                            Ok(n) => buf.extend_from_slice(&chunk[..n]),
+                        }
+                    }
+                    buf.drain(..head_end + len);
+                    std::thread::sleep(delay);
+                    let ok = b"HTTP/1.1 200 OK\r\ncontent-type: application/x-protobuf\r\ncontent-length: 0\r\n\r\n";
+                    if conn.write_all(ok).is_err() {
+                        return;
+                    }
+                }
+            });
+        }
+    });
+    format!("http://{addr}")
+}
+
+/// `polygw_otel_dropped_total` of a proxy (`-` when it exports nothing).
+async fn otel_dropped(base: &str) -> String {
+    let text = match reqwest::get(format!("{base}/metrics")).await {
+        Ok(r) => r.text().await.unwrap_or_default(),
+        Err(_) => String::new(),
+    };
+    text.lines()
+        .find_map(|l| l.strip_prefix("polygw_otel_dropped_total "))
+        .map_or_else(|| "-".to_string(), |v| v.trim().to_string())
+}
+
+/// `-- --otel` (`cargo xtask bench serve-otel`): the proxy's CPU per call with
+/// OpenTelemetry export off, on (a receiver that answers at once), on with 10% of traces
+/// sampled, and on with a receiver that is down or slow — five proxies of this tree's binary side by side,
+/// rounds interleaved; the ratios to export off, and what each dropped (SPEC §26.1,
+/// target ≤ 1.10×).
+fn compare_otel(
+    bin: &str,
+    env_for: &dyn Fn(usize) -> Vec<(String, String)>,
+    host: MockHost,
+    full: bool,
+) {
+    let fast = otlp_sink(Duration::ZERO);
+    let slow = otlp_sink(Duration::from_secs(2));
+    let down = {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+        format!("http://{}", l.local_addr().expect("address"))
+    };
+    let otel = |endpoint: &str, extra: &[(&str, &str)]| {
+        let mut v = vec![
+            (
+                "OTEL_EXPORTER_OTLP_ENDPOINT".to_string(),
+                endpoint.to_string(),
+            ),
+            ("OTEL_BSP_SCHEDULE_DELAY".into(), "1000".into()),
+            ("OTEL_METRIC_EXPORT_INTERVAL".into(), "5000".into()),
+        ];
+        v.extend(extra.iter().map(|(k, x)| (k.to_string(), x.to_string())));
+        v
+    };
+    let configs: Vec<(&str, Vec<(String, String)>)> = vec![
+        ("export off", Vec::new()),
+        ("export on", otel(&fast, &[])),
+        (
+            "export on, 10% of traces",
+            otel(
+                &fast,
+                &[
+                    ("OTEL_TRACES_SAMPLER", "traceidratio"),
+                    ("OTEL_TRACES_SAMPLER_ARG", "0.1"),
+                ],
+            ),
+        ),
+        (
+            "receiver down",
+            otel(&down, &[("OTEL_EXPORTER_OTLP_TIMEOUT", "500")]),
+        ),
+        (
+            "receiver slow (2 s)",
+            otel(&slow, &[("OTEL_EXPORTER_OTLP_TIMEOUT", "500")]),
+        ),
+    ];
+    // `-- --otel --instructions`: instructions per call under callgrind, export off and
+    // on (the export thread's work counts: each dump waits for its batches to go).
+    if std::env::args().any(|a| a == "--instructions") {
+        let rt = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .enable_all()
+            .build()
+            .expect("runtime");
+        let dir = tempfile::tempdir().expect("temp dir");
+        for (k, (label, extra)) in configs.iter().take(3).enumerate() {
+            let mut env = env_for(40 + k);
+            env.extend(extra.iter().cloned());
+            let bins = [(label.to_string(), bin.to_string())];
+            rt.block_on(count_instructions(&bins, &env, dir.path()));
+        }
+        drop(rt);
+        host.shutdown();
+        return;
+    }
+    let proxies: Vec<Proxy> = configs
+        .iter()
+        .enumerate()
+        .map(|(k, (label, extra))| {
+            let mut env = env_for(30 + k);
+            env.extend(extra.iter().cloned());
+            let serve = serve(bin, &env, "");
+            let pid = serve.child.id();
+            let idle = idle_cpu(pid, Duration::from_secs(if full { 5 } else { 1 })).unwrap_or(0.0);
+            Proxy {
+                label: label.to_string(),
+                bin: bin.to_string(),
+                serve,
+                idle_us_per_s: idle,
+            }
+        })
+        .collect();
+    let urls = host.urls();
+    let mut variants = vec![
+        Variant {
+            name: "direct to upstream, plain".into(),
+            streamed: false,
+            proxy: None,
+            caller: Direct::new(&urls[0], MODEL, UPSTREAM_KEY),
+        },
+        Variant {
+            name: "direct to upstream, streamed".into(),
+            streamed: true,
+            proxy: None,
+            caller: Direct::new(&urls[1], MODEL, UPSTREAM_KEY),
+        },
+    ];
+    for (p, proxy) in proxies.iter().enumerate() {
+        let url = format!("{}/v1", proxy.serve.base);
+        for (model, streamed, kind) in [("plain", false, "plain"), ("stream", true, "streamed")] {
+            variants.push(Variant {
+                name: format!("{}, {kind}", proxy.label),
+                streamed,
+                proxy: Some(p),
+                caller: Direct::new(&url, model, PROXY_KEY),
+            });
+        }
+    }
+    let (rounds, per_round) = if full { (5, 2000) } else { (1, 200) };
+    println!(
+        "OpenTelemetry export: the proxy's CPU per call, export off / on / receiver down / receiver slow; \
+         {rounds} rounds (+1 warm-up), {per_round} calls per variant per round, 16 callers; load average {}",
+        loadavg()
+    );
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .expect("runtime");
+    let ok = rt.block_on(async {
+        let (accs, cpu) = level(&variants, &proxies, 16, rounds, per_round).await;
+        let ok = report(16, &variants, &accs, &cpu, &proxies);
+        let us = |i: usize| proxy_cpu_us(&variants[i], &accs[i], cpu[i], &proxies);
+        println!("\n  proxy CPU per call against export off (same run):");
+        for (p, proxy) in proxies.iter().enumerate().skip(1) {
+            let ratio = |kind: usize| match (us(2 + kind), us(2 + 2 * p + kind)) {
+                (Some(off), Some(on)) if off > 0.0 => format!("{:.3}×", on / off),
+                _ => "n/a".to_string(),
+            };
+            println!(
+                "  {:<24} plain {:>8}  streamed {:>8}  dropped {}",
+                proxy.label,
+                ratio(0),
+                ratio(1),
+                otel_dropped(&proxy.serve.base).await
+            );
+        }
+        ok
+    });
+    println!("\nload average {}", loadavg());
+    drop(rt);
+    drop(proxies);
+    host.shutdown();
+    if !ok {
+        eprintln!("serve benchmark (OpenTelemetry): some calls failed (see above)");
+        std::process::exit(1);
     }
 }
 
@@ -538,6 +753,10 @@ fn main() {
         env.push(("POLYGW_PROXY_KEYS".into(), PROXY_KEY.into()));
         env
     };
+    if std::env::args().any(|a| a == "--otel") {
+        compare_otel(&bins[0].1, &env_for, host, full);
+        return;
+    }
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
