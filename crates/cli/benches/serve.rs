@@ -504,6 +504,56 @@ async fn count_instructions(
     }
 }
 
+/// A proxy of binary `bin` with `env`, its idle CPU measured.
+fn start_proxy(
+    label: &str,
+    bin: &str,
+    env: &[(String, String)],
+    wrapper: &str,
+    full: bool,
+) -> Proxy {
+    let serve = serve(bin, env, wrapper);
+    let pid = serve.child.id();
+    let idle = idle_cpu(pid, Duration::from_secs(if full { 5 } else { 1 })).unwrap_or(0.0);
+    Proxy {
+        label: label.to_string(),
+        bin: bin.to_string(),
+        serve,
+        idle_us_per_s: idle,
+    }
+}
+
+/// The upstream directly (plain, streamed), then each proxy plain and streamed, named
+/// `{prefix}{label}, plain|streamed`.
+fn variants_of(urls: &[String], proxies: &[Proxy], prefix: &str) -> Vec<Variant> {
+    let mut variants = vec![
+        Variant {
+            name: "direct to upstream, plain".into(),
+            streamed: false,
+            proxy: None,
+            caller: Direct::new(&urls[0], MODEL, UPSTREAM_KEY),
+        },
+        Variant {
+            name: "direct to upstream, streamed".into(),
+            streamed: true,
+            proxy: None,
+            caller: Direct::new(&urls[1], MODEL, UPSTREAM_KEY),
+        },
+    ];
+    for (p, proxy) in proxies.iter().enumerate() {
+        let url = format!("{}/v1", proxy.serve.base);
+        for (model, streamed, kind) in [("plain", false, "plain"), ("stream", true, "streamed")] {
+            variants.push(Variant {
+                name: format!("{prefix}{}, {kind}", proxy.label),
+                streamed,
+                proxy: Some(p),
+                caller: Direct::new(&url, model, PROXY_KEY),
+            });
+        }
+    }
+    variants
+}
+
 /// A minimal OTLP/HTTP receiver for the OpenTelemetry comparison: it reads each request
 /// whole and answers 200 after `delay` (keep-alive). Its address.
 fn otlp_sink(delay: Duration) -> String {
@@ -639,43 +689,10 @@ fn compare_otel(
         .map(|(k, (label, extra))| {
             let mut env = env_for(30 + k);
             env.extend(extra.iter().cloned());
-            let serve = serve(bin, &env, "");
-            let pid = serve.child.id();
-            let idle = idle_cpu(pid, Duration::from_secs(if full { 5 } else { 1 })).unwrap_or(0.0);
-            Proxy {
-                label: label.to_string(),
-                bin: bin.to_string(),
-                serve,
-                idle_us_per_s: idle,
-            }
+            start_proxy(label, bin, &env, "", full)
         })
         .collect();
-    let urls = host.urls();
-    let mut variants = vec![
-        Variant {
-            name: "direct to upstream, plain".into(),
-            streamed: false,
-            proxy: None,
-            caller: Direct::new(&urls[0], MODEL, UPSTREAM_KEY),
-        },
-        Variant {
-            name: "direct to upstream, streamed".into(),
-            streamed: true,
-            proxy: None,
-            caller: Direct::new(&urls[1], MODEL, UPSTREAM_KEY),
-        },
-    ];
-    for (p, proxy) in proxies.iter().enumerate() {
-        let url = format!("{}/v1", proxy.serve.base);
-        for (model, streamed, kind) in [("plain", false, "plain"), ("stream", true, "streamed")] {
-            variants.push(Variant {
-                name: format!("{}, {kind}", proxy.label),
-                streamed,
-                proxy: Some(p),
-                caller: Direct::new(&url, model, PROXY_KEY),
-            });
-        }
-    }
+    let variants = variants_of(&host.urls(), &proxies, "");
     let (rounds, per_round) = if full { (5, 2000) } else { (1, 200) };
     println!(
         "OpenTelemetry export: the proxy's CPU per call, export off / on / receiver down / receiver slow; \
@@ -775,43 +792,9 @@ fn main() {
     let proxies: Vec<Proxy> = bins
         .iter()
         .enumerate()
-        .map(|(k, (label, bin))| {
-            let serve = serve(bin, &env_for(k), &wrapper);
-            let pid = serve.child.id();
-            let idle = idle_cpu(pid, Duration::from_secs(if full { 5 } else { 1 })).unwrap_or(0.0);
-            Proxy {
-                label: label.clone(),
-                bin: bin.clone(),
-                serve,
-                idle_us_per_s: idle,
-            }
-        })
+        .map(|(k, (label, bin))| start_proxy(label, bin, &env_for(k), &wrapper, full))
         .collect();
-    let mut variants = vec![
-        Variant {
-            name: "direct to upstream, plain".into(),
-            streamed: false,
-            proxy: None,
-            caller: Direct::new(&urls[0], MODEL, UPSTREAM_KEY),
-        },
-        Variant {
-            name: "direct to upstream, streamed".into(),
-            streamed: true,
-            proxy: None,
-            caller: Direct::new(&urls[1], MODEL, UPSTREAM_KEY),
-        },
-    ];
-    for (p, proxy) in proxies.iter().enumerate() {
-        let url = format!("{}/v1", proxy.serve.base);
-        for (model, streamed, kind) in [("plain", false, "plain"), ("stream", true, "streamed")] {
-            variants.push(Variant {
-                name: format!("through {}, {kind}", proxy.label),
-                streamed,
-                proxy: Some(p),
-                caller: Direct::new(&url, model, PROXY_KEY),
-            });
-        }
-    }
+    let variants = variants_of(&urls, &proxies, "through ");
     if let Ok(name) = std::env::var("POLYGW_BENCH_PROFILE") {
         let ok = rt.block_on(profile_one(&variants, &proxies, &name));
         // A polite stop, so that a profiler wrapping the proxy writes its output.
