@@ -400,3 +400,45 @@ async fn phoenix_shows_a_resumed_call_under_the_callers_trace() {
         "usage on the answering request: {resume:#}"
     );
 }
+
+/// Embeddings are calls too: a span named for the operation, with its usage, under the
+/// caller's trace.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_embeddings_call_is_a_span_with_its_usage() {
+    let sink = Sink::start(Duration::ZERO).await;
+    let a = mock(words(5)).await;
+    let b = mock(words(5)).await;
+    let mut vars = env(&a, &b, &sink.endpoint, &[]);
+    vars.extend(source("EMBED", "e", &a, &[]));
+    vars.push(("EMBED__KIND".into(), "embedding".into()));
+    let s = serve_args(&[], &vars);
+    let r = reqwest::Client::new()
+        .post(format!("{}/v1/embeddings", s.base))
+        .header("traceparent", format!("00-{TRACE}-{CALLER_SPAN}-01"))
+        .json(&serde_json::json!({"model": "embed", "input": ["one", "two"]}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status().as_u16(), 200, "{}", r.text().await.unwrap());
+    sink.wait("the embeddings call's spans", |g| {
+        g.spans.iter().filter(|s| trace_id(s) == TRACE).count() >= 2
+    })
+    .await;
+    let got = sink.got.lock().unwrap();
+    let root = got
+        .spans
+        .iter()
+        .find(|s| parent_id(s) == CALLER_SPAN)
+        .expect("the call's span");
+    assert_eq!(root.name, "embeddings embed");
+    assert!(int_attr(&root.attributes, "gen_ai.usage.input_tokens").is_some_and(|n| n > 0));
+    let child = got
+        .spans
+        .iter()
+        .find(|s| parent_id(s) == span_id(root))
+        .expect("the upstream request's span");
+    assert_eq!(
+        str_attr(&child.attributes, "gen_ai.operation.name"),
+        Some("embeddings")
+    );
+}

@@ -181,6 +181,9 @@ impl EmbeddingClient {
         call.set_max_wait(options.max_wait, options.max_wait_name.clone());
         call.set_api(options.api);
         call.set_key(options.client_key.clone().map(|k| k.0));
+        engine.trace_call(&call, options.trace_parent, |o| {
+            o.set_model(options.model.clone())
+        });
         let span = tracing::info_span!(
             "polygw.embed",
             gen_ai.operation.name = "embeddings",
@@ -195,6 +198,16 @@ impl EmbeddingClient {
             .await;
         if let Ok(e) = &result {
             span.record("gen_ai.usage.input_tokens", e.usage.prompt_tokens);
+        }
+        if let Some(o) = call.otel() {
+            let answer = result.as_ref().map(|e| polygw_core::otel::AnswerFacts {
+                model: e.model.clone(),
+                source: e.sources.first().cloned().unwrap_or_default(),
+                input_tokens: e.usage.prompt_tokens,
+                usage_source: e.usage_source.as_str().to_string(),
+                ..Default::default()
+            });
+            o.end_other(engine.ports.clock.now(), answer);
         }
         engine.conclude(&call, &span, result.as_ref().err());
         result

@@ -136,6 +136,7 @@ impl OcrClient {
             false,
             self.engine.ports.clock.clone(),
         ));
+        engine.trace_call(&call, None, |_| {});
         let span = tracing::info_span!(
             "polygw.ocr",
             gen_ai.operation.name = "ocr",
@@ -152,6 +153,15 @@ impl OcrClient {
         let result = with_deadline(engine, &call, engine.run_call(&leg, &call, off, None))
             .instrument(span.clone())
             .await;
+        if let Some(o) = call.otel() {
+            let answer = result.as_ref().map(|won| polygw_core::otel::AnswerFacts {
+                model: engine.scope.sources[won.info.source_idx].model.clone(),
+                source: engine.scope.sources[won.info.source_idx].name.clone(),
+                usage_source: "unavailable".to_string(),
+                ..Default::default()
+            });
+            o.end_other(engine.ports.clock.now(), answer);
+        }
         engine.conclude(&call, &span, result.as_ref().err());
         let won = result?;
         let src = &engine.scope.sources[won.info.source_idx];

@@ -190,34 +190,54 @@ impl OtelCall {
 
     /// The call ended with `result`.
     pub(crate) fn end(&self, at: Instant, result: Result<&LlmResponse, &GatewayError>) {
+        let answer = result.map(|r| {
+            let facts = AnswerFacts {
+                id: response_id(r),
+                model: r.model.clone(),
+                finish_reason: r.finish_reason.clone(),
+                source: r.source.clone(),
+                input_tokens: r.usage.prompt_tokens,
+                output_tokens: r.usage.completion_tokens,
+                cache_read_tokens: r.usage.cached_prompt_tokens,
+                cache_write_tokens: r.usage.cache_write_tokens,
+                usage_source: r.usage_source.as_str().to_string(),
+                ttft_ms: r.ttft_ms,
+            };
+            let output = self.exporter.captures_content().then(|| {
+                redact_secrets(
+                    &serde_json::json!([{
+                        "role": "assistant",
+                        "parts": [{"type": "text", "content": r.content}],
+                        "finish_reason": r.finish_reason,
+                    }])
+                    .to_string(),
+                )
+            });
+            (facts, output, r.call_stats.cache_hit)
+        });
+        self.end_with(at, answer);
+    }
+
+    /// An embedding or OCR call ended: `answer` is what it answered.
+    pub(crate) fn end_other(&self, at: Instant, answer: Result<AnswerFacts, &GatewayError>) {
+        self.end_with(at, answer.map(|a| (a, None, false)));
+    }
+
+    fn end_with(
+        &self,
+        at: Instant,
+        answer: Result<(AnswerFacts, Option<String>, bool), &GatewayError>,
+    ) {
         let mut e = lock(&self.ending);
         if e.at.is_some() {
             return;
         }
         e.at = Some(at);
-        match result {
-            Ok(r) => {
-                e.cache_hit = r.call_stats.cache_hit;
-                e.answer = Some(AnswerFacts {
-                    id: response_id(r),
-                    model: r.model.clone(),
-                    finish_reason: r.finish_reason.clone(),
-                    source: r.source.clone(),
-                    input_tokens: r.usage.prompt_tokens,
-                    output_tokens: r.usage.completion_tokens,
-                    cache_read_tokens: r.usage.cached_prompt_tokens,
-                    cache_write_tokens: r.usage.cache_write_tokens,
-                    usage_source: r.usage_source.as_str().to_string(),
-                    ttft_ms: r.ttft_ms,
-                });
-                if self.exporter.captures_content() {
-                    let out = serde_json::json!([{
-                        "role": "assistant",
-                        "parts": [{"type": "text", "content": r.content}],
-                        "finish_reason": r.finish_reason,
-                    }]);
-                    e.output = Some(redact_secrets(&out.to_string()));
-                }
+        match answer {
+            Ok((facts, output, cache_hit)) => {
+                e.answer = Some(facts);
+                e.output = output;
+                e.cache_hit = cache_hit;
             }
             Err(err) => {
                 e.error_type = Some(
@@ -228,6 +248,11 @@ impl OtelCall {
                 );
             }
         }
+    }
+
+    /// The model the client named (embedding and OCR calls).
+    pub(crate) fn set_model(&self, model: Option<String>) {
+        lock(&self.request).model = model;
     }
 
     /// Hands the finished call to the exporter (the call's last reference is going).

@@ -86,6 +86,7 @@ async fn inner(
         options = options.with_client_key(c);
     }
     options.api = Some("embeddings");
+    options.model = Some(parsed.model.clone());
     let r = tokio::select! {
         biased;
         r = client.embed_inputs_with(&parsed.input, options) => r,
