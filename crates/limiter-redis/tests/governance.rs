@@ -1545,7 +1545,9 @@ mod tls {
 mod periods {
     use polygw_core::client_key::BudgetPeriod;
     use polygw_core::error::RefusalReason;
-    use polygw_core::key_quota::{period_end_ms, KeyQuotas};
+    use polygw_core::key_quota::{
+        format_utc, period_end_ms, period_id, period_start_ms, KeyQuotas,
+    };
     use polygw_core::ports::KeyAcquire;
     use polygw_testkit::services::{redis_url, unique_name};
     use redis::aio::MultiplexedConnection;
@@ -1730,16 +1732,47 @@ mod periods {
         );
     }
 
+    /// The wall clock, Unix ms. Redis expires the keys at the simulated times
+    /// (`PEXPIREAT`) by its own clock: the times the test plays must lie ahead of it,
+    /// or the keys vanish as they are written.
+    #[allow(
+        clippy::disallowed_methods,
+        reason = "Redis expires keys by the wall clock"
+    )]
+    fn wall_ms() -> u64 {
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap()
+            .as_millis() as u64
+    }
+
+    /// The first month end after `from` for which `pick(start, end)` holds.
+    fn month_end(from: u64, pick: impl Fn(u64, u64) -> bool) -> u64 {
+        let mut end = period_end_ms(BudgetPeriod::Month, from);
+        for _ in 0..120 {
+            let start =
+                period_start_ms(BudgetPeriod::Month, period_id(BudgetPeriod::Month, end - 1));
+            if pick(start, end) {
+                return end;
+            }
+            end = period_end_ms(BudgetPeriod::Month, end);
+        }
+        panic!("no such month within ten years of {}", format_utc(from));
+    }
+
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn the_key_scripts_roll_days_months_and_years_as_core_does() {
         let Some(url) = redis_url() else { return };
-        // 2026-12-06T23:59:40Z's day; 2027-01-31's month (a 31-day month); 2028-02-29
-        // (a leap day, then March); 2026-12-31 (a year).
+        // Boundaries ahead of the wall clock (see `wall_ms`): a day's end; the end of
+        // a 31-day month; the end of a February of 29 days (a leap day, then March);
+        // a year's end.
+        const DAY: u64 = 86_400_000;
+        let from = wall_ms() + 30 * DAY;
         let days = [
-            1_796_601_600_000u64,
-            period_end_ms(BudgetPeriod::Month, 1_801_353_600_000),
-            period_end_ms(BudgetPeriod::Day, 1_835_395_200_000),
-            period_end_ms(BudgetPeriod::Month, 1_798_675_200_000 - 1),
+            period_end_ms(BudgetPeriod::Day, from),
+            month_end(from, |s, e| e - s == 31 * DAY),
+            month_end(from, |s, e| e - s == 29 * DAY),
+            month_end(from, |_, e| format_utc(e).ends_with("-01-01T00:00:00Z")),
         ];
         for (i, b) in days.into_iter().enumerate() {
             across(&url, b, 7 + i as u64).await;
