@@ -667,11 +667,7 @@ fn compare_otel(
     // `-- --otel --instructions`: instructions per call under callgrind, export off and
     // on (the export thread's work counts: each dump waits for its batches to go).
     if std::env::args().any(|a| a == "--instructions") {
-        let rt = tokio::runtime::Builder::new_multi_thread()
-            .worker_threads(2)
-            .enable_all()
-            .build()
-            .expect("runtime");
+        let rt = support::runtime();
         let dir = tempfile::tempdir().expect("temp dir");
         for (k, (label, extra)) in configs.iter().take(3).enumerate() {
             let mut env = env_for(40 + k);
@@ -695,15 +691,11 @@ fn compare_otel(
     let variants = variants_of(&host.urls(), &proxies, "");
     let (rounds, per_round) = if full { (5, 2000) } else { (1, 200) };
     println!(
-        "OpenTelemetry export: the proxy's CPU per call, export off / on / receiver down / receiver slow; \
+        "OpenTelemetry export: the proxy's CPU per call, export off / on / 10% of traces / receiver down / receiver slow; \
          {rounds} rounds (+1 warm-up), {per_round} calls per variant per round, 16 callers; load average {}",
         loadavg()
     );
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .expect("runtime");
+    let rt = support::runtime();
     let ok = rt.block_on(async {
         let (accs, cpu) = level(&variants, &proxies, 16, rounds, per_round).await;
         let ok = report(16, &variants, &accs, &cpu, &proxies);
@@ -774,11 +766,7 @@ fn main() {
         compare_otel(&bins[0].1, &env_for, host, full);
         return;
     }
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .expect("runtime");
+    let rt = support::runtime();
     // `-- --instructions` (`cargo xtask bench serve-instructions`) or
     // `POLYGW_BENCH_SERVE_CALLGRIND=1`: only the instruction counts.
     if std::env::args().any(|a| a == "--instructions")

@@ -366,11 +366,7 @@ pub fn main() {
     let urls = host.urls();
     let dir = tempfile::tempdir().expect("temp dir");
     let db = |name: &str| format!("sqlite://{}", dir.path().join(name).display());
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .expect("runtime");
+    let rt = support::runtime();
     let ok = rt.block_on(async {
         let build = |scope: &str, url: &str, db: Option<String>| {
             let vars = vars(scope, url, db.as_deref());

@@ -17,6 +17,15 @@ pub fn full_run() -> bool {
     std::env::args().any(|a| a == "--bench")
 }
 
+/// The benchmarks' runtime: two worker threads (the machine's cores), timers and I/O.
+pub fn runtime() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .expect("runtime")
+}
+
 /// The 1-, 5- and 15-minute load averages (`/proc/loadavg`), for the record.
 pub fn loadavg() -> String {
     std::fs::read_to_string("/proc/loadavg")
