@@ -366,6 +366,10 @@ pub struct ScopeSettings {
     pub responses_max_bytes_per_key: u64,
     /// Prompt-cache affinity (`AFFINITY`, `AFFINITY__TTL_S`, SPEC §20.2).
     pub affinity: crate::affinity::AffinitySettings,
+    /// How long the signature family of a signed blob the scope passed is remembered
+    /// (`SIGNATURE__TTL_S`, SPEC §23.5; default 7 days).
+    #[serde(with = "crate::durations::secs")]
+    pub signature_ttl: Duration,
     /// Client keys' money (`KEYS__ESTIMATE_MARGIN`, `KEYS__MIN_OUTPUT_TOKENS`, SPEC §24.1).
     pub keys: crate::key_funds::KeySettings,
 }
@@ -399,6 +403,7 @@ impl ScopeSettings {
             responses_ttl: DEFAULT_RESPONSES_TTL,
             responses_max_bytes_per_key: DEFAULT_RESPONSES_MAX_BYTES_PER_KEY,
             affinity: crate::affinity::AffinitySettings::default(),
+            signature_ttl: crate::native::family::DEFAULT_SIGNATURE_TTL,
             keys: crate::key_funds::KeySettings::default(),
         }
     }

@@ -89,6 +89,10 @@ pub struct SourceConfig {
     /// a budgeted client key's call without a cap of its own reserves and is sent (SPEC
     /// §24.1); unset: [`crate::key_funds::DEFAULT_MAX_OUTPUT_TOKENS`].
     pub max_output_tokens: Option<u64>,
+    /// The source's signature family (`SIGNATURE_GROUP`; SPEC §23.5): sources that
+    /// share one can verify each other's thinking signatures and encrypted reasoning.
+    /// `None`: the source alone ([`SourceConfig::family`]).
+    pub signature_group: Option<String>,
 }
 
 /// The API a source speaks (`{S}__{P}__{i}__API`, SPEC §23.1).
@@ -240,7 +244,13 @@ impl SourceConfig {
             auth: None,
             max_completion_tokens: false,
             max_output_tokens: None,
+            signature_group: None,
         }
+    }
+
+    /// The source's signature family: its `SIGNATURE_GROUP`, else its own name.
+    pub fn family(&self) -> &str {
+        self.signature_group.as_deref().unwrap_or(&self.name)
     }
 
     /// Sets the API the source speaks (`API`).
@@ -434,6 +444,7 @@ impl std::fmt::Debug for SourceConfig {
             .field("auth", &self.auth)
             .field("max_completion_tokens", &self.max_completion_tokens)
             .field("max_output_tokens", &self.max_output_tokens)
+            .field("signature_group", &self.signature_group)
             .finish()
     }
 }

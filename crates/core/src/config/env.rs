@@ -36,7 +36,7 @@ pub const RESERVED_SEGMENTS: [&str; 15] = [
 ];
 
 /// The FIELDs a source accepts.
-pub const SOURCE_FIELDS: [&str; 26] = [
+pub const SOURCE_FIELDS: [&str; 27] = [
     "BASE_URL",
     "API_KEY",
     "MODEL",
@@ -63,10 +63,11 @@ pub const SOURCE_FIELDS: [&str; 26] = [
     "AUTH",
     "MAX_TOKENS_FIELD",
     "MAX_OUTPUT_TOKENS",
+    "SIGNATURE_GROUP",
 ];
 
 /// Scope keys: (group or "" for two-segment keys, field).
-pub const SCOPE_KEYS: [(&str, &str); 48] = [
+pub const SCOPE_KEYS: [(&str, &str); 49] = [
     ("", "CALL_DEADLINE_S"),
     ("", "MODEL_ALIASES"),
     ("", "KIND"),
@@ -113,6 +114,7 @@ pub const SCOPE_KEYS: [(&str, &str); 48] = [
     ("RESPONSES", "MAX_BYTES_PER_KEY"),
     ("", "AFFINITY"),
     ("AFFINITY", "TTL_S"),
+    ("SIGNATURE", "TTL_S"),
     ("KEYS", "ESTIMATE_MARGIN"),
     ("KEYS", "MIN_OUTPUT_TOKENS"),
 ];
@@ -456,6 +458,20 @@ fn build_source(
             .and_then(|x| guards::int_in(k, x, &guards::MAX_OUTPUT_TOKENS_RANGE))
             .map(|x| src.max_output_tokens = Some(x)));
     }
+    if let Some((k, v)) = get("SIGNATURE_GROUP") {
+        let g = v.trim();
+        run(
+            if g.is_empty()
+                || g.len() > 64
+                || g.chars().any(|c| c.is_control() || c.is_whitespace())
+            {
+                Err(invalid(k, v, "a group name: 1 to 64 characters, no spaces"))
+            } else {
+                src.signature_group = Some(g.to_ascii_lowercase());
+                Ok(())
+            },
+        );
+    }
     if let Some((k, v)) = get("MAX_TOKENS_FIELD") {
         run(match v.trim().to_ascii_lowercase().as_str() {
             "" | "max_tokens" => Ok(()),
@@ -637,6 +653,7 @@ fn apply_scope_keys(
                 .map(|x| s.affinity.mode = x)
                 .map_err(|()| invalid(k, v, "off or session"))),
             ("AFFINITY", "TTL_S") => run(parse_secs(k, v).map(|x| s.affinity.ttl = x)),
+            ("SIGNATURE", "TTL_S") => run(parse_secs(k, v).map(|x| s.signature_ttl = x)),
             ("STRUCTURED", "MAX_REASKS") => run(parse_int::<u32>(k, v)
                 .and_then(|x| guards::int_in(k, x, &guards::MAX_REASKS_RANGE))
                 .map(|x| s.max_reasks = x)),

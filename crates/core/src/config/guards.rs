@@ -411,6 +411,15 @@ pub fn check(s: &ScopeSettings, kind: ScopeKind) -> Result<Vec<ConfigWarning>, C
         push(duration(&scope_key(scope, "CACHE__TTL_S"), ttl).map(|_| ()));
     }
     push(duration(&scope_key(scope, "AFFINITY__TTL_S"), s.affinity.ttl).map(|_| ()));
+    // Days, not seconds: a conversation resumes days later (up to a year).
+    push(
+        int_in(
+            &scope_key(scope, "SIGNATURE__TTL_S"),
+            s.signature_ttl.as_secs(),
+            &(1..=365 * 24 * 3600),
+        )
+        .map(|_| ()),
+    );
     push(
         int_in(
             &scope_key(scope, "CACHE__CAPACITY"),

@@ -3,6 +3,7 @@
 //! upstream event passed to the client as received ([`NativeEvent`]), and the pure
 //! readers that tell the engine what each API's events mean ([`messages`]).
 
+pub mod family;
 pub mod messages;
 pub mod responses;
 pub mod signed;
