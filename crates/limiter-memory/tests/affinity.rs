@@ -66,6 +66,7 @@ cases!(
     zero_ttl_forgets,
     every_client_reads_what_one_wrote,
     concurrent_writers_leave_one_of_their_values,
+    many_keys_are_read_and_written_at_once,
 );
 
 #[test]

@@ -6,6 +6,10 @@
 //! `SET … PX <ttl>` so it expires by itself; `<key>` is the 32-hex-character digest
 //! ([`polygw_core::affinity::AffinityKey`]), never the client's text. A read is one `GET`.
 //! Expiry is the server's, so process clocks do not matter.
+//!
+//! The signature families of SPEC §23.5 are keys of the same kind (`…:aff:sg<digest>`):
+//! a call reads all of its blobs with one `MGET` (one slot: the scope's hash tag) and
+//! an answer's are written with one pipeline of `SET … PX`.
 
 use std::time::Duration;
 
@@ -57,6 +61,47 @@ impl AffinityStore for RedisAffinityStore {
                 "write an affinity key",
                 redis::cmd("SET").arg(&k).arg(source).arg("PX").arg(ttl_ms),
             )
+            .await
+            .map(|_: redis::Value| ())
+    }
+
+    async fn get_many(
+        &self,
+        scope: &str,
+        keys: &[String],
+    ) -> Result<Vec<Option<String>>, GovernanceError> {
+        if keys.is_empty() {
+            return Ok(Vec::new());
+        }
+        let mut cmd = redis::cmd("MGET");
+        for k in keys {
+            cmd.arg(keys::affinity(scope, k)?);
+        }
+        self.conn.query("read signature families", &cmd).await
+    }
+
+    async fn put_many(
+        &self,
+        scope: &str,
+        keys: &[String],
+        value: &str,
+        ttl: Duration,
+    ) -> Result<(), GovernanceError> {
+        let ttl_ms = u64::try_from(ttl.as_millis()).unwrap_or(u64::MAX);
+        if keys.is_empty() || ttl_ms == 0 {
+            return Ok(());
+        }
+        let mut pipe = redis::pipe();
+        for k in keys {
+            pipe.cmd("SET")
+                .arg(keys::affinity(scope, k)?)
+                .arg(value)
+                .arg("PX")
+                .arg(ttl_ms)
+                .ignore();
+        }
+        self.conn
+            .query_pipe("write signature families", &pipe)
             .await
             .map(|_: redis::Value| ())
     }

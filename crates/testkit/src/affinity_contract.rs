@@ -34,7 +34,7 @@ pub trait AffinityHarness: Send + Sync {
 }
 
 /// Every case, for the "each implementation runs them all" check.
-pub const CASES: [&str; 9] = [
+pub const CASES: [&str; 10] = [
     "unknown_key_reads_none",
     "put_then_get",
     "put_replaces_the_source",
@@ -44,6 +44,7 @@ pub const CASES: [&str; 9] = [
     "zero_ttl_forgets",
     "every_client_reads_what_one_wrote",
     "concurrent_writers_leave_one_of_their_values",
+    "many_keys_are_read_and_written_at_once",
 ];
 
 fn scope() -> String {
@@ -199,4 +200,46 @@ pub async fn concurrent_writers_leave_one_of_their_values(h: &dyn AffinityHarnes
             );
         }
     }
+}
+
+/// Signature families (SPEC §23.5): `put_many` writes every key, `get_many` reads them
+/// back in order with `None` where a key is unknown or expired, and an empty list is no
+/// round trip's worth of trouble.
+pub async fn many_keys_are_read_and_written_at_once(h: &dyn AffinityHarness) {
+    use polygw_core::native::family::blob_key;
+    let s = h.store().await;
+    let sc = scope();
+    assert!(s.get_many(&sc, &[]).await.unwrap().is_empty());
+    s.put_many(&sc, &[], "a", LONG).await.unwrap();
+    let (k1, k2, k3) = (blob_key("sig-1"), blob_key("sig-2"), blob_key("sig-3"));
+    s.put_many(&sc, &[k1.clone(), k2.clone()], "group-a", LONG)
+        .await
+        .unwrap();
+    s.put_many(&sc, std::slice::from_ref(&k3), "group-b", h.ttl())
+        .await
+        .unwrap();
+    let keys = [k1.clone(), blob_key("never"), k3.clone(), k2.clone()];
+    assert_eq!(
+        s.get_many(&sc, &keys).await.unwrap(),
+        vec![
+            Some("group-a".to_string()),
+            None,
+            Some("group-b".to_string()),
+            Some("group-a".to_string())
+        ]
+    );
+    // Another client reads the same.
+    let other = h.clients(1).await.remove(0);
+    assert_eq!(
+        other
+            .get_many(&sc, std::slice::from_ref(&k2))
+            .await
+            .unwrap(),
+        vec![Some("group-a".to_string())]
+    );
+    h.advance(h.ttl() + h.margin()).await;
+    assert_eq!(
+        s.get_many(&sc, &[k3, k1]).await.unwrap(),
+        vec![None, Some("group-a".to_string())]
+    );
 }

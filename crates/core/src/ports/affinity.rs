@@ -3,7 +3,9 @@
 //! (Redis: one small expiring key per session under the scope's hash tag).
 //!
 //! Keys are [`crate::affinity::AffinityKey`] digests (32 hex characters), never a
-//! client's text. The store is a hint, not governance: the engine treats a failing store
+//! client's text. The same store remembers the signature family of the signed blobs a
+//! scope passed (SPEC §23.5, [`crate::native::family::blob_key`]: `sg` and 32 hex
+//! characters), read and written many at once ([`AffinityStore::get_many`]). The store is a hint, not governance: the engine treats a failing store
 //! as "no source remembered" (the call takes the normal order) and logs it.
 
 use std::time::Duration;
@@ -28,6 +30,34 @@ pub trait AffinityStore: Send + Sync + std::fmt::Debug {
         source: &str,
         ttl: Duration,
     ) -> Result<(), GovernanceError>;
+
+    /// [`AffinityStore::get`] of each of `keys`, in order: one round trip where the
+    /// backend has one (Redis: `MGET`).
+    async fn get_many(
+        &self,
+        scope: &str,
+        keys: &[String],
+    ) -> Result<Vec<Option<String>>, GovernanceError> {
+        let mut out = Vec::with_capacity(keys.len());
+        for k in keys {
+            out.push(self.get(scope, k).await?);
+        }
+        Ok(out)
+    }
+
+    /// [`AffinityStore::put`] of each of `keys` with the same `value` and `ttl`.
+    async fn put_many(
+        &self,
+        scope: &str,
+        keys: &[String],
+        value: &str,
+        ttl: Duration,
+    ) -> Result<(), GovernanceError> {
+        for k in keys {
+            self.put(scope, k, value, ttl).await?;
+        }
+        Ok(())
+    }
 }
 
 /// A store that remembers nothing (affinity without a backend: every call is a miss).
