@@ -33,6 +33,7 @@ mod profile;
 mod record;
 mod responses_wire;
 mod server;
+mod signing;
 mod text;
 mod tls;
 
@@ -60,6 +61,7 @@ pub use profile::{
     Weighted, PROFILE_NAMES,
 };
 pub use record::{EndKind, ImageSeen, RecordedRequest};
+pub use signing::{encrypted_content, thinking_signature};
 pub use text::embedding_of;
 pub use tls::TlsFront;
 

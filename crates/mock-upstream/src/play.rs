@@ -369,7 +369,8 @@ fn stop_reason(finish: &str) -> &str {
 
 /// The plain Responses answer (`response`) of a plan.
 pub(crate) fn response_json(b: &Behavior, ctx: &Ctx, plan: &Plan) -> Value {
-    let mut w = ResponsesWriter::new(ctx.guard.id, &ctx.model, ctx.created, b.tool_call.clone());
+    let mut w = ResponsesWriter::new(ctx.guard.id, &ctx.model, ctx.created, b.tool_call.clone())
+        .signed_by(b.signing_group.as_deref());
     for item in &plan.items {
         w.item(item);
     }
@@ -377,11 +378,13 @@ pub(crate) fn response_json(b: &Behavior, ctx: &Ctx, plan: &Plan) -> Value {
     w.final_response(&plan.finish_reason, usage)
 }
 
-/// The signature of the thinking blocks this answer sends (`Behavior::signing_group`).
-fn signature(b: &Behavior) -> String {
-    b.signing_group
-        .as_ref()
-        .map_or_else(|| "mock-signature".to_string(), |g| format!("sig-{g}"))
+/// The signature of a thinking block of `text` this answer sends
+/// (`Behavior::signing_group`).
+fn signature(b: &Behavior, text: &str) -> String {
+    b.signing_group.as_ref().map_or_else(
+        || "mock-signature".to_string(),
+        |g| crate::signing::thinking_signature(g, text),
+    )
 }
 
 /// The plain Messages answer (`message`) of a plan.
@@ -389,7 +392,8 @@ pub(crate) fn message_json(b: &Behavior, ctx: &Ctx, plan: &Plan) -> Value {
     let mut content = Vec::new();
     let reasoning = plan.reasoning();
     if !reasoning.is_empty() {
-        content.push(json!({"type": "thinking", "thinking": reasoning, "signature": signature(b)}));
+        let sig = signature(b, &reasoning);
+        content.push(json!({"type": "thinking", "thinking": reasoning, "signature": sig}));
     }
     let text = plan.full_content();
     if !text.is_empty() || b.tool_call.is_none() {
@@ -426,6 +430,9 @@ struct Stream<'a> {
     /// Messages: the open content block (its index and kind), and the next index.
     block: Option<(u32, BlockKind)>,
     next_block: u32,
+    /// Messages: the open thinking block's text as the client receives it (what its
+    /// signature covers).
+    thinking: String,
     /// Responses: the events' writer.
     responses: Option<ResponsesWriter>,
 }
@@ -493,7 +500,8 @@ impl Stream<'_> {
         if let Some((index, kind)) = self.block.take() {
             if kind == BlockKind::Thinking {
                 let v = json!({"type": "content_block_delta", "index": index,
-                    "delta": {"type": "signature_delta", "signature": signature(self.b)}});
+                    "delta": {"type": "signature_delta", "signature": signature(self.b, &self.thinking)}});
+                self.thinking.clear();
                 self.event(&v).await;
             }
             self.event(&json!({"type": "content_block_stop", "index": index}))
@@ -529,6 +537,9 @@ impl Stream<'_> {
         let index = self.block.map_or(0, |(i, _)| i);
         if kind == BlockKind::Thinking && self.b.thinking_omitted {
             return;
+        }
+        if let Item::Reasoning(t) = item {
+            self.thinking.push_str(t);
         }
         let delta = match item {
             Item::Reasoning(s) => json!({"type": "thinking_delta", "thinking": s}),
@@ -798,8 +809,10 @@ impl Stream<'_> {
 
 /// Plays a generated SSE stream (headers already sent).
 pub(crate) async fn play_stream(b: Behavior, ctx: Ctx, out: Out) {
-    let responses = (ctx.api == WireApi::Responses)
-        .then(|| ResponsesWriter::new(ctx.guard.id, &ctx.model, ctx.created, b.tool_call.clone()));
+    let responses = (ctx.api == WireApi::Responses).then(|| {
+        ResponsesWriter::new(ctx.guard.id, &ctx.model, ctx.created, b.tool_call.clone())
+            .signed_by(b.signing_group.as_deref())
+    });
     let s = Stream {
         b: &b,
         ctx,
@@ -807,6 +820,7 @@ pub(crate) async fn play_stream(b: Behavior, ctx: Ctx, out: Out) {
         last_write: Instant::now(),
         block: None,
         next_block: 0,
+        thinking: String::new(),
         responses,
     };
     s.play().await;

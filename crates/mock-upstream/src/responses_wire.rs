@@ -53,6 +53,8 @@ pub(crate) struct ResponsesWriter {
     items: Vec<Value>,
     open: Option<Open>,
     tool: ToolCallSpec,
+    /// The signature group whose encrypted content reasoning items carry.
+    signing: Option<String>,
 }
 
 impl ResponsesWriter {
@@ -66,7 +68,14 @@ impl ResponsesWriter {
             items: Vec::new(),
             open: None,
             tool: tool.unwrap_or_default(),
+            signing: None,
         }
+    }
+
+    /// Reasoning items carry encrypted content of `group` (`Behavior::signing_group`).
+    pub(crate) fn signed_by(mut self, group: Option<&str>) -> Self {
+        self.signing = group.map(str::to_string);
+        self
     }
 
     fn event(&mut self, mut v: Value) -> Value {
@@ -115,7 +124,11 @@ impl ResponsesWriter {
                     self.event(json!({"type": "response.reasoning_summary_part.done",
                     "item_id": o.id, "output_index": i, "summary_index": 0, "part": part})),
                 );
-                json!({"id": o.id, "type": "reasoning", "summary": [part]})
+                let mut item = json!({"id": o.id, "type": "reasoning", "summary": [part]});
+                if let Some(g) = &self.signing {
+                    item["encrypted_content"] = json!(crate::signing::encrypted_content(g, &o.id));
+                }
+                item
             }
             Kind::Message => {
                 let part = json!({"type": "output_text", "text": o.text, "annotations": []});

@@ -533,11 +533,11 @@ async fn handle_request(
                 ));
             }
             if let Some(group) = &b.signing_group {
-                if let Some((code, message)) = foreign_signed_state(api, &body, group) {
+                if let Some((code, message)) = crate::signing::refusal(api, &body, group) {
                     return Ok(simple(
                         guard,
                         400,
-                        error_json_in(api, 400, code, Some(&message)),
+                        error_json_in(api, 400, Some(code), Some(&message)),
                     ));
                 }
             }
@@ -972,65 +972,4 @@ async fn embeddings(
     guard.chunks_sent = inputs.len() as u32;
     guard.finish(EndKind::Completed);
     json_response(b.status, &v, Some(&b))
-}
-
-/// Signed state in a request that provider group `group` did not sign (see
-/// `Behavior::signing_group`): the error code and message the real provider answers.
-fn foreign_signed_state(
-    api: WireApi,
-    body: &Value,
-    group: &str,
-) -> Option<(Option<&'static str>, String)> {
-    match api {
-        WireApi::Messages => {
-            let messages = body.get("messages")?.as_array()?;
-            for (i, m) in messages.iter().enumerate() {
-                let Some(blocks) = m.get("content").and_then(Value::as_array) else {
-                    continue;
-                };
-                for (j, b) in blocks.iter().enumerate() {
-                    let foreign = match b.get("type").and_then(Value::as_str) {
-                        Some("thinking") => {
-                            b.get("signature").and_then(Value::as_str)
-                                != Some(format!("sig-{group}").as_str())
-                        }
-                        Some("redacted_thinking") => !b
-                            .get("data")
-                            .and_then(Value::as_str)
-                            .is_some_and(|d| d.starts_with(&format!("red-{group}"))),
-                        _ => false,
-                    };
-                    if foreign {
-                        return Some((
-                            Some("invalid_request_error"),
-                            format!(
-                                "messages.{i}.content.{j}: Invalid `signature` in `thinking` block"
-                            ),
-                        ));
-                    }
-                }
-            }
-            None
-        }
-        WireApi::Responses => {
-            let items = body.get("input")?.as_array()?;
-            items.iter().find_map(|item| {
-                let enc = item.get("encrypted_content")?.as_str()?;
-                (item.get("type").and_then(Value::as_str) == Some("reasoning")
-                    && !enc.starts_with(&format!("enc-{group}")))
-                .then(|| {
-                    let id = item.get("id").and_then(Value::as_str).unwrap_or("rs");
-                    (
-                        Some("invalid_encrypted_content"),
-                        format!(
-                            "The encrypted content for item {id} could not be verified. \
-                             Reason: Encrypted content organization_id did not match the \
-                             target organization."
-                        ),
-                    )
-                })
-            })
-        }
-        _ => None,
-    }
 }
