@@ -116,6 +116,40 @@ crate::scope_client::scope_client!(GatewayClient, polygw_core::ScopeKind::Chat, 
 /// The chat attempt.
 struct ChatLeg<'r> {
     request: &'r ChatRequest,
+    /// The request's signed blobs placed in their families (SPEC §23.5), when the
+    /// scope's sources of its API belong to more than one.
+    placed: Option<&'r polygw_core::native::family::Placed>,
+}
+
+impl ChatLeg<'_> {
+    /// The request as `source`'s family may receive it: `None` when it is (no signed
+    /// blob another family produced).
+    fn for_family(&self, engine: &Engine, source: &SourceConfig) -> Option<ChatRequest> {
+        let placed = self.placed?;
+        let native = self.request.native.as_ref()?;
+        if native.api != source.api || !placed.any_foreign(source.family()) {
+            return None;
+        }
+        let mut body = native.body.clone();
+        let s = placed.keep_for(native.api, &mut body, source.family());
+        if s.removed == 0 {
+            return None;
+        }
+        tracing::info!(
+            scope = %engine.scope.name,
+            source = %source.name,
+            family = %source.family(),
+            removed = s.removed,
+            thinking_off = s.thinking_off,
+            "signed blocks another signature family produced were removed for this source"
+        );
+        let mut out = self.request.clone();
+        out.native = Some(Arc::new(polygw_core::native::NativeRequest {
+            body,
+            ..(**native).clone()
+        }));
+        Some(out)
+    }
 }
 
 impl<'r> ChatLeg<'r> {
@@ -207,7 +241,13 @@ impl Leg for ChatLeg<'_> {
             // What the process learned about the source (SPEC §24.4).
             let learned = engine.learned_source(source);
             let src = learned.as_ref().unwrap_or(source);
-            let r = self
+            // Only what the source's signature family can verify (SPEC §23.5).
+            let adapted = self.for_family(engine, src);
+            let this = ChatLeg {
+                request: adapted.as_ref().unwrap_or(self.request),
+                placed: None,
+            };
+            let r = this
                 .send(engine, src, call_id, traceparent, observer, kind)
                 .await;
             match r {
@@ -223,21 +263,21 @@ impl Leg for ChatLeg<'_> {
                         max_completion_tokens: true,
                         ..src.clone()
                     };
-                    self.send(engine, &again, call_id, traceparent, observer, kind)
+                    this.send(engine, &again, call_id, traceparent, observer, kind)
                         .await
                 }
                 // The source refused signed state another source produced (thinking
                 // signatures, encrypted reasoning; SPEC §23.5's safety net): sent once
                 // more, at once, without it — not a failure of the call.
                 Err(e)
-                    if self
+                    if this
                         .request
                         .native
                         .as_ref()
                         .is_some_and(|n| n.api == src.api)
                         && polygw_core::native::signed::signature_rejection(src.api, &e) =>
                 {
-                    match without_signed_state(self.request) {
+                    match without_signed_state(this.request) {
                         Some((request, stripped)) => {
                             tracing::warn!(
                                 scope = %engine.scope.name,
@@ -247,9 +287,12 @@ impl Leg for ChatLeg<'_> {
                                 "the source refused signed state from another source (thinking \
                                  signatures or encrypted reasoning): sent once more without it"
                             );
-                            ChatLeg { request: &request }
-                                .send(engine, src, call_id, traceparent, observer, kind)
-                                .await
+                            ChatLeg {
+                                request: &request,
+                                placed: None,
+                            }
+                            .send(engine, src, call_id, traceparent, observer, kind)
+                            .await
                         }
                         None => Err(e),
                     }
@@ -714,13 +757,46 @@ impl GatewayClient {
             call.set_affinity(polygw_core::affinity::call_key(None, request));
         }
         let mut policy = HedgePolicy::for_request(&engine.scope.hedge, request.stream);
-        let leg = ChatLeg { request };
+        // Signature families (SPEC §23.5): the request's signed blobs placed, and the
+        // answer's noted for the winner's family.
+        let placed = engine.place_signed(request, call).await;
+        let signed_api = request
+            .native
+            .as_ref()
+            .map(|n| n.api)
+            .filter(|api| engine.families_differ(*api));
+        let signed_sink = match (signed_api, &sink) {
+            (Some(api), Some(inner)) => Some(Arc::new(crate::engine::signatures::SignedSink::new(
+                inner.clone(),
+                api,
+            ))),
+            _ => None,
+        };
+        let sink: Option<Arc<dyn DeltaSink>> = match &signed_sink {
+            Some(s) => Some(s.clone()),
+            None => sink,
+        };
+        let leg = ChatLeg {
+            request,
+            placed: placed.as_deref(),
+        };
         if !leg.single_choice() {
             // n > 1 (SPEC §17.5): the choices are the upstream's, passed through; no
             // other leg can join or continue them.
             policy.max_extra = 0;
         }
         let won = engine.run_call(&leg, call, policy, sink).await?;
+        if let Some(api) = signed_api {
+            let winner = won.info.source_idx;
+            if engine.scope.sources[winner].api == api {
+                let keys = match (&signed_sink, &won.output.raw_body) {
+                    (Some(s), _) => s.take(),
+                    (None, Some(body)) => crate::engine::signatures::signed_in_body(api, body),
+                    (None, None) => Vec::new(),
+                };
+                engine.remember_signed(winner, &keys).await;
+            }
+        }
         let response = self.response(won, call);
         if let (Some(k), Some(ttl)) = (&key, engine.scope.cache.ttl) {
             if response.finish_reason.is_some() {

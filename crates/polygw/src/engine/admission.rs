@@ -75,6 +75,10 @@ pub(crate) struct PickPrefs {
     /// its priority tier, unless it failed in the call (core's `affinity_order`). Only a
     /// fresh round's primary pick sets it (with none of the preferences above).
     pub sticky: Option<usize>,
+    /// Sources of this signature family first (SPEC §23.5: hedge and resume legs of a
+    /// conversation prefer its family; a cross-family leg costs a cache miss and loses
+    /// the thinking another family signed).
+    pub family: Option<std::sync::Arc<str>>,
 }
 
 /// The result of one pass over the candidates.
@@ -162,7 +166,13 @@ impl Engine {
             &failed,
             &|i| match prefs.first {
                 Some(f) => i == f,
-                None => !prefs.prefer_prefill || capable(i),
+                None => {
+                    (!prefs.prefer_prefill || capable(i))
+                        && prefs
+                            .family
+                            .as_deref()
+                            .is_none_or(|f| self.scope.sources[i].family() == f)
+                }
             },
             self.ports.rng.as_ref(),
         );

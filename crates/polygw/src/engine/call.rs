@@ -72,6 +72,9 @@ pub(crate) struct CallShared {
     /// What the call collects for OpenTelemetry (SPEC §26.1), when it is exported;
     /// handed over when the call's last reference goes.
     otel: std::sync::OnceLock<Box<crate::otel::OtelCall>>,
+    /// The signature family of the conversation (SPEC §23.5): hedge and resume legs
+    /// prefer its sources.
+    family: std::sync::OnceLock<Arc<str>>,
 }
 
 impl Drop for CallShared {
@@ -96,6 +99,7 @@ impl CallShared {
             attribution: Mutex::new(Default::default()),
             affinity: Mutex::new(None),
             otel: std::sync::OnceLock::new(),
+            family: std::sync::OnceLock::new(),
             logical_call_id,
             started,
             stream,
@@ -184,6 +188,16 @@ impl CallShared {
     }
 
     /// The call's affinity key, when it has one.
+    /// Sets the conversation's signature family (once).
+    pub(crate) fn set_family(&self, family: Arc<str>) {
+        let _ = self.family.set(family);
+    }
+
+    /// The conversation's signature family, when known.
+    pub(crate) fn family(&self) -> Option<Arc<str>> {
+        self.family.get().cloned()
+    }
+
     pub(crate) fn affinity(&self) -> Option<polygw_core::affinity::AffinityKey> {
         self.affinity
             .lock()

@@ -19,6 +19,7 @@ mod key_admission;
 pub(crate) mod latency;
 pub(crate) mod retry;
 pub(crate) mod round;
+pub(crate) mod signatures;
 
 use std::sync::{Arc, Mutex};
 

@@ -271,6 +271,7 @@ impl Engine {
                     prefer_prefill: true,
                     require_prefill: c.delivered_to_caller
                         && resume_setting == ResumeSetting::Prefill,
+                    family: call.family(),
                     ..PickPrefs::default()
                 },
                 None => PickPrefs::default(),

@@ -823,6 +823,7 @@ impl<'a, L: Leg> Exec<'a, L> {
             only: req.only,
             prefer_prefill: req.prefer_prefill,
             require_prefill: req.require_prefill,
+            family: self.call.family(),
             ..PickPrefs::default()
         };
         let stream = self.leg.stream();

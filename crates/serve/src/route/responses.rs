@@ -209,6 +209,9 @@ async fn create_inner(
                 Value::Array(history.iter().cloned().chain(input).collect()),
             );
         }
+        if !passes_state {
+            stateless(&mut body);
+        }
         Arc::new(NativeRequest {
             api: SourceApi::Responses,
             body,
@@ -411,6 +414,30 @@ pub async fn input_tokens(
         forwarded,
         json!({"object": "response.input_tokens", "input_tokens": estimate}),
     )
+}
+
+/// A `responses` source is called stateless (SPEC §23.5): `store: false`, and the
+/// reasoning's encrypted content included, so that the conversation — kept by polygw's
+/// store, or by the client — can continue on any source of the scope. A background
+/// response (which the source must store) is left as sent, and so is a request that
+/// continues a response polygw does not hold (the source may).
+fn stateless(body: &mut serde_json::Map<String, Value>) {
+    if body.get("background").and_then(Value::as_bool) == Some(true) {
+        return;
+    }
+    body.insert("store".into(), Value::Bool(false));
+    const ENCRYPTED: &str = "reasoning.encrypted_content";
+    match body.get_mut("include") {
+        Some(Value::Array(list)) => {
+            if !list.iter().any(|v| v.as_str() == Some(ENCRYPTED)) {
+                list.push(json!(ENCRYPTED));
+            }
+        }
+        Some(_) => {}
+        None => {
+            body.insert("include".into(), json!([ENCRYPTED]));
+        }
+    }
 }
 
 fn now_ms() -> i64 {
