@@ -549,7 +549,7 @@ async fn node_sdks_to_native_sources() {
 /// `note.txt` (whose secret word is "tangerine").
 struct AgentWorld {
     primary: MockUpstream,
-    _fallback: MockUpstream,
+    fallback: MockUpstream,
     serve: Serve,
     home: tempfile::TempDir,
     work: tempfile::TempDir,
@@ -578,15 +578,38 @@ impl AgentWorld {
     }
 }
 
+/// The agents' world: a primary and a fallback of different signature families
+/// (fam-a, fam-b; SPEC §23.5), each mock signing as its own and refusing the other's.
 async fn agent_world(api: &str, aliases: &str) -> AgentWorld {
-    let primary = mock(hello()).await;
-    let fallback = mock(Behavior::text(&["Answered", " by", " the", " fallback"])).await;
-    let mut env = source("LLM", "a", &primary, &[("API", api), ("PRIORITY", "0")]);
+    let primary = mock(Behavior {
+        signing_group: Some("fam-a".into()),
+        ..hello()
+    })
+    .await;
+    let fallback = mock(Behavior {
+        signing_group: Some("fam-b".into()),
+        ..Behavior::text(&["Answered", " by", " the", " fallback"])
+    })
+    .await;
+    let mut env = source(
+        "LLM",
+        "a",
+        &primary,
+        &[
+            ("API", api),
+            ("PRIORITY", "0"),
+            ("SIGNATURE_GROUP", "fam-a"),
+        ],
+    );
     env.extend(source(
         "LLM",
         "b",
         &fallback,
-        &[("API", api), ("PRIORITY", "1")],
+        &[
+            ("API", api),
+            ("PRIORITY", "1"),
+            ("SIGNATURE_GROUP", "fam-b"),
+        ],
     ));
     env.push(var("LLM__MODEL_ALIASES", aliases));
     env.push(var("LLM__RETRY__BACKOFF_BASE_S", "0.01"));
@@ -602,12 +625,163 @@ async fn agent_world(api: &str, aliases: &str) -> AgentWorld {
     .unwrap();
     AgentWorld {
         primary,
-        _fallback: fallback,
+        fallback,
         serve,
         home: tempfile::tempdir().unwrap(),
         work,
         db,
         _db_dir: db_dir,
+    }
+}
+
+/// Two sources of different signature families (SPEC §23.5): A (priority 0, fam-a)
+/// and B (fam-b), each mock signing as its group and refusing the other's signatures
+/// with the provider's 400. Behavior `b` for both, signed.
+async fn families_world(api: &str, b: Behavior) -> (MockUpstream, MockUpstream, Serve) {
+    let signed = |g: &str| Behavior {
+        signing_group: Some(g.to_string()),
+        ..b.clone()
+    };
+    let a = mock(signed("fam-a")).await;
+    let bm = mock(signed("fam-b")).await;
+    let mut env = source(
+        "FAM",
+        "a",
+        &a,
+        &[
+            ("API", api),
+            ("PRIORITY", "0"),
+            ("SIGNATURE_GROUP", "fam-a"),
+        ],
+    );
+    env.extend(source(
+        "FAM",
+        "b",
+        &bm,
+        &[
+            ("API", api),
+            ("PRIORITY", "1"),
+            ("SIGNATURE_GROUP", "fam-b"),
+        ],
+    ));
+    env.push(var("FAM__RETRY__BACKOFF_BASE_S", "0.01"));
+    (a, bm, start(&[], env))
+}
+
+/// The bodies a mock received, as text, and their statuses.
+fn bodies(m: &MockUpstream) -> Vec<(u16, String)> {
+    m.requests()
+        .iter()
+        .map(|r| (r.status, r.body.to_string()))
+        .collect()
+}
+
+/// SPEC §23.5 with the official Python SDKs: a conversation whose history A signed is
+/// served by B when A is down — in a tool loop and on the next round, plain and
+/// streamed — with no 400 reaching the SDK or sent by B; with A back, A receives its
+/// own signatures intact. For Responses: A's encrypted reasoning never reaches B,
+/// whether the conversation continues by `previous_response_id` (polygw's store) or
+/// the client sends the items back (Codex's way).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn python_sdks_keep_signatures_in_their_family() {
+    let test = "python_sdks_keep_signatures_in_their_family";
+    let Some(py) = sdk::python_sdks(test) else {
+        return;
+    };
+    let dir = tempfile::tempdir().unwrap();
+    // Messages: thinking and a tool call in every answer.
+    let tool_round = Behavior {
+        reasoning: vec!["I should".into(), " call the tool".into()],
+        tool_call: Some(ToolCallSpec::default()),
+        chunk_count: Some(0),
+        ..Behavior::default()
+    };
+    let (a, b, s) = families_world("messages", tool_round).await;
+    let state = dir.path().join("messages.json").display().to_string();
+    let phase = |p: &'static str| {
+        let (py, state, s) = (py.clone(), state.clone(), &s);
+        async move {
+            let run = python(py, test, "families.py", &["anthropic", p, &state], s).await;
+            assert!(run.ok, "{p}: {}\n{}", run.stdout, run.stderr);
+            run.json()
+        }
+    };
+    let start_out = phase("start").await;
+    let own_a = polygw_mock_upstream::thinking_signature("fam-a", "I should call the tool");
+    assert_eq!(start_out["plain"][0], own_a.as_str());
+    assert!(bodies(&a).iter().all(|(st, _)| *st == 200));
+    a.set_default(Behavior::status(503));
+    let out = phase("failover").await;
+    let own_b = polygw_mock_upstream::thinking_signature("fam-b", "I should call the tool");
+    assert_eq!(out["stream"][1], own_b.as_str(), "{out}");
+    let at_b = bodies(&b);
+    assert_eq!(at_b.len(), 4, "two rounds, plain and streamed: {at_b:#?}");
+    for (status, body) in &at_b {
+        assert_eq!(*status, 200, "B never refused a signature: {body}");
+        assert!(!body.contains(&own_a), "A's signature reached B: {body}");
+    }
+    // The second round on B carries B's own latest turn, intact, with thinking on.
+    assert!(at_b[1].1.contains(&own_b) && at_b[1].1.contains(r#""type":"enabled""#));
+    a.reset_log();
+    a.set_default(Behavior {
+        signing_group: Some("fam-a".into()),
+        reasoning: vec!["I should".into(), " call the tool".into()],
+        tool_call: Some(ToolCallSpec::default()),
+        chunk_count: Some(0),
+        ..Behavior::default()
+    });
+    phase("back").await;
+    let at_a = bodies(&a);
+    assert_eq!(at_a.len(), 2, "{at_a:#?}");
+    for (status, body) in &at_a {
+        assert_eq!(*status, 200, "{body}");
+        assert!(body.contains(&own_a), "A's own signature, intact: {body}");
+        assert!(!body.contains(&own_b), "B's signature reached A: {body}");
+    }
+
+    // Responses.
+    let talk = Behavior {
+        reasoning: vec!["Thinking".into()],
+        ..Behavior::text(&["Hello", " there"])
+    };
+    let (a, b, s) = families_world("responses", talk).await;
+    let state = dir.path().join("responses.json").display().to_string();
+    let run = python(
+        py.clone(),
+        test,
+        "families.py",
+        &["openai", "start", &state],
+        &s,
+    )
+    .await;
+    assert!(run.ok, "{}\n{}", run.stdout, run.stderr);
+    for (_, body) in bodies(&a) {
+        assert!(
+            body.contains(r#""store":false"#),
+            "called stateless: {body}"
+        );
+        assert!(body.contains("reasoning.encrypted_content"), "{body}");
+    }
+    a.set_default(Behavior::status(503));
+    let run = python(py, test, "families.py", &["openai", "failover", &state], &s).await;
+    assert!(run.ok, "{}\n{}", run.stdout, run.stderr);
+    let out = run.json();
+    assert!(
+        out["plain"][0].as_str().unwrap().starts_with("enc-fam-b-"),
+        "{out}"
+    );
+    let at_b = bodies(&b);
+    assert_eq!(at_b.len(), 4, "{at_b:#?}");
+    for (status, body) in &at_b {
+        assert_eq!(*status, 200, "{body}");
+        assert!(
+            !body.contains("enc-fam-a-"),
+            "A's encrypted reasoning reached B: {body}"
+        );
+        assert!(
+            body.contains("My name is Ann."),
+            "the conversation went along: {body}"
+        );
     }
 }
 
@@ -629,6 +803,63 @@ async fn a_429_is_answered_by_the_fallback<F: std::future::Future<Output = Scrip
         run.stdout
     );
     assert!(w.primary.requests().iter().any(|r| r.status == 429));
+}
+
+/// The agent's signed tool round fails over (SPEC §23.5): the primary (fam-a) answers
+/// with signed reasoning and a tool call, then is down (503); the agent sends the
+/// signed state back with the tool's result, and the fallback (fam-b, which refuses
+/// fam-a's signatures with the provider's 400) answers — the signed state removed for
+/// it, no 400 anywhere. `signed` is the marker of fam-a's signed state in a body.
+async fn a_signed_tool_round_fails_over<F: std::future::Future<Output = ScriptRun>>(
+    w: &AgentWorld,
+    tool: ToolCallSpec,
+    signed: &str,
+    run: impl FnOnce() -> F,
+) {
+    w.primary.reset_log();
+    w.fallback.reset_log();
+    w.primary.push_script(Behavior {
+        signing_group: Some("fam-a".into()),
+        reasoning: vec!["I will read".into(), " the note".into()],
+        chunk_count: Some(0),
+        tool_call: Some(tool),
+        ..Behavior::default()
+    });
+    w.primary.set_default(Behavior::status(503));
+    let run = run().await;
+    w.primary.set_default(Behavior {
+        signing_group: Some("fam-a".into()),
+        ..hello()
+    });
+    assert!(run.ok, "{}\n{}", run.stdout, run.stderr);
+    assert!(
+        run.stdout.contains("Answered by the fallback"),
+        "{}",
+        run.stdout
+    );
+    let primary = w.primary.requests();
+    assert!(
+        primary
+            .iter()
+            .any(|r| r.status == 503 && r.body.to_string().contains(signed)),
+        "the agent sent its signed state back: {primary:#?}"
+    );
+    let fallback = w.fallback.requests();
+    assert!(!fallback.is_empty());
+    for r in &fallback {
+        assert_eq!(r.status, 200, "no signature 400 on failover: {r:#?}");
+        assert!(
+            !r.body.to_string().contains(signed),
+            "fam-a's signed state reached fam-b: {:#}",
+            r.body
+        );
+    }
+    assert!(
+        fallback
+            .iter()
+            .any(|r| r.body.to_string().contains("tangerine")),
+        "the tool's result went along"
+    );
 }
 
 /// Claude Code itself (`claude -p`, the pinned npm release) through `polygw serve` to
@@ -727,6 +958,18 @@ async fn claude_code_through_polygw_to_messages_sources() {
         .unwrap_or_else(|| panic!("no tool_result reached the source: {log:#?}"));
     assert!(result.to_string().contains("tangerine"), "{result:#}");
     primary.reset_log();
+
+    // A thinking tool round whose signature the fallback's family cannot verify.
+    let read = ToolCallSpec {
+        id: "toolu_read_2".into(),
+        name: "Read".into(),
+        arguments: json!({"file_path": note.display().to_string()}).to_string(),
+        fragments: 1,
+    };
+    a_signed_tool_round_fails_over(&w, read, "sig-fam-a-", || {
+        run_claude("What does note.txt say? Think first.")
+    })
+    .await;
 
     // A 429 on the primary: the fallback answers.
     a_429_is_answered_by_the_fallback(&w, || run_claude("Say hello again.")).await;
@@ -852,6 +1095,19 @@ async fn codex_through_polygw_to_responses_sources() {
         .unwrap_or_else(|| panic!("no function_call_output reached the source: {log:#?}"));
     assert!(output.to_string().contains("tangerine"), "{output:#}");
     primary.reset_log();
+
+    // A reasoning tool round whose encrypted content the fallback's organization
+    // cannot verify.
+    let call = ToolCallSpec {
+        id: "call_shell_2".into(),
+        name: shell.into(),
+        arguments: args.to_string(),
+        fragments: 1,
+    };
+    a_signed_tool_round_fails_over(&w, call, "enc-fam-a-", || {
+        run_codex("What does note.txt say? Think first.")
+    })
+    .await;
 
     // A 429 on the primary: the fallback answers.
     a_429_is_answered_by_the_fallback(&w, || run_codex("Say hello again.")).await;

@@ -14,7 +14,7 @@ use serde_json::{json, Value};
 
 use crate::support::*;
 
-async fn recording_mock(default: Behavior) -> MockUpstream {
+pub(crate) async fn recording_mock(default: Behavior) -> MockUpstream {
     let m = MockUpstream::start(MockConfig {
         record_bodies: true,
         ..MockConfig::default()
@@ -27,13 +27,16 @@ async fn recording_mock(default: Behavior) -> MockUpstream {
 
 /// A `messages` source `{name}-0` on the mock, at its base URL without `/v1` (as
 /// vendors document their Anthropic endpoints).
-fn messages_source(name: &str, m: &MockUpstream) -> SourceConfig {
+pub(crate) fn messages_source(name: &str, m: &MockUpstream) -> SourceConfig {
     let base = m.base_url().trim_end_matches("/v1").to_string();
     SourceConfig::new(name, 0, base, UPSTREAM_KEY, format!("claude-{name}"))
         .with_api(SourceApi::Messages)
 }
 
-async fn messages_scope(sources: Vec<SourceConfig>, t: Option<Arc<RecordingTelemetry>>) -> Served {
+pub(crate) async fn messages_scope(
+    sources: Vec<SourceConfig>,
+    t: Option<Arc<RecordingTelemetry>>,
+) -> Served {
     let scope = scope_with("LLM", ScopeKind::Chat, sources, t, |s| {
         s.retry.backoff_base = std::time::Duration::from_millis(1);
         s.retry.backoff_max = std::time::Duration::from_millis(5);
@@ -72,7 +75,7 @@ fn claude_code_body(stream: bool) -> Value {
     })
 }
 
-async fn post_messages(s: &Served, body: &Value) -> reqwest::Response {
+pub(crate) async fn post_messages(s: &Served, body: &Value) -> reqwest::Response {
     http()
         .post(format!("{}/messages?beta=true", s.v1()))
         .header("anthropic-version", "2023-06-01")
@@ -88,7 +91,7 @@ async fn post_messages(s: &Served, body: &Value) -> reqwest::Response {
 }
 
 /// SSE events of a body: (event name, data as JSON).
-fn events(text: &str) -> Vec<(String, Value)> {
+pub(crate) fn events(text: &str) -> Vec<(String, Value)> {
     text.split("\n\n")
         .filter(|e| !e.trim().is_empty())
         .map(|e| {
@@ -470,7 +473,7 @@ async fn count_tokens_is_forwarded_to_a_messages_source() {
 }
 
 /// A `responses` source at the mock's `/v1` base URL.
-fn responses_source(name: &str, m: &MockUpstream) -> SourceConfig {
+pub(crate) fn responses_source(name: &str, m: &MockUpstream) -> SourceConfig {
     SourceConfig::new(name, 0, m.base_url(), UPSTREAM_KEY, format!("gpt-{name}"))
         .with_api(SourceApi::Responses)
 }
@@ -767,6 +770,11 @@ async fn what_chat_cannot_express_still_passes_to_a_native_source() {
         assert_eq!(r.status(), 200, "{path}: {}", r.text().await.unwrap());
         let mut want = body.clone();
         want["model"] = json!("claude-n".replace("claude", if native { "claude" } else { "gpt" }));
+        if !native {
+            // A `responses` source is called stateless (SPEC §23.5).
+            want["store"] = json!(false);
+            want["include"] = json!(["reasoning.encrypted_content"]);
+        }
         assert_eq!(m.requests()[0].body, want, "{path}: as sent");
         assert!(chat.requests().is_empty(), "{path}");
         // Without a native source: the translation's refusal, as before.
@@ -866,11 +874,12 @@ async fn signed_state_another_source_produced_is_dropped_once_refused() {
         );
         assert_eq!(resent["messages"][2], history("sig-a")["messages"][2]);
         // Its own signature: passed as sent, once.
-        let r = post_messages(&s, &history("sig-b")).await;
+        let own = polygw_mock_upstream::thinking_signature("b", "I should call the tool");
+        let r = post_messages(&s, &history(own.as_str())).await;
         assert_eq!(r.status(), 200);
         let reqs = m.requests();
         assert_eq!(reqs.len(), 3);
-        let mut want = history("sig-b");
+        let mut want = history(own.as_str());
         want["model"] = json!("claude-b");
         assert_eq!(reqs[2].body, want);
     }
