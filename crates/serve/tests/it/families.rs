@@ -391,3 +391,55 @@ async fn a_hedge_prefers_the_conversations_family() {
         "thinking"
     );
 }
+
+/// Shared across replicas (SPEC §23.5, like affinity): two proxies on one Redis — what
+/// the first passed from A is known to the second, whose failover to B removes it.
+#[tokio::test]
+async fn a_second_replica_knows_the_families_the_first_passed() {
+    let Some(redis) = polygw_testkit::services::redis_url() else {
+        return;
+    };
+    let (a, sa) = signer("pa", "fam-a", SourceApi::Messages, thinking_tool()).await;
+    let (b, sb) = signer("pb", "fam-b", SourceApi::Messages, thinking_tool()).await;
+    let name = polygw_testkit::services::unique_name("FAMR");
+    let replica = || {
+        let (sources, redis, name) = (
+            vec![sa.clone(), sb.clone().with_priority(1)],
+            redis.clone(),
+            name.clone(),
+        );
+        async move {
+            let scope = scope_with(&name, polygw::ScopeKind::Chat, sources, None, |s| {
+                s.redis_url = Some(redis.into());
+            })
+            .await;
+            serve(vec![scope]).await
+        }
+    };
+    let (one, two) = (replica().await, replica().await);
+    let model = name.to_lowercase();
+    let request = |messages: &Value| {
+        json!({"model": model, "max_tokens": 2000,
+            "thinking": {"type": "enabled", "budget_tokens": 1024}, "messages": messages})
+    };
+    let mut messages = json!([{"role": "user", "content": "weather?"}]);
+    let r = post_messages(&one, &request(&messages)).await;
+    assert_eq!(r.status(), 200);
+    let turn = content_of(false, &r.text().await.unwrap());
+    messages.as_array_mut().unwrap().extend([
+        json!({"role": "assistant", "content": turn.clone()}),
+        json!({"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1", "content": "21"}]}),
+    ]);
+    a.set_default(Behavior::status(503));
+    let r = post_messages(&two, &request(&messages)).await;
+    assert_eq!(r.status(), 200);
+    assert_eq!(
+        statuses(&b),
+        [200],
+        "the second replica removed A's thinking up front"
+    );
+    assert_eq!(
+        b.requests()[0].body["messages"][1]["content"],
+        json!([turn[1].clone()])
+    );
+}
