@@ -126,10 +126,15 @@ pub struct ChatRequest {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub overlay: Option<Map<String, Value>>,
     /// The client's request in a native API's own shape, for the sources that speak
-    /// it (SPEC §23.2); they get it instead of the chat form above. Sources of another
-    /// API are not candidates for the call while translations to them are not built.
+    /// it (SPEC §23.2); they get it instead of the chat form above.
     #[serde(skip)]
     pub native: Option<std::sync::Arc<crate::native::NativeRequest>>,
+    /// The request translated into the other native APIs of the scope's sources (SPEC
+    /// §23.3: a chat or Responses client on a `messages` source, a chat or Messages
+    /// client on a `responses` source), one per API, made by the dialects: a source of
+    /// such an API is sent its translation ([`ChatRequest::native_for`]).
+    #[serde(skip)]
+    pub translated: Vec<std::sync::Arc<crate::native::NativeRequest>>,
     /// The client's own credential, for sources with `AUTH=client` (SPEC §23.1): never
     /// logged, stored or shown. Sources with `AUTH=client` are candidates only when
     /// there is one.
@@ -198,8 +203,21 @@ impl ChatRequest {
         }
         match source.api {
             crate::source::SourceApi::Chat => !self.native_only,
-            other => self.native.as_ref().is_some_and(|n| n.api == other),
+            other if self.native_only => self.native.as_ref().is_some_and(|n| n.api == other),
+            other => self.native_for(other).is_some(),
         }
+    }
+
+    /// What a source of `api` is sent: the client's own request when it is in that API,
+    /// else its translation into it (`None`: neither).
+    pub fn native_for(
+        &self,
+        api: crate::source::SourceApi,
+    ) -> Option<&crate::native::NativeRequest> {
+        self.native
+            .as_deref()
+            .filter(|n| n.api == api)
+            .or_else(|| self.translated.iter().map(|t| &**t).find(|t| t.api == api))
     }
 
     /// The most output the request can make (SPEC §24.1): its cap — `max_tokens`, or in
@@ -273,15 +291,17 @@ impl ChatRequest {
         if let Some(o) = self.overlay.as_mut() {
             edit(o, None);
         }
-        if let Some(native) = &self.native {
+        let edit_native = |native: &std::sync::Arc<crate::native::NativeRequest>| {
             let field = match native.api {
                 crate::source::SourceApi::Responses => "max_output_tokens",
                 _ => "max_tokens",
             };
             let mut native = (**native).clone();
             edit(&mut native.body, Some(field));
-            self.native = Some(std::sync::Arc::new(native));
-        }
+            std::sync::Arc::new(native)
+        };
+        self.native = self.native.as_ref().map(edit_native);
+        self.translated = self.translated.iter().map(edit_native).collect();
         self
     }
 

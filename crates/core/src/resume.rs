@@ -509,6 +509,25 @@ pub fn prefill_request(
             }
         }
     }
+    // A translation into Messages (SPEC §23.3) continues the same way: the delivered
+    // text as the last assistant turn (Anthropic's prefill).
+    req.translated = req
+        .translated
+        .iter()
+        .map(|t| {
+            if t.api != crate::source::SourceApi::Messages {
+                return t.clone();
+            }
+            let mut t = (**t).clone();
+            if let Some(Value::Array(messages)) = t.body.get_mut("messages") {
+                messages.push(serde_json::json!({"role": "assistant", "content": prefix}));
+            }
+            if let Some(n) = t.body.get("max_tokens").and_then(Value::as_u64) {
+                t.body.insert("max_tokens".into(), Value::from(reduce(n)));
+            }
+            std::sync::Arc::new(t)
+        })
+        .collect();
     req
 }
 

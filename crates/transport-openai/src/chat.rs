@@ -203,7 +203,7 @@ fn attempt_body<'r>(
     if source.api == SourceApi::Chat {
         return Ok((None, chat_body_bytes(source, req)));
     }
-    match req.native.as_deref().filter(|n| n.api == source.api) {
+    match req.native_for(source.api) {
         Some(n) => {
             let body = n.body_for(&source.model, req.stream, &source.extra_body);
             Ok((Some(n), serde_json::to_vec(&body).unwrap_or_default()))

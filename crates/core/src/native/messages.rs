@@ -102,6 +102,10 @@ pub struct MessagesReader {
     /// The indices of open server-tool blocks (`server_tool_use`): the tool runs after
     /// its block stops.
     server_tools: Vec<u32>,
+    /// The block indices of the `tool_use` blocks, in order: a tool call's index is
+    /// its position here (0, 1, … whatever blocks come between), as a chat or Responses
+    /// client numbers its calls (SPEC §23.3).
+    tool_blocks: Vec<u32>,
     usage: MessagesUsage,
     stop_reason: Option<String>,
     done: bool,
@@ -165,7 +169,10 @@ impl MessagesReader {
                             d.reasoning = s("thinking").filter(|t| !t.is_empty()).map(Into::into)
                         }
                         "tool_use" => d.tool_calls.push(ToolCallDelta {
-                            index,
+                            index: {
+                                self.tool_blocks.push(index);
+                                self.tool_blocks.len() as u32 - 1
+                            },
                             id: s("id").map(Into::into),
                             name: s("name").map(Into::into),
                             arguments: String::new(),
@@ -195,9 +202,11 @@ impl MessagesReader {
                         "text_delta" => d.content = s("text").map(Into::into),
                         "thinking_delta" => d.reasoning = s("thinking").map(Into::into),
                         "input_json_delta" => {
-                            if let Some(p) = s("partial_json") {
+                            // A server tool's input is not a call of the client's.
+                            let call = self.tool_blocks.iter().position(|&b| b == index);
+                            if let (Some(p), Some(call)) = (s("partial_json"), call) {
                                 d.tool_calls.push(ToolCallDelta {
-                                    index,
+                                    index: call as u32,
                                     id: None,
                                     name: None,
                                     arguments: p.to_string(),
@@ -227,7 +236,13 @@ impl MessagesReader {
             // written: for the client, not progress.
             _ => {}
         }
-        d.native = Some(super::as_received(event, data, progress, patient));
+        d.native = Some(super::as_received(
+            crate::source::SourceApi::Messages,
+            event,
+            data,
+            progress,
+            patient,
+        ));
         Ok(d)
     }
 }
@@ -254,12 +269,11 @@ pub fn read_message(obj: &Map<String, Value>) -> PlainAnswer {
         usage.fold(u);
         a.usage = usage.is_known().then(|| usage.to_usage());
     }
-    for (i, b) in obj
+    for b in obj
         .get("content")
         .and_then(Value::as_array)
         .into_iter()
         .flatten()
-        .enumerate()
     {
         let Some(b) = b.as_object() else { continue };
         a.has_blocks = true;
@@ -268,7 +282,7 @@ pub fn read_message(obj: &Map<String, Value>) -> PlainAnswer {
             "text" => a.content.push_str(s("text").unwrap_or_default()),
             "thinking" => a.reasoning.push_str(s("thinking").unwrap_or_default()),
             "tool_use" => a.tool_calls.push((
-                i as u32,
+                a.tool_calls.len() as u32,
                 s("id").map(Into::into),
                 s("name").map(Into::into),
                 b.get("input").map_or_else(|| "{}".into(), Value::to_string),
@@ -332,7 +346,10 @@ mod tests {
             json!({"type":"content_block_delta","index":1,"delta":{"type":"input_json_delta","partial_json":"{\"a\":1}"}}),
         );
         assert_eq!(d.tool_calls[0].arguments, "{\"a\":1}");
-        assert_eq!(d.tool_calls[0].index, 1);
+        assert_eq!(
+            d.tool_calls[0].index, 0,
+            "the first call, whatever its block"
+        );
         let d = ev(
             &mut r,
             "message_delta",
@@ -442,7 +459,7 @@ mod tests {
         assert_eq!(a.finish_reason.as_deref(), Some("stop"));
         assert_eq!(
             a.tool_calls,
-            vec![(2, Some("t".into()), Some("f".into()), "{\"a\":1}".into())]
+            vec![(0, Some("t".into()), Some("f".into()), "{\"a\":1}".into())]
         );
         assert_eq!(a.usage.unwrap().prompt_tokens, 8);
     }

@@ -70,8 +70,15 @@ fn typed_event(
 }
 
 /// The event as the client receives it, with what the reader found it means.
-fn as_received(event: Option<&str>, data: &str, progress: bool, patient: bool) -> Box<NativeEvent> {
+fn as_received(
+    api: SourceApi,
+    event: Option<&str>,
+    data: &str,
+    progress: bool,
+    patient: bool,
+) -> Box<NativeEvent> {
     Box::new(NativeEvent {
+        api,
         event: event.map(str::to_string),
         data: data.to_string(),
         progress,
@@ -192,6 +199,9 @@ impl NativeRequest {
 /// (SPEC §23.2: pings included).
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
 pub struct NativeEvent {
+    /// The API of the source that sent it: only a client of that API receives it as
+    /// sent; a client of another gets the translation of what it says (SPEC §23.3).
+    pub api: SourceApi,
     /// The SSE `event:` name (`message_start`, `ping`, …), when the source named it.
     pub event: Option<String>,
     /// The event's `data:`, as received.

@@ -93,6 +93,9 @@ fn error_of(obj: &Map<String, Value>) -> NativeError {
 /// Reads one Responses stream, event by event.
 #[derive(Debug, Clone, Default)]
 pub struct ResponsesReader {
+    /// The output indices of the call items, in order: a call's index is its position
+    /// here, as a chat or Messages client numbers its calls (SPEC §23.3).
+    call_items: Vec<u32>,
     done: bool,
     events: u64,
 }
@@ -146,8 +149,9 @@ impl ResponsesReader {
                     || t.is_some_and(|t| t.ends_with("_call") && !is_call(Some(t)));
                 if is_call(t) {
                     let g = |k: &str| item.and_then(|i| i.get(k)).and_then(Value::as_str);
+                    self.call_items.push(index);
                     d.tool_calls.push(ToolCallDelta {
-                        index,
+                        index: self.call_items.len() as u32 - 1,
                         id: g("call_id").or(g("id")).map(Into::into),
                         name: g("name").or(t).map(Into::into),
                         arguments: String::new(),
@@ -164,8 +168,9 @@ impl ResponsesReader {
             }
             "response.function_call_arguments.delta" | "response.custom_tool_call_input.delta" => {
                 progress = true;
+                let call = self.call_items.iter().position(|&i| i == index);
                 d.tool_calls.push(ToolCallDelta {
-                    index,
+                    index: call.map_or(index, |c| c as u32),
                     id: None,
                     name: None,
                     arguments: s("delta").unwrap_or_default().to_string(),
@@ -182,7 +187,13 @@ impl ResponsesReader {
             // `content_part.*`, events added after polygw was written) is for the client.
             k => progress = k.ends_with(".delta"),
         }
-        d.native = Some(super::as_received(event, data, progress, patient));
+        d.native = Some(super::as_received(
+            crate::source::SourceApi::Responses,
+            event,
+            data,
+            progress,
+            patient,
+        ));
         Ok(d)
     }
 }
@@ -204,12 +215,11 @@ pub fn read_response(obj: &Map<String, Value>) -> Result<PlainAnswer, NativeErro
             .and_then(usage_of),
         ..PlainAnswer::default()
     };
-    for (i, item) in obj
+    for item in obj
         .get("output")
         .and_then(Value::as_array)
         .into_iter()
         .flatten()
-        .enumerate()
     {
         let Some(item) = item.as_object() else {
             continue;
@@ -233,7 +243,7 @@ pub fn read_response(obj: &Map<String, Value>) -> Result<PlainAnswer, NativeErro
                 .push_str(&texts("content", &["output_text", "refusal"])),
             "reasoning" => a.reasoning.push_str(&texts("summary", &["summary_text"])),
             t if is_call(Some(t)) => a.tool_calls.push((
-                i as u32,
+                a.tool_calls.len() as u32,
                 s("call_id").or(s("id")).map(Into::into),
                 s("name").or(Some(t)).map(Into::into),
                 s("arguments")
@@ -299,7 +309,8 @@ mod tests {
         );
         assert_eq!(
             (d.tool_calls[0].index, d.tool_calls[0].arguments.as_str()),
-            (2, "{}")
+            (0, "{}"),
+            "the first call, whatever its output index"
         );
         let d = ev(
             &mut r,
@@ -369,7 +380,7 @@ mod tests {
         assert_eq!((a.content.as_str(), a.reasoning.as_str()), ("ok", "hm"));
         assert_eq!(
             a.tool_calls,
-            vec![(2, Some("c".into()), Some("apply".into()), "patch".into())]
+            vec![(0, Some("c".into()), Some("apply".into()), "patch".into())]
         );
         assert_eq!(a.finish_reason.as_deref(), Some("tool_calls"));
         assert_eq!(a.usage.unwrap().prompt_tokens, 5);
