@@ -22,6 +22,7 @@ pub mod error;
 mod json;
 pub mod messages;
 pub mod responses;
+pub mod source;
 pub mod sse;
 
 pub use error::DialectError;

@@ -208,6 +208,7 @@ fn build(g: &Gen) -> ChatRequest {
         tools,
         overlay: None,
         native: None,
+        translated: Vec::new(),
         native_only: false,
         client_credential: None,
     };
@@ -281,6 +282,22 @@ fn normalize_messages(mut r: ChatRequest) -> ChatRequest {
         }
     }
     r
+}
+
+/// Every overlay field of `req` is either one the target keeps (`kept`) or named in
+/// `unexpressed`: nothing is dropped silently.
+fn named_or_kept(
+    req: &ChatRequest,
+    unexpressed: &[String],
+    kept: &[&str],
+) -> Result<(), TestCaseError> {
+    for k in req.overlay.iter().flat_map(|o| o.keys()) {
+        prop_assert!(
+            kept.contains(&k.as_str()) || k == "model" || unexpressed.iter().any(|u| u == k),
+            "{k} was dropped without being named: {unexpressed:?}"
+        );
+    }
+    Ok(())
 }
 
 // === Streams: any split of an answer into deltas ===
@@ -511,6 +528,59 @@ proptest! {
         prop_assert_eq!(normalize_messages(back), normalize_messages(req));
     }
 
+    /// SPEC §23.3, chat → `messages` source: what Messages can say survives the way
+    /// there and back (the client's cap, else the source's; temperature at most 1),
+    /// and every overlay field that does not is named.
+    #[test]
+    fn a_messages_source_gets_what_messages_can_say_and_the_rest_is_named(g in gen()) {
+        let req = build(&g);
+        let out = polygw_dialects::source::for_messages(&req, 4096);
+        let mut body = Value::Object(out.body.clone());
+        body["model"] = json!("m");
+        body["stream"] = json!(req.stream);
+        let parsed = messages::parse_request(body.to_string().as_bytes()).unwrap();
+        let back = messages::to_chat(&parsed).unwrap().request;
+        prop_assert_eq!(back.max_tokens, Some(req.max_tokens.unwrap_or(4096)));
+        let mut want = normalize_messages(req.clone());
+        want.temperature = want.temperature.map(|t| t.min(1.0));
+        // The API has no system role: every system message joins `system`, in order.
+        let system: Vec<String> = want
+            .messages
+            .iter()
+            .filter(|m| m.role == "system")
+            .filter_map(|m| m.content.as_ref()?.as_str().map(str::to_string))
+            .filter(|t| !t.is_empty())
+            .collect();
+        want.messages.retain(|m| m.role != "system");
+        // A system message between two turns of one role: the API joins those turns
+        // (as Anthropic does), which this comparison does not model.
+        prop_assume!(want
+            .messages
+            .windows(2)
+            .all(|w| w[0].role != w[1].role || w[0].role == "tool"));
+        if !system.is_empty() {
+            want.messages.insert(0, Message::system(system.join("\n\n")));
+        }
+        want.max_tokens = back.max_tokens;
+        prop_assert_eq!(normalize_messages(back), want);
+        named_or_kept(&req, &out.unexpressed, &["stop", "top_p", "tool_choice", "parallel_tool_calls"])?;
+    }
+
+    /// SPEC §23.3, chat → `responses` source: likewise, called stateless.
+    #[test]
+    fn a_responses_source_gets_what_responses_can_say_and_the_rest_is_named(g in gen()) {
+        let req = build(&g);
+        let out = polygw_dialects::source::for_responses(&req);
+        prop_assert_eq!(&out.body["store"], &json!(false));
+        let mut body = Value::Object(out.body.clone());
+        body["model"] = json!("m");
+        body["stream"] = json!(req.stream);
+        let parsed = responses::parse_request(body.to_string().as_bytes()).unwrap();
+        let back = responses::to_chat(&parsed, &[]).unwrap().request;
+        prop_assert_eq!(normalize_responses(back), normalize_responses(req.clone()));
+        named_or_kept(&req, &out.unexpressed, &["top_p", "tool_choice", "parallel_tool_calls"])?;
+    }
+
     #[test]
     fn responses_streams_conform(
         a in answer(),
@@ -611,6 +681,108 @@ proptest! {
                     prop_assert_eq!(&fin.usage[k], &plain["usage"][k]);
                 }
             }
+        }
+    }
+
+    /// SPEC §23.3, a source's stream to a client of another API: an answer as a
+    /// `messages` (or `responses`) source streams it, read event by event by core's
+    /// reader (what the engine does), then written for a Responses (or Messages)
+    /// client. The client's stream conforms (one start, ordered items or blocks, one
+    /// terminal event) and carries the same text, the same tool arguments, and the
+    /// same usage — nothing lost or counted twice between the two APIs.
+    #[test]
+    fn a_source_stream_reaches_a_client_of_another_api_whole(
+        a in answer(),
+        to_messages in any::<bool>(),
+        cuts in prop::collection::vec(any::<usize>(), 0..6),
+        noise in prop::collection::vec(any::<u8>(), 0..8),
+    ) {
+        use polygw_core::native::{messages::MessagesReader, responses::ResponsesReader};
+        // An answer a source finishes (the source states its stop and usage).
+        let mut a = a;
+        a.finish = Some(if a.calls.is_empty() { "stop" } else { "tool_calls" });
+        a.usage = Some(a.usage.unwrap_or(Usage::new(3, 2)));
+        let answer = llm(&a);
+        let all = deltas(&a, &cuts, &noise);
+        // The source's events.
+        let source_events: Vec<SseEvent> = if to_messages {
+            let mut s = responses::ResponsesStream::new("resp_src", 1, responses_meta());
+            let mut ev = s.start();
+            for d in &all { ev.extend(s.delta(d)); }
+            ev.extend(s.finish(&answer));
+            ev
+        } else {
+            let mut s = messages::MessagesStream::new("msg_src", messages_meta(true), 7);
+            let mut ev = s.start();
+            for d in &all { ev.extend(s.delta(d)); }
+            ev.extend(s.finish(&answer));
+            ev
+        };
+        // Read as the engine reads them; the events themselves do not reach the client.
+        let mut read = Vec::new();
+        let mut usage = None;
+        let mut finish = None;
+        let (mut mr, mut rr) = (MessagesReader::new(), ResponsesReader::new());
+        for e in &source_events {
+            let data = e.data.to_string();
+            let d = if to_messages { rr.on_event(Some(&e.event), &data) } else { mr.on_event(Some(&e.event), &data) };
+            let mut d = d.map_err(|e| TestCaseError::fail(format!("{e:?}")))?;
+            d.native = None;
+            if d.usage.is_some() { usage = d.usage; }
+            if d.finish_reason.is_some() { finish = d.finish_reason.clone(); }
+            read.push(d);
+        }
+        let done = if to_messages { rr.done() } else { mr.done() };
+        prop_assert!(done, "the source's stream ended");
+        // The answer as the engine aggregates what it read: calls by their index.
+        let mut calls: Vec<ToolCall> = Vec::new();
+        for t in read.iter().flat_map(|d| &d.tool_calls) {
+            match calls.iter_mut().find(|c| c.index == t.index) {
+                Some(c) => c.arguments.push_str(&t.arguments),
+                None => calls.push(ToolCall {
+                    index: t.index,
+                    id: t.id.clone(),
+                    name: t.name.clone(),
+                    arguments: t.arguments.clone(),
+                }),
+            }
+        }
+        let indices: Vec<u32> = calls.iter().map(|c| c.index).collect();
+        prop_assert_eq!(indices, (0..a.calls.len() as u32).collect::<Vec<_>>(), "calls numbered 0, 1, …");
+        let engine_answer = LlmResponse {
+            usage: usage.unwrap_or_default(),
+            finish_reason: finish,
+            tool_calls: calls,
+            ..answer.clone()
+        };
+        let u = a.usage.unwrap();
+        prop_assert_eq!(engine_answer.usage.prompt_tokens, u.prompt_tokens);
+        prop_assert_eq!(engine_answer.usage.completion_tokens, u.completion_tokens);
+        // The client's stream.
+        if to_messages {
+            let mut c = messages::MessagesStream::new("msg_c", messages_meta(true), 7);
+            let mut ev = c.start();
+            for d in &read { ev.extend(c.delta(d)); }
+            ev.extend(c.finish(&engine_answer));
+            let fin = messages::check_stream(&ev).map_err(TestCaseError::fail)?;
+            prop_assert_eq!(&fin.text, &a.content);
+            let inputs: Vec<Value> = fin.tool_calls.iter().map(|c| c.input.clone()).collect();
+            let want: Vec<Value> = a.calls.iter().map(|(_, args)| messages::tool_input(args)).collect();
+            prop_assert_eq!(inputs, want);
+            prop_assert_eq!(fin.usage["output_tokens"].as_u64(), Some(u.completion_tokens));
+        } else {
+            let mut c = responses::ResponsesStream::new("resp_c", 1, responses_meta());
+            let mut ev = c.start();
+            for d in &read { ev.extend(c.delta(d)); }
+            ev.extend(c.finish(&engine_answer));
+            let fin = responses::check_stream(&ev).map_err(TestCaseError::fail)?;
+            prop_assert_eq!(&fin.text, &a.content);
+            prop_assert_eq!(&fin.reasoning, &a.reasoning);
+            let args: Vec<&str> = fin.tool_calls.iter().map(|c| c.arguments.as_str()).collect();
+            let want: Vec<&str> = a.calls.iter().map(|(_, args)| args.as_str()).collect();
+            prop_assert_eq!(args, want);
+            prop_assert_eq!(fin.usage["output_tokens"].as_u64(), Some(u.completion_tokens));
+            prop_assert_eq!(fin.usage["input_tokens"].as_u64(), Some(u.prompt_tokens));
         }
     }
 

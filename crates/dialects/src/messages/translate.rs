@@ -90,6 +90,7 @@ pub fn to_chat(req: &MessagesRequest) -> Result<Translated, DialectError> {
         tools: (!req.tools.is_empty()).then(|| req.tools.clone()),
         overlay: (!overlay.is_empty()).then_some(overlay),
         native: None,
+        translated: Vec::new(),
         native_only: false,
         client_credential: None,
     };

@@ -148,6 +148,7 @@ pub fn to_chat(req: &ResponsesRequest, history: &[Value]) -> Result<Translated, 
         tools: (!chat_tools.is_empty()).then_some(chat_tools),
         overlay: (!overlay.is_empty()).then_some(overlay),
         native: None,
+        translated: Vec::new(),
         native_only: false,
         client_credential: None,
     };
