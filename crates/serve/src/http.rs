@@ -400,6 +400,85 @@ pub fn list_header(h: &mut HeaderMap, name: HeaderName, items: &[String]) {
     }
 }
 
+/// SPEC §23.3: `request` (the chat form of a client's request in `client_api`)
+/// translated for the scope's sources of the other native APIs, each translation made
+/// once and carried on the request; what a target cannot express is logged and given
+/// back as `api: field` entries for `x-polygw-untranslated`.
+pub fn translate_for_sources(
+    client: &GatewayClient,
+    request: &mut polygw::ChatRequest,
+    client_api: polygw::core::source::SourceApi,
+) -> Vec<String> {
+    use polygw::core::source::SourceApi;
+    use polygw_dialects::source::{for_messages, for_responses};
+    let mut named = Vec::new();
+    if request.native_only {
+        return named;
+    }
+    let sources = &client.settings().sources;
+    for api in [SourceApi::Messages, SourceApi::Responses] {
+        if api == client_api || request.native_for(api).is_some() {
+            continue;
+        }
+        let caps: Vec<u64> = sources
+            .iter()
+            .filter(|s| s.api == api)
+            .map(|s| {
+                s.max_output_tokens
+                    .unwrap_or(polygw::core::key_funds::DEFAULT_MAX_OUTPUT_TOKENS)
+            })
+            .collect();
+        let Some(cap) = caps.iter().min().copied() else {
+            continue;
+        };
+        let out = match api {
+            SourceApi::Messages => for_messages(request, cap),
+            _ => for_responses(request),
+        };
+        if !out.unexpressed.is_empty() {
+            tracing::info!(
+                target_api = api.as_str(),
+                client_api = client_api.as_str(),
+                fields = %out.unexpressed.join(", "),
+                "what the source's API cannot express is not sent to its sources"
+            );
+            named.extend(
+                out.unexpressed
+                    .iter()
+                    .map(|f| format!("{}: {f}", api.as_str())),
+            );
+        }
+        request
+            .translated
+            .push(std::sync::Arc::new(out.into_native(api)));
+    }
+    named
+}
+
+/// A plain answer from a source of another API than the client's (SPEC §23.3) is
+/// written from what the engine read of it, never from its own body: that body is
+/// dropped here.
+pub fn drop_foreign_body(
+    client: &GatewayClient,
+    r: &mut polygw::LlmResponse,
+    client_api: polygw::core::source::SourceApi,
+) {
+    let api = client
+        .settings()
+        .sources
+        .iter()
+        .find(|s| s.name == r.source)
+        .map(|s| s.api);
+    let foreign = match api {
+        Some(polygw::core::source::SourceApi::Chat) | None => false,
+        Some(a) => a != client_api,
+    };
+    if foreign {
+        r.upstream = None;
+        r.upstream_body = None;
+    }
+}
+
 /// The names of the scope's sources that speak `api` (SPEC §23.1): a request of that
 /// API reaches them as the client sent it.
 pub fn sources_speaking(

@@ -17,4 +17,6 @@ pub const X_UPSTREAM_REQUEST_ID: HeaderName =
     HeaderName::from_static("x-polygw-upstream-request-id");
 pub const X_UNSUPPORTED_TOOLS: HeaderName = HeaderName::from_static("x-polygw-unsupported-tools");
 pub const X_IGNORED_PARAMS: HeaderName = HeaderName::from_static("x-polygw-ignored-params");
+/// What a source of another API could not be sent (SPEC §23.3): `api: field, …`.
+pub const X_UNTRANSLATED: HeaderName = HeaderName::from_static("x-polygw-untranslated");
 pub const X_RESUMES: HeaderName = HeaderName::from_static("x-polygw-resumes");

@@ -266,6 +266,7 @@ pub fn parse_chat(body: &[u8]) -> Result<ParsedChat, ApiError> {
         tools,
         overlay: (!o.is_empty()).then_some(o),
         native: None,
+        translated: Vec::new(),
         native_only: false,
         client_credential: None,
     };

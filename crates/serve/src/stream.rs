@@ -73,6 +73,8 @@ pub(crate) trait Encoder: Send + 'static {
 /// unchanged, another leg's are translated by the route's encoder.
 #[derive(Debug)]
 pub(crate) struct Passing {
+    /// The client's API: only its events pass as received.
+    api: polygw::core::source::SourceApi,
     lazy: bool,
     mode: Mode,
     /// The event names that end a native stream (`message_stop`, `response.completed`).
@@ -100,9 +102,15 @@ pub(crate) enum Ending {
 }
 
 impl Passing {
-    /// A stream that may pass events (`lazy`) ending with one of `terminal`.
-    pub(crate) fn new(lazy: bool, terminal: &'static [&'static str]) -> Self {
+    /// A stream of a client of `api` that may pass its API's events (`lazy`) ending with
+    /// one of `terminal`; events of another API's source are translated (SPEC §23.3).
+    pub(crate) fn new(
+        api: polygw::core::source::SourceApi,
+        lazy: bool,
+        terminal: &'static [&'static str],
+    ) -> Self {
         Passing {
+            api,
             lazy,
             mode: Mode::Undecided,
             terminal,
@@ -133,7 +141,8 @@ impl Passing {
         out: &mut Vec<u8>,
         edit: impl FnOnce(&mut polygw::core::native::NativeEvent),
     ) -> Option<StreamDelta> {
-        match (self.mode, d.native) {
+        let native = d.native.filter(|ev| ev.api == self.api);
+        match (self.mode, native) {
             (Mode::Undecided | Mode::Native { .. }, Some(mut ev)) => {
                 edit(&mut ev);
                 let ended = matches!(self.mode, Mode::Native { ended: true })

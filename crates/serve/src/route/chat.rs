@@ -95,6 +95,12 @@ async fn inner(
     };
     let mut parsed = parsed;
     parsed.request.client_credential = crate::http::credential_for(client, headers, proxy);
+    // The scope's `messages` and `responses` sources get the request in their API.
+    let untranslated = crate::http::translate_for_sources(
+        client,
+        &mut parsed.request,
+        polygw::core::source::SourceApi::Chat,
+    );
     // The client key's scopes, models, limits and budgets (SPEC §21.1), before a slot.
     let charge = match crate::keys::admit(key, &served.scope.name, &parsed.model, async |k| {
         client.admit_key(k, &parsed.request).await
@@ -117,9 +123,9 @@ async fn inner(
     options.affinity_key = crate::affinity::chat_key(headers, &parsed.request);
     options.attribution =
         crate::attribution::of(headers, crate::attribution::chat_cache_key(&parsed.request));
-    if parsed.request.stream {
+    let mut resp = if parsed.request.stream {
         let enc = ChatEncoder::new(id, parsed.include_usage);
-        return respond(
+        respond(
             st.clone(),
             client.clone(),
             parsed.request,
@@ -129,10 +135,33 @@ async fn inner(
             enc,
             error_response,
         )
-        .await;
-    }
-    match run_plain(st, ctx, client, parsed.request, options, slot).await {
+        .await
+    } else {
+        plain(st, ctx, client, parsed.request, options, slot, id).await
+    };
+    crate::http::list_header(
+        resp.headers_mut(),
+        crate::names::X_UNTRANSLATED,
+        &untranslated,
+    );
+    resp
+}
+
+/// A plain chat call's answer.
+async fn plain(
+    st: &Arc<AppState>,
+    ctx: &Option<Arc<crate::conn::ConnCtx>>,
+    client: &polygw::GatewayClient,
+    request: polygw::ChatRequest,
+    options: CallOptions,
+    slot: crate::scope::Slot,
+    id: &str,
+) -> Response {
+    match run_plain(st, ctx, client, request, options, slot).await {
         Ok(mut r) => {
+            // A `messages` or `responses` source's answer is written from what was
+            // read of it (SPEC §23.3).
+            crate::http::drop_foreign_body(client, &mut r, polygw::core::source::SourceApi::Chat);
             let mut resp = match passthrough_body(&mut r) {
                 Some(body) => (
                     [(

@@ -124,6 +124,9 @@ async fn create_inner(
     }
     t.request.client_credential = crate::http::credential_for(client, headers, proxy);
     drop(bytes);
+    // The scope's `responses` sources get the request in their API (SPEC §23.3).
+    let untranslated =
+        crate::http::translate_for_sources(client, &mut t.request, SourceApi::Messages);
     if !req.unsupported_tools().is_empty() {
         tracing::info!(tools = %req.unsupported_tools().join(", "), "server tools not sent upstream");
     }
@@ -153,7 +156,11 @@ async fn create_inner(
         let estimate = t.meta.prompt_estimate();
         let enc = MessagesEncoder {
             stream: MessagesStream::new(&message_id, t.meta, estimate),
-            passing: Passing::new(t.request.native.is_some(), &["message_stop"]),
+            passing: Passing::new(
+                SourceApi::Messages,
+                t.request.native.is_some(),
+                &["message_stop"],
+            ),
         };
         respond(
             st.clone(),
@@ -168,7 +175,8 @@ async fn create_inner(
         .await
     } else {
         match run_plain(st, ctx, client, t.request, options, slot).await {
-            Ok(r) => {
+            Ok(mut r) => {
+                crate::http::drop_foreign_body(client, &mut r, SourceApi::Messages);
                 let mut resp = match r.upstream_body.as_ref() {
                     // A `messages` source's answer, as it sent it.
                     Some(b) if native_sources.contains(&r.source) => (
@@ -201,6 +209,7 @@ async fn create_inner(
     let h = resp.headers_mut();
     list_header(h, names::X_UNSUPPORTED_TOOLS, req.unsupported_tools());
     list_header(h, names::X_IGNORED_PARAMS, req.ignored());
+    list_header(h, names::X_UNTRANSLATED, &untranslated);
     resp
 }
 

@@ -240,6 +240,9 @@ async fn create_inner(
         // Only the sources that may hold the state can continue it.
         t.request.native_only = true;
     }
+    // The scope's `messages` sources get the request in their API (SPEC §23.3).
+    let untranslated =
+        crate::http::translate_for_sources(client, &mut t.request, SourceApi::Responses);
     if !req.unsupported_tools().is_empty() {
         tracing::info!(tools = %req.unsupported_tools().join(", "), "hosted tools not sent upstream");
     }
@@ -284,6 +287,7 @@ async fn create_inner(
         let enc = ResponsesEncoder {
             restore_previous: restore_previous.clone(),
             passing: Passing::new(
+                SourceApi::Responses,
                 t.request.native.is_some(),
                 &[
                     "response.completed",
@@ -307,7 +311,8 @@ async fn create_inner(
         .await
     } else {
         match run_plain(st, ctx, client, t.request, options, slot).await {
-            Ok(r) => {
+            Ok(mut r) => {
+                crate::http::drop_foreign_body(client, &mut r, SourceApi::Responses);
                 let mut resp = match r.upstream_body.as_ref() {
                     // A `responses` source's answer, as it sent it (its id is the
                     // source's: polygw does not store it).
@@ -361,6 +366,7 @@ async fn create_inner(
     let h = resp.headers_mut();
     list_header(h, names::X_UNSUPPORTED_TOOLS, req.unsupported_tools());
     list_header(h, names::X_IGNORED_PARAMS, req.ignored());
+    list_header(h, names::X_UNTRANSLATED, &untranslated);
     resp
 }
 
