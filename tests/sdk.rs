@@ -785,6 +785,123 @@ async fn python_sdks_keep_signatures_in_their_family() {
     }
 }
 
+/// Every client API on every source API with the official SDKs (SPEC §23.3, the 3 × 3
+/// table of docs/SERVE.md): openai-python's chat completions and Responses and
+/// anthropic-python's Messages, each against scopes of `chat`, `messages` and
+/// `responses` sources — a tool round plain and streamed, a 429 on the primary and a
+/// cut before the first token, both answered by the fallback. What reached each source
+/// is in its own API, with the tool's result.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn python_sdks_on_every_source_api() {
+    let test = "python_sdks_on_every_source_api";
+    let Some(py) = sdk::python_sdks(test) else {
+        return;
+    };
+    let answer = || Behavior::text(&["It is", " 21 °C", " in Paris."]);
+    let tool = || Behavior {
+        chunk_count: Some(0),
+        tool_call: Some(ToolCallSpec {
+            id: "call_w1".into(),
+            fragments: 2,
+            ..ToolCallSpec::default()
+        }),
+        ..Behavior::default()
+    };
+    let apis = ["chat", "messages", "responses"];
+    let mut env = Vec::new();
+    let mut rounds = Vec::new();
+    let mut mocks = Vec::new();
+    for api in apis {
+        let m = mock(answer()).await;
+        env.extend(source(
+            &format!("SRC_{}", api.to_uppercase()),
+            "s",
+            &m,
+            &[("API", api)],
+        ));
+        rounds.push((api, m));
+        let limited = mock(Behavior {
+            retry_after: Some(RetryAfter::Seconds(30.0)),
+            ..Behavior::status(429)
+        })
+        .await;
+        let cut = mock(Behavior::fault(Fault::ResetBeforeHeaders)).await;
+        for (scope, primary) in [("LIMITED", limited), ("CUT", cut)] {
+            let fallback = mock(answer()).await;
+            let name = format!("{scope}_{}", api.to_uppercase());
+            env.extend(source(
+                &name,
+                "p",
+                &primary,
+                &[("API", api), ("PRIORITY", "0")],
+            ));
+            env.extend(source(
+                &name,
+                "f",
+                &fallback,
+                &[("API", api), ("PRIORITY", "1")],
+            ));
+            env.push(var(&format!("{name}__RETRY__BACKOFF_BASE_S"), "0.01"));
+            mocks.push((name, api, primary, fallback));
+        }
+    }
+    let s = start(&[], env);
+    for client in ["chat", "responses", "messages"] {
+        for (_, m) in &rounds {
+            m.reset_log();
+            // Two rounds (plain, streamed): a tool call, then the answer.
+            m.push_scripts([tool(), answer(), tool(), answer()]);
+        }
+        let run = python(py.clone(), test, "cross.py", &[client], &s).await;
+        assert!(run.ok, "{client}: {}\n{}", run.stdout, run.stderr);
+        let out = run.json();
+        for (api, m) in &rounds {
+            assert_eq!(
+                out[format!("src_{api}")],
+                json!(["It is 21 °C in Paris.", "It is 21 °C in Paris."]),
+                "{client} on {api}"
+            );
+            let log = m.requests();
+            assert_eq!(log.len(), 4, "{client} on {api}: {log:#?}");
+            let path = match *api {
+                "chat" => "/v1/chat/completions",
+                "messages" => "/v1/messages",
+                _ => "/v1/responses",
+            };
+            for r in &log {
+                assert_eq!(r.path, path, "{client} on {api}");
+                assert_eq!(r.status, 200, "{client} on {api}: {:#}", r.body);
+            }
+            for second in [&log[1], &log[3]] {
+                let body = second.body.to_string();
+                assert!(
+                    body.contains("21 °C") && body.contains("get_weather"),
+                    "{client} on {api}: the tool's result went along: {body}"
+                );
+            }
+        }
+    }
+    for (name, api, primary, fallback) in &mocks {
+        assert!(
+            !primary.requests().is_empty() || name.starts_with("CUT"),
+            "{name}"
+        );
+        assert_eq!(
+            fallback.requests().len(),
+            3,
+            "{name}: one call per client SDK"
+        );
+        assert!(fallback
+            .requests()
+            .iter()
+            .all(|r| r.path.ends_with(match *api {
+                "chat" => "/chat/completions",
+                "messages" => "/messages",
+                _ => "/responses",
+            })));
+    }
+}
+
 /// The agent's last turn: the primary answers 429 (Retry-After 30 s), the fallback
 /// answers, and the agent shows its answer.
 async fn a_429_is_answered_by_the_fallback<F: std::future::Future<Output = ScriptRun>>(

@@ -5,6 +5,7 @@
 mod admin;
 mod api;
 mod conformance;
+mod cross;
 mod families;
 mod hardening;
 mod honest;

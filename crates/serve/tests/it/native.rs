@@ -315,25 +315,6 @@ async fn cache_reads_and_writes_are_priced_exactly() {
     assert!((cost - want).abs() < 1e-12, "{cost} != {want}");
 }
 
-/// A chat client cannot be served by a scope whose sources all speak Messages (no
-/// translation to them yet): a 400 that says so, and the source is never called.
-#[tokio::test]
-async fn a_chat_request_to_a_messages_only_scope_is_refused_by_name() {
-    let m = recording_mock(Behavior::text(&["x"])).await;
-    let s = messages_scope(vec![messages_source("a", &m)], None).await;
-    let r = http()
-        .post(format!("{}/chat/completions", s.v1()))
-        .json(&json!({"model": "llm", "messages": [{"role": "user", "content": "hi"}]}))
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(r.status(), 400);
-    let v: Value = r.json().await.unwrap();
-    let msg = v["error"]["message"].as_str().unwrap();
-    assert!(msg.contains("messages"), "{msg}");
-    assert!(m.requests().is_empty());
-}
-
 /// A scope of a chat and a messages source serves a Messages client from either: the
 /// messages source's events pass as sent, the chat source's answer is translated.
 #[tokio::test]
