@@ -44,10 +44,24 @@ impl Outbound {
     }
 }
 
-/// Overlay fields no API but chat completions has (named when set, for both targets).
+/// Overlay fields both targets take (or that are the call's: model, stream, usage).
+const HANDLED_BY_BOTH: [&str; 9] = [
+    "model",
+    "stream",
+    "stream_options",
+    "max_tokens",
+    "max_completion_tokens",
+    "top_p",
+    "tool_choice",
+    "parallel_tool_calls",
+    "user",
+];
+
+/// Names every overlay field that neither both targets nor this one (`handled`) take.
 fn named_overlay(overlay: &Map<String, Value>, handled: &[&str], out: &mut Vec<String>) {
     for (k, v) in overlay {
-        if v.is_null() || handled.contains(&k.as_str()) {
+        let key = k.as_str();
+        if v.is_null() || HANDLED_BY_BOTH.contains(&key) || handled.contains(&key) {
             continue;
         }
         if k == "n" && v.as_u64() == Some(1) {
@@ -164,22 +178,7 @@ pub fn for_messages(req: &ChatRequest, max_output_tokens: u64) -> Outbound {
         body.insert("metadata".into(), json!({"user_id": u}));
     }
     named_content(req, &mut unexpressed);
-    named_overlay(
-        &overlay,
-        &[
-            "model",
-            "stream",
-            "stream_options",
-            "max_tokens",
-            "max_completion_tokens",
-            "stop",
-            "top_p",
-            "tool_choice",
-            "parallel_tool_calls",
-            "user",
-        ],
-        &mut unexpressed,
-    );
+    named_overlay(&overlay, &["stop"], &mut unexpressed);
     Outbound { body, unexpressed }
 }
 
@@ -213,15 +212,6 @@ pub fn for_responses(req: &ChatRequest) -> Outbound {
     named_overlay(
         &overlay,
         &[
-            "model",
-            "stream",
-            "stream_options",
-            "max_tokens",
-            "max_completion_tokens",
-            "top_p",
-            "tool_choice",
-            "parallel_tool_calls",
-            "user",
             "metadata",
             "prompt_cache_key",
             "service_tier",
