@@ -786,6 +786,105 @@ proptest! {
         }
     }
 
+    /// SPEC §23.6: a native stream cut after any event and continued by another leg
+    /// is one valid stream for its client. The events before the cut went to the
+    /// client as the source sent them, and the client's encoder followed them
+    /// (`observe`); the continuation leg's deltas — what the engine forwards after the
+    /// delivered prefix — and the end are then written by that encoder. Messages: one
+    /// `message_start`, blocks numbered 0…n−1 each started and stopped once, one
+    /// `message_delta`, one `message_stop`; Responses: one `response.created`,
+    /// contiguous sequence numbers, one `response.completed` with the whole output.
+    /// Either way the client's text and tool arguments are the answer's, once.
+    #[test]
+    fn a_native_stream_cut_anywhere_is_continued_as_one_valid_stream(
+        a in answer(),
+        messages_api in any::<bool>(),
+        cuts in prop::collection::vec(any::<usize>(), 0..6),
+        at in any::<prop::sample::Index>(),
+    ) {
+        use polygw_core::native::{messages::MessagesReader, responses::ResponsesReader};
+        let mut a = a;
+        a.finish = Some(if a.calls.is_empty() { "stop" } else { "tool_calls" });
+        a.usage = Some(a.usage.unwrap_or(Usage::new(3, 2)));
+        let answer = llm(&a);
+        let all = deltas(&a, &cuts, &[]);
+        let source: Vec<SseEvent> = if messages_api {
+            let mut s = messages::MessagesStream::new("msg_src", messages_meta(true), 7);
+            let mut ev = s.start();
+            for d in &all { ev.extend(s.delta(d)); }
+            ev.extend(s.finish(&answer));
+            ev
+        } else {
+            let mut s = responses::ResponsesStream::new("resp_src", 1, responses_meta());
+            let mut ev = s.start();
+            for d in &all { ev.extend(s.delta(d)); }
+            ev.extend(s.finish(&answer));
+            ev
+        };
+        // Cut after k events (at least the first, before the terminal one).
+        let k = 1 + at.index(source.len() - 1);
+        let passed = &source[..k];
+        // What the client received, as the engine read it.
+        let (mut mr, mut rr) = (MessagesReader::new(), ResponsesReader::new());
+        let mut text = String::new();
+        let mut args: Vec<String> = vec![String::new(); a.calls.len()];
+        let mut named: Vec<bool> = vec![false; a.calls.len()];
+        for e in passed {
+            let data = e.data.to_string();
+            let d = if messages_api { mr.on_event(Some(&e.event), &data) } else { rr.on_event(Some(&e.event), &data) };
+            let d = d.map_err(|e| TestCaseError::fail(format!("{e:?}")))?;
+            text.push_str(d.content.as_deref().unwrap_or_default());
+            for t in &d.tool_calls {
+                let i = t.index as usize;
+                args[i].push_str(&t.arguments);
+                named[i] |= t.name.is_some();
+            }
+        }
+        prop_assert!(a.content.starts_with(&text));
+        // The continuation: what was not delivered.
+        let mut rest = vec![StreamDelta { content: Some(a.content[text.len()..].to_string()), ..Default::default() }];
+        for (i, (tool, full)) in a.calls.iter().enumerate() {
+            prop_assert!(full.starts_with(&args[i]));
+            rest.push(StreamDelta {
+                tool_calls: vec![ToolCallDelta {
+                    index: i as u32,
+                    id: (!named[i]).then(|| format!("call_{i}")),
+                    name: (!named[i]).then(|| TOOL_NAMES[*tool].to_string()),
+                    arguments: full[args[i].len()..].to_string(),
+                }],
+                ..Default::default()
+            });
+        }
+        let mut out: Vec<SseEvent> = passed.to_vec();
+        if messages_api {
+            let mut c = messages::MessagesStream::new("msg_client", messages_meta(true), 7);
+            for e in passed { c.observe(&e.event, &e.data); }
+            for d in &rest { out.extend(c.delta(d)); }
+            out.extend(c.finish(&answer));
+            let fin = messages::check_stream(&out).map_err(TestCaseError::fail)?;
+            prop_assert_eq!(&fin.text, &a.content);
+            let inputs: Vec<Value> = fin.tool_calls.iter().map(|c| c.input.clone()).collect();
+            let want: Vec<Value> = a.calls.iter().map(|(_, args)| messages::tool_input(args)).collect();
+            prop_assert_eq!(inputs, want);
+            prop_assert_eq!(out.iter().filter(|e| e.event == "message_start").count(), 1);
+            prop_assert_eq!(out.iter().filter(|e| e.event == "message_delta").count(), 1);
+            prop_assert_eq!(out.iter().filter(|e| e.event == "message_stop").count(), 1);
+        } else {
+            let mut c = responses::ResponsesStream::new("resp_client", 1, responses_meta());
+            for e in passed { c.observe(&e.data); }
+            for d in &rest { out.extend(c.delta(d)); }
+            out.extend(c.finish(&answer));
+            let seqs: Vec<u64> = out.iter().map(|e| e.data["sequence_number"].as_u64().unwrap()).collect();
+            prop_assert_eq!(seqs, (0..out.len() as u64).collect::<Vec<_>>(), "contiguous sequence numbers");
+            let fin = responses::check_stream(&out).map_err(TestCaseError::fail)?;
+            prop_assert_eq!(&fin.text, &a.content);
+            let got: Vec<&str> = fin.tool_calls.iter().map(|c| c.arguments.as_str()).collect();
+            let want: Vec<&str> = a.calls.iter().map(|(_, args)| args.as_str()).collect();
+            prop_assert_eq!(got, want);
+            prop_assert_eq!(&fin.id, "resp_src", "the id the client saw first");
+        }
+    }
+
     #[test]
     fn sse_round_trips(events in prop::collection::vec(("[a-z_.]{1,24}", value()), 0..6)) {
         let events: Vec<SseEvent> = events.into_iter().map(|(e, d)| SseEvent::new(e, d)).collect();

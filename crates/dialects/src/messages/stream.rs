@@ -30,6 +30,9 @@ enum Mode {
 enum Block {
     Thinking,
     Text,
+    /// A block of a kind this encoder does not write (a server tool's, a citation's),
+    /// observed in a source's stream.
+    Other,
     Tool {
         call: u32,
         arguments: String,
@@ -65,6 +68,8 @@ pub struct MessagesStream {
     arguments_bytes: usize,
     tool_calls: bool,
     matched_stop: Option<String>,
+    /// A source's `message_delta` was observed: the stream only lacks its stop.
+    stop_pending: bool,
 }
 
 impl MessagesStream {
@@ -86,6 +91,7 @@ impl MessagesStream {
             arguments_bytes: 0,
             tool_calls: false,
             matched_stop: None,
+            stop_pending: false,
         }
     }
 
@@ -124,7 +130,12 @@ impl MessagesStream {
             self.push_text(c, &mut out);
         }
         for t in &d.tool_calls {
-            if self.closed_calls.contains(&t.index) && !t.arguments.is_empty() {
+            let closed = self.closed_calls.contains(&t.index);
+            if closed && t.arguments.is_empty() {
+                // A repeated id or name on a closed call is harmless.
+                continue;
+            }
+            if closed {
                 out.extend(self.fail(
                     "api_error",
                     &format!(
@@ -156,6 +167,15 @@ impl MessagesStream {
             return out;
         }
         self.ensure_started(&mut out);
+        if self.stop_pending {
+            // The source said how it ended; only its stop was lost.
+            self.done = true;
+            out.push(SseEvent::new(
+                "message_stop",
+                json!({"type": "message_stop"}),
+            ));
+            return out;
+        }
         if let Some(rest) = answer
             .reasoning_content
             .as_deref()
@@ -244,6 +264,68 @@ impl MessagesStream {
             "error",
             json!({"type": "error", "error": {"type": error_type, "message": message}}),
         )]
+    }
+
+    /// Follows an event of a `messages` source's stream that went to the client as
+    /// received (SPEC §23.6): the blocks it started, filled and stopped become this
+    /// encoder's, so that when another leg continues the answer, its deltas go on in
+    /// the same stream — the open text block continued, the next block numbered after
+    /// the last, a thinking block cut before its signature closed without one — and
+    /// [`Self::finish`] ends it with one `message_delta` and one `message_stop`.
+    pub fn observe(&mut self, event: &str, data: &Value) {
+        let index = data.get("index").and_then(Value::as_u64).unwrap_or(0) as u32;
+        match event {
+            "message_start" => self.started = true,
+            "content_block_start" => {
+                self.started = true;
+                let b = &data["content_block"];
+                self.open = Some(match b["type"].as_str().unwrap_or_default() {
+                    "text" => {
+                        self.text.push_str(b["text"].as_str().unwrap_or_default());
+                        Block::Text
+                    }
+                    "thinking" | "redacted_thinking" => Block::Thinking,
+                    "tool_use" => {
+                        self.tool_calls = true;
+                        Block::Tool {
+                            call: self.observed_calls(),
+                            arguments: String::new(),
+                            held: String::new(),
+                            mode: Mode::Live,
+                        }
+                    }
+                    _ => Block::Other,
+                });
+                self.blocks = self.blocks.max(index + 1);
+            }
+            "content_block_delta" => {
+                let d = &data["delta"];
+                let text = |k: &str| d[k].as_str().unwrap_or_default();
+                match (d["type"].as_str().unwrap_or_default(), self.open.as_mut()) {
+                    ("text_delta", _) => self.text.push_str(text("text")),
+                    ("thinking_delta", _) => self.thinking.push_str(text("thinking")),
+                    ("input_json_delta", Some(Block::Tool { arguments, .. })) => {
+                        arguments.push_str(text("partial_json"))
+                    }
+                    _ => {}
+                }
+            }
+            "content_block_stop" => {
+                if let Some(Block::Tool { call, .. }) = self.open.take() {
+                    self.closed_calls.insert(call);
+                }
+            }
+            "message_delta" => self.stop_pending = true,
+            "message_stop" => self.done = true,
+            _ => {}
+        }
+    }
+
+    /// The call index of the next `tool_use` block observed: calls are numbered in
+    /// order (as core's reader numbers them).
+    fn observed_calls(&self) -> u32 {
+        let open = matches!(self.open, Some(Block::Tool { .. }));
+        self.closed_calls.len() as u32 + u32::from(open)
     }
 
     /// Whether the terminal event was sent.

@@ -71,6 +71,13 @@ pub struct ResponsesStream {
     /// Whether a message or a tool call was ever streamed.
     answered: bool,
     response: Option<Value>,
+    /// The open item's `.done` parts were observed in a source's stream: it takes no
+    /// more content, and closing it does not send those parts again.
+    sealed: bool,
+    /// Which `.done` events of the open item the source already sent.
+    parts_done: BTreeSet<String>,
+    /// The open message or reasoning item was observed added, its part not yet.
+    part_pending: bool,
 }
 
 impl ResponsesStream {
@@ -90,6 +97,9 @@ impl ResponsesStream {
             text: String::new(),
             answered: false,
             response: None,
+            sealed: false,
+            parts_done: BTreeSet::new(),
+            part_pending: false,
         }
     }
 
@@ -118,8 +128,11 @@ impl ResponsesStream {
         }
         for t in &d.tool_calls {
             // A repeated id or name on a closed call is harmless; more arguments are not.
-            let late = self.closed_calls.contains(&t.index) && !t.arguments.is_empty();
-            if late {
+            let closed = self.closed_calls.contains(&t.index);
+            if closed && t.arguments.is_empty() {
+                continue;
+            }
+            if closed {
                 out.extend(self.fail(
                     "server_error",
                     &format!(
@@ -287,6 +300,111 @@ impl ResponsesStream {
         &self.items
     }
 
+    /// Follows an event of a `responses` source's stream that went to the client as
+    /// received (SPEC §23.6): the response's id and creation time, the sequence
+    /// numbers, the items added, filled and done become this encoder's, so that when
+    /// another leg continues the answer its deltas go on in the same stream —
+    /// `sequence_number`s contiguous, the open message continued, the next item after
+    /// the last — and [`Self::finish`] ends it with one `response.completed` carrying
+    /// the whole output.
+    pub fn observe(&mut self, data: &Value) {
+        if let Some(n) = data.get("sequence_number").and_then(Value::as_u64) {
+            self.seq = self.seq.max(n + 1);
+        }
+        let text = |k: &str| data[k].as_str().unwrap_or_default().to_string();
+        match data["type"].as_str().unwrap_or_default() {
+            "response.created" | "response.in_progress" => {
+                self.started = true;
+                let r = &data["response"];
+                if let Some(id) = r["id"].as_str() {
+                    self.id = id.to_string();
+                }
+                if let Some(t) = r["created_at"].as_u64() {
+                    self.created_at = t;
+                }
+            }
+            "response.output_item.added" => {
+                let item = &data["item"];
+                self.part_pending = matches!(item["type"].as_str(), Some("message" | "reasoning"));
+                let id = item["id"].as_str().unwrap_or_default().to_string();
+                self.open = match item["type"].as_str().unwrap_or_default() {
+                    "reasoning" => Some(Open::Reasoning {
+                        id,
+                        text: String::new(),
+                    }),
+                    "message" => Some(Open::Message {
+                        id,
+                        text: String::new(),
+                    }),
+                    "function_call" => {
+                        let chat_name = item["name"].as_str().unwrap_or_default().to_string();
+                        Some(Open::Call {
+                            index: self.closed_calls.len() as u32,
+                            id,
+                            call_id: item["call_id"].as_str().unwrap_or_default().to_string(),
+                            target: self.meta.tool_target(&chat_name).cloned(),
+                            chat_name,
+                            arguments: String::new(),
+                            announced: true,
+                        })
+                    }
+                    _ => None,
+                };
+            }
+            "response.content_part.added" | "response.reasoning_summary_part.added" => {
+                self.part_pending = false;
+            }
+            "response.output_text.delta" => {
+                let d = text("delta");
+                self.text.push_str(&d);
+                if let Some(Open::Message { text, .. }) = self.open.as_mut() {
+                    text.push_str(&d);
+                }
+            }
+            "response.reasoning_summary_text.delta" => {
+                let d = text("delta");
+                self.reasoning.push_str(&d);
+                if let Some(Open::Reasoning { text, .. }) = self.open.as_mut() {
+                    text.push_str(&d);
+                }
+            }
+            "response.function_call_arguments.delta" => {
+                if let Some(Open::Call { arguments, .. }) = self.open.as_mut() {
+                    arguments.push_str(&text("delta"));
+                }
+            }
+            "response.output_text.done"
+            | "response.content_part.done"
+            | "response.function_call_arguments.done"
+            | "response.reasoning_summary_text.done"
+            | "response.reasoning_summary_part.done" => {
+                self.sealed = self.open.is_some();
+                if let Some(t) = data["type"].as_str() {
+                    self.parts_done.insert(t.to_string());
+                }
+                if let Some(Open::Call { index, .. }) = &self.open {
+                    self.closed_calls.insert(*index);
+                }
+            }
+            "response.output_item.done" => {
+                self.sealed = false;
+                self.parts_done.clear();
+                if let Some(Open::Call { index, .. }) = self.open.take() {
+                    self.closed_calls.insert(index);
+                }
+                let item = data["item"].clone();
+                if matches!(item["type"].as_str(), Some("message" | "function_call")) {
+                    self.answered = true;
+                }
+                self.items.push(item);
+            }
+            "response.completed" | "response.incomplete" => {
+                self.response = Some(data["response"].clone());
+            }
+            _ => {}
+        }
+    }
+
     // === impl ResponsesStream: items ===
 
     fn ensure_started(&mut self, out: &mut Vec<SseEvent>) {
@@ -319,13 +437,39 @@ impl ResponsesStream {
         SseEvent::new(ty, Value::Object(data))
     }
 
+    /// The part of an observed item whose part the source never added (its stream was
+    /// cut between the two).
+    fn add_pending_part(&mut self, out: &mut Vec<SseEvent>) {
+        if !std::mem::take(&mut self.part_pending) {
+            return;
+        }
+        let index = self.index();
+        let ev = match &self.open {
+            Some(Open::Message { id, .. }) => {
+                let data = obj(
+                    json!({"item_id": id, "output_index": index, "content_index": 0, "part": text_part("")}),
+                );
+                self.event("response.content_part.added", data)
+            }
+            Some(Open::Reasoning { id, .. }) => {
+                let data = obj(
+                    json!({"item_id": id, "output_index": index, "summary_index": 0,
+                    "part": {"type": "summary_text", "text": ""}}),
+                );
+                self.event("response.reasoning_summary_part.added", data)
+            }
+            _ => return,
+        };
+        out.push(ev);
+    }
+
     /// The output index of the open item (items are opened in order).
     fn index(&self) -> usize {
         self.items.len()
     }
 
     fn push_reasoning(&mut self, r: &str, out: &mut Vec<SseEvent>) {
-        if !matches!(self.open, Some(Open::Reasoning { .. })) {
+        if self.sealed || !matches!(self.open, Some(Open::Reasoning { .. })) {
             self.close("completed", out);
             let id = item_id("rs", &self.id, self.index());
             let added = json!({"type": "reasoning", "id": id, "summary": []});
@@ -344,6 +488,7 @@ impl ResponsesStream {
                 text: String::new(),
             });
         }
+        self.add_pending_part(out);
         let index = self.index();
         if let Some(Open::Reasoning { id, text }) = self.open.as_mut() {
             text.push_str(r);
@@ -374,9 +519,10 @@ impl ResponsesStream {
     }
 
     fn push_text(&mut self, c: &str, out: &mut Vec<SseEvent>) {
-        if !matches!(self.open, Some(Open::Message { .. })) {
+        if self.sealed || !matches!(self.open, Some(Open::Message { .. })) {
             self.open_message(out);
         }
+        self.add_pending_part(out);
         let index = self.index();
         if let Some(Open::Message { id, text }) = self.open.as_mut() {
             text.push_str(c);
@@ -403,7 +549,7 @@ impl ResponsesStream {
         out: &mut Vec<SseEvent>,
     ) {
         if let Some(Open::Call { index: open, .. }) = &self.open {
-            if *open == index {
+            if *open == index && !self.sealed {
                 self.append_arguments(arguments, out);
                 return;
             }
@@ -501,6 +647,36 @@ impl ResponsesStream {
         let Some(open) = self.open.take() else {
             return;
         };
+        // An observed item cut before its part was added gets it now (its `.done`
+        // events below name it).
+        let start = self.seq;
+        let mut events = Vec::new();
+        let open = if self.part_pending {
+            self.open = Some(open);
+            self.add_pending_part(&mut events);
+            match self.open.take() {
+                Some(o) => o,
+                None => return,
+            }
+        } else {
+            open
+        };
+        self.close_item(open, status, &mut events);
+        self.sealed = false;
+        let done = std::mem::take(&mut self.parts_done);
+        if !done.is_empty() {
+            // What the source already sent is not sent again; the numbers stay
+            // contiguous.
+            events.retain(|e| !done.contains(&e.event));
+            for (i, e) in events.iter_mut().enumerate() {
+                e.data["sequence_number"] = json!(start + i as u64);
+            }
+            self.seq = start + events.len() as u64;
+        }
+        out.extend(events);
+    }
+
+    fn close_item(&mut self, open: Open, status: &str, out: &mut Vec<SseEvent>) {
         let output_index = self.index();
         let item = self.snapshot(&open, status);
         match &open {
