@@ -345,7 +345,17 @@ impl Leg for ChatLeg<'_> {
     }
 
     fn resumable(&self) -> bool {
-        self.request.native.is_none()
+        // Native streams too (SPEC §23.6): the proxy's encoder continues the stream the
+        // client received (by replay; see `prefill_allowed`).
+        true
+    }
+
+    fn prefill_allowed(&self, source: &SourceConfig) -> bool {
+        // The client's own body is sent as is: no prefill edit of it yet.
+        self.request
+            .native
+            .as_ref()
+            .is_none_or(|n| n.api != source.api)
     }
 
     fn received_bytes(&self, out: &TransportResult) -> usize {

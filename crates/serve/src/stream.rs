@@ -81,12 +81,20 @@ pub(crate) struct Passing {
     terminal: &'static [&'static str],
     /// The data of the last native event written.
     last: Option<String>,
+    /// Every native event written (name, data), until a leg continues them: the
+    /// route's encoder then follows them (SPEC §23.6).
+    passed: Vec<(String, String)>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Mode {
     Undecided,
-    Native { ended: bool },
+    Native {
+        ended: bool,
+    },
+    /// Native events passed, then another leg took over after a cut (SPEC §23.6): its
+    /// chunks are written by the route's encoder, continuing the same stream.
+    Continued,
     Translated,
 }
 
@@ -115,7 +123,19 @@ impl Passing {
             mode: Mode::Undecided,
             terminal,
             last: None,
+            passed: Vec::new(),
         }
+    }
+
+    /// A leg was committed: when it continues a native stream cut before its end (a
+    /// resume leg), the stream is written by the encoder from now on, and the events
+    /// passed so far are given back for the encoder to follow.
+    pub(crate) fn continue_after(&mut self, c: &Commit) -> Option<Vec<(String, String)>> {
+        if c.first || !matches!(self.mode, Mode::Native { ended: false }) {
+            return None;
+        }
+        self.mode = Mode::Continued;
+        Some(std::mem::take(&mut self.passed))
     }
 
     /// At the stream's start: whether the encoder writes its opening events now (not
@@ -152,14 +172,21 @@ impl Passing {
                         .is_some_and(|e| self.terminal.contains(&e));
                 self.mode = Mode::Native { ended };
                 ev.write_to(out);
+                let name = ev
+                    .event
+                    .clone()
+                    .unwrap_or_else(|| event_type(&ev.data).unwrap_or_default());
+                self.passed.push((name, ev.data.clone()));
                 self.last = Some(ev.data);
                 None
             }
             (Mode::Native { .. }, None) => {
-                // Not reached: a native stream is not resumed on another leg (yet).
+                // A leg of another API continuing a native stream without a commit:
+                // not reached (a continuation is committed first).
                 tracing::error!("a translated chunk in a native stream, dropped");
                 None
             }
+            (Mode::Continued, _) => Some(StreamDelta { native: None, ..d }),
             (_, native) => {
                 self.mode = Mode::Translated;
                 Some(StreamDelta { native, ..d })
@@ -167,7 +194,7 @@ impl Passing {
         }
     }
 
-    /// Whether the stream passes native events.
+    /// Whether the stream passes native events (and no other leg continued them).
     pub(crate) fn is_native(&self) -> bool {
         matches!(self.mode, Mode::Native { .. })
     }
@@ -182,9 +209,22 @@ impl Passing {
         match self.mode {
             Mode::Native { ended: true } => Ending::Ended,
             Mode::Native { ended: false } => Ending::Unended,
-            Mode::Undecided | Mode::Translated => Ending::Translate,
+            Mode::Undecided | Mode::Continued | Mode::Translated => Ending::Translate,
         }
     }
+}
+
+/// The `type` of an event's JSON data, read without building it.
+fn event_type(data: &str) -> Option<String> {
+    #[derive(serde::Deserialize)]
+    struct Typed<'a> {
+        #[serde(borrow, rename = "type")]
+        kind: Option<std::borrow::Cow<'a, str>>,
+    }
+    serde_json::from_str::<Typed<'_>>(data)
+        .ok()?
+        .kind
+        .map(std::borrow::Cow::into_owned)
 }
 
 /// Renders an error before the answer started, in the route's shape.

@@ -95,8 +95,13 @@ pub(crate) trait Leg: Send + Sync {
         true
     }
     /// Whether a streamed answer of this request may be resumed on another leg once it
-    /// reached the caller (a native stream may not yet: SPEC §23.6, DECISIONS 172).
+    /// reached the caller.
     fn resumable(&self) -> bool {
+        true
+    }
+    /// Whether a resume of this request on `source` may continue by prefill (else it
+    /// replays: SPEC §23.6 — a native request's own body takes no prefill yet).
+    fn prefill_allowed(&self, _source: &SourceConfig) -> bool {
         true
     }
     /// Whether rows of this kind of attempt carry the gateway's estimate when the

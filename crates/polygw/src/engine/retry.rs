@@ -128,12 +128,21 @@ impl Engine {
 
     /// What the primary of a round sends: the original request, or a continuation
     /// of the carried text by prefill (capable source, no tool call) or replay.
-    fn primary_kind(&self, cont: Option<&Continuation>, source: usize) -> Option<LegKind> {
+    fn primary_kind<L: Leg>(
+        &self,
+        leg: &L,
+        cont: Option<&Continuation>,
+        source: usize,
+    ) -> Option<LegKind> {
         let Some(c) = cont else {
             return Some(LegKind::Fresh);
         };
         let text = &c.carried.delivered;
-        if self.prefill_capable(source) && !text.has_tool_call() && !text.content.is_empty() {
+        if self.prefill_capable(source)
+            && leg.prefill_allowed(&self.scope.sources[source])
+            && !text.has_tool_call()
+            && !text.content.is_empty()
+        {
             return Some(LegKind::Resume {
                 mode: ResumeMode::Prefill,
                 prefix: text.content.clone(),
@@ -340,7 +349,7 @@ impl Engine {
                     return Err(e);
                 }
             };
-            let Some(kind) = self.primary_kind(cont.as_ref(), picked.source_idx) else {
+            let Some(kind) = self.primary_kind(leg, cont.as_ref(), picked.source_idx) else {
                 // STREAM__RESUME=prefill admitted only capable sources: not reached.
                 let c = cont.take().map(|c| c.carried.original);
                 return Err(self.unresumable(

@@ -845,7 +845,10 @@ impl<'a, L: Leg> Exec<'a, L> {
             }) => {
                 let picked = MachinePicked {
                     source: p.source_idx,
-                    prefill_capable: self.engine.prefill_capable(p.source_idx),
+                    prefill_capable: self.engine.prefill_capable(p.source_idx)
+                        && self
+                            .leg
+                            .prefill_allowed(&self.engine.scope.sources[p.source_idx]),
                 };
                 self.picked = Some(p);
                 self.pick_for = None;

@@ -303,6 +303,16 @@ impl Encoder for MessagesEncoder {
         }
     }
 
+    fn committed(&mut self, c: &polygw::Commit) {
+        // A leg continues the source's cut stream (SPEC §23.6): the encoder follows
+        // what was passed, and writes the rest.
+        for (name, data) in self.passing.continue_after(c).unwrap_or_default() {
+            if let Ok(v) = serde_json::from_str::<serde_json::Value>(&data) {
+                self.stream.observe(&name, &v);
+            }
+        }
+    }
+
     fn delta(&mut self, d: StreamDelta, out: &mut Vec<u8>) {
         if let Some(d) = self.passing.pass(d, out) {
             write(out, self.stream.delta(&d));

@@ -525,6 +525,17 @@ impl Encoder for ResponsesEncoder {
         }
     }
 
+    fn committed(&mut self, c: &polygw::Commit) {
+        // A leg continues the source's cut stream (SPEC §23.6): the encoder follows
+        // what was passed (the previous response id as the client saw it), and writes
+        // the rest.
+        for (_, data) in self.passing.continue_after(c).unwrap_or_default() {
+            if let Ok(v) = serde_json::from_str::<Value>(&data) {
+                self.stream.observe(&v);
+            }
+        }
+    }
+
     fn delta(&mut self, d: StreamDelta, out: &mut Vec<u8>) {
         let prev = self.restore_previous.as_deref();
         let edited = self.passing.pass_edited(d, out, |ev| {

@@ -407,3 +407,72 @@ async fn a_chat_stream_cut_on_a_chat_source_continues_on_a_messages_source() {
     assert_eq!(log[0].path, "/v1/messages");
     assert!(got.output_tokens > 0, "{text}");
 }
+
+/// SPEC §23.6: a native stream cut mid-answer — a reset after each chunk, an
+/// `overloaded_error` event (Messages) or `response.failed` (Responses) — continues on
+/// the next source of the client's API, and the client receives one valid stream in its
+/// API: Messages with one `message_start`, blocks numbered in order and one
+/// `message_stop`; Responses with contiguous sequence numbers and one
+/// `response.completed` carrying the whole output; the text once, neither duplicated nor
+/// missing. The continuation is a verified replay (the client's body is sent as is).
+#[tokio::test]
+async fn a_native_stream_cut_mid_answer_continues_on_the_next_source() {
+    let words = ["Alpha ", "beta ", "gamma ", "delta ", "epsilon."];
+    for api in [SourceApi::Messages, SourceApi::Responses] {
+        let mut faults: Vec<(String, Fault)> = (1..words.len() as u32)
+            .map(|c| (format!("reset after {c}"), Fault::ResetAfter { chunks: c }))
+            .collect();
+        faults.push((
+            "error event".into(),
+            Fault::ErrorFrameAt {
+                chunk: 2,
+                error: None,
+            },
+        ));
+        for (what, fault) in faults {
+            let case = format!("{} {what}", api.as_str());
+            // Chunks 40 ms apart: the first ones reach the client before the cut.
+            let cut = recording_mock(Behavior {
+                fault: Some(fault),
+                gap_ms: 40.0,
+                ..Behavior::text(&words)
+            })
+            .await;
+            let next = recording_mock(Behavior::text(&words)).await;
+            let tag = format!("{}{}", api.as_str(), what.replace(' ', ""));
+            let a = source_of(api, &format!("ra{tag}"), &cut);
+            let b = source_of(api, &format!("rb{tag}"), &next).with_priority(1);
+            let s = messages_scope(vec![a, b], None).await;
+            let mut body = request(api, true, false);
+            body.as_object_mut().unwrap().remove("tools");
+            let r = post(&s, api, &body).await;
+            assert_eq!(r.status(), 200, "{case}");
+            let text = r.text().await.unwrap();
+            let got = read(api, true, &text);
+            assert_eq!(got.text, words.concat(), "{case}: {text}");
+            assert!(got.output_tokens > 0, "{case}");
+            let names: Vec<String> = parse_sse(text.as_bytes())
+                .into_iter()
+                .map(|e| e.event)
+                .collect();
+            let count = |n: &str| names.iter().filter(|x| *x == n).count();
+            match api {
+                SourceApi::Messages => {
+                    assert_eq!(
+                        (count("message_start"), count("message_stop")),
+                        (1, 1),
+                        "{case}: {names:?}"
+                    );
+                    assert_eq!(count("error"), 0, "{case}");
+                }
+                _ => {
+                    assert_eq!(count("response.created"), 1, "{case}: {names:?}");
+                    assert_eq!(count("response.completed"), 1, "{case}");
+                    assert_eq!(count("response.failed"), 0, "{case}");
+                }
+            }
+            assert_eq!(next.requests().len(), 1, "{case}: one continuation");
+            assert_eq!(next.requests()[0].path, path_of(api), "{case}");
+        }
+    }
+}
