@@ -394,6 +394,27 @@ async fn sdk_to_faulty_native_sources(test: &str, sdk_name: &str, api: &str) {
                 ..rescued()
             },
         ),
+        // Mid-answer (SPEC §23.6): two chunks reach the client (40 ms apart), then the
+        // cut or the error event; the fallback's replay of the same answer continues it.
+        (
+            "CUT_MID",
+            Behavior {
+                fault: Some(Fault::ResetAfter { chunks: 2 }),
+                gap_ms: 40.0,
+                ..rescued()
+            },
+        ),
+        (
+            "OVERLOADED_MID",
+            Behavior {
+                fault: Some(Fault::ErrorFrameAt {
+                    chunk: 2,
+                    error: None,
+                }),
+                gap_ms: 40.0,
+                ..rescued()
+            },
+        ),
     ];
     let mut env = Vec::new();
     let mut mocks = Vec::new();
