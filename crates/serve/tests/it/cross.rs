@@ -476,3 +476,81 @@ async fn a_native_stream_cut_mid_answer_continues_on_the_next_source() {
         }
     }
 }
+
+/// SPEC §23.6: a replay that does not reproduce what the client received ends the
+/// stream with the original failure — in the client's API, after exactly the text it
+/// had (nothing duplicated, nothing missing) — and a cut inside a thinking block is
+/// closed for the client without a signature, the answer continuing after it.
+#[tokio::test]
+async fn a_diverging_replay_ends_honestly_and_a_cut_thinking_block_closes_unsigned() {
+    let words = ["Alpha ", "beta ", "gamma."];
+    for api in [SourceApi::Messages, SourceApi::Responses] {
+        let case = api.as_str();
+        let cut = recording_mock(Behavior {
+            fault: Some(Fault::ResetAfter { chunks: 2 }),
+            gap_ms: 40.0,
+            ..Behavior::text(&words)
+        })
+        .await;
+        // Another answer altogether: the replay diverges.
+        let other = recording_mock(Behavior::text(&["Something", " else."])).await;
+        let a = source_of(api, &format!("dva{case}"), &cut);
+        let b = source_of(api, &format!("dvb{case}"), &other).with_priority(1);
+        let s = messages_scope(vec![a, b], None).await;
+        let mut body = request(api, true, false);
+        body.as_object_mut().unwrap().remove("tools");
+        let r = post(&s, api, &body).await;
+        assert_eq!(r.status(), 200, "{case}");
+        let text = r.text().await.unwrap();
+        let events = parse_sse(text.as_bytes());
+        let names: Vec<&str> = events.iter().map(|e| e.event.as_str()).collect();
+        let delivered: String = events
+            .iter()
+            .filter_map(|e| match api {
+                SourceApi::Messages => e.data["delta"]["text"].as_str(),
+                _ => (e.event == "response.output_text.delta")
+                    .then(|| e.data["delta"].as_str())
+                    .flatten(),
+            })
+            .collect();
+        assert_eq!(delivered, "Alpha beta ", "{case}: {text}");
+        assert!(!text.contains("Something"), "{case}: the diverging leg is not shown");
+        let last = *names.last().unwrap();
+        assert!(
+            last == "error" || last == "response.failed",
+            "{case}: ends with the failure: {names:?}"
+        );
+    }
+    // A cut inside a thinking block (Messages, thinking on).
+    let behavior = |fault: Option<Fault>| Behavior {
+        reasoning: vec!["Let me".into(), " think".into()],
+        fault,
+        gap_ms: 40.0,
+        ..Behavior::text(&["Fine", " then."])
+    };
+    let cut = recording_mock(behavior(Some(Fault::ResetAfter { chunks: 1 }))).await;
+    let next = recording_mock(behavior(None)).await;
+    let a = crate::native::messages_source("thka", &cut);
+    let b = crate::native::messages_source("thkb", &next).with_priority(1);
+    let s = messages_scope(vec![a, b], None).await;
+    let body = json!({"model": "llm", "stream": true, "max_tokens": 2000,
+        "thinking": {"type": "enabled", "budget_tokens": 1024},
+        "messages": [{"role": "user", "content": "go"}]});
+    let r = post(&s, SourceApi::Messages, &body).await;
+    assert_eq!(r.status(), 200);
+    let text = r.text().await.unwrap();
+    let events = parse_sse(text.as_bytes());
+    let fin = mwire::check_stream(&events).unwrap_or_else(|e| panic!("{e}: {text}"));
+    assert_eq!(fin.text, "Fine then.", "{text}");
+    // The thinking the client received before the cut, closed there: the replay's
+    // thinking is verified, not shown again.
+    assert_eq!(fin.thinking, "Let me", "{text}");
+    assert!(
+        !events.iter().any(|e| e.data["delta"]["type"] == "signature_delta"),
+        "the cut thinking block is closed without a signature: {text}"
+    );
+    assert_eq!(
+        events.iter().filter(|e| e.event == "message_stop").count(),
+        1
+    );
+}
