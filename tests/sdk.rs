@@ -1000,6 +1000,46 @@ async fn a_signed_tool_round_fails_over<F: std::future::Future<Output = ScriptRu
     );
 }
 
+/// The agent's answer is cut mid-stream (SPEC §23.6): the primary streams two chunks,
+/// 40 ms apart, then resets; the fallback's replay of the same answer continues the
+/// stream, and the agent shows the whole answer once.
+async fn a_stream_cut_mid_answer_is_continued<F: std::future::Future<Output = ScriptRun>>(
+    w: &AgentWorld,
+    run: impl FnOnce() -> F,
+) {
+    let words = ["Resumed ", "answer ", "from ", "polygw."];
+    w.primary.reset_log();
+    w.fallback.reset_log();
+    w.primary.push_script(Behavior {
+        signing_group: Some("fam-a".into()),
+        fault: Some(Fault::ResetAfter { chunks: 2 }),
+        gap_ms: 40.0,
+        ..Behavior::text(&words)
+    });
+    w.fallback.push_script(Behavior {
+        signing_group: Some("fam-b".into()),
+        ..Behavior::text(&words)
+    });
+    let run = run().await;
+    assert!(run.ok, "{}\n{}", run.stdout, run.stderr);
+    assert!(
+        run.stdout.contains("Resumed answer from polygw."),
+        "{}",
+        run.stdout
+    );
+    assert!(
+        w.primary
+            .requests()
+            .iter()
+            .any(|r| r.end == EndKind::ResetMidStream),
+        "the primary's stream was cut"
+    );
+    assert!(
+        !w.fallback.requests().is_empty(),
+        "the fallback continued it"
+    );
+}
+
 /// Claude Code itself (`claude -p`, the pinned npm release) through `polygw serve` to
 /// `messages` sources, offline (issue 35): a plain turn, a tool round (it reads a file
 /// with its Read tool and sends the result back), and a 429 on the primary answered by
@@ -1108,6 +1148,9 @@ async fn claude_code_through_polygw_to_messages_sources() {
         run_claude("What does note.txt say? Think first.")
     })
     .await;
+
+    // An answer cut mid-stream, continued on the fallback.
+    a_stream_cut_mid_answer_is_continued(&w, || run_claude("Say something.")).await;
 
     // A 429 on the primary: the fallback answers.
     a_429_is_answered_by_the_fallback(&w, || run_claude("Say hello again.")).await;
@@ -1246,6 +1289,9 @@ async fn codex_through_polygw_to_responses_sources() {
         run_codex("What does note.txt say? Think first.")
     })
     .await;
+
+    // An answer cut mid-stream, continued on the fallback.
+    a_stream_cut_mid_answer_is_continued(&w, || run_codex("Say something.")).await;
 
     // A 429 on the primary: the fallback answers.
     a_429_is_answered_by_the_fallback(&w, || run_codex("Say hello again.")).await;

@@ -827,6 +827,7 @@ proptest! {
         // What the client received, as the engine read it.
         let (mut mr, mut rr) = (MessagesReader::new(), ResponsesReader::new());
         let mut text = String::new();
+        let mut thought = String::new();
         let mut args: Vec<String> = vec![String::new(); a.calls.len()];
         let mut named: Vec<bool> = vec![false; a.calls.len()];
         for e in passed {
@@ -834,6 +835,7 @@ proptest! {
             let d = if messages_api { mr.on_event(Some(&e.event), &data) } else { rr.on_event(Some(&e.event), &data) };
             let d = d.map_err(|e| TestCaseError::fail(format!("{e:?}")))?;
             text.push_str(d.content.as_deref().unwrap_or_default());
+            thought.push_str(d.reasoning.as_deref().unwrap_or_default());
             for t in &d.tool_calls {
                 let i = t.index as usize;
                 args[i].push_str(&t.arguments);
@@ -842,7 +844,11 @@ proptest! {
         }
         prop_assert!(a.content.starts_with(&text));
         // The continuation: what was not delivered.
-        let mut rest = vec![StreamDelta { content: Some(a.content[text.len()..].to_string()), ..Default::default() }];
+        prop_assert!(a.reasoning.starts_with(&thought));
+        let mut rest = vec![
+            StreamDelta { reasoning: Some(a.reasoning[thought.len()..].to_string()), ..Default::default() },
+            StreamDelta { content: Some(a.content[text.len()..].to_string()), ..Default::default() },
+        ];
         for (i, (tool, full)) in a.calls.iter().enumerate() {
             prop_assert!(full.starts_with(&args[i]));
             rest.push(StreamDelta {
@@ -882,6 +888,16 @@ proptest! {
             let want: Vec<&str> = a.calls.iter().map(|(_, args)| args.as_str()).collect();
             prop_assert_eq!(got, want);
             prop_assert_eq!(&fin.id, "resp_src", "the id the client saw first");
+            // The same items as the answer the source would have completed.
+            let kinds = |events: &[SseEvent]| -> Vec<String> {
+                events.iter().rev().find(|e| e.event == "response.completed")
+                    .and_then(|e| e.data["response"]["output"].as_array().cloned())
+                    .unwrap_or_default()
+                    .iter()
+                    .map(|i| i["type"].as_str().unwrap_or_default().to_string())
+                    .collect()
+            };
+            prop_assert_eq!(kinds(&out), kinds(&source), "no item added or lost");
         }
     }
 

@@ -326,6 +326,9 @@ impl ResponsesStream {
             "response.output_item.added" => {
                 let item = &data["item"];
                 self.part_pending = matches!(item["type"].as_str(), Some("message" | "reasoning"));
+                if matches!(item["type"].as_str(), Some("message" | "function_call")) {
+                    self.answered = true;
+                }
                 let id = item["id"].as_str().unwrap_or_default().to_string();
                 self.open = match item["type"].as_str().unwrap_or_default() {
                     "reasoning" => Some(Open::Reasoning {

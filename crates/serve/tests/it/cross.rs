@@ -466,6 +466,8 @@ async fn a_native_stream_cut_mid_answer_continues_on_the_next_source() {
                     assert_eq!(count("error"), 0, "{case}");
                 }
                 _ => {
+                    let added = count("response.output_item.added");
+                    assert_eq!(added, 1, "{case}: one message item, continued: {names:?}");
                     assert_eq!(count("response.created"), 1, "{case}: {names:?}");
                     assert_eq!(count("response.completed"), 1, "{case}");
                     assert_eq!(count("response.failed"), 0, "{case}");
@@ -514,7 +516,10 @@ async fn a_diverging_replay_ends_honestly_and_a_cut_thinking_block_closes_unsign
             })
             .collect();
         assert_eq!(delivered, "Alpha beta ", "{case}: {text}");
-        assert!(!text.contains("Something"), "{case}: the diverging leg is not shown");
+        assert!(
+            !text.contains("Something"),
+            "{case}: the diverging leg is not shown"
+        );
         let last = *names.last().unwrap();
         assert!(
             last == "error" || last == "response.failed",
@@ -546,7 +551,9 @@ async fn a_diverging_replay_ends_honestly_and_a_cut_thinking_block_closes_unsign
     // thinking is verified, not shown again.
     assert_eq!(fin.thinking, "Let me", "{text}");
     assert!(
-        !events.iter().any(|e| e.data["delta"]["type"] == "signature_delta"),
+        !events
+            .iter()
+            .any(|e| e.data["delta"]["type"] == "signature_delta"),
         "the cut thinking block is closed without a signature: {text}"
     );
     assert_eq!(
