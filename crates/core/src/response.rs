@@ -185,6 +185,12 @@ pub struct LlmResponse {
     pub usage: Usage,
     /// Where `usage` comes from.
     pub usage_source: UsageSource,
+    /// When legs were joined into the answer (a resumed stream), the usage that
+    /// describes it — the last leg's context and the output delivered (SPEC §23.6,
+    /// [`crate::usage::answer_usage`]); `usage` stays what every leg billed. `None`
+    /// when one leg made the answer.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub answer_usage: Option<Usage>,
     /// Time to the first incremental chunk (streams only).
     pub ttft_ms: Option<u64>,
     /// Largest gap between incremental chunks (streams with ≥ 2 such chunks).

@@ -104,10 +104,64 @@ pub fn call_usage(winner: LegUsage, parts: &[LegUsage]) -> LegUsage {
     })
 }
 
+/// The usage that describes an answer joined from several legs (SPEC §23.6: agents
+/// size their context from it): the last leg's context — its prompt, cache fields
+/// included — and the output delivered. A replay (or a restart) made the whole answer
+/// again, so its own output is the answer's; a prefill continuation made only the rest,
+/// so the earlier legs' output is added. `None` when one leg made the answer (the
+/// call's usage then describes it). What every leg billed stays in [`call_usage`].
+pub fn answer_usage(
+    winner: Usage,
+    parts: &[LegUsage],
+    mode: Option<crate::resume::ResumeMode>,
+) -> Option<Usage> {
+    if parts.is_empty() {
+        return None;
+    }
+    let mut u = winner;
+    if mode == Some(crate::resume::ResumeMode::Prefill) {
+        for p in parts {
+            u.completion_tokens += p.usage.completion_tokens;
+            if let Some(r) = p.usage.reasoning_tokens {
+                u.reasoning_tokens = Some(u.reasoning_tokens.unwrap_or(0) + r);
+            }
+        }
+    }
+    Some(u)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
     use crate::ports::{StreamDelta, ToolCallDelta};
+
+    #[test]
+    fn a_joined_answer_shows_its_last_context_and_its_output() {
+        let cut = measured(100, 7);
+        let winner = Usage::new(110, 20);
+        assert_eq!(
+            answer_usage(winner, &[], None),
+            None,
+            "one leg: the call's usage"
+        );
+        let replay = answer_usage(winner, &[cut], Some(crate::resume::ResumeMode::Replay));
+        assert_eq!(
+            replay,
+            Some(Usage::new(110, 20)),
+            "the replay made the whole answer"
+        );
+        let prefill = answer_usage(winner, &[cut], Some(crate::resume::ResumeMode::Prefill));
+        assert_eq!(
+            prefill,
+            Some(Usage::new(110, 27)),
+            "the prefix's output, then the rest"
+        );
+        // What was billed is every leg's.
+        assert_eq!(
+            call_usage(LegUsage::new(winner, UsageSource::Measured), &[cut]).usage,
+            Usage::new(210, 27)
+        );
+    }
     use proptest::prelude::*;
 
     fn measured(p: u64, c: u64) -> LegUsage {

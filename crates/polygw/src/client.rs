@@ -877,6 +877,8 @@ impl GatewayClient {
             usage,
             source: usage_source,
         } = call_usage(LegUsage::new(tr.usage, tr.usage_source), &won.parts);
+        let answer_usage =
+            polygw_core::usage::answer_usage(tr.usage, &won.parts, won.info.kind.resume_mode());
         let p = call.progress();
         LlmResponse {
             upstream: tr.raw,
@@ -889,6 +891,7 @@ impl GatewayClient {
             source: src.name.clone(),
             usage,
             usage_source,
+            answer_usage,
             ttft_ms: figures.and_then(|f| f.ttft_ms),
             max_inter_token_ms: figures.and_then(|f| f.max_inter_token_ms),
             logical_call_id: call.logical_call_id.clone(),

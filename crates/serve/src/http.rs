@@ -455,6 +455,20 @@ pub fn translate_for_sources(
     named
 }
 
+/// The answer as a Messages or Responses client is shown it (SPEC §23.6): a resumed
+/// answer's usage is the last leg's context and the output delivered (agents size
+/// their context from it); what every leg billed is in telemetry and the `polygw`
+/// headers.
+pub fn as_shown(r: &polygw::LlmResponse) -> std::borrow::Cow<'_, polygw::LlmResponse> {
+    match r.answer_usage {
+        Some(u) => std::borrow::Cow::Owned(polygw::LlmResponse {
+            usage: u,
+            ..r.clone()
+        }),
+        None => std::borrow::Cow::Borrowed(r),
+    }
+}
+
 /// A plain answer from a source of another API than the client's (SPEC §23.3) is
 /// written from what the engine read of it, never from its own body: that body is
 /// dropped here.

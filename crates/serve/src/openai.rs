@@ -685,6 +685,7 @@ mod tests {
             source: "a-0".into(),
             usage: Usage::new(5, 2),
             usage_source: UsageSource::Measured,
+            answer_usage: None,
             ttft_ms: None,
             max_inter_token_ms: None,
             logical_call_id: "lc".into(),

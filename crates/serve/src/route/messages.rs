@@ -187,7 +187,12 @@ async fn create_inner(
                         b.clone(),
                     )
                         .into_response(),
-                    _ => Json(wire::message_object(&message_id, &t.meta, &r)).into_response(),
+                    _ => Json(wire::message_object(
+                        &message_id,
+                        &t.meta,
+                        &crate::http::as_shown(&r),
+                    ))
+                    .into_response(),
                 };
                 answer_headers(resp.headers_mut(), &r);
                 resp
@@ -326,7 +331,7 @@ impl Encoder for MessagesEncoder {
             Ending::Unended => {
                 SseEvent::new("message_stop", json!({"type": "message_stop"})).write_to(out)
             }
-            Ending::Translate => write(out, self.stream.finish(r)),
+            Ending::Translate => write(out, self.stream.finish(&crate::http::as_shown(r))),
         }
     }
 

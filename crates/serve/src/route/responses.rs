@@ -339,7 +339,8 @@ async fn create_inner(
                             .into_response()
                     }
                     _ => {
-                        let obj = wire::response_object(&response_id, created_at, &t.meta, &r);
+                        let shown = crate::http::as_shown(&r);
+                        let obj = wire::response_object(&response_id, created_at, &t.meta, &shown);
                         if let Some(f) = saving.save(&obj) {
                             f.await;
                         }
@@ -550,7 +551,7 @@ impl Encoder for ResponsesEncoder {
 
     fn done(&mut self, r: &LlmResponse, out: &mut Vec<u8>) {
         if let Ending::Translate = self.passing.ending() {
-            write(out, self.stream.finish(r));
+            write(out, self.stream.finish(&crate::http::as_shown(r)));
         }
         // Native: the source's terminal event carried the whole response.
     }

@@ -475,6 +475,28 @@ async fn a_native_stream_cut_mid_answer_continues_on_the_next_source() {
             }
             assert_eq!(next.requests().len(), 1, "{case}: one continuation");
             assert_eq!(next.requests()[0].path, path_of(api), "{case}");
+            // The usage shown describes the answer: the last leg's context and the
+            // output delivered (the replay made all of it), not the legs' sum.
+            let billed = next.requests()[0].usage.expect("the mock reports usage");
+            let shown = parse_sse(text.as_bytes())
+                .into_iter()
+                .rev()
+                .find_map(|e| match api {
+                    SourceApi::Messages => {
+                        (e.event == "message_delta").then(|| e.data["usage"].clone())
+                    }
+                    _ => (e.event == "response.completed")
+                        .then(|| e.data["response"]["usage"].clone()),
+                })
+                .unwrap();
+            assert_eq!(
+                shown["input_tokens"], billed.prompt_tokens,
+                "{case}: {shown}"
+            );
+            assert_eq!(
+                shown["output_tokens"], billed.completion_tokens,
+                "{case}: {shown}"
+            );
         }
     }
 }
