@@ -769,12 +769,15 @@ impl GatewayClient {
         let mut policy = HedgePolicy::for_request(&engine.scope.hedge, request.stream);
         // Signature families (SPEC §23.5): the request's signed blobs placed, and the
         // answer's noted for the winner's family.
-        let placed = engine.place_signed(request, call).await;
         let signed_api = request
             .native
             .as_ref()
             .map(|n| n.api)
             .filter(|api| engine.families_differ(*api));
+        let placed = match signed_api {
+            Some(_) => engine.place_signed(request, call).await,
+            None => None,
+        };
         let signed_sink = match (signed_api, &sink) {
             (Some(api), Some(inner)) => Some(Arc::new(crate::engine::signatures::SignedSink::new(
                 inner.clone(),

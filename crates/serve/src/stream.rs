@@ -79,10 +79,9 @@ pub(crate) struct Passing {
     mode: Mode,
     /// The event names that end a native stream (`message_stop`, `response.completed`).
     terminal: &'static [&'static str],
-    /// The data of the last native event written.
-    last: Option<String>,
     /// Every native event written (name, data), until a leg continues them: the
-    /// route's encoder then follows them (SPEC §23.6).
+    /// route's encoder then follows them (SPEC §23.6). The last one is the stream's
+    /// terminal event once it ended.
     passed: Vec<(String, String)>,
 }
 
@@ -122,7 +121,6 @@ impl Passing {
             lazy,
             mode: Mode::Undecided,
             terminal,
-            last: None,
             passed: Vec::new(),
         }
     }
@@ -172,12 +170,12 @@ impl Passing {
                         .is_some_and(|e| self.terminal.contains(&e));
                 self.mode = Mode::Native { ended };
                 ev.write_to(out);
-                let name = ev
-                    .event
-                    .clone()
-                    .unwrap_or_else(|| event_type(&ev.data).unwrap_or_default());
-                self.passed.push((name, ev.data.clone()));
-                self.last = Some(ev.data);
+                let ev = *ev;
+                let name = match ev.event {
+                    Some(name) => name,
+                    None => event_type(&ev.data).unwrap_or_default(),
+                };
+                self.passed.push((name, ev.data));
                 None
             }
             (Mode::Native { .. }, None) => {
@@ -201,7 +199,7 @@ impl Passing {
 
     /// The data of the last native event written.
     pub(crate) fn last_event(&self) -> Option<&str> {
-        self.last.as_deref()
+        self.passed.last().map(|(_, data)| data.as_str())
     }
 
     /// How the stream ends.

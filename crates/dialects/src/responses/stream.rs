@@ -71,10 +71,9 @@ pub struct ResponsesStream {
     /// Whether a message or a tool call was ever streamed.
     answered: bool,
     response: Option<Value>,
-    /// The open item's `.done` parts were observed in a source's stream: it takes no
-    /// more content, and closing it does not send those parts again.
-    sealed: bool,
-    /// Which `.done` events of the open item the source already sent.
+    /// Which `.done` events of the open item a source's stream already sent: the item
+    /// takes no more content ([`Self::sealed`]), and closing it does not send those
+    /// parts again.
     parts_done: BTreeSet<String>,
     /// The open message or reasoning item was observed added, its part not yet.
     part_pending: bool,
@@ -97,7 +96,6 @@ impl ResponsesStream {
             text: String::new(),
             answered: false,
             response: None,
-            sealed: false,
             parts_done: BTreeSet::new(),
             part_pending: false,
         }
@@ -381,8 +379,7 @@ impl ResponsesStream {
             | "response.function_call_arguments.done"
             | "response.reasoning_summary_text.done"
             | "response.reasoning_summary_part.done" => {
-                self.sealed = self.open.is_some();
-                if let Some(t) = data["type"].as_str() {
+                if let (Some(t), Some(_)) = (data["type"].as_str(), &self.open) {
                     self.parts_done.insert(t.to_string());
                 }
                 if let Some(Open::Call { index, .. }) = &self.open {
@@ -390,7 +387,6 @@ impl ResponsesStream {
                 }
             }
             "response.output_item.done" => {
-                self.sealed = false;
                 self.parts_done.clear();
                 if let Some(Open::Call { index, .. }) = self.open.take() {
                     self.closed_calls.insert(index);
@@ -406,6 +402,12 @@ impl ResponsesStream {
             }
             _ => {}
         }
+    }
+
+    /// Whether the open item's parts were done in a source's stream (it takes no more
+    /// content).
+    fn sealed(&self) -> bool {
+        self.open.is_some() && !self.parts_done.is_empty()
     }
 
     // === impl ResponsesStream: items ===
@@ -472,7 +474,7 @@ impl ResponsesStream {
     }
 
     fn push_reasoning(&mut self, r: &str, out: &mut Vec<SseEvent>) {
-        if self.sealed || !matches!(self.open, Some(Open::Reasoning { .. })) {
+        if self.sealed() || !matches!(self.open, Some(Open::Reasoning { .. })) {
             self.close("completed", out);
             let id = item_id("rs", &self.id, self.index());
             let added = json!({"type": "reasoning", "id": id, "summary": []});
@@ -522,7 +524,7 @@ impl ResponsesStream {
     }
 
     fn push_text(&mut self, c: &str, out: &mut Vec<SseEvent>) {
-        if self.sealed || !matches!(self.open, Some(Open::Message { .. })) {
+        if self.sealed() || !matches!(self.open, Some(Open::Message { .. })) {
             self.open_message(out);
         }
         self.add_pending_part(out);
@@ -552,7 +554,7 @@ impl ResponsesStream {
         out: &mut Vec<SseEvent>,
     ) {
         if let Some(Open::Call { index: open, .. }) = &self.open {
-            if *open == index && !self.sealed {
+            if *open == index && !self.sealed() {
                 self.append_arguments(arguments, out);
                 return;
             }
@@ -665,7 +667,6 @@ impl ResponsesStream {
             open
         };
         self.close_item(open, status, &mut events);
-        self.sealed = false;
         let done = std::mem::take(&mut self.parts_done);
         if !done.is_empty() {
             // What the source already sent is not sent again; the numbers stay
