@@ -15,8 +15,10 @@ use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value};
 
 use crate::error::{AttemptError, ErrorClass};
+use crate::native::NativeRequest;
 use crate::ports::{StreamDelta, ToolCallDelta};
 use crate::request::{ChatRequest, Message};
+use crate::source::{SourceApi, SourceConfig};
 
 /// How a source continues an assistant message it is given (`{S}__{P}__{N}__PREFILL`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
@@ -509,26 +511,62 @@ pub fn prefill_request(
             }
         }
     }
-    // A translation into Messages (SPEC §23.3) continues the same way: the delivered
-    // text as the last assistant turn (Anthropic's prefill).
-    req.translated = req
-        .translated
-        .iter()
-        .map(|t| {
-            if t.api != crate::source::SourceApi::Messages {
-                return t.clone();
-            }
-            let mut t = (**t).clone();
-            if let Some(Value::Array(messages)) = t.body.get_mut("messages") {
-                messages.push(serde_json::json!({"role": "assistant", "content": prefix}));
-            }
-            if let Some(n) = t.body.get("max_tokens").and_then(Value::as_u64) {
-                t.body.insert("max_tokens".into(), Value::from(reduce(n)));
-            }
-            std::sync::Arc::new(t)
-        })
-        .collect();
+    // A Messages body — the client's own (SPEC §23.6) or a translation into Messages
+    // (§23.3) — continues the same way: the delivered text as the last assistant turn
+    // (Anthropic's prefill).
+    let extend = |t: &std::sync::Arc<NativeRequest>| {
+        if t.api != SourceApi::Messages {
+            return t.clone();
+        }
+        let mut t = (**t).clone();
+        if let Some(Value::Array(messages)) = t.body.get_mut("messages") {
+            messages.push(serde_json::json!({"role": "assistant", "content": prefix}));
+        }
+        if let Some(n) = t.body.get("max_tokens").and_then(Value::as_u64) {
+            t.body.insert("max_tokens".into(), Value::from(reduce(n)));
+        }
+        std::sync::Arc::new(t)
+    };
+    req.native = req.native.as_ref().map(extend);
+    req.translated = req.translated.iter().map(extend).collect();
     req
+}
+
+/// Whether a resume of `request` on `source` can continue by prefill as far as the
+/// request goes (SPEC §23.6; the source's own `PREFILL` and what it refused are the
+/// engine's to add): a chat source always; a `messages` source when thinking is off in
+/// the body it is sent (Anthropic never takes a prefill with thinking on); a
+/// `responses` source never (the API has no assistant prefill).
+pub fn prefill_expressible(request: &ChatRequest, source: &SourceConfig) -> bool {
+    match source.api {
+        SourceApi::Chat => true,
+        SourceApi::Responses => false,
+        SourceApi::Messages => request.native_for(SourceApi::Messages).is_some_and(|n| {
+            !matches!(
+                n.body
+                    .get("thinking")
+                    .and_then(|t| t.get("type"))
+                    .and_then(Value::as_str),
+                Some("enabled" | "adaptive")
+            )
+        }),
+    }
+}
+
+/// Whether a source of `api` takes a prefill that ends in whitespace (SPEC §23.6):
+/// Anthropic refuses one ("final assistant content cannot end with trailing
+/// whitespace"), so a `messages` source does not.
+pub fn prefill_takes_trailing_whitespace(api: SourceApi) -> bool {
+    api != SourceApi::Messages
+}
+
+/// Whether `prefix` may be sent as a prefill to a source that takes a trailing
+/// whitespace or not: a source that does not is resumed by replay when the delivered
+/// text ends in whitespace. (Trimming it would leave the continuation to guess whether
+/// the whitespace it starts with repeats the trimmed one: text duplicated or lost;
+/// DECISIONS 186.)
+pub fn prefill_fits(prefix: &str, takes_trailing_whitespace: bool) -> bool {
+    takes_trailing_whitespace || !prefix.ends_with(char::is_whitespace)
 }
 
 /// Whether a failed prefill leg says its target does not support assistant prefill
@@ -730,6 +768,72 @@ mod tests {
             prefill_request(&orig, PrefillDialect::Prefix, "x", 1000).max_tokens,
             Some(1)
         );
+    }
+
+    fn messages_body(thinking: Option<&str>) -> ChatRequest {
+        let mut body = serde_json::json!({"model": "claude", "max_tokens": 100,
+            "messages": [{"role": "user", "content": "q"}]});
+        if let Some(kind) = thinking {
+            body["thinking"] = serde_json::json!({"type": kind, "budget_tokens": 1024});
+        }
+        let mut req = ChatRequest::user("q");
+        req.native = Some(std::sync::Arc::new(NativeRequest {
+            api: SourceApi::Messages,
+            body: body.as_object().cloned().unwrap_or_default(),
+            headers: Vec::new(),
+            query: None,
+        }));
+        req
+    }
+
+    /// SPEC §23.6: a Messages client's own body continues by prefill like a
+    /// translation into Messages: the delivered text as its last assistant turn,
+    /// `max_tokens` reduced; the chat form is extended too (chat sources).
+    #[test]
+    fn a_native_messages_body_takes_the_prefill() {
+        let r = prefill_request(&messages_body(None), PrefillDialect::Assistant, "Hel", 30);
+        let n = r.native.as_deref().unwrap();
+        let messages = n.body["messages"].as_array().unwrap();
+        assert_eq!(messages.len(), 2);
+        assert_eq!(
+            messages[1],
+            serde_json::json!({"role": "assistant", "content": "Hel"})
+        );
+        assert_eq!(n.body["max_tokens"], 70);
+        assert_eq!(r.messages.last().unwrap().text(), Some("Hel"));
+    }
+
+    /// SPEC §23.6: prefill on a `messages` source only with thinking off, never on a
+    /// `responses` source, always on a chat source; never ending in whitespace where
+    /// Anthropic refuses it.
+    #[test]
+    fn prefill_is_expressible_only_where_the_source_takes_it() {
+        let at = |api| SourceConfig::new("p", 0, "http://x", "k", "m").with_api(api);
+        let m = at(SourceApi::Messages);
+        assert!(prefill_expressible(&messages_body(None), &m));
+        assert!(prefill_expressible(&messages_body(Some("disabled")), &m));
+        assert!(!prefill_expressible(&messages_body(Some("enabled")), &m));
+        assert!(!prefill_expressible(&messages_body(Some("adaptive")), &m));
+        // No body in Messages (no translation): nothing to continue.
+        assert!(!prefill_expressible(&ChatRequest::user("q"), &m));
+        assert!(!prefill_expressible(
+            &messages_body(None),
+            &at(SourceApi::Responses)
+        ));
+        assert!(prefill_expressible(
+            &messages_body(None),
+            &at(SourceApi::Chat)
+        ));
+        let ws = prefill_takes_trailing_whitespace(SourceApi::Messages);
+        assert!(!ws);
+        assert!(prefill_fits("Hello", ws));
+        for tail in ["Hello ", "Hello\n\n", "Hello\t", "Hello\u{a0}"] {
+            assert!(!prefill_fits(tail, ws), "{tail:?}");
+        }
+        assert!(prefill_fits(
+            "Hello\n",
+            prefill_takes_trailing_whitespace(SourceApi::Chat)
+        ));
     }
 
     #[test]

@@ -215,6 +215,17 @@ pub struct Picked {
     pub source: usize,
     /// It accepts an assistant prefill (configured and not learned otherwise).
     pub prefill_capable: bool,
+    /// It takes a prefill that ends in whitespace (Anthropic does not: SPEC §23.6,
+    /// [`crate::resume::prefill_takes_trailing_whitespace`]).
+    pub prefill_trailing_whitespace: bool,
+}
+
+impl Picked {
+    /// Whether a leg on this source may continue `prefix` by prefill.
+    fn prefills(&self, prefix: &str) -> bool {
+        self.prefill_capable
+            && crate::resume::prefill_fits(prefix, self.prefill_trailing_whitespace)
+    }
 }
 
 /// How a leg's transport phase ended.
@@ -1623,7 +1634,7 @@ impl Round {
                     return None;
                 }
                 let of = self.committed;
-                if p.prefill_capable && !self.delivered.has_tool_call() {
+                if p.prefills(&self.delivered.content) && !self.delivered.has_tool_call() {
                     Some(LegKind::Resume {
                         mode: ResumeMode::Prefill,
                         prefix: self.delivered.content.clone(),
@@ -1641,7 +1652,7 @@ impl Round {
             }
             Purpose::Continue { of } => {
                 let prefix = self.continued_text(of);
-                if p.prefill_capable
+                if p.prefills(&prefix.content)
                     && can_resume
                     && !prefix.content.is_empty()
                     && !prefix.has_tool_call()

@@ -54,7 +54,7 @@ pub use billing::{BillingEntry, Invoice, Prices};
 pub use cache::{CacheDialect, PrefixCache, PromptCacheSeen};
 pub use prefill::{
     continue_from, PrefillDialect, PrefillMode, PrefillOutcome, PrefillPolicy, PrefillSeen,
-    VLLM_CONFLICT_MESSAGE,
+    THINKING_PREFILL_MESSAGE, TRAILING_WHITESPACE_MESSAGE, VLLM_CONFLICT_MESSAGE,
 };
 pub use profile::{
     exponential, lognormal, LongTail, PairedDraws, Profile, ProfileError, ProfileFile, ProfileKind,

@@ -263,6 +263,30 @@ pub(crate) fn decide(body: &Value, policy: &PrefillPolicy) -> Decision {
     }
 }
 
+/// Anthropic's 400 for a prefill that ends in whitespace (SPEC §23.6).
+pub const TRAILING_WHITESPACE_MESSAGE: &str =
+    "messages: final assistant content cannot end with trailing whitespace";
+
+/// The mock's 400 for a prefill sent with thinking on. Anthropic documents that prefill
+/// is never allowed while thinking is on; the wording is the mock's own.
+pub const THINKING_PREFILL_MESSAGE: &str =
+    "messages: a final `assistant` message (prefill) is not allowed when `thinking` is enabled";
+
+/// What Anthropic's Messages API refuses of a prefill it would otherwise continue: one
+/// that ends in whitespace, or one sent with thinking on.
+pub(crate) fn messages_refusal(body: &Value, p: &Prefill) -> Option<&'static str> {
+    let thinking = body
+        .get("thinking")
+        .and_then(|t| t.get("type"))
+        .and_then(Value::as_str);
+    if matches!(thinking, Some("enabled" | "adaptive")) {
+        return Some(THINKING_PREFILL_MESSAGE);
+    }
+    p.prefix
+        .ends_with(char::is_whitespace)
+        .then_some(TRAILING_WHITESPACE_MESSAGE)
+}
+
 /// The continuation of `planned` (content chunks, in order) after `prefix`: `Some` when
 /// the concatenated planned content starts with `prefix`, holding exactly the remainder
 /// — the chunk the prefix ends in is cut there (mid-chunk, even mid-word; never inside a
@@ -307,6 +331,32 @@ mod tests {
 
     fn s(v: &[&str]) -> Vec<String> {
         v.iter().map(|x| x.to_string()).collect()
+    }
+
+    #[test]
+    fn messages_refuses_a_prefill_ending_in_whitespace_or_under_thinking() {
+        let p = |prefix: &str| Prefill {
+            dialect: PrefillDialect::Assistant,
+            prefix: prefix.into(),
+        };
+        let plain = json!({"messages": []});
+        assert_eq!(messages_refusal(&plain, &p("Hello")), None);
+        for ws in ["Hello ", "Hello\n", "Hello\t"] {
+            assert_eq!(
+                messages_refusal(&plain, &p(ws)),
+                Some(TRAILING_WHITESPACE_MESSAGE),
+                "{ws:?}"
+            );
+        }
+        for kind in ["enabled", "adaptive"] {
+            let thinking = json!({"thinking": {"type": kind}});
+            assert_eq!(
+                messages_refusal(&thinking, &p("Hello")),
+                Some(THINKING_PREFILL_MESSAGE)
+            );
+        }
+        let off = json!({"thinking": {"type": "disabled"}});
+        assert_eq!(messages_refusal(&off, &p("Hello")), None);
     }
 
     #[test]

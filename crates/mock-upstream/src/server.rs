@@ -674,7 +674,16 @@ async fn chat(
         matched: false,
         outcome,
     };
-    let (prefix, mut prefill_seen) = match prefill::decide(&body, &policy) {
+    let decision = match prefill::decide(&body, &policy) {
+        Decision::Continue(p) if api == WireApi::Messages => {
+            match prefill::messages_refusal(&body, &p) {
+                Some(m) => Decision::Reject(p, m),
+                None => Decision::Continue(p),
+            }
+        }
+        d => d,
+    };
+    let (prefix, mut prefill_seen) = match decision {
         Decision::None => (None, None),
         Decision::Reject(p, message) => {
             let s = seen(&p, PrefillOutcome::Rejected);

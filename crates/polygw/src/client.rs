@@ -8,7 +8,8 @@ use polygw_core::cache_key::cache_key;
 use polygw_core::hedge::HedgePolicy;
 use polygw_core::ports::{ChatAttempt, ChunkObserver, TransportResult};
 use polygw_core::resume::{
-    estimate_prompt_tokens, estimate_tokens, prefill_request, PrefillDialect, ResumeMode,
+    estimate_prompt_tokens, estimate_tokens, prefill_expressible, prefill_request, PrefillDialect,
+    ResumeMode,
 };
 use polygw_core::round::LegKind;
 use polygw_core::stall::{generation_ms, ms};
@@ -346,16 +347,12 @@ impl Leg for ChatLeg<'_> {
 
     fn resumable(&self) -> bool {
         // Native streams too (SPEC §23.6): the proxy's encoder continues the stream the
-        // client received (by replay; see `prefill_allowed`).
+        // client received (by prefill or replay; see `prefill_allowed`).
         true
     }
 
     fn prefill_allowed(&self, source: &SourceConfig) -> bool {
-        // The client's own body is sent as is: no prefill edit of it yet.
-        self.request
-            .native
-            .as_ref()
-            .is_none_or(|n| n.api != source.api)
+        prefill_expressible(self.request, source)
     }
 
     fn received_bytes(&self, out: &TransportResult) -> usize {

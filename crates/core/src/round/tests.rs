@@ -140,6 +140,7 @@ fn passthrough_co_completion_returns_the_committed_leg() {
     h.on(Event::Picked(Some(Picked {
         source: 1,
         prefill_capable: false,
+        prefill_trailing_whitespace: true,
     })));
     assert_eq!(h.r.legs(), 2);
     // One poll: leg 0 sends its whole answer, leg 1 its whole answer.
@@ -175,6 +176,7 @@ fn deadline_after_the_decision_changes_no_fate() {
     h.on(Event::Picked(Some(Picked {
         source: 1,
         prefill_capable: false,
+        prefill_trailing_whitespace: true,
     })));
     h.at(500);
     h.on(Event::Ended {
@@ -234,6 +236,7 @@ fn first_token_trigger_fires_at_its_threshold_and_again_when_refused() {
     h.on(Event::Picked(Some(Picked {
         source: 1,
         prefill_capable: false,
+        prefill_trailing_whitespace: true,
     })));
     assert_eq!(h.r.legs(), 2);
     assert_eq!(h.r.next_wakeup(), None, "MAX_EXTRA reached");
@@ -287,6 +290,7 @@ fn stall_trigger_rearms_on_each_chunk_and_after_a_refusal() {
     h.on(Event::Picked(Some(Picked {
         source: 1,
         prefill_capable: false,
+        prefill_trailing_whitespace: true,
     })));
     assert_eq!(h.r.legs(), 2);
     assert!(
@@ -304,6 +308,7 @@ fn ladder_of_extra_legs_stops_at_max() {
     h.on(Event::Picked(Some(Picked {
         source: 1,
         prefill_capable: false,
+        prefill_trailing_whitespace: true,
     })));
     // The new leg's own first-token timer is the next trigger.
     assert_eq!(h.r.next_wakeup(), Some(h.r.legs[0].launched_at + ms(200)));
@@ -311,6 +316,7 @@ fn ladder_of_extra_legs_stops_at_max() {
     h.on(Event::Picked(Some(Picked {
         source: 2,
         prefill_capable: false,
+        prefill_trailing_whitespace: true,
     })));
     assert_eq!(h.r.legs(), 3);
     assert_eq!(h.r.next_wakeup(), None);
@@ -326,6 +332,7 @@ fn both_triggers_keep_their_times() {
     h.on(Event::Picked(Some(Picked {
         source: 1,
         prefill_capable: false,
+        prefill_trailing_whitespace: true,
     })));
     h.at(350).chunk(1, text("x")); // leg 1 streams; stall due at 1350
                                    // Leg 1's first-token trigger would be due at 600 but it has a chunk; leg 0's
@@ -342,6 +349,7 @@ fn a_committed_leg_failing_in_its_commit_poll_labels_losers_hedge_cancelled() {
     h.on(Event::Picked(Some(Picked {
         source: 1,
         prefill_capable: false,
+        prefill_trailing_whitespace: true,
     })));
     h.at(200);
     h.chunk(0, text("He"));
@@ -381,6 +389,7 @@ fn a_stalled_committed_leg_is_resumed_by_prefill() {
     let out = h.on(Event::Picked(Some(Picked {
         source: 1,
         prefill_capable: true,
+        prefill_trailing_whitespace: true,
     })));
     assert_eq!(
         out,
@@ -427,6 +436,7 @@ fn the_committed_leg_can_win_the_race_back() {
     h.on(Event::Picked(Some(Picked {
         source: 1,
         prefill_capable: true,
+        prefill_trailing_whitespace: true,
     })));
     h.at(1020).chunk(0, text("wor"));
     assert_eq!(
@@ -531,6 +541,7 @@ fn a_prefill_rejection_is_retried_in_replay() {
     let out = h.on(Event::Picked(Some(Picked {
         source: 2,
         prefill_capable: false,
+        prefill_trailing_whitespace: true,
     })));
     assert!(matches!(
         out.as_slice(),
@@ -582,6 +593,7 @@ fn tool_call_streams_resume_by_replay_only() {
     let out = h.on(Event::Picked(Some(Picked {
         source: 1,
         prefill_capable: true,
+        prefill_trailing_whitespace: true,
     })));
     assert!(matches!(
         out.as_slice(),
@@ -605,6 +617,7 @@ fn aggregated_stall_continues_by_prefill_or_restarts() {
     let out = h.on(Event::Picked(Some(Picked {
         source: 1,
         prefill_capable: true,
+        prefill_trailing_whitespace: true,
     })));
     assert!(matches!(
         &out[..],
@@ -616,6 +629,7 @@ fn aggregated_stall_continues_by_prefill_or_restarts() {
     let out = h.on(Event::Picked(Some(Picked {
         source: 2,
         prefill_capable: false,
+        prefill_trailing_whitespace: true,
     })));
     assert!(matches!(
         &out[..],
@@ -636,6 +650,7 @@ fn aggregated_late_resume_is_backed_up_by_a_continuation() {
     let out = h.on(Event::Picked(Some(Picked {
         source: 1,
         prefill_capable: true,
+        prefill_trailing_whitespace: true,
     })));
     assert!(matches!(
         &out[..],
@@ -656,6 +671,7 @@ fn aggregated_late_resume_is_backed_up_by_a_continuation() {
     let out = h.on(Event::Picked(Some(Picked {
         source: 2,
         prefill_capable: true,
+        prefill_trailing_whitespace: true,
     })));
     assert!(
         matches!(
@@ -670,6 +686,7 @@ fn aggregated_late_resume_is_backed_up_by_a_continuation() {
     let out = h.on(Event::Picked(Some(Picked {
         source: 1,
         prefill_capable: true,
+        prefill_trailing_whitespace: true,
     })));
     assert!(
         matches!(
@@ -693,6 +710,7 @@ fn a_moot_pick_is_released() {
     let out = h.on(Event::Picked(Some(Picked {
         source: 1,
         prefill_capable: false,
+        prefill_trailing_whitespace: true,
     })));
     assert_eq!(out, vec![Action::ReleasePick]);
     assert_eq!(h.r.legs(), 1);
@@ -718,6 +736,7 @@ fn deadline_and_drop_labels() {
         h.on(Event::Picked(Some(Picked {
             source: 1,
             prefill_capable: false,
+            prefill_trailing_whitespace: true,
         })));
         h.on(ev);
         assert_eq!(h.r.fate(0), Some(&Fate::Cancelled(reason)));
@@ -841,6 +860,7 @@ fn aggregated_prefill_answers_keep_the_reasoning_and_never_duplicate() {
     h.on(Event::Picked(Some(Picked {
         source: 1,
         prefill_capable: true,
+        prefill_trailing_whitespace: true,
     })));
     h.at(1020).chunk(1, reasoning("more "));
     h.chunk(1, text(" world"));
@@ -864,6 +884,7 @@ fn aggregated_prefill_answers_keep_the_reasoning_and_never_duplicate() {
     h.on(Event::Picked(Some(Picked {
         source: 1,
         prefill_capable: true,
+        prefill_trailing_whitespace: true,
     })));
     let out = h.at(1020).chunk(1, text("Hello world"));
     assert!(out.contains(&Action::MarkNoPrefill { source: 1 }));
@@ -993,6 +1014,8 @@ struct Sim {
     marked: std::collections::BTreeSet<usize>,
     /// The leg whose end is being fed.
     ending: Option<LegId>,
+    /// The last source admitted, and whether it takes a prefill ending in whitespace.
+    picked: Option<Picked>,
 }
 
 fn split(rng: &SplitMix64, s: &str) -> Vec<String> {
@@ -1136,6 +1159,14 @@ impl Sim {
                         ..
                     } = kind
                     {
+                        if let Some(p) = self.picked.filter(|p| *leg > 0 && p.source == *source) {
+                            assert!(
+                                p.prefill_capable
+                                    && (p.prefill_trailing_whitespace
+                                        || !prefix.ends_with(char::is_whitespace)),
+                                "a prefill goes only to a source that takes it: {prefix:?} to {p:?}"
+                            );
+                        }
                         if self.r.spec.passthrough {
                             let delivered = format!("{}{}", self.carried_text, self.forwarded);
                             assert_eq!(
@@ -1336,11 +1367,13 @@ impl Sim {
                     Some(Picked {
                         source: candidates[self.rng.below(candidates.len() as u64) as usize],
                         prefill_capable: req.require_prefill || self.rng.below(2) == 0,
+                        prefill_trailing_whitespace: self.rng.below(2) == 0,
                     })
                 };
                 if picked.is_none() {
                     self.pending = None;
                 }
+                self.picked = picked;
                 self.apply(Event::Picked(picked));
             }
             7 if self.rng.below(16) == 0 => {
@@ -1561,6 +1594,7 @@ proptest! {
             undecided_at_end: Vec::new(),
             marked: Default::default(),
             ending: None,
+            picked: None,
         };
         for a in &out {
             if let Action::Launch { kind, .. } = a {

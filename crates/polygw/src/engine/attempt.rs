@@ -100,7 +100,7 @@ pub(crate) trait Leg: Send + Sync {
         true
     }
     /// Whether a resume of this request on `source` may continue by prefill (else it
-    /// replays: SPEC §23.6 — a native request's own body takes no prefill yet).
+    /// replays: SPEC §23.6 — not with thinking on, never on a `responses` source).
     fn prefill_allowed(&self, _source: &SourceConfig) -> bool {
         true
     }

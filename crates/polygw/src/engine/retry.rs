@@ -14,7 +14,9 @@ use polygw_core::admission::{
 };
 use polygw_core::classify::is_context_length;
 use polygw_core::hedge::HedgePolicy;
-use polygw_core::resume::{ResumeBudget, ResumeMode, ResumeSetting};
+use polygw_core::resume::{
+    prefill_fits, prefill_takes_trailing_whitespace, ResumeBudget, ResumeMode, ResumeSetting,
+};
 use polygw_core::retry::{RetryState, RoundVerdict};
 use polygw_core::round::gate::{leg_gate, Gate, GateAsk, RoundKind};
 use polygw_core::round::{Carried, LegKind, RoundSpec};
@@ -138,8 +140,10 @@ impl Engine {
             return Some(LegKind::Fresh);
         };
         let text = &c.carried.delivered;
+        let s = &self.scope.sources[source];
         if self.prefill_capable(source)
-            && leg.prefill_allowed(&self.scope.sources[source])
+            && leg.prefill_allowed(s)
+            && prefill_fits(&text.content, prefill_takes_trailing_whitespace(s.api))
             && !text.has_tool_call()
             && !text.content.is_empty()
         {

@@ -36,7 +36,7 @@ use super::future_set::FutureSet;
 use polygw_core::hedge::BudgetTicket;
 use polygw_core::latency::{GapTally, LegTimes};
 use polygw_core::ports::{ChunkObserver, StreamDelta};
-use polygw_core::resume::{ResumeMode, Transcript};
+use polygw_core::resume::{prefill_takes_trailing_whitespace, ResumeMode, Transcript};
 use polygw_core::round::{
     Action, CancelReason, Event, Fate, LegEnd, LegId, LegKind, PickRequest,
     Picked as MachinePicked, ResumePoint, Round, RoundResult, RoundSpec,
@@ -849,6 +849,9 @@ impl<'a, L: Leg> Exec<'a, L> {
                         && self
                             .leg
                             .prefill_allowed(&self.engine.scope.sources[p.source_idx]),
+                    prefill_trailing_whitespace: prefill_takes_trailing_whitespace(
+                        self.engine.scope.sources[p.source_idx].api,
+                    ),
                 };
                 self.picked = Some(p);
                 self.pick_for = None;
