@@ -22,7 +22,8 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use polygw_mock_upstream::{
-    Behavior, EndKind, Fault, MockUpstream, RecordedRequest, RetryAfter, Stall, ToolCallSpec,
+    Behavior, EndKind, Fault, MockUpstream, PrefillOutcome, PrefillPolicy, RecordedRequest,
+    RetryAfter, Stall, ToolCallSpec,
 };
 use serde_json::{json, Value};
 use support::sdk::{self, ScriptRun};
@@ -428,6 +429,36 @@ async fn sdk_to_faulty_native_sources(test: &str, sdk_name: &str, api: &str) {
         mocks.push((scope, a, b));
     }
     env.push(var("SLOW_FIRST__HEDGE__AFTER_S", "0.5"));
+    // Mid-answer on a fallback with `PREFILL=assistant` (SPEC §23.6): a `messages`
+    // fallback continues the delivered text by prefill (thinking is off and "Rescued
+    // by" ends in no whitespace); one that refuses prefill is replayed after its 400.
+    // A `responses` fallback has no prefill: both are replays.
+    let mid_cut = || Behavior {
+        fault: Some(Fault::ResetAfter { chunks: 2 }),
+        gap_ms: 40.0,
+        ..rescued()
+    };
+    let prefill_scopes = [
+        ("PREFILL_MID", rescued()),
+        (
+            "PREFILL_REFUSED",
+            rescued().with_prefill(PrefillPolicy::reject()),
+        ),
+    ];
+    for (scope, fallback) in prefill_scopes {
+        let a = mock(mid_cut()).await;
+        let b = mock(fallback).await;
+        env.extend(source(scope, "a", &a, &[("API", api), ("PRIORITY", "0")]));
+        env.extend(source(
+            scope,
+            "b",
+            &b,
+            &[("API", api), ("PRIORITY", "1"), ("PREFILL", "assistant")],
+        ));
+        env.push(var(&format!("{scope}__RETRY__BACKOFF_BASE_S"), "0.01"));
+        env.push(var(&format!("{scope}__RETRY__BACKOFF_MAX_S"), "0.02"));
+        mocks.push((scope, a, b));
+    }
     let rejected = mock(Behavior {
         error_message: Some(wording.into()),
         ..Behavior::status(400)
@@ -456,6 +487,38 @@ async fn sdk_to_faulty_native_sources(test: &str, sdk_name: &str, api: &str) {
         out["slow_first"]["stream_s"].as_f64().unwrap() < 10.0,
         "{out:#}"
     );
+    let prefills = |scope: &str| -> Vec<(u16, Option<PrefillOutcome>)> {
+        let (_, _, b) = mocks.iter().find(|(s, _, _)| *s == scope).unwrap();
+        b.requests()
+            .iter()
+            .map(|r| (r.status, r.prefill.as_ref().map(|p| p.outcome)))
+            .collect()
+    };
+    let (mid, refused) = (prefills("PREFILL_MID"), prefills("PREFILL_REFUSED"));
+    if api == "messages" {
+        assert!(
+            mid.contains(&(200, Some(PrefillOutcome::Continued))),
+            "the streamed cut is continued by prefill: {mid:?}"
+        );
+        assert!(
+            mid.iter().all(|(status, _)| *status == 200),
+            "never a 400: {mid:?}"
+        );
+        assert_eq!(
+            refused.first(),
+            Some(&(400, Some(PrefillOutcome::Rejected))),
+            "{refused:?}"
+        );
+        assert!(
+            refused[1..].iter().all(|r| *r == (200, None)),
+            "refused once, replayed since: {refused:?}"
+        );
+    } else {
+        assert!(
+            mid.iter().chain(&refused).all(|r| *r == (200, None)),
+            "a responses source is replayed: {mid:?} {refused:?}"
+        );
+    }
     for how in ["plain", "stream"] {
         let e = &out[format!("rejected_{how}")];
         assert_eq!(e["class"], "BadRequestError", "{e:#}");

@@ -9,7 +9,10 @@ content event), `limited` (429 with Retry-After: 30), `cut_early` (the connectio
 before the first token), `slow_first` (a 20 s first token; the scope hedges after
 0.5 s); and mid-answer (SPEC §23.6), `cut_mid` (the connection reset after two content
 chunks) and `overloaded_mid` (an `overloaded_error` event, or `response.failed`, after
-two), continued on the fallback by replay: the SDK sees one stream. Then `rejected` (a content 400 with the provider's wording) and `badkey` (the
+two), continued on the fallback by replay: the SDK sees one stream; `prefill_mid` and
+`prefill_refused` (cut after two chunks; the fallback has `PREFILL=assistant`, and the
+second refuses prefill), continued by prefill on a `messages` fallback that takes it and
+by replay otherwise. Then `rejected` (a content 400 with the provider's wording) and `badkey` (the
 source answers 401). The client never retries (max_retries=0).
 
 Prints one JSON object: per scope the plain and streamed text, and how the errors
@@ -78,7 +81,17 @@ else:
         return err.get("type"), err.get("message")
 
 
-for scope in ["overloaded", "overloaded_event", "limited", "cut_early", "slow_first", "cut_mid", "overloaded_mid"]:
+for scope in [
+    "overloaded",
+    "overloaded_event",
+    "limited",
+    "cut_early",
+    "slow_first",
+    "cut_mid",
+    "overloaded_mid",
+    "prefill_mid",
+    "prefill_refused",
+]:
     t0 = time.monotonic()
     entry = {"stream": streamed(scope), "stream_s": time.monotonic() - t0}
     if scope != "slow_first":

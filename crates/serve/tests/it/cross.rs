@@ -18,7 +18,7 @@ use crate::support::*;
 
 const APIS: [SourceApi; 3] = [SourceApi::Chat, SourceApi::Messages, SourceApi::Responses];
 
-fn source_of(api: SourceApi, name: &str, m: &MockUpstream) -> SourceConfig {
+pub(crate) fn source_of(api: SourceApi, name: &str, m: &MockUpstream) -> SourceConfig {
     match api {
         SourceApi::Chat => source(name, m),
         SourceApi::Messages => crate::native::messages_source(name, m),
@@ -26,7 +26,7 @@ fn source_of(api: SourceApi, name: &str, m: &MockUpstream) -> SourceConfig {
     }
 }
 
-fn path_of(api: SourceApi) -> &'static str {
+pub(crate) fn path_of(api: SourceApi) -> &'static str {
     match api {
         SourceApi::Chat => "/v1/chat/completions",
         SourceApi::Messages => "/v1/messages",
@@ -52,7 +52,7 @@ fn answer() -> Behavior {
 
 /// The client's request in its API: the question (and, for the second turn, the tool
 /// call and its result).
-fn request(api: SourceApi, stream: bool, with_result: bool) -> Value {
+pub(crate) fn request(api: SourceApi, stream: bool, with_result: bool) -> Value {
     let q = "What is the weather in Paris?";
     match api {
         SourceApi::Chat => {
@@ -100,13 +100,13 @@ fn request(api: SourceApi, stream: bool, with_result: bool) -> Value {
 /// What the client got: its text, its tool calls (name, arguments as JSON), its
 /// output tokens.
 #[derive(Debug, Default)]
-struct Got {
-    text: String,
-    calls: Vec<(String, Value)>,
-    output_tokens: u64,
+pub(crate) struct Got {
+    pub(crate) text: String,
+    pub(crate) calls: Vec<(String, Value)>,
+    pub(crate) output_tokens: u64,
 }
 
-async fn post(s: &Served, api: SourceApi, body: &Value) -> reqwest::Response {
+pub(crate) async fn post(s: &Served, api: SourceApi, body: &Value) -> reqwest::Response {
     let url = format!("{}{}", s.v1(), path_of(api).trim_start_matches("/v1"));
     let mut rb = http().post(url).json(body);
     rb = match api {
@@ -118,7 +118,7 @@ async fn post(s: &Served, api: SourceApi, body: &Value) -> reqwest::Response {
     rb.send().await.unwrap()
 }
 
-fn read(api: SourceApi, stream: bool, text: &str) -> Got {
+pub(crate) fn read(api: SourceApi, stream: bool, text: &str) -> Got {
     let mut got = Got::default();
     match (api, stream) {
         (SourceApi::Chat, false) => {

@@ -12,5 +12,6 @@ mod honest;
 mod keys;
 mod native;
 mod recorded;
+mod resume_native;
 mod routes_rows;
 mod support;

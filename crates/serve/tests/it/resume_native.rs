@@ -1,0 +1,302 @@
+//! SPEC §23.6 through `polygw serve`, the resume modes of native streams beyond the
+//! replay of `cross.rs`: a Messages stream cut mid-answer continues by assistant prefill
+//! on a `messages` source that takes it (thinking off, the delivered text not ending in
+//! whitespace) and by replay otherwise; a source that refuses prefill is learned and
+//! replayed; a tool call cut mid-arguments is completed on another source under the id
+//! the client already has; and a 20 s stall mid-answer is rescued with `auto` defaults
+//! (tokio's paused clock: the priors of docs/HEDGING.md, no tuning).
+
+use std::time::Duration;
+
+use polygw::core::resume::PrefillDialect;
+use polygw::core::source::SourceApi;
+use polygw_dialects::{messages as mwire, parse_sse, responses as rwire};
+use polygw_mock_upstream::{
+    Behavior, EndKind, Fault, PrefillOutcome, PrefillPolicy, Stall, ToolCallSpec,
+    TRAILING_WHITESPACE_MESSAGE,
+};
+use serde_json::{json, Value};
+
+use crate::cross::{path_of, post, read, request, source_of};
+use crate::native::{messages_scope, messages_source, recording_mock};
+
+/// A Messages request without tools, streamed, thinking on or off.
+fn messages_body(thinking: bool) -> Value {
+    let mut body = json!({"model": "llm", "stream": true, "max_tokens": 2000,
+        "messages": [{"role": "user", "content": "count for me"}]});
+    if thinking {
+        body["thinking"] = json!({"type": "enabled", "budget_tokens": 1024});
+    }
+    body
+}
+
+/// What the proxy answered: the stream, checked as one valid Messages stream.
+async fn messages_stream(
+    s: &crate::support::Served,
+    body: &Value,
+) -> (String, mwire::MessagesFinal) {
+    let r = post(s, SourceApi::Messages, body).await;
+    assert_eq!(r.status(), 200);
+    let text = r.text().await.unwrap();
+    let fin =
+        mwire::check_stream(&parse_sse(text.as_bytes())).unwrap_or_else(|e| panic!("{e}: {text}"));
+    assert_eq!(fin.error, None, "{text}");
+    (text, fin)
+}
+
+/// The last message of a request body the mock received.
+fn last_message(body: &Value) -> &Value {
+    body["messages"].as_array().unwrap().last().unwrap()
+}
+
+/// SPEC §23.6: a Messages stream cut mid-answer, thinking off, continues by assistant
+/// prefill on a `messages` source with `PREFILL=assistant`: it receives the client's
+/// own body plus the delivered text as the last assistant turn, and the client gets the
+/// text once in one valid stream. When the delivered text ends in whitespace (which
+/// Anthropic refuses as a prefill) or thinking is on, the same source is resumed by
+/// replay instead, and never answers a 400.
+#[tokio::test]
+async fn a_messages_stream_continues_by_prefill_only_where_the_source_takes_it() {
+    // (case, chunks, thinking, expect a prefill)
+    let cases: [(&str, [&str; 4], bool, bool); 3] = [
+        ("text", ["Alpha", " beta", " gamma", " delta."], false, true),
+        (
+            "whitespace",
+            ["Alpha ", "beta ", "gamma ", "delta."],
+            false,
+            false,
+        ),
+        (
+            "thinking",
+            ["Alpha", " beta", " gamma", " delta."],
+            true,
+            false,
+        ),
+    ];
+    for (case, words, thinking, prefill) in cases {
+        let behavior = |fault: Option<Fault>| Behavior {
+            fault,
+            gap_ms: 40.0,
+            reasoning: if thinking {
+                vec!["Hm".into(), "m.".into()]
+            } else {
+                Vec::new()
+            },
+            ..Behavior::text(&words)
+        };
+        // Cut after two chunks of text (and the thinking's two before them).
+        let chunks = if thinking { 4 } else { 2 };
+        let cut = recording_mock(behavior(Some(Fault::ResetAfter { chunks }))).await;
+        let next = recording_mock(behavior(None)).await;
+        let a = messages_source(&format!("pfa{case}"), &cut);
+        let b = messages_source(&format!("pfb{case}"), &next)
+            .with_priority(1)
+            .with_prefill(PrefillDialect::Assistant);
+        let s = messages_scope(vec![a, b], None).await;
+        let (text, fin) = messages_stream(&s, &messages_body(thinking)).await;
+        assert_eq!(fin.text, words.concat(), "{case}: {text}");
+        let log = next.requests();
+        assert_eq!(log.len(), 1, "{case}: one continuation leg, no 400 first");
+        assert_eq!(log[0].status, 200, "{case}");
+        let last = last_message(&log[0].body);
+        if prefill {
+            let p = log[0].prefill.clone().expect("a prefill request");
+            assert_eq!(p.outcome, PrefillOutcome::Continued, "{case}");
+            assert_eq!(last["role"], "assistant", "{case}");
+            let prefix = last["content"].as_str().unwrap();
+            assert!(
+                !prefix.is_empty() && words.concat().starts_with(prefix),
+                "{case}: the delivered text is the prefill: {prefix:?}"
+            );
+            assert!(!prefix.ends_with(char::is_whitespace), "{case}");
+            // The rest of the answer came from the prefill leg: it made only that.
+            assert_eq!(
+                format!("{prefix}{}", log[0].content),
+                words.concat(),
+                "{case}"
+            );
+        } else {
+            assert_eq!(log[0].prefill, None, "{case}: resumed by replay");
+            assert_eq!(last["role"], "user", "{case}: the client's body as sent");
+        }
+        assert!(
+            fin.usage["output_tokens"].as_u64().unwrap_or(0) > 0,
+            "{case}"
+        );
+    }
+}
+
+/// SPEC §23.6 and §17.1: a `messages` source that refuses prefill (Claude 4.6+:
+/// "does not support assistant message prefill") answers the first resume with its
+/// 400; the same call goes on by replay on it, the client gets the whole text once,
+/// and the refusal is learned: the next cut call is replayed there at once.
+#[tokio::test]
+async fn a_source_that_refuses_prefill_is_replayed_and_remembered() {
+    let words = ["One", " two", " three", " four."];
+    let behavior = |fault: Option<Fault>| Behavior {
+        fault,
+        gap_ms: 40.0,
+        ..Behavior::text(&words)
+    };
+    let cut = recording_mock(behavior(Some(Fault::ResetAfter { chunks: 2 }))).await;
+    let next = recording_mock(behavior(None).with_prefill(PrefillPolicy::reject())).await;
+    let a = messages_source("rfa", &cut);
+    let b = messages_source("rfb", &next)
+        .with_priority(1)
+        .with_prefill(PrefillDialect::Assistant);
+    let s = messages_scope(vec![a, b], None).await;
+    for call in 0..2 {
+        let (text, fin) = messages_stream(&s, &messages_body(false)).await;
+        assert_eq!(fin.text, words.concat(), "call {call}: {text}");
+    }
+    let log = next.requests();
+    let seen: Vec<(u16, Option<PrefillOutcome>)> = log
+        .iter()
+        .map(|r| (r.status, r.prefill.as_ref().map(|p| p.outcome)))
+        .collect();
+    assert_eq!(
+        seen,
+        vec![
+            (400, Some(PrefillOutcome::Rejected)),
+            (200, None),
+            (200, None)
+        ],
+        "refused once, then replayed; learned for the second call"
+    );
+}
+
+/// The mock refuses a whitespace-ended prefill on `/v1/messages` as Anthropic does:
+/// what polygw must never send (the test above shows it does not).
+#[tokio::test]
+async fn the_mock_refuses_a_prefill_ending_in_whitespace() {
+    let m = recording_mock(Behavior::text(&["Alpha ", "beta."])).await;
+    let r = crate::support::http()
+        .post(format!("{}/messages", m.base_url()))
+        .header("x-api-key", "k")
+        .header("anthropic-version", "2023-06-01")
+        .json(&json!({"model": "m", "max_tokens": 10, "messages": [
+            {"role": "user", "content": "go"},
+            {"role": "assistant", "content": "Alpha "}]}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 400);
+    let v: Value = r.json().await.unwrap();
+    assert_eq!(v["error"]["message"], TRAILING_WHITESPACE_MESSAGE);
+}
+
+/// SPEC §23.6: a tool call cut mid-arguments, on `messages` and on `responses`
+/// sources, is completed on another source: the client keeps the call id it received
+/// (the other source names its call otherwise), and gets the arguments whole, once.
+#[tokio::test]
+async fn a_tool_call_cut_mid_arguments_is_completed_under_its_id() {
+    let call = |id: &str| Behavior {
+        chunk_count: Some(0),
+        gap_ms: 40.0,
+        tool_call: Some(ToolCallSpec {
+            id: id.into(),
+            arguments: r#"{"city":"Paris","unit":"celsius","days":3}"#.into(),
+            fragments: 4,
+            ..ToolCallSpec::default()
+        }),
+        ..Behavior::default()
+    };
+    for api in [SourceApi::Messages, SourceApi::Responses] {
+        let case = api.as_str();
+        let cut = recording_mock(Behavior {
+            fault: Some(Fault::ResetAfter { chunks: 2 }),
+            ..call("call_first")
+        })
+        .await;
+        let next = recording_mock(call("call_other")).await;
+        let a = source_of(api, &format!("tca{case}"), &cut);
+        let b = source_of(api, &format!("tcb{case}"), &next).with_priority(1);
+        let s = messages_scope(vec![a, b], None).await;
+        let r = post(&s, api, &request(api, true, false)).await;
+        assert_eq!(r.status(), 200, "{case}");
+        let text = r.text().await.unwrap();
+        let got = read(api, true, &text);
+        assert_eq!(
+            got.calls,
+            vec![(
+                "get_weather".to_string(),
+                json!({"city": "Paris", "unit": "celsius", "days": 3})
+            )],
+            "{case}: the arguments whole, once: {text}"
+        );
+        let events = parse_sse(text.as_bytes());
+        let id = match api {
+            SourceApi::Messages => {
+                let fin = mwire::check_stream(&events).unwrap();
+                fin.tool_calls[0].id.clone()
+            }
+            _ => {
+                let fin = rwire::check_stream(&events).unwrap();
+                let done = fin.response["output"]
+                    .as_array()
+                    .unwrap()
+                    .iter()
+                    .find(|i| i["type"] == "function_call")
+                    .expect("the call in response.completed")
+                    .clone();
+                assert_eq!(
+                    done["call_id"],
+                    fin.tool_calls[0].call_id.as_str(),
+                    "{case}"
+                );
+                fin.tool_calls[0].call_id.clone()
+            }
+        };
+        assert!(
+            cut.requests()[0].chunks_sent == 2 && !text.contains("call_other"),
+            "{case}: the other source's id is not shown: {text}"
+        );
+        assert!(
+            id.contains("call_first"),
+            "{case}: the id the client had: {id}"
+        );
+        assert_eq!(next.requests().len(), 1, "{case}");
+        assert_eq!(next.requests()[0].path, path_of(api), "{case}");
+    }
+}
+
+/// SPEC §23.6 with SPEC §25.1's defaults: a native stream that falls silent for 20 s
+/// mid-answer is continued on the next source by the stall trigger's prior (10 s),
+/// with nothing configured; the client gets the whole text once, before the stall
+/// would have ended, and the silent leg is cancelled.
+#[tokio::test(start_paused = true)]
+async fn a_twenty_second_stall_mid_answer_is_rescued_with_auto_defaults() {
+    let words = ["Alpha ", "beta ", "gamma ", "delta ", "epsilon."];
+    for api in [SourceApi::Messages, SourceApi::Responses] {
+        let case = api.as_str();
+        let stalled = recording_mock(Behavior {
+            stalls: vec![Stall {
+                before_chunk: 2,
+                ms: 20_000.0,
+            }],
+            ..Behavior::text(&words)
+        })
+        .await;
+        let next = recording_mock(Behavior::text(&words)).await;
+        let a = source_of(api, &format!("sta{case}"), &stalled);
+        let b = source_of(api, &format!("stb{case}"), &next).with_priority(1);
+        let s = messages_scope(vec![a, b], None).await;
+        let mut body = request(api, true, false);
+        body.as_object_mut().unwrap().remove("tools");
+        let t0 = tokio::time::Instant::now();
+        let r = post(&s, api, &body).await;
+        assert_eq!(r.status(), 200, "{case}");
+        let text = r.text().await.unwrap();
+        let took = t0.elapsed();
+        let got = read(api, true, &text);
+        assert_eq!(got.text, words.concat(), "{case}: {text}");
+        assert!(
+            took < Duration::from_secs(20),
+            "{case}: rescued before the stall ended: {took:?}"
+        );
+        assert_eq!(next.requests().len(), 1, "{case}: one continuation");
+        let log = stalled.wait_for_ended(1, Duration::from_secs(60)).await;
+        assert_eq!(log[0].end, EndKind::ClientDisconnected, "{case}: cancelled");
+        assert_eq!(log[0].chunks_sent, 2, "{case}");
+    }
+}
