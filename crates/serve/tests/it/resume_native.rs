@@ -3,8 +3,10 @@
 //! on a `messages` source that takes it (thinking off, the delivered text not ending in
 //! whitespace) and by replay otherwise; a source that refuses prefill is learned and
 //! replayed; a tool call cut mid-arguments is completed on another source under the id
-//! the client already has; and a 20 s stall mid-answer is rescued with `auto` defaults
-//! (tokio's paused clock: the priors of docs/HEDGING.md, no tuning).
+//! the client already has; a 20 s stall mid-answer is rescued with `auto` defaults
+//! (tokio's paused clock: the priors of docs/HEDGING.md, no tuning); and a recorded
+//! stream of each API (thinking, text, a tool call) cut after every one of its events
+//! reaches the client as one valid stream.
 
 use std::time::Duration;
 
@@ -12,7 +14,7 @@ use polygw::core::resume::PrefillDialect;
 use polygw::core::source::SourceApi;
 use polygw_dialects::{messages as mwire, parse_sse, responses as rwire};
 use polygw_mock_upstream::{
-    Behavior, EndKind, Fault, PrefillOutcome, PrefillPolicy, Stall, ToolCallSpec,
+    Behavior, EndKind, Fault, MockUpstream, PrefillOutcome, PrefillPolicy, Stall, ToolCallSpec,
     TRAILING_WHITESPACE_MESSAGE,
 };
 use serde_json::{json, Value};
@@ -298,5 +300,118 @@ async fn a_twenty_second_stall_mid_answer_is_rescued_with_auto_defaults() {
         let log = stalled.wait_for_ended(1, Duration::from_secs(60)).await;
         assert_eq!(log[0].end, EndKind::ClientDisconnected, "{case}: cancelled");
         assert_eq!(log[0].chunks_sent, 2, "{case}");
+    }
+}
+
+/// A healthy native stream as the mock sends it to `path` for `body` (thinking, text
+/// and a tool call), split into its SSE events (each with its blank line).
+async fn recorded_events(m: &MockUpstream, api: SourceApi, body: &Value) -> Vec<String> {
+    let url = format!("{}{}", m.base_url(), path_of(api).trim_start_matches("/v1"));
+    let text = crate::support::http()
+        .post(url)
+        .header("x-api-key", "k")
+        .header("anthropic-version", "2023-06-01")
+        .bearer_auth("k")
+        .json(body)
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    text.split_inclusive("\n\n").map(str::to_string).collect()
+}
+
+/// SPEC §23.6 "a cut at every event position of a recorded stream": a native stream of
+/// both APIs — thinking or reasoning, text, a tool call — recorded from the mock, is
+/// served cut after each of its events (the body ends there) and whole by the
+/// fallback. Every cut gives the client one valid stream of its API with the whole
+/// text and the tool call once; thinking delivered before a cut is never repeated.
+#[tokio::test]
+async fn a_native_stream_cut_at_every_event_is_one_valid_stream() {
+    let behavior = Behavior {
+        reasoning: vec!["Think".into(), "ing.".into()],
+        tool_call: Some(ToolCallSpec {
+            id: "call_rec".into(),
+            fragments: 3,
+            ..ToolCallSpec::default()
+        }),
+        ..Behavior::text(&["Checking", " the", " weather."])
+    };
+    for api in [SourceApi::Messages, SourceApi::Responses] {
+        let case = api.as_str();
+        let recorder = recording_mock(behavior.clone()).await;
+        let mut body = request(api, true, false);
+        if api == SourceApi::Messages {
+            body["thinking"] = json!({"type": "enabled", "budget_tokens": 1024});
+        }
+        let events = recorded_events(&recorder, api, &body).await;
+        let all = events.concat();
+        let kinds = match api {
+            SourceApi::Messages => ["thinking_delta", "text_delta", "input_json_delta"],
+            _ => [
+                "response.reasoning",
+                "response.output_text.delta",
+                "response.function_call_arguments.delta",
+            ],
+        };
+        for kind in kinds {
+            assert!(
+                all.contains(kind),
+                "{case}: the recording has {kind}: {all}"
+            );
+        }
+        assert!(events.len() > 12, "{case}: {} events", events.len());
+        let whole = || Behavior {
+            raw_sse: Some(all.clone()),
+            ..Behavior::default()
+        };
+        let a = recording_mock(Behavior::default()).await;
+        let b = recording_mock(whole()).await;
+        let scope = crate::support::scope_with(
+            "LLM",
+            polygw::ScopeKind::Chat,
+            vec![
+                source_of(api, &format!("eva{case}"), &a),
+                source_of(api, &format!("evb{case}"), &b).with_priority(1),
+            ],
+            None,
+            |s| {
+                // The primary is cut on purpose at every position: keep it in.
+                s.breaker.failures = 1000;
+                s.retry.backoff_base = Duration::from_millis(1);
+                s.retry.backoff_max = Duration::from_millis(2);
+            },
+        )
+        .await;
+        let s = crate::support::serve(vec![scope]).await;
+        for k in 0..events.len() {
+            let what = format!("{case} cut after {k} of {} events", events.len());
+            a.reset_log();
+            a.push_script(Behavior {
+                raw_sse: Some(events[..k].concat()),
+                ..Behavior::default()
+            });
+            let r = post(&s, api, &body).await;
+            assert_eq!(r.status(), 200, "{what}");
+            let text = r.text().await.unwrap();
+            let got = read(api, true, &text);
+            assert_eq!(got.text, "Checking the weather.", "{what}: {text}");
+            assert_eq!(
+                got.calls,
+                vec![("get_weather".to_string(), json!({"city": "Paris"}))],
+                "{what}: {text}"
+            );
+            let sse = parse_sse(text.as_bytes());
+            let thinking = match api {
+                SourceApi::Messages => mwire::check_stream(&sse).unwrap().thinking,
+                _ => rwire::check_stream(&sse).unwrap().reasoning,
+            };
+            assert!(
+                "Thinking.".starts_with(&thinking),
+                "{what}: thinking never repeated: {thinking:?}"
+            );
+            assert_eq!(a.requests().len(), 1, "{what}");
+        }
     }
 }
