@@ -1103,6 +1103,55 @@ async fn a_stream_cut_mid_answer_is_continued<F: std::future::Future<Output = Sc
     );
 }
 
+/// The agent's answer stalls mid-stream (SPEC §23.6, with the `auto` defaults of
+/// SPEC §25.1: nothing is tuned in the agents' scope): the primary streams two chunks,
+/// then falls silent for 20 s; the stall trigger's prior (10 s) continues the answer on
+/// the fallback, the agent shows it whole and once, before the stall would have ended,
+/// and the silent leg is cancelled.
+async fn a_stall_mid_answer_is_rescued_with_defaults<F: std::future::Future<Output = ScriptRun>>(
+    w: &AgentWorld,
+    run: impl FnOnce() -> F,
+) {
+    let words = ["Rescued ", "after ", "a ", "stall."];
+    w.primary.reset_log();
+    w.fallback.reset_log();
+    w.primary.push_script(Behavior {
+        signing_group: Some("fam-a".into()),
+        stalls: vec![Stall {
+            before_chunk: 2,
+            ms: 20_000.0,
+        }],
+        ..Behavior::text(&words)
+    });
+    w.fallback.push_script(Behavior {
+        signing_group: Some("fam-b".into()),
+        ..Behavior::text(&words)
+    });
+    let run = run().await;
+    assert!(run.ok, "{}\n{}", run.stdout, run.stderr);
+    assert!(
+        run.stdout.contains("Rescued after a stall."),
+        "{}",
+        run.stdout
+    );
+    assert!(
+        run.took < Duration::from_secs(20),
+        "rescued before the stall ended: {:?}",
+        run.took
+    );
+    let primary = w.primary.wait_for_ended(1, Duration::from_secs(30)).await;
+    assert!(
+        primary
+            .iter()
+            .any(|r| r.end == EndKind::ClientDisconnected && r.chunks_sent == 2),
+        "the stalled leg was cancelled after its two chunks: {primary:#?}"
+    );
+    assert!(
+        !w.fallback.requests().is_empty(),
+        "the fallback continued it"
+    );
+}
+
 /// Claude Code itself (`claude -p`, the pinned npm release) through `polygw serve` to
 /// `messages` sources, offline (issue 35): a plain turn, a tool round (it reads a file
 /// with its Read tool and sends the result back), and a 429 on the primary answered by
@@ -1212,8 +1261,10 @@ async fn claude_code_through_polygw_to_messages_sources() {
     })
     .await;
 
-    // An answer cut mid-stream, continued on the fallback.
+    // An answer cut mid-stream, continued on the fallback; one that stalls 20 s,
+    // rescued by the defaults.
     a_stream_cut_mid_answer_is_continued(&w, || run_claude("Say something.")).await;
+    a_stall_mid_answer_is_rescued_with_defaults(&w, || run_claude("Say something.")).await;
 
     // A 429 on the primary: the fallback answers.
     a_429_is_answered_by_the_fallback(&w, || run_claude("Say hello again.")).await;
@@ -1353,8 +1404,10 @@ async fn codex_through_polygw_to_responses_sources() {
     })
     .await;
 
-    // An answer cut mid-stream, continued on the fallback.
+    // An answer cut mid-stream, continued on the fallback; one that stalls 20 s,
+    // rescued by the defaults.
     a_stream_cut_mid_answer_is_continued(&w, || run_codex("Say something.")).await;
+    a_stall_mid_answer_is_rescued_with_defaults(&w, || run_codex("Say something.")).await;
 
     // A 429 on the primary: the fallback answers.
     a_429_is_answered_by_the_fallback(&w, || run_codex("Say hello again.")).await;
