@@ -87,13 +87,6 @@ fn item_blob(i: &Value) -> Option<&str> {
         .filter(|s| !s.is_empty())
 }
 
-fn is_thinking(b: &Value) -> bool {
-    matches!(
-        b.get("type").and_then(Value::as_str),
-        Some("thinking" | "redacted_thinking")
-    )
-}
-
 /// The signed blobs of a native request body of `api`, in request order: Messages'
 /// assistant thinking blocks, Responses' reasoning items with encrypted content.
 pub fn signed_in_request(api: SourceApi, body: &Map<String, Value>) -> Vec<SignedRef> {
@@ -309,7 +302,7 @@ fn keep_messages(body: &mut Map<String, Value>, foreign: &[Place], out: &mut Str
         let before = blocks.len();
         if Some(m) == latest {
             // All or nothing: every thinking block of the latest assistant message.
-            blocks.retain(|b| !is_thinking(b));
+            blocks.retain(|b| !super::signed::is_thinking_block(b));
             latest_cleared = true;
         } else {
             let mut j = 0;

@@ -106,7 +106,8 @@ pub fn strip_signed(api: SourceApi, body: &mut Map<String, Value>) -> Stripped {
     out
 }
 
-fn is_thinking_block(b: &Value) -> bool {
+/// Whether a Messages content block is thinking (`thinking` or `redacted_thinking`).
+pub(crate) fn is_thinking_block(b: &Value) -> bool {
     matches!(
         b.get("type").and_then(Value::as_str),
         Some("thinking" | "redacted_thinking")

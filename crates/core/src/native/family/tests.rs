@@ -260,7 +260,11 @@ fn non_thinking(body: &Map<String, Value>) -> Vec<Value> {
         .unwrap()
         .iter()
         .flat_map(|m| match &m["content"] {
-            Value::Array(b) => b.iter().filter(|b| !is_thinking(b)).cloned().collect(),
+            Value::Array(b) => b
+                .iter()
+                .filter(|b| !crate::native::signed::is_thinking_block(b))
+                .cloned()
+                .collect(),
             other => vec![other.clone()],
         })
         .collect()
@@ -337,9 +341,9 @@ proptest! {
         if let (Some(b), Some(a)) = (&before, &after) {
             if !cleared {
                 prop_assert_eq!(a, b, "a latest message with nothing foreign changed");
-            } else if b["content"].as_array().unwrap().iter().any(|x| !is_thinking(x)) {
+            } else if b["content"].as_array().unwrap().iter().any(|x| !crate::native::signed::is_thinking_block(x)) {
                 let mut want = b.clone();
-                want["content"].as_array_mut().unwrap().retain(|x| !is_thinking(x));
+                want["content"].as_array_mut().unwrap().retain(|x| !crate::native::signed::is_thinking_block(x));
                 prop_assert_eq!(a, &want, "the latest message was modified, not cleared");
             }
         }
