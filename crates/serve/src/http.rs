@@ -281,7 +281,7 @@ pub async fn run_plain(
     options: CallOptions,
     slot: Slot,
 ) -> Result<LlmResponse, Stopped> {
-    let call = client.chat_with(request, options);
+    let call = std::pin::pin!(client.chat_with(request, options));
     let r = tokio::select! {
         biased;
         r = call => r,
