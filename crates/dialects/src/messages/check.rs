@@ -65,7 +65,10 @@ const STOP_REASONS: [&str; 7] = [
 /// an `error` alone is a stream that failed at once); blocks started at the next index,
 /// one open at a time, deltas of the block's kind into the open block
 /// (`text_delta` → text, `thinking_delta` / `signature_delta` → thinking,
-/// `input_json_delta` → tool_use, whose concatenation is a JSON object or empty); every
+/// `input_json_delta` → tool_use or a server tool's call (`server_tool_use`,
+/// `mcp_tool_use`), whose concatenation is a JSON object or empty; a server tool's
+/// result (`…_tool_result`) and `redacted_thinking` come whole in their start and take
+/// no delta); every
 /// block stopped before the one `message_delta` (a known stop_reason, integer
 /// `usage.output_tokens`); then `message_stop` last — or an `error` event last. Pings
 /// anywhere before the end; nothing after it.
@@ -133,18 +136,23 @@ pub fn check_stream(events: &[SseEvent]) -> Result<MessagesFinal, String> {
                 }
                 let cb = &d["content_block"];
                 let bty = cb["type"].as_str().unwrap_or_default();
-                let empty = match bty {
+                let well_formed = match bty {
                     "text" => cb["text"] == "",
                     "thinking" => cb["thinking"] == "",
-                    "tool_use" => {
+                    "tool_use" | "server_tool_use" | "mcp_tool_use" => {
                         cb["input"] == Value::Object(Map::new())
                             && cb["id"].is_string()
                             && cb["name"].is_string()
                     }
+                    // Whole in their start.
+                    "redacted_thinking" => cb["data"].is_string(),
+                    t if t.ends_with("_tool_result") => cb["tool_use_id"].is_string(),
                     other => return Err(at(format!("unexpected block type {other:?}"))),
                 };
-                if !empty {
-                    return Err(at("a started block must be empty".into()));
+                if !well_formed {
+                    return Err(at(format!(
+                        "a started {bty} block must be empty (text, thinking, calls) or whole (results, redacted thinking)"
+                    )));
                 }
                 blocks.push(Block {
                     ty: bty.to_string(),
@@ -167,7 +175,8 @@ pub fn check_stream(events: &[SseEvent]) -> Result<MessagesFinal, String> {
                     "input_json_delta" => ("tool_use", "partial_json"),
                     other => return Err(at(format!("unexpected delta type {other:?}"))),
                 };
-                if b.ty != want {
+                let calls = want == "tool_use" && b.ty.ends_with("tool_use");
+                if b.ty != want && !calls {
                     return Err(at(format!("a {} delta into a {} block", dd["type"], b.ty)));
                 }
                 if !field.is_empty() {
@@ -183,7 +192,7 @@ pub fn check_stream(events: &[SseEvent]) -> Result<MessagesFinal, String> {
                     .and_then(|i| blocks.get_mut(i))
                     .filter(|b| b.open)
                     .ok_or_else(|| at(format!("block {index:?} is not open")))?;
-                if b.ty == "tool_use" && !b.text.trim().is_empty() {
+                if b.ty.ends_with("tool_use") && !b.text.trim().is_empty() {
                     match serde_json::from_str::<Value>(&b.text) {
                         Ok(Value::Object(_)) => {}
                         _ => {
@@ -244,7 +253,8 @@ pub fn check_stream(events: &[SseEvent]) -> Result<MessagesFinal, String> {
         match b.ty.as_str() {
             "text" => text.push_str(&b.text),
             "thinking" => thinking.push_str(&b.text),
-            _ => tool_calls.push(FinalToolUse {
+            // The client's calls only (a server tool ran at the provider).
+            "tool_use" => tool_calls.push(FinalToolUse {
                 id: b.id.clone(),
                 name: b.name.clone(),
                 input: if b.text.trim().is_empty() {
@@ -253,6 +263,7 @@ pub fn check_stream(events: &[SseEvent]) -> Result<MessagesFinal, String> {
                     serde_json::from_str(&b.text).unwrap_or(Value::Null)
                 },
             }),
+            _ => {}
         }
     }
     let str_of = |v: Option<&Value>, k: &str| v.and_then(|d| d[k].as_str()).map(str::to_string);
