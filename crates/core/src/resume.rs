@@ -154,6 +154,12 @@ pub struct Transcript {
     pub reasoning: String,
     /// Tool calls by index.
     pub tools: BTreeMap<u32, ToolText>,
+    /// Output only a replay can reproduce was delivered: a native event that is
+    /// neither text, reasoning nor a call of the client's ([`NativeEvent::opaque`]:
+    /// a server tool's call or result, a hosted tool's item).
+    ///
+    /// [`NativeEvent::opaque`]: crate::native::NativeEvent::opaque
+    pub opaque: bool,
 }
 
 /// Where a replayed answer stands against the delivered transcript.
@@ -195,11 +201,20 @@ impl Transcript {
             }
             slot.arguments.push_str(&t.arguments);
         }
+        if d.native.as_ref().is_some_and(|n| n.opaque) {
+            self.opaque = true;
+        }
     }
 
     /// Whether a tool call has started.
     pub fn has_tool_call(&self) -> bool {
         !self.tools.is_empty()
+    }
+
+    /// Whether a prefill can carry everything delivered: text only (with reasoning,
+    /// never part of a prefill) — no tool call, nothing opaque (SPEC §23.6).
+    pub fn prefillable(&self) -> bool {
+        self.tools.is_empty() && !self.opaque
     }
 
     /// Whether nothing (content or tool call) has been produced.
@@ -535,16 +550,25 @@ pub fn prefill_request(
 /// Whether a resume of `request` on `source` can continue by prefill as far as the
 /// request goes (SPEC §23.6; the source's own `PREFILL` and what it refused are the
 /// engine's to add): a chat source always; a `messages` source when thinking is off in
-/// the body it is sent (Anthropic never takes a prefill with thinking on); a
+/// the body it is sent — the client's body or its translation, with the source's
+/// `EXTRA_BODY` merged on top (Anthropic never takes a prefill with thinking on); a
 /// `responses` source never (the API has no assistant prefill).
 pub fn prefill_expressible(request: &ChatRequest, source: &SourceConfig) -> bool {
     match source.api {
         SourceApi::Chat => true,
         SourceApi::Responses => false,
         SourceApi::Messages => request.native_for(SourceApi::Messages).is_some_and(|n| {
+            // `thinking` as `NativeRequest::body_for` sends it.
+            let mut sent = Map::new();
+            if let Some(t) = n.body.get("thinking") {
+                sent.insert("thinking".into(), t.clone());
+            }
+            if let Some(t) = source.extra_body.get("thinking") {
+                let patch = Map::from_iter([("thinking".to_string(), t.clone())]);
+                crate::body::merge_patch(&mut sent, &patch);
+            }
             !matches!(
-                n.body
-                    .get("thinking")
+                sent.get("thinking")
                     .and_then(|t| t.get("type"))
                     .and_then(Value::as_str),
                 Some("enabled" | "adaptive")
@@ -814,6 +838,23 @@ mod tests {
         assert!(prefill_expressible(&messages_body(Some("disabled")), &m));
         assert!(!prefill_expressible(&messages_body(Some("enabled")), &m));
         assert!(!prefill_expressible(&messages_body(Some("adaptive")), &m));
+        // Thinking turned on (or off) by the source's `EXTRA_BODY`, merged on top.
+        let mut on = m.clone();
+        on.extra_body.insert(
+            "thinking".into(),
+            serde_json::json!({"type": "enabled", "budget_tokens": 2048}),
+        );
+        assert!(!prefill_expressible(&messages_body(None), &on));
+        let mut off = m.clone();
+        off.extra_body
+            .insert("thinking".into(), serde_json::json!({"type": "disabled"}));
+        assert!(prefill_expressible(&messages_body(Some("enabled")), &off));
+        let mut removed = m.clone();
+        removed.extra_body.insert("thinking".into(), Value::Null);
+        assert!(prefill_expressible(
+            &messages_body(Some("enabled")),
+            &removed
+        ));
         // No body in Messages (no translation): nothing to continue.
         assert!(!prefill_expressible(&ChatRequest::user("q"), &m));
         assert!(!prefill_expressible(

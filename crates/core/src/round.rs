@@ -890,7 +890,7 @@ impl Round {
     fn resume_possible(&self) -> bool {
         match self.spec.resume {
             ResumeSetting::Off => false,
-            ResumeSetting::Prefill if self.spec.passthrough && self.delivered.has_tool_call() => {
+            ResumeSetting::Prefill if self.spec.passthrough && !self.delivered.prefillable() => {
                 false
             }
             _ => self.resumes < self.spec.resumes_left,
@@ -1281,7 +1281,7 @@ impl Round {
             delivered_to_caller: true,
             resumable: self.spec.resume != ResumeSetting::Off
                 && self.resumes < self.spec.resumes_left
-                && !(self.spec.resume == ResumeSetting::Prefill && self.delivered.has_tool_call()),
+                && (self.spec.resume != ResumeSetting::Prefill || self.delivered.prefillable()),
         })
     }
 
@@ -1301,11 +1301,14 @@ impl Round {
                 content: format!("{prefix}{}", l.text.content),
                 reasoning: format!("{}{}", l.base_reasoning, l.text.reasoning),
                 tools: l.text.tools.clone(),
+                opaque: l.text.opaque,
             },
             PrefillCheck::Undecided | PrefillCheck::Diverged => Transcript {
                 content: prefix.to_string(),
                 reasoning: l.base_reasoning.clone(),
                 tools: Default::default(),
+                // A prefix is never opaque (a prefill is sent only for text).
+                opaque: false,
             },
         }
     }
@@ -1331,7 +1334,7 @@ impl Round {
             .map(|c| (None, c.delivered.clone(), c.original.clone()));
         for (leg, e) in &self.failures {
             let t = self.effective_text(*leg);
-            if t.has_tool_call() || t.content.is_empty() {
+            if !t.prefillable() || t.content.is_empty() {
                 continue;
             }
             if best
@@ -1634,7 +1637,7 @@ impl Round {
                     return None;
                 }
                 let of = self.committed;
-                if p.prefills(&self.delivered.content) && !self.delivered.has_tool_call() {
+                if p.prefills(&self.delivered.content) && self.delivered.prefillable() {
                     Some(LegKind::Resume {
                         mode: ResumeMode::Prefill,
                         prefix: self.delivered.content.clone(),
@@ -1655,7 +1658,7 @@ impl Round {
                 if p.prefills(&prefix.content)
                     && can_resume
                     && !prefix.content.is_empty()
-                    && !prefix.has_tool_call()
+                    && prefix.prefillable()
                 {
                     Some(LegKind::Resume {
                         mode: ResumeMode::Prefill,

@@ -144,6 +144,7 @@ impl MessagesReader {
         let mut d = StreamDelta::default();
         let mut progress = false;
         let mut patient = false;
+        let mut opaque = false;
         match kind.as_str() {
             "message_start" => {
                 let m = obj.get("message").and_then(Value::as_object);
@@ -179,8 +180,13 @@ impl MessagesReader {
                         }),
                         // Thinking may stream no deltas (`display: "omitted"`).
                         "redacted_thinking" => patient = true,
-                        "server_tool_use" => self.server_tools.push(index),
-                        _ => {}
+                        "server_tool_use" => {
+                            self.server_tools.push(index);
+                            opaque = true;
+                        }
+                        // Server tools' results and any block added after polygw was
+                        // written.
+                        _ => opaque = true,
                     }
                     patient |= s("type") == Some("thinking");
                 }
@@ -242,6 +248,7 @@ impl MessagesReader {
             data,
             progress,
             patient,
+            opaque,
         ));
         Ok(d)
     }
@@ -446,6 +453,55 @@ mod tests {
             json!({"type":"content_block_stop","index":2}),
         );
         assert!(!patient(d));
+    }
+
+    /// SPEC §23.6: a block a prefill cannot carry (a server tool's call or result, a
+    /// type polygw does not read) is marked opaque; text, thinking and the client's
+    /// tool calls are not — and a transcript that absorbed one is not prefillable.
+    #[test]
+    fn blocks_a_prefill_cannot_carry_are_opaque() {
+        let mut r = MessagesReader::new();
+        let mut t = crate::resume::Transcript::default();
+        let mut start = |r: &mut MessagesReader, i: u32, block: Value| {
+            let d = ev(
+                r,
+                "content_block_start",
+                json!({"type":"content_block_start","index":i,"content_block":block}),
+            );
+            t.absorb(&d);
+            (d.native.unwrap().opaque, t.prefillable())
+        };
+        assert_eq!(
+            start(&mut r, 0, json!({"type":"thinking","thinking":""})),
+            (false, true)
+        );
+        assert_eq!(
+            start(&mut r, 1, json!({"type":"text","text":""})),
+            (false, true)
+        );
+        assert_eq!(
+            start(
+                &mut r,
+                2,
+                json!({"type":"server_tool_use","id":"srvtoolu_1","name":"web_search","input":{}})
+            ),
+            (true, false)
+        );
+        let mut r = MessagesReader::new();
+        let mut t = crate::resume::Transcript::default();
+        let d = ev(
+            &mut r,
+            "content_block_start",
+            json!({"type":"content_block_start","index":0,"content_block":{"type":"web_search_tool_result","tool_use_id":"srvtoolu_1","content":[]}}),
+        );
+        t.absorb(&d);
+        assert!(d.native.unwrap().opaque && !t.prefillable());
+        let d = ev(
+            &mut r,
+            "content_block_start",
+            json!({"type":"content_block_start","index":1,"content_block":{"type":"tool_use","id":"toolu_1","name":"get","input":{}}}),
+        );
+        assert!(!d.native.unwrap().opaque, "a client's call is not opaque");
     }
 
     #[test]

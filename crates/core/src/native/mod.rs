@@ -76,6 +76,7 @@ fn as_received(
     data: &str,
     progress: bool,
     patient: bool,
+    opaque: bool,
 ) -> Box<NativeEvent> {
     Box::new(NativeEvent {
         api,
@@ -83,6 +84,7 @@ fn as_received(
         data: data.to_string(),
         progress,
         patient,
+        opaque,
     })
 }
 
@@ -213,6 +215,11 @@ pub struct NativeEvent {
     /// may be omitted, a server tool running. The silence after it is measured against
     /// the first-token budget, not the stall one (SPEC §23.4).
     pub patient: bool,
+    /// Whether it opens output that is neither text, reasoning nor a call of the
+    /// client's — a server tool's call or result, a hosted tool's item, a block type
+    /// polygw does not read: a prefill (text only) cannot carry it, so an answer that
+    /// delivered one is resumed by replay (SPEC §23.6).
+    pub opaque: bool,
 }
 
 impl NativeEvent {

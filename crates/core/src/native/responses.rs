@@ -122,6 +122,7 @@ impl ResponsesReader {
         let mut d = StreamDelta::default();
         let mut progress = false;
         let mut patient = false;
+        let mut opaque = false;
         let s = |k: &str| obj.get(k).and_then(Value::as_str);
         let index = obj
             .get("output_index")
@@ -147,6 +148,8 @@ impl ResponsesReader {
                 // Reasoning may stream no summary; a hosted tool runs silently.
                 patient = t == Some("reasoning")
                     || t.is_some_and(|t| t.ends_with("_call") && !is_call(Some(t)));
+                // A hosted tool's item (a web search, …) or a type polygw does not read.
+                opaque = !matches!(t, Some("message" | "reasoning")) && !is_call(t);
                 if is_call(t) {
                     let g = |k: &str| item.and_then(|i| i.get(k)).and_then(Value::as_str);
                     self.call_items.push(index);
@@ -193,6 +196,7 @@ impl ResponsesReader {
             data,
             progress,
             patient,
+            opaque,
         ));
         Ok(d)
     }
@@ -265,6 +269,33 @@ mod tests {
     fn ev(r: &mut ResponsesReader, v: Value) -> StreamDelta {
         let name = v["type"].as_str().unwrap().to_string();
         r.on_event(Some(&name), &v.to_string()).unwrap()
+    }
+
+    /// SPEC §23.6: a hosted tool's item (a web search) or an item type polygw does not
+    /// read is opaque to a prefill; messages, reasoning and the client's calls are not.
+    #[test]
+    fn items_a_prefill_cannot_carry_are_opaque() {
+        let mut r = ResponsesReader::new();
+        let mut opaque = |t: &str| {
+            ev(
+                &mut r,
+                json!({"type":"response.output_item.added","sequence_number":1,"output_index":0,"item":{"type":t,"id":"x"}}),
+            )
+            .native
+            .unwrap()
+            .opaque
+        };
+        for t in ["message", "reasoning", "function_call", "custom_tool_call"] {
+            assert!(!opaque(t), "{t}");
+        }
+        for t in [
+            "web_search_call",
+            "file_search_call",
+            "image_generation_call",
+            "something_new",
+        ] {
+            assert!(opaque(t), "{t}");
+        }
     }
 
     #[test]

@@ -65,6 +65,9 @@ pub(crate) struct PickPrefs {
     pub only: Option<usize>,
     /// Only these sources (a context-length rejection routed to larger windows).
     pub allowed: Option<BTreeSet<usize>>,
+    /// Where a prefill of the call's delivered text may go (the request's and the
+    /// text's rules, [`Engine::prefills`]); `None`: any source that takes prefill.
+    pub prefill_to: Option<BTreeSet<usize>>,
     /// This source first, although it failed in the call (`RETRY__PREFER=same`).
     pub first: Option<usize>,
     /// Prefill-capable sources first.
@@ -154,7 +157,9 @@ impl Engine {
         prefs: PickPrefs,
         key: Option<&Arc<KeyCharge>>,
     ) -> Result<Pick, GovernanceError> {
-        let capable = |i: usize| self.prefill_capable(i);
+        let capable = |i: usize| {
+            self.prefill_capable(i) && prefs.prefill_to.as_ref().is_none_or(|t| t.contains(&i))
+        };
         let first = prefs.first.map(|i| self.scope.sources[i].name.as_str());
         let failed: BTreeSet<String> = match first {
             Some(f) => failed_in_call.iter().filter(|n| *n != f).cloned().collect(),

@@ -87,6 +87,36 @@ impl Engine {
                 .contains(&self.capability_key(source))
     }
 
+    /// Whether a leg on `source` may continue `delivered` by prefill (SPEC §23.6): the
+    /// source takes prefill (configured, not refused), the request's body for it
+    /// can carry one (thinking off on a `messages` source, never a `responses` one),
+    /// the delivered output is text only, and its end suits the source (no trailing
+    /// whitespace to Anthropic).
+    pub(crate) fn prefills<L: super::attempt::Leg>(
+        &self,
+        leg: &L,
+        delivered: &polygw_core::resume::Transcript,
+        source: usize,
+    ) -> bool {
+        use polygw_core::resume::{prefill_fits, prefill_takes_trailing_whitespace};
+        let s = &self.scope.sources[source];
+        self.prefill_capable(source)
+            && leg.prefill_allowed(s)
+            && delivered.prefillable()
+            && prefill_fits(&delivered.content, prefill_takes_trailing_whitespace(s.api))
+    }
+
+    /// The sources [`Engine::prefills`] allows for `delivered`.
+    pub(crate) fn prefill_targets<L: super::attempt::Leg>(
+        &self,
+        leg: &L,
+        delivered: &polygw_core::resume::Transcript,
+    ) -> std::collections::BTreeSet<usize> {
+        (0..self.scope.sources.len())
+            .filter(|&i| self.prefills(leg, delivered, i))
+            .collect()
+    }
+
     /// The source refused a prefill: replay only from now on.
     pub(crate) fn mark_no_prefill(&self, source: usize) {
         let newly = refused()

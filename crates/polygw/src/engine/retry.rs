@@ -14,9 +14,7 @@ use polygw_core::admission::{
 };
 use polygw_core::classify::is_context_length;
 use polygw_core::hedge::HedgePolicy;
-use polygw_core::resume::{
-    prefill_fits, prefill_takes_trailing_whitespace, ResumeBudget, ResumeMode, ResumeSetting,
-};
+use polygw_core::resume::{ResumeBudget, ResumeMode, ResumeSetting};
 use polygw_core::retry::{RetryState, RoundVerdict};
 use polygw_core::round::gate::{leg_gate, Gate, GateAsk, RoundKind};
 use polygw_core::round::{Carried, LegKind, RoundSpec};
@@ -140,13 +138,7 @@ impl Engine {
             return Some(LegKind::Fresh);
         };
         let text = &c.carried.delivered;
-        let s = &self.scope.sources[source];
-        if self.prefill_capable(source)
-            && leg.prefill_allowed(s)
-            && prefill_fits(&text.content, prefill_takes_trailing_whitespace(s.api))
-            && !text.has_tool_call()
-            && !text.content.is_empty()
-        {
+        if self.prefills(leg, text, source) && !text.content.is_empty() {
             return Some(LegKind::Resume {
                 mode: ResumeMode::Prefill,
                 prefix: text.content.clone(),
@@ -284,6 +276,7 @@ impl Engine {
                     prefer_prefill: true,
                     require_prefill: c.delivered_to_caller
                         && resume_setting == ResumeSetting::Prefill,
+                    prefill_to: Some(self.prefill_targets(leg, &c.carried.delivered)),
                     family: call.family(),
                     ..PickPrefs::default()
                 },
@@ -299,9 +292,7 @@ impl Engine {
             if cont.is_none() && prefs.first.is_none() && prefs.allowed.is_none() {
                 prefs.sticky = recall.as_ref().and_then(|r| r.sticky);
             }
-            if prefs.require_prefill
-                && !(0..self.scope.sources.len()).any(|i| self.prefill_capable(i))
-            {
+            if prefs.require_prefill && prefs.prefill_to.as_ref().is_some_and(|t| t.is_empty()) {
                 let original = cont.map(|c| c.carried.original).unwrap_or_else(|| {
                     AttemptError::new(
                         polygw_core::ErrorClass::Transient,
@@ -313,7 +304,7 @@ impl Engine {
                     call,
                     original,
                     TerminalReason::RetryExhausted,
-                    "STREAM__RESUME=prefill and no source of the scope accepts a prefill",
+                    "STREAM__RESUME=prefill and no source of the scope can continue this answer by prefill",
                 ));
             }
             if std::mem::take(&mut only_untried) {

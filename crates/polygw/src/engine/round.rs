@@ -819,10 +819,13 @@ impl<'a, L: Leg> Exec<'a, L> {
             .collect();
         exclude.extend(self.call.excluded_sources());
         let failed = self.call.failed_sources();
+        let prefill_to = (req.prefer_prefill || req.require_prefill)
+            .then(|| engine.prefill_targets(self.leg, self.machine.delivered()));
         let prefs = PickPrefs {
             only: req.only,
             prefer_prefill: req.prefer_prefill,
             require_prefill: req.require_prefill,
+            prefill_to,
             family: self.call.family(),
             ..PickPrefs::default()
         };

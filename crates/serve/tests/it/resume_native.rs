@@ -59,8 +59,9 @@ fn last_message(body: &Value) -> &Value {
 /// replay instead, and never answers a 400.
 #[tokio::test]
 async fn a_messages_stream_continues_by_prefill_only_where_the_source_takes_it() {
-    // (case, chunks, thinking, expect a prefill)
-    let cases: [(&str, [&str; 4], bool, bool); 3] = [
+    // (case, chunks, thinking, expect a prefill); `extra`: thinking is turned on by the
+    // prefilling source's `EXTRA_BODY`, not by the client.
+    let cases: [(&str, [&str; 4], bool, bool); 4] = [
         ("text", ["Alpha", " beta", " gamma", " delta."], false, true),
         (
             "whitespace",
@@ -72,6 +73,12 @@ async fn a_messages_stream_continues_by_prefill_only_where_the_source_takes_it()
             "thinking",
             ["Alpha", " beta", " gamma", " delta."],
             true,
+            false,
+        ),
+        (
+            "extra",
+            ["Alpha", " beta", " gamma", " delta."],
+            false,
             false,
         ),
     ];
@@ -91,9 +98,13 @@ async fn a_messages_stream_continues_by_prefill_only_where_the_source_takes_it()
         let cut = recording_mock(behavior(Some(Fault::ResetAfter { chunks }))).await;
         let next = recording_mock(behavior(None)).await;
         let a = messages_source(&format!("pfa{case}"), &cut);
-        let b = messages_source(&format!("pfb{case}"), &next)
+        let mut b = messages_source(&format!("pfb{case}"), &next)
             .with_priority(1)
             .with_prefill(PrefillDialect::Assistant);
+        if case == "extra" {
+            let on = json!({"thinking": {"type": "enabled", "budget_tokens": 1024}});
+            b = b.with_extra_body(on.as_object().cloned().unwrap_or_default());
+        }
         let s = messages_scope(vec![a, b], None).await;
         let (text, fin) = messages_stream(&s, &messages_body(thinking)).await;
         assert_eq!(fin.text, words.concat(), "{case}: {text}");
@@ -165,6 +176,99 @@ async fn a_source_that_refuses_prefill_is_replayed_and_remembered() {
         ],
         "refused once, then replayed; learned for the second call"
     );
+}
+
+/// An Anthropic web-search answer as its stream: text, the server tool's call and
+/// result, more text (SPEC §23.6: what a prefill of the text alone would lose).
+fn web_search_events() -> Vec<String> {
+    let e = |name: &str, data: Value| format!("event: {name}\ndata: {data}\n\n");
+    let text = |i: u32, t: &str| {
+        e(
+            "content_block_delta",
+            json!({"type":"content_block_delta","index":i,"delta":{"type":"text_delta","text":t}}),
+        )
+    };
+    let start = |i: u32, block: Value| {
+        e(
+            "content_block_start",
+            json!({"type":"content_block_start","index":i,"content_block":block}),
+        )
+    };
+    let stop = |i: u32| {
+        e(
+            "content_block_stop",
+            json!({"type":"content_block_stop","index":i}),
+        )
+    };
+    vec![
+        e(
+            "message_start",
+            json!({"type":"message_start","message":{"id":"msg_ws","type":"message","role":"assistant","model":"claude-x","content":[],"stop_reason":null,"stop_sequence":null,"usage":{"input_tokens":12,"output_tokens":1}}}),
+        ),
+        start(0, json!({"type":"text","text":""})),
+        text(0, "Let me search."),
+        stop(0),
+        start(
+            1,
+            json!({"type":"server_tool_use","id":"srvtoolu_1","name":"web_search","input":{}}),
+        ),
+        e(
+            "content_block_delta",
+            json!({"type":"content_block_delta","index":1,"delta":{"type":"input_json_delta","partial_json":"{\"query\":\"weather\"}"}}),
+        ),
+        stop(1),
+        start(
+            2,
+            json!({"type":"web_search_tool_result","tool_use_id":"srvtoolu_1","content":[{"type":"web_search_result","url":"https://example.com","title":"Weather","encrypted_content":"abc"}]}),
+        ),
+        stop(2),
+        start(3, json!({"type":"text","text":""})),
+        text(3, "It is"),
+        text(3, " sunny"),
+        text(3, " today."),
+        stop(3),
+        e(
+            "message_delta",
+            json!({"type":"message_delta","delta":{"stop_reason":"end_turn","stop_sequence":null},"usage":{"output_tokens":30}}),
+        ),
+        e("message_stop", json!({"type":"message_stop"})),
+    ]
+}
+
+/// SPEC §23.6: a Messages answer that used a server tool (web search) and is cut in its
+/// later text is resumed by replay, never by a prefill of its text alone — which would
+/// drop the search call and its results — even on a source that takes prefill.
+#[tokio::test]
+async fn an_answer_with_a_server_tool_block_is_replayed_not_prefilled() {
+    let events = web_search_events();
+    // Cut after " sunny": the text so far ends in no whitespace, thinking is off.
+    let cut_at = events.iter().position(|e| e.contains(" sunny")).unwrap() + 1;
+    let cut = recording_mock(Behavior {
+        raw_sse: Some(events[..cut_at].concat()),
+        ..Behavior::default()
+    })
+    .await;
+    let next = recording_mock(Behavior {
+        raw_sse: Some(events.concat()),
+        ..Behavior::default()
+    })
+    .await;
+    let a = messages_source("wsa", &cut);
+    let b = messages_source("wsb", &next)
+        .with_priority(1)
+        .with_prefill(PrefillDialect::Assistant);
+    let s = messages_scope(vec![a, b], None).await;
+    let (text, fin) = messages_stream(&s, &messages_body(false)).await;
+    assert_eq!(fin.text, "Let me search.It is sunny today.", "{text}");
+    assert_eq!(
+        text.matches("\"web_search_tool_result\"").count(),
+        1,
+        "the search result once: {text}"
+    );
+    let log = next.requests();
+    assert_eq!(log.len(), 1);
+    assert_eq!(log[0].prefill, None, "resumed by replay");
+    assert_eq!(last_message(&log[0].body)["role"], "user");
 }
 
 /// The mock refuses a whitespace-ended prefill on `/v1/messages` as Anthropic does:
@@ -414,4 +518,52 @@ async fn a_native_stream_cut_at_every_event_is_one_valid_stream() {
             assert_eq!(a.requests().len(), 1, "{what}");
         }
     }
+}
+
+/// SPEC §23.6 under `STREAM__RESUME=prefill`: the continuation goes to a source that
+/// can prefill *this* answer. A Messages client with thinking on is cut; the first
+/// fallback (`messages`, `PREFILL=assistant`) cannot take a prefill with thinking on,
+/// the second (`chat`, `PREFILL=prefix`) can: it continues the answer, and the first is
+/// not asked.
+#[tokio::test]
+async fn resume_by_prefill_only_picks_a_source_that_can_prefill_this_answer() {
+    let words = ["Alpha", " beta", " gamma", " delta."];
+    let cut = recording_mock(Behavior {
+        fault: Some(Fault::ResetAfter { chunks: 4 }),
+        gap_ms: 40.0,
+        reasoning: vec!["Hm".into(), "m.".into()],
+        ..Behavior::text(&words)
+    })
+    .await;
+    let native = recording_mock(Behavior::text(&words)).await;
+    let chat = recording_mock(Behavior::text(&words)).await;
+    let sources = vec![
+        messages_source("pka", &cut),
+        messages_source("pkb", &native)
+            .with_priority(1)
+            .with_prefill(PrefillDialect::Assistant),
+        crate::support::source("pkc", &chat)
+            .with_priority(2)
+            .with_prefill(PrefillDialect::Prefix),
+    ];
+    let scope = crate::support::scope_with("LLM", polygw::ScopeKind::Chat, sources, None, |s| {
+        s.stream.resume = polygw::core::resume::ResumeSetting::Prefill;
+        s.retry.backoff_base = Duration::from_millis(1);
+        s.retry.backoff_max = Duration::from_millis(5);
+    })
+    .await;
+    let s = crate::support::serve(vec![scope]).await;
+    let (text, fin) = messages_stream(&s, &messages_body(true)).await;
+    assert_eq!(fin.text, words.concat(), "{text}");
+    assert!(
+        native.requests().is_empty(),
+        "the messages fallback is not asked"
+    );
+    let log = chat.requests();
+    assert_eq!(log.len(), 1);
+    assert_eq!(
+        log[0].prefill.as_ref().map(|p| p.outcome),
+        Some(PrefillOutcome::Continued),
+        "continued by prefill on the chat source"
+    );
 }
