@@ -178,6 +178,9 @@ pub fn run(args: &[String]) -> ExitCode {
             return ExitCode::from(2);
         }
     }
+    // A part that fails (its calls, or a gate such as `serve`'s per-call counts) is
+    // reported and the next parts still run; the exit status says one failed.
+    let mut failed = Vec::new();
     for part in BENCHES {
         let wanted = if args.is_empty() {
             part.in_all
@@ -193,7 +196,7 @@ pub fn run(args: &[String]) -> ExitCode {
             Ok(s) if s.success() => {}
             Ok(s) => {
                 eprintln!("bench {} failed: {s}", part.name);
-                return ExitCode::FAILURE;
+                failed.push(part.name);
             }
             Err(e) => {
                 eprintln!("bench {}: cannot run cargo: {e}", part.name);
@@ -201,7 +204,12 @@ pub fn run(args: &[String]) -> ExitCode {
             }
         }
     }
-    ExitCode::SUCCESS
+    if failed.is_empty() {
+        ExitCode::SUCCESS
+    } else {
+        eprintln!("bench: failed: {}", failed.join(", "));
+        ExitCode::FAILURE
+    }
 }
 
 #[cfg(test)]

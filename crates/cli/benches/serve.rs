@@ -359,12 +359,35 @@ async fn run_calls(v: &Variant, calls: usize, concurrency: usize) -> Duration {
     wall
 }
 
+/// SPEC §27.2's hard gates on a plain proxied call of this tree's binary (issue 42):
+/// the bench exits non-zero above them.
+const GATE_INSTRUCTIONS: f64 = 140_000.0;
+const GATE_ALLOCATIONS: f64 = 110.0;
+const GATE_SYSCALLS: f64 = 6.0;
+
+/// The gates a plain call of this tree's proxy (`label`) is over, as messages.
+fn gates(label: &str, counts: &[(&str, f64, f64)]) -> Vec<String> {
+    if label != "polygw serve" {
+        return Vec::new();
+    }
+    counts
+        .iter()
+        .filter(|(_, value, gate)| value > gate)
+        .map(|(what, value, gate)| format!("{what} per plain call {value:.1} > {gate}"))
+        .collect()
+}
+
 /// System calls, context switches and allocations per call of every proxied variant
-/// (16 callers; see `serve_counts`). True when they could be counted.
-async fn count_per_call(variants: &[Variant], proxies: &[Proxy], dir: &std::path::Path) {
+/// (16 callers; see `serve_counts`). Returns the gates this tree's plain call is over.
+async fn count_per_call(
+    variants: &[Variant],
+    proxies: &[Proxy],
+    dir: &std::path::Path,
+) -> Vec<String> {
+    let mut over = Vec::new();
     if let Some(why) = counts::unavailable() {
         println!("\nper-call counts skipped: {why}");
-        return;
+        return over;
     }
     let plain = env_count("POLYGW_BENCH_COUNT_CALLS", 5_000);
     println!(
@@ -405,9 +428,19 @@ async fn count_per_call(variants: &[Variant], proxies: &[Proxy], dir: &std::path
                 "  {:<40} {:>9.2} {:>9.2} {:>12.1}",
                 v.name, pc.syscalls, pc.switches, pc.allocations
             );
+            if !v.streamed {
+                over.extend(gates(
+                    &proxy.label,
+                    &[
+                        ("system calls", pc.syscalls, GATE_SYSCALLS),
+                        ("allocations", pc.allocations, GATE_ALLOCATIONS),
+                    ],
+                ));
+            }
         }
         counts::remove_events(&own);
     }
+    over
 }
 
 /// The resident set of process `pid` (kB, `/proc/PID/status`).
@@ -458,10 +491,11 @@ async fn count_instructions(
     bins: &[(String, String)],
     env: &[(String, String)],
     dir: &std::path::Path,
-) {
+) -> Vec<String> {
+    let mut over = Vec::new();
     if let Some(why) = counts::callgrind_unavailable() {
         println!("\ninstructions per call skipped: {why}");
-        return;
+        return over;
     }
     let calls = env_count("POLYGW_BENCH_CALLGRIND_CALLS", 2_000);
     println!(
@@ -492,15 +526,32 @@ async fn count_instructions(
             // Work the proxy does after the calls (an export thread's batches) counts.
             tokio::time::sleep(Duration::from_secs(2)).await;
             match counts::callgrind(pid, false, dir, &prefix) {
-                Some(ir) => println!(
-                    "  {:<40} {:>10.0} instructions per call",
-                    v.name,
-                    ir as f64 / n as f64
-                ),
+                Some(ir) => {
+                    let per_call = ir as f64 / n as f64;
+                    println!("  {:<40} {per_call:>10.0} instructions per call", v.name);
+                    if !streamed {
+                        over.extend(gates(
+                            label,
+                            &[("instructions", per_call, GATE_INSTRUCTIONS)],
+                        ));
+                    }
+                }
                 None => println!("  {:<40} callgrind gave no dump", v.name),
             }
         }
         drop(serve);
+    }
+    over
+}
+
+/// Ends the run: non-zero when a gate of SPEC §27.2 was exceeded.
+fn exit_on_gates(over: &[String]) {
+    if !over.is_empty() {
+        eprintln!(
+            "serve benchmark: over SPEC §27.2's gates (issue 42): {}",
+            over.join("; ")
+        );
+        std::process::exit(2);
     }
 }
 
@@ -772,9 +823,10 @@ fn main() {
     if std::env::args().any(|a| a == "--instructions")
         || std::env::var("POLYGW_BENCH_SERVE_CALLGRIND").is_ok_and(|v| v == "1")
     {
-        rt.block_on(count_instructions(&bins, &env_for(9), dir.path()));
+        let over = rt.block_on(count_instructions(&bins, &env_for(9), dir.path()));
         drop(rt);
         host.shutdown();
+        exit_on_gates(&over);
         return;
     }
     let proxies: Vec<Proxy> = bins
@@ -821,12 +873,14 @@ fn main() {
     }
     // `POLYGW_BENCH_SERVE_COUNTS_ONLY=1`: only the per-call counts.
     if std::env::var("POLYGW_BENCH_SERVE_COUNTS_ONLY").is_ok_and(|v| v == "1") {
-        rt.block_on(count_per_call(&variants, &proxies, dir.path()));
+        let over = rt.block_on(count_per_call(&variants, &proxies, dir.path()));
         drop(rt);
         drop(proxies);
         host.shutdown();
+        exit_on_gates(&over);
         return;
     }
+    let mut over = Vec::new();
     let ok = rt.block_on(async {
         let (one, p1) = level(&variants, &proxies, 1, rounds, c1).await;
         let mut ok = report(1, &variants, &one, &p1, &proxies);
@@ -835,7 +889,7 @@ fn main() {
         let (many, p64) = level(&variants, &proxies, 64, rounds, c64).await;
         ok &= report(64, &variants, &many, &p64, &proxies);
         if full && ok {
-            count_per_call(&variants, &proxies, dir.path()).await;
+            over = count_per_call(&variants, &proxies, dir.path()).await;
             rss_growth(&bins, &env_for).await;
         }
         ok
@@ -848,4 +902,5 @@ fn main() {
         eprintln!("serve benchmark: some calls failed (see above)");
         std::process::exit(1);
     }
+    exit_on_gates(&over);
 }
