@@ -1063,6 +1063,36 @@ async fn a_signed_tool_round_fails_over<F: std::future::Future<Output = ScriptRu
     );
 }
 
+/// A mid-answer fault on the primary (fam-a), the fallback (fam-b) answering the same
+/// `words`: the agent's run, checked to show the whole answer once, and the fallback
+/// asked (SPEC §23.6).
+async fn mid_answer_fault<F: std::future::Future<Output = ScriptRun>>(
+    w: &AgentWorld,
+    words: &[&str],
+    fault: Behavior,
+    run: impl FnOnce() -> F,
+) -> ScriptRun {
+    w.primary.reset_log();
+    w.fallback.reset_log();
+    w.primary.push_script(Behavior {
+        signing_group: Some("fam-a".into()),
+        chunks: Behavior::text(words).chunks,
+        ..fault
+    });
+    w.fallback.push_script(Behavior {
+        signing_group: Some("fam-b".into()),
+        ..Behavior::text(words)
+    });
+    let run = run().await;
+    assert!(run.ok, "{}\n{}", run.stdout, run.stderr);
+    assert!(run.stdout.contains(&words.concat()), "{}", run.stdout);
+    assert!(
+        !w.fallback.requests().is_empty(),
+        "the fallback continued it"
+    );
+    run
+}
+
 /// The agent's answer is cut mid-stream (SPEC §23.6): the primary streams two chunks,
 /// 40 ms apart, then resets; the fallback's replay of the same answer continues the
 /// stream, and the agent shows the whole answer once.
@@ -1070,36 +1100,19 @@ async fn a_stream_cut_mid_answer_is_continued<F: std::future::Future<Output = Sc
     w: &AgentWorld,
     run: impl FnOnce() -> F,
 ) {
-    let words = ["Resumed ", "answer ", "from ", "polygw."];
-    w.primary.reset_log();
-    w.fallback.reset_log();
-    w.primary.push_script(Behavior {
-        signing_group: Some("fam-a".into()),
+    let fault = Behavior {
         fault: Some(Fault::ResetAfter { chunks: 2 }),
         gap_ms: 40.0,
-        ..Behavior::text(&words)
-    });
-    w.fallback.push_script(Behavior {
-        signing_group: Some("fam-b".into()),
-        ..Behavior::text(&words)
-    });
-    let run = run().await;
-    assert!(run.ok, "{}\n{}", run.stdout, run.stderr);
-    assert!(
-        run.stdout.contains("Resumed answer from polygw."),
-        "{}",
-        run.stdout
-    );
+        ..Behavior::default()
+    };
+    let words = ["Resumed ", "answer ", "from ", "polygw."];
+    mid_answer_fault(w, &words, fault, run).await;
     assert!(
         w.primary
             .requests()
             .iter()
             .any(|r| r.end == EndKind::ResetMidStream),
         "the primary's stream was cut"
-    );
-    assert!(
-        !w.fallback.requests().is_empty(),
-        "the fallback continued it"
     );
 }
 
@@ -1112,28 +1125,15 @@ async fn a_stall_mid_answer_is_rescued_with_defaults<F: std::future::Future<Outp
     w: &AgentWorld,
     run: impl FnOnce() -> F,
 ) {
-    let words = ["Rescued ", "after ", "a ", "stall."];
-    w.primary.reset_log();
-    w.fallback.reset_log();
-    w.primary.push_script(Behavior {
-        signing_group: Some("fam-a".into()),
+    let fault = Behavior {
         stalls: vec![Stall {
             before_chunk: 2,
             ms: 20_000.0,
         }],
-        ..Behavior::text(&words)
-    });
-    w.fallback.push_script(Behavior {
-        signing_group: Some("fam-b".into()),
-        ..Behavior::text(&words)
-    });
-    let run = run().await;
-    assert!(run.ok, "{}\n{}", run.stdout, run.stderr);
-    assert!(
-        run.stdout.contains("Rescued after a stall."),
-        "{}",
-        run.stdout
-    );
+        ..Behavior::default()
+    };
+    let words = ["Rescued ", "after ", "a ", "stall."];
+    let run = mid_answer_fault(w, &words, fault, run).await;
     assert!(
         run.took < Duration::from_secs(20),
         "rescued before the stall ended: {:?}",
@@ -1145,10 +1145,6 @@ async fn a_stall_mid_answer_is_rescued_with_defaults<F: std::future::Future<Outp
             .iter()
             .any(|r| r.end == EndKind::ClientDisconnected && r.chunks_sent == 2),
         "the stalled leg was cancelled after its two chunks: {primary:#?}"
-    );
-    assert!(
-        !w.fallback.requests().is_empty(),
-        "the fallback continued it"
     );
 }
 
