@@ -593,6 +593,20 @@ pub fn prefill_fits(prefix: &str, takes_trailing_whitespace: bool) -> bool {
     takes_trailing_whitespace || !prefix.ends_with(char::is_whitespace)
 }
 
+/// Whether `delivered` may be continued by prefill on a source that takes prefill
+/// (`capable`: configured, not refused, the request's body can carry one) and takes a
+/// trailing whitespace or not: text only ([`Transcript::prefillable`]) whose end suits
+/// the source ([`prefill_fits`]). The one rule of the round and the engine.
+pub fn prefill_possible(
+    capable: bool,
+    takes_trailing_whitespace: bool,
+    delivered: &Transcript,
+) -> bool {
+    capable
+        && delivered.prefillable()
+        && prefill_fits(&delivered.content, takes_trailing_whitespace)
+}
+
 /// Whether a failed prefill leg says its target does not support assistant prefill
 /// (then the source is marked not prefill-capable for the rest of the process): a
 /// rejection whose provider message or code mentions the prefill mechanism.

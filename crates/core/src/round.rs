@@ -221,10 +221,13 @@ pub struct Picked {
 }
 
 impl Picked {
-    /// Whether a leg on this source may continue `prefix` by prefill.
-    fn prefills(&self, prefix: &str) -> bool {
-        self.prefill_capable
-            && crate::resume::prefill_fits(prefix, self.prefill_trailing_whitespace)
+    /// Whether a leg on this source may continue `delivered` by prefill.
+    fn prefills(&self, delivered: &Transcript) -> bool {
+        crate::resume::prefill_possible(
+            self.prefill_capable,
+            self.prefill_trailing_whitespace,
+            delivered,
+        )
     }
 }
 
@@ -1637,7 +1640,7 @@ impl Round {
                     return None;
                 }
                 let of = self.committed;
-                if p.prefills(&self.delivered.content) && self.delivered.prefillable() {
+                if p.prefills(&self.delivered) {
                     Some(LegKind::Resume {
                         mode: ResumeMode::Prefill,
                         prefix: self.delivered.content.clone(),
@@ -1655,11 +1658,7 @@ impl Round {
             }
             Purpose::Continue { of } => {
                 let prefix = self.continued_text(of);
-                if p.prefills(&prefix.content)
-                    && can_resume
-                    && !prefix.content.is_empty()
-                    && prefix.prefillable()
-                {
+                if p.prefills(&prefix) && can_resume && !prefix.content.is_empty() {
                     Some(LegKind::Resume {
                         mode: ResumeMode::Prefill,
                         prefix: prefix.content,

@@ -420,15 +420,15 @@ pub fn translate_for_sources(
         if api == client_api || request.native_for(api).is_some() {
             continue;
         }
-        let caps: Vec<u64> = sources
+        let cap = sources
             .iter()
             .filter(|s| s.api == api)
             .map(|s| {
                 s.max_output_tokens
                     .unwrap_or(polygw::core::key_funds::DEFAULT_MAX_OUTPUT_TOKENS)
             })
-            .collect();
-        let Some(cap) = caps.iter().min().copied() else {
+            .min();
+        let Some(cap) = cap else {
             continue;
         };
         let out = match api {

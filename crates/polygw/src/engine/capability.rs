@@ -98,12 +98,13 @@ impl Engine {
         delivered: &polygw_core::resume::Transcript,
         source: usize,
     ) -> bool {
-        use polygw_core::resume::{prefill_fits, prefill_takes_trailing_whitespace};
+        use polygw_core::resume::{prefill_possible, prefill_takes_trailing_whitespace};
         let s = &self.scope.sources[source];
-        self.prefill_capable(source)
-            && leg.prefill_allowed(s)
-            && delivered.prefillable()
-            && prefill_fits(&delivered.content, prefill_takes_trailing_whitespace(s.api))
+        prefill_possible(
+            self.prefill_capable(source) && leg.prefill_allowed(s),
+            prefill_takes_trailing_whitespace(s.api),
+            delivered,
+        )
     }
 
     /// The sources [`Engine::prefills`] allows for `delivered`.

@@ -13,7 +13,7 @@
 use std::path::PathBuf;
 use std::time::Duration;
 
-use polygw::{ScopeKind, SourceConfig};
+use polygw::SourceConfig;
 use polygw_dialects::{messages, parse_sse, responses, SseEvent};
 use polygw_mock_upstream::{Behavior, MockUpstream};
 use serde_json::{json, Value};
@@ -266,22 +266,10 @@ async fn a_recorded_stream_cut_at_every_chunk_is_rescued_in_both_apis() {
     // [DONE]); the fallback serves the whole recording.
     let a = mock(Behavior::default()).await;
     let b = mock(raw(sse(&all, all.len()))).await;
-    let scope = scope_with(
-        "LLM",
-        ScopeKind::Chat,
-        vec![
-            SourceConfig::new("a", 0, a.base_url(), UPSTREAM_KEY, "model-a").with_priority(0),
-            SourceConfig::new("b", 0, b.base_url(), UPSTREAM_KEY, "model-b").with_priority(1),
-        ],
-        None,
-        |s| {
-            // Every call fails on the primary: keep it in (this test cuts it on
-            // purpose at each position, it is not broken).
-            s.breaker.failures = 1000;
-            s.retry.backoff_base = Duration::from_millis(1);
-            s.retry.backoff_max = Duration::from_millis(2);
-        },
-    )
+    let scope = scope_cut_on_purpose(vec![
+        SourceConfig::new("a", 0, a.base_url(), UPSTREAM_KEY, "model-a").with_priority(0),
+        SourceConfig::new("b", 0, b.base_url(), UPSTREAM_KEY, "model-b").with_priority(1),
+    ])
     .await;
     let s = serve(vec![scope]).await;
     // The line with the finish_reason: cut before it, the stream is incomplete.

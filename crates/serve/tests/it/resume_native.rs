@@ -472,21 +472,10 @@ async fn a_native_stream_cut_at_every_event_is_one_valid_stream() {
         };
         let a = recording_mock(Behavior::default()).await;
         let b = recording_mock(whole()).await;
-        let scope = crate::support::scope_with(
-            "LLM",
-            polygw::ScopeKind::Chat,
-            vec![
-                source_of(api, &format!("eva{case}"), &a),
-                source_of(api, &format!("evb{case}"), &b).with_priority(1),
-            ],
-            None,
-            |s| {
-                // The primary is cut on purpose at every position: keep it in.
-                s.breaker.failures = 1000;
-                s.retry.backoff_base = Duration::from_millis(1);
-                s.retry.backoff_max = Duration::from_millis(2);
-            },
-        )
+        let scope = crate::support::scope_cut_on_purpose(vec![
+            source_of(api, &format!("eva{case}"), &a),
+            source_of(api, &format!("evb{case}"), &b).with_priority(1),
+        ])
         .await;
         let s = crate::support::serve(vec![scope]).await;
         for k in 0..events.len() {

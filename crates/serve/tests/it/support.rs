@@ -49,6 +49,17 @@ pub async fn scope_with(
     Scope::of_kind(kind, b.build_all().await.unwrap()).unwrap()
 }
 
+/// A chat scope whose primary a test cuts on purpose at every position: the breaker
+/// keeps it in (it is not broken), and retries wait 1–2 ms.
+pub async fn scope_cut_on_purpose(sources: Vec<SourceConfig>) -> Scope {
+    scope_with("LLM", ScopeKind::Chat, sources, None, |s| {
+        s.breaker.failures = 1000;
+        s.retry.backoff_base = std::time::Duration::from_millis(1);
+        s.retry.backoff_max = std::time::Duration::from_millis(2);
+    })
+    .await
+}
+
 /// A chat scope over one mock.
 pub async fn chat_scope(name: &str, m: &MockUpstream) -> Scope {
     scope_with(name, ScopeKind::Chat, vec![source("a", m)], None, |_| {}).await
