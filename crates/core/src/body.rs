@@ -47,6 +47,24 @@ pub fn chat_body(source: &SourceConfig, req: &ChatRequest) -> Value {
 /// struct's order. A message whose extra fields repeat `role` or `content` (which
 /// only code can build) goes through `chat_body`, which keeps one of each.
 pub fn chat_body_bytes(source: &SourceConfig, req: &ChatRequest) -> Vec<u8> {
+    // The byte path (SPEC §27.1): the client's own body, edited in place.
+    if let Some(wire) = &req.wire {
+        if let Some(b) = crate::client_body::chat_body_edited(wire, source, req.stream) {
+            // Debug builds check it against the parsed path (bodies up to 256 KiB: the
+            // check holds two more copies of the body, and tests measure the memory a
+            // large one costs).
+            debug_assert!(
+                b.len() > 256 * 1024
+                    || serde_json::from_slice::<Value>(&b).is_ok_and(|v| {
+                        crate::client_body::same_chat_body(&v, &chat_body(source, req))
+                    }),
+                "the body edited in place is not the request's: {} vs {}",
+                String::from_utf8_lossy(&b),
+                chat_body(source, req)
+            );
+            return b;
+        }
+    }
     let clash = req
         .messages
         .iter()

@@ -24,6 +24,7 @@ pub mod body;
 pub mod breaker;
 pub mod cache_key;
 pub mod classify;
+pub mod client_body;
 pub mod client_key;
 pub mod config;
 mod durations;

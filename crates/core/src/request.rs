@@ -144,6 +144,13 @@ pub struct ChatRequest {
     /// only they may hold: a `previous_response_id` polygw did not store).
     #[serde(skip)]
     pub native_only: bool,
+    /// The client's body as received, when the request was read from one (the proxy):
+    /// a `chat` source's body is then made from it by editing it in place (SPEC §27.1,
+    /// [`crate::client_body`]) instead of from the fields above. It must describe the
+    /// same request as they do: code that changes the request sets it to `None` (debug
+    /// builds check every body made from it against the fields).
+    #[serde(skip)]
+    pub wire: Option<std::sync::Arc<crate::client_body::WireBody>>,
 }
 
 impl ChatRequest {
@@ -168,24 +175,28 @@ impl ChatRequest {
 
     /// Sets `max_tokens`.
     pub fn with_max_tokens(mut self, max_tokens: u32) -> Self {
+        self.wire = None;
         self.max_tokens = Some(max_tokens);
         self
     }
 
     /// Sets `temperature`.
     pub fn with_temperature(mut self, temperature: f64) -> Self {
+        self.wire = None;
         self.temperature = Some(temperature);
         self
     }
 
     /// Sets `reasoning_effort`.
     pub fn with_reasoning_effort(mut self, effort: impl Into<String>) -> Self {
+        self.wire = None;
         self.reasoning_effort = Some(effort.into());
         self
     }
 
     /// Sets one overlay key.
     pub fn with_overlay(mut self, key: impl Into<String>, value: Value) -> Self {
+        self.wire = None;
         self.overlay
             .get_or_insert_with(Map::new)
             .insert(key.into(), value);
@@ -271,6 +282,7 @@ impl ChatRequest {
     pub fn set_output_cap(mut self, total: u64) -> Self {
         const FIELDS: [&str; 3] = ["max_tokens", "max_completion_tokens", "max_output_tokens"];
         let cap = (total / self.choices()).max(1);
+        self.wire = None;
         // The chat form's own field, unless the client capped through another one (a
         // source refuses both at once).
         let other = self

@@ -209,6 +209,10 @@ pub struct LlmResponse {
     /// The body `upstream` was parsed from, as received (same `None` rule).
     #[serde(skip)]
     pub upstream_body: Option<Vec<u8>>,
+    /// `upstream_body`'s top-level `usage` is known to be an object, the one `usage` was
+    /// read from (`false`: not known; a proxy looks).
+    #[serde(skip)]
+    pub upstream_usage_object: bool,
     /// The committed attempt's upstream response headers that a proxy passes on
     /// (`x-request-id`, `x-ratelimit-*`: SPEC §17.4), as received.
     #[serde(skip)]

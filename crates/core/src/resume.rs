@@ -499,6 +499,7 @@ pub fn prefill_request(
     delivered_tokens: u64,
 ) -> ChatRequest {
     let mut req = original.clone();
+    req.wire = None;
     let mut msg = Message::assistant(prefix);
     match dialect {
         PrefillDialect::Assistant => {}

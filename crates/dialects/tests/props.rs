@@ -211,6 +211,7 @@ fn build(g: &Gen) -> ChatRequest {
         translated: Vec::new(),
         native_only: false,
         client_credential: None,
+        wire: None,
     };
     if let Some(p) = g.top_p {
         req = req.with_overlay("top_p", json!(p));

@@ -883,6 +883,7 @@ impl GatewayClient {
         LlmResponse {
             upstream: tr.raw,
             upstream_body: tr.raw_body,
+            upstream_usage_object: tr.raw_usage_object,
             content,
             reasoning_content,
             tool_calls,

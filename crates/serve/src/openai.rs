@@ -7,6 +7,7 @@ use axum::http::StatusCode;
 use base64::Engine as _;
 
 use crate::errors::ApiError;
+use polygw::core::client_body::WireBody;
 use polygw::{ChatRequest, Embeddings, LlmResponse, Message, StreamDelta, Usage, UsageSource};
 use serde_json::{json, Map, Value};
 
@@ -119,8 +120,8 @@ fn parse_object(body: &[u8]) -> Result<Map<String, Value>, ApiError> {
     }
 }
 
-fn model_of(o: &mut Map<String, Value>) -> Result<String, ApiError> {
-    match o.remove("model") {
+fn model_of(model: Option<Value>) -> Result<String, ApiError> {
+    match model {
         Some(Value::String(m)) if !m.is_empty() => Ok(m),
         Some(_) => Err(ApiError::bad_request(
             "model",
@@ -130,36 +131,39 @@ fn model_of(o: &mut Map<String, Value>) -> Result<String, ApiError> {
     }
 }
 
-/// Reads `/v1/chat/completions` JSON, once: the known fields are moved out of the
-/// parsed object (no copies), the rest is the overlay. Errors name the field.
-pub fn parse_chat(body: &[u8]) -> Result<ParsedChat, ApiError> {
-    let mut o = parse_object(body)?;
-    let model = model_of(&mut o)?;
-    let messages: Vec<Message> = match o.remove("messages") {
-        Some(Value::Array(a)) if !a.is_empty() => {
-            let mut out = Vec::with_capacity(a.len());
-            for (i, m) in a.into_iter().enumerate() {
-                out.push(serde_json::from_value(m).map_err(|e| {
-                    ApiError::bad_request(
-                        &format!("messages[{i}]"),
-                        format!("messages[{i}] is not a message: {e}"),
-                    )
-                })?);
-            }
-            out
+/// Reads `/v1/chat/completions` JSON, once: one borrowed pass finds the top-level
+/// members ([`WireBody::scan`]), `messages` is read typed from its bytes, the other
+/// members into values (the known fields moved out, the rest the overlay), and the body
+/// is kept as received for the byte path (SPEC §27.1: a `chat` source is sent it,
+/// edited in place). Errors name the field.
+pub fn parse_chat(body: impl Into<Vec<u8>>) -> Result<ParsedChat, ApiError> {
+    let body = body.into();
+    check_json_values(&body)?;
+    let wire = WireBody::scan(body).map_err(|e| match e.classify() {
+        serde_json::error::Category::Data => {
+            ApiError::bad_request("body", "the body must be a JSON object")
         }
-        Some(Value::Array(_)) => {
-            return Err(ApiError::bad_request(
-                "messages",
-                "messages must not be empty",
-            ))
+        _ => ApiError::bad_request("body", format!("the body is not valid JSON: {e}")),
+    })?;
+    let mut o = Map::new();
+    let (mut messages, mut model) = (None, None);
+    for (k, v) in wire.members() {
+        if k == "messages" {
+            messages = Some(v);
+            continue;
         }
-        Some(_) => {
-            return Err(ApiError::bad_request(
-                "messages",
-                "messages must be an array",
-            ))
+        // Each member's text is one JSON value (the scan read it as one).
+        let value = serde_json::from_str(v)
+            .map_err(|e| ApiError::bad_request(k, format!("{k} is not valid JSON: {e}")))?;
+        if k == "model" {
+            model = Some(value);
+        } else {
+            o.insert(k.to_owned(), value);
         }
+    }
+    let model = model_of(model)?;
+    let messages = match messages {
+        Some(text) => parse_messages(text)?,
         None => return Err(ApiError::bad_request("messages", "messages is required")),
     };
     let stream = match o.remove("stream") {
@@ -269,6 +273,7 @@ pub fn parse_chat(body: &[u8]) -> Result<ParsedChat, ApiError> {
         translated: Vec::new(),
         native_only: false,
         client_credential: None,
+        wire: Some(std::sync::Arc::new(wire)),
     };
     request
         .validate()
@@ -278,6 +283,55 @@ pub fn parse_chat(body: &[u8]) -> Result<ParsedChat, ApiError> {
         request,
         include_usage,
     })
+}
+
+/// `messages` read typed from its bytes as sent: a non-empty array of messages; the
+/// error names the first element that is not one.
+fn parse_messages(text: &str) -> Result<Vec<Message>, ApiError> {
+    use serde::de::{DeserializeSeed, SeqAccess, Visitor};
+    struct Seq<'a>(&'a std::cell::Cell<usize>);
+    impl<'de> Visitor<'de> for Seq<'_> {
+        type Value = Vec<Message>;
+        fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+            f.write_str("an array of messages")
+        }
+        fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Self::Value, A::Error> {
+            let mut out = Vec::with_capacity(seq.size_hint().unwrap_or(4));
+            while let Some(m) = seq.next_element::<Message>()? {
+                out.push(m);
+                self.0.set(out.len());
+            }
+            Ok(out)
+        }
+    }
+    impl<'de> DeserializeSeed<'de> for Seq<'_> {
+        type Value = Vec<Message>;
+        fn deserialize<D: serde::Deserializer<'de>>(self, d: D) -> Result<Self::Value, D::Error> {
+            d.deserialize_seq(self)
+        }
+    }
+    if !text.starts_with('[') {
+        return Err(ApiError::bad_request(
+            "messages",
+            "messages must be an array",
+        ));
+    }
+    let read = std::cell::Cell::new(0);
+    let mut de = serde_json::Deserializer::from_str(text);
+    let messages = Seq(&read).deserialize(&mut de).map_err(|e| {
+        let i = read.get();
+        ApiError::bad_request(
+            &format!("messages[{i}]"),
+            format!("messages[{i}] is not a message: {e}"),
+        )
+    })?;
+    if messages.is_empty() {
+        return Err(ApiError::bad_request(
+            "messages",
+            "messages must not be empty",
+        ));
+    }
+    Ok(messages)
 }
 
 /// OpenAI's usage object from polygw's figures.
@@ -430,7 +484,7 @@ pub struct ParsedEmbeddings {
 /// `dimensions` is refused (the vector size is the source's, set it in `EXTRA_BODY`).
 pub fn parse_embeddings(body: &[u8]) -> Result<ParsedEmbeddings, ApiError> {
     let mut o = parse_object(body)?;
-    let model = model_of(&mut o)?;
+    let model = model_of(o.remove("model"))?;
     use polygw::EmbeddingInput as In;
     let token = |x: &Value| x.as_u64().filter(|t| *t <= u64::from(u32::MAX));
     let tokens = |param: &str, a: &[Value]| -> Result<Vec<u64>, ApiError> {
@@ -606,7 +660,7 @@ mod tests {
             ),
         ];
         for (body, field) in cases {
-            let e = parse_chat(body).unwrap_err();
+            let e = parse_chat(*body).unwrap_err();
             assert_eq!(e.status, StatusCode::BAD_REQUEST);
             assert_eq!(
                 e.param.as_deref(),
@@ -631,14 +685,14 @@ mod tests {
             body.extend_from_slice(b"1,");
         }
         body.extend_from_slice(b"1]}");
-        let e = parse_chat(&body).unwrap_err();
+        let e = parse_chat(body.as_slice()).unwrap_err();
         assert_eq!(e.status, StatusCode::PAYLOAD_TOO_LARGE);
         assert!(e.message.contains("JSON values"), "{}", e.message);
         // The same size in one string is fine.
         let mut body = br#"{"model":"m","messages":[{"role":"user","content":""#.to_vec();
         body.resize(1024 * 1024, b'a');
         body.extend_from_slice(br#""}]}"#);
-        assert!(parse_chat(&body).is_ok());
+        assert!(parse_chat(body).is_ok());
     }
 
     #[test]
@@ -692,6 +746,7 @@ mod tests {
             call_stats: Default::default(),
             upstream: upstream.as_object().cloned(),
             upstream_body: None,
+            upstream_usage_object: false,
             upstream_headers: Vec::new(),
         };
         assert_eq!(completion_json(&mut r.clone(), 1), upstream);
@@ -770,5 +825,276 @@ mod tests {
         let c = chunk_json("i", "m", 0, &d).unwrap();
         assert_eq!(c["choices"][0]["delta"]["content"], "x");
         assert_eq!(c["model"], "m");
+    }
+}
+
+/// SPEC §27.1: the chat body a `chat` source is sent, made from the client's bytes by
+/// editing them in place, is the same request as the one built from the parsed fields,
+/// for arbitrary valid bodies — unknown fields, unicode escapes, repeated keys, numbers
+/// at their limits, any order and spacing.
+#[cfg(test)]
+mod byte_path {
+    use super::*;
+    use polygw::core::body::chat_body_bytes;
+    use polygw::core::client_body::same_chat_body;
+    use polygw::SourceConfig;
+    use proptest::prelude::*;
+
+    const NUMBERS: [&str; 16] = [
+        "0",
+        "1",
+        "-1",
+        "-0",
+        "1.0",
+        "0.7",
+        "1e2",
+        "2E-1",
+        "18446744073709551615",
+        "18446744073709551616",
+        "-9223372036854775808",
+        "-9223372036854775809",
+        "1.7976931348623157e308",
+        "5e-324",
+        "123456789012345678901234567890",
+        "0.1e1",
+    ];
+
+    /// A JSON string for `s`, its non-ASCII characters written as `\u` escapes when
+    /// `escaped`.
+    fn string_text(s: &str, escaped: bool) -> String {
+        let plain = serde_json::to_string(s).unwrap();
+        if !escaped {
+            return plain;
+        }
+        let mut out = String::new();
+        for c in plain.chars() {
+            if c.is_ascii() {
+                out.push(c);
+            } else {
+                let mut units = [0u16; 2];
+                for u in c.encode_utf16(&mut units) {
+                    out.push_str(&format!("\\u{u:04x}"));
+                }
+            }
+        }
+        out
+    }
+
+    fn text() -> impl Strategy<Value = String> {
+        (
+            proptest::collection::vec(
+                prop_oneof![
+                    Just('a'),
+                    Just(' '),
+                    Just('é'),
+                    Just('😀'),
+                    Just('"'),
+                    Just('\\'),
+                    Just('\n'),
+                    Just('\u{1}'),
+                    Just('/'),
+                ],
+                0..6,
+            ),
+            any::<bool>(),
+        )
+            .prop_map(|(cs, esc)| string_text(&cs.into_iter().collect::<String>(), esc))
+    }
+
+    fn number() -> impl Strategy<Value = String> {
+        proptest::sample::select(&NUMBERS[..]).prop_map(str::to_string)
+    }
+
+    fn key() -> impl Strategy<Value = String> {
+        prop_oneof![
+            Just("\"user\"".to_string()),
+            Just("\"\\u0075ser\"".to_string()),
+            Just("\"metadata\"".to_string()),
+            Just("\"seed\"".to_string()),
+            Just("\"top_p\"".to_string()),
+            Just("\"x-é\"".to_string()),
+            Just("\"x-\\u00e9\"".to_string()),
+            Just("\"stop\"".to_string()),
+        ]
+    }
+
+    /// Any JSON value, objects possibly repeating a key.
+    fn value() -> impl Strategy<Value = String> {
+        let leaf = prop_oneof![
+            Just("null".to_string()),
+            Just("true".to_string()),
+            Just("false".to_string()),
+            number(),
+            text(),
+        ];
+        leaf.prop_recursive(3, 16, 4, |inner| {
+            prop_oneof![
+                proptest::collection::vec(inner.clone(), 0..4)
+                    .prop_map(|v| format!("[{}]", v.join(","))),
+                proptest::collection::vec((key(), inner), 0..4).prop_map(|kv| {
+                    let m: Vec<String> = kv.into_iter().map(|(k, v)| format!("{k}:{v}")).collect();
+                    format!("{{{}}}", m.join(" , "))
+                }),
+            ]
+        })
+    }
+
+    fn message() -> impl Strategy<Value = String> {
+        (
+            proptest::sample::select(vec!["user", "assistant", "system", "tool"]),
+            prop_oneof![
+                text(),
+                Just("null".to_string()),
+                text().prop_map(|t| format!(r#"[{{"type":"text","text":{t}}}]"#)),
+            ],
+            proptest::collection::vec((key(), value()), 0..3),
+        )
+            .prop_map(|(role, content, extra)| {
+                let mut m = vec![
+                    format!("\"role\":\"{role}\""),
+                    format!("\"content\":{content}"),
+                ];
+                m.extend(extra.into_iter().map(|(k, v)| format!("{k}:{v}")));
+                format!("{{{}}}", m.join(","))
+            })
+    }
+
+    /// Known fields (sometimes `null`, sometimes spelled oddly) and unknown ones, in
+    /// any order, with repeated keys.
+    fn body() -> impl Strategy<Value = String> {
+        let opt = |s: BoxedStrategy<String>| prop_oneof![1 => Just(None), 1 => Just(Some("null".to_string())), 3 => s.prop_map(Some)];
+        (
+            prop_oneof![Just("\"model\""), Just("\"mod\\u0065l\"")],
+            text().prop_filter("a model", |t| t.len() > 2),
+            proptest::collection::vec(message(), 1..4),
+            opt(prop_oneof![
+                Just("1".to_string()),
+                Just("0.7".to_string()),
+                Just("1e0".to_string()),
+                Just("-0".to_string())
+            ]
+            .boxed()),
+            opt(prop_oneof![
+                Just("100".to_string()),
+                Just("100.0".to_string()),
+                Just("1e2".to_string()),
+                Just("4294967295".to_string())
+            ]
+            .boxed()),
+            opt(Just(r#"{"type":"json_object","x":null}"#.to_string()).boxed()),
+            opt(Just(
+                r#"[{"type":"function","function":{"name":"f","parameters":{"a":null}}}]"#
+                    .to_string(),
+            )
+            .boxed()),
+            opt(prop_oneof![Just("true".to_string()), Just("false".to_string())].boxed()),
+            opt(prop_oneof![
+                Just(r#"{"include_usage":true}"#.to_string()),
+                Just(r#"{"include_usage":false,"x":null}"#.to_string())
+            ]
+            .boxed()),
+            proptest::collection::vec((key(), value()), 0..4),
+            any::<prop::sample::Index>(),
+            any::<bool>(),
+        )
+            .prop_map(
+                |(mk, model, msgs, temp, max, rf, tools, stream, so, unknown, order, spaced)| {
+                    let mut m = vec![
+                        format!("{mk}:{model}"),
+                        format!("\"messages\":[{}]", msgs.join(",")),
+                    ];
+                    let known = [
+                        ("temperature", temp),
+                        ("max_tokens", max),
+                        ("response_format", rf),
+                        ("tools", tools),
+                        ("stream", stream),
+                        ("stream_options", so),
+                    ];
+                    for (k, v) in known {
+                        if let Some(v) = v {
+                            m.push(format!("\"{k}\":{v}"));
+                        }
+                    }
+                    m.extend(unknown.into_iter().map(|(k, v)| format!("{k}:{v}")));
+                    // A repeated key: the first member again with another value, or
+                    // an unknown one twice.
+                    let i = order.index(m.len());
+                    m.rotate_left(i);
+                    if i % 3 == 0 {
+                        m.push("\"temperature\":0.5".to_string());
+                    }
+                    let sep = if spaced { " ,\n " } else { "," };
+                    format!("{{{}}}", m.join(sep))
+                },
+            )
+    }
+
+    fn source(extra: &str, max_completion_tokens: bool) -> SourceConfig {
+        let mut s = SourceConfig::new("p", 0, "http://h/v1", "k", "up-model");
+        s.extra_body = serde_json::from_str(extra).unwrap();
+        s.max_completion_tokens = max_completion_tokens;
+        s
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(512))]
+
+        #[test]
+        fn the_edited_body_is_the_parsed_request(
+            body in body(),
+            extra in proptest::sample::select(vec![
+                "{}",
+                r#"{"temperature":null}"#,
+                r#"{"seed":7,"metadata":{"a":null,"b":1}}"#,
+                r#"{"stream_options":{"x":1},"user":"forced"}"#,
+                r#"{"model":"x","messages":[],"stream":true}"#,
+            ]),
+            mct in any::<bool>(),
+        ) {
+            let Ok(p) = parse_chat(body.as_bytes()) else {
+                return Ok(());
+            };
+            let src = source(extra, mct);
+            let wire = p.request.wire.clone().expect("the proxy keeps the body");
+            let mut parsed = p.request.clone();
+            parsed.wire = None;
+            let edited = chat_body_bytes(&src, &p.request);
+            let built = chat_body_bytes(&src, &parsed);
+            let e: Value = serde_json::from_slice(&edited).unwrap();
+            let b: Value = serde_json::from_slice(&built).unwrap();
+            prop_assert!(same_chat_body(&e, &b), "{body}\nedited {e}\nbuilt  {b}");
+            if !mct {
+                // The byte path was taken: the messages went as the client sent them.
+                let messages = wire.get("messages").unwrap();
+                let edited = String::from_utf8(edited).unwrap();
+                prop_assert!(edited.contains(messages), "{edited}");
+            }
+        }
+    }
+
+    /// A message that names its role or content twice is refused, naming the message
+    /// (which one the client meant is not polygw's guess; DECISIONS 187).
+    #[test]
+    fn a_message_repeating_its_role_is_refused() {
+        let e = parse_chat(
+            &br#"{"model":"m","messages":[{"role":"user","content":"a"},{"role":"user","role":"system","content":"x"}]}"#[..],
+        )
+        .unwrap_err();
+        assert_eq!(e.param.as_deref(), Some("messages[1]"));
+        assert!(
+            e.message.contains("duplicate field `role`"),
+            "{}",
+            e.message
+        );
+        // Repeated top-level keys: the last one counts, as a JSON parser keeps it.
+        let p = parse_chat(
+            &br#"{"model":"a","messages":[{"role":"user","content":"x"}],"model":"b","temperature":1,"temperature":0.5}"#[..],
+        )
+        .unwrap();
+        assert_eq!((p.model.as_str(), p.request.temperature), ("b", Some(0.5)));
+        // Not UTF-8: refused as invalid JSON.
+        let e = parse_chat(&b"{\"model\":\"\xff\",\"messages\":[]}"[..]).unwrap_err();
+        assert!(e.message.contains("not valid JSON"), "{}", e.message);
     }
 }

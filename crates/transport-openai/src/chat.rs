@@ -316,6 +316,7 @@ fn result_of(a: Aggregate, http_status: u16, salvaged: bool) -> TransportResult 
         salvaged,
         raw: None,
         raw_body: None,
+        raw_usage_object: false,
         upstream_headers: Vec::new(),
     }
 }
@@ -414,8 +415,12 @@ impl OpenAiTransport {
         }
         // The common shape is read typed, without a `Value` tree; anything else (and
         // every failure) the general way.
+        let mut usage_object = false;
         let (a, obj) = match plain_typed(&bytes, &self.inner.cfg) {
-            Some(a) => (a, None),
+            Some(a) => {
+                usage_object = a.usage_location == Some(crate::aggregate::UsageLocation::TopLevel);
+                (a, None)
+            }
             None => {
                 let obj = parse_object(&bytes).map_err(|f| fail(f, key))?;
                 let a = plain_aggregate(&obj, &self.inner.cfg).map_err(|e| e.into_error(key))?;
@@ -425,6 +430,7 @@ impl OpenAiTransport {
         let mut r = result_of(a, status, false);
         r.raw = obj;
         r.raw_body = Some(bytes);
+        r.raw_usage_object = usage_object;
         r.upstream_headers = headers;
         Ok(r)
     }

@@ -76,6 +76,10 @@ pub struct TransportResult {
     /// on unchanged when it needs no edit, instead of serializing `raw` again).
     #[serde(skip)]
     pub raw_body: Option<Vec<u8>>,
+    /// A plain answer read typed: its top-level `usage` is an object, read for `usage`
+    /// (a proxy passes `raw_body` on without looking for it again).
+    #[serde(skip)]
+    pub raw_usage_object: bool,
     /// The response headers a proxy passes on ([`crate::ports::passed_headers`]).
     #[serde(skip)]
     pub upstream_headers: Vec<(String, String)>,

@@ -93,6 +93,7 @@ pub fn to_chat(req: &MessagesRequest) -> Result<Translated, DialectError> {
         translated: Vec::new(),
         native_only: false,
         client_credential: None,
+        wire: None,
     };
     request
         .validate()

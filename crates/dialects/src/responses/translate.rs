@@ -151,6 +151,7 @@ pub fn to_chat(req: &ResponsesRequest, history: &[Value]) -> Result<Translated, 
         translated: Vec::new(),
         native_only: false,
         client_credential: None,
+        wire: None,
     };
     request.validate().map_err(|(field, message)| {
         let field = match field.as_str() {

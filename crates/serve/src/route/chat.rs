@@ -82,12 +82,11 @@ async fn inner(
         Ok(b) => b,
         Err(e) => return early(e),
     };
-    let parsed = match parse_chat(&bytes) {
+    // Read once; the body is kept as received for the byte path (SPEC §27.1).
+    let parsed = match parse_chat(bytes) {
         Ok(p) => p,
         Err(e) => return error_response(&e),
     };
-    // Parsed once; the raw body is not kept for the call.
-    drop(bytes);
     let scopes = st.scopes();
     let (served, client) = match chat_scope(&scopes, &parsed.model) {
         Ok(x) => x,
@@ -201,7 +200,8 @@ fn passthrough_body(r: &mut LlmResponse) -> Option<Vec<u8>> {
     }
     let own_usage = match &r.upstream {
         Some(o) => o.get("usage").is_some_and(Value::is_object),
-        None => has_usage_object(r.upstream_body.as_deref()?),
+        // The transport read it typed and found it (else look).
+        None => r.upstream_usage_object || has_usage_object(r.upstream_body.as_deref()?),
     };
     if !own_usage {
         return None;
