@@ -327,6 +327,8 @@ pub fn upstream_headers(h: &mut HeaderMap, passed: &[(String, String)]) {
 
 /// Response headers of a call that answered.
 pub fn answer_headers(h: &mut HeaderMap, r: &LlmResponse) {
+    // Room for all of them at once, not regrown on the way (issue 42).
+    h.reserve(10 + r.upstream_headers.len());
     set_request_id(h, &r.logical_call_id);
     if let Ok(v) = HeaderValue::from_str(&r.source) {
         h.insert(names::X_SOURCE, v);

@@ -52,7 +52,23 @@ pub fn format_utc_ms(unix_ms: i64) -> String {
     let (h, rest) = (in_day / 3_600_000, in_day % 3_600_000);
     let (mi, rest) = (rest / 60_000, rest % 60_000);
     let (s, milli) = (rest / 1000, rest % 1000);
-    format!("{y:04}-{mo:02}-{d:02}T{h:02}:{mi:02}:{s:02}.{milli:03}Z")
+    // Written digit by digit: every row formats one or two of these, and `format!`
+    // costs several times as much (issue 42). All parts are in range (clamped above).
+    let mut out = *b"0000-00-00T00:00:00.000Z";
+    let mut put = |at: usize, width: usize, mut v: i64| {
+        for i in (at..at + width).rev() {
+            out[i] = b'0' + (v % 10) as u8;
+            v /= 10;
+        }
+    };
+    put(0, 4, y);
+    put(5, 2, mo);
+    put(8, 2, d);
+    put(11, 2, h);
+    put(14, 2, mi);
+    put(17, 2, s);
+    put(20, 3, milli);
+    out.iter().map(|&b| char::from(b)).collect()
 }
 
 /// Parses what [`format_utc_ms`] writes. Also accepts a space instead of `T`, no or any

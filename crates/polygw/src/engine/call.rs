@@ -232,6 +232,14 @@ impl CallShared {
 
     /// The trace so far, as the `trace` column holds it (events in time order).
     pub(crate) fn trace_json(&self) -> String {
+        // Written under the lock, without a copy, when the events are in time order
+        // (they are pushed as they happen; legs' threads may interleave).
+        {
+            let t = self.trace.lock().unwrap_or_else(|e| e.into_inner());
+            if t.events.is_sorted_by_key(|e| e.t) {
+                return t.to_json();
+            }
+        }
         self.trace_snapshot().to_json()
     }
 
