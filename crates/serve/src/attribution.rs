@@ -13,29 +13,34 @@
 use axum::http::HeaderMap;
 use polygw::core::telemetry::Attribution;
 
-/// The headers that name an agent session, in order.
-const SESSION_HEADERS: [&str; 4] = [
+/// The headers read, in the order of [`of`]'s slots: the four that name an agent
+/// session (in order of preference), then the agent and its parent.
+const HEADERS: [&str; 6] = [
     "x-claude-code-session-id",
     "session_id",
     "session-id",
     "x-session-id",
+    "x-claude-code-agent-id",
+    "x-claude-code-parent-agent-id",
 ];
 
-fn header<'h>(headers: &'h HeaderMap, name: &str) -> Option<&'h str> {
-    headers.get(name).and_then(|v| v.to_str().ok())
-}
-
 /// The call's attribution from its headers and its `prompt_cache_key` (if it has one).
+/// One pass over the request's headers (a handful), not six hashed lookups (issue 42);
+/// each header counts by its first value, as `HeaderMap::get` reads it.
 pub fn of(headers: &HeaderMap, prompt_cache_key: Option<&str>) -> Attribution {
-    let session = SESSION_HEADERS
-        .iter()
-        .filter_map(|h| header(headers, h).and_then(Attribution::id))
-        .next()
-        .or_else(|| prompt_cache_key.and_then(Attribution::id));
+    let mut first: [Option<Option<&str>>; 6] = [None; 6];
+    for (name, value) in headers {
+        if let Some(i) = HEADERS.iter().position(|h| *h == name.as_str()) {
+            first[i].get_or_insert(value.to_str().ok());
+        }
+    }
+    let id = |i: usize| first[i].flatten().and_then(Attribution::id);
     Attribution {
-        session,
-        agent: header(headers, "x-claude-code-agent-id").and_then(Attribution::id),
-        parent_agent: header(headers, "x-claude-code-parent-agent-id").and_then(Attribution::id),
+        session: (0..4)
+            .find_map(id)
+            .or_else(|| prompt_cache_key.and_then(Attribution::id)),
+        agent: id(4),
+        parent_agent: id(5),
     }
 }
 
@@ -78,5 +83,25 @@ mod tests {
         let long = "s".repeat(500);
         let a = of(&headers(&[("x-session-id", &long)]), None);
         assert_eq!(a.session.unwrap().len(), Attribution::MAX_ID_CHARS);
+    }
+
+    /// A header sent twice counts by its first value, as `HeaderMap::get` reads it;
+    /// the order the client sent the headers in does not change the preference.
+    #[test]
+    fn the_first_value_counts_and_the_preference_is_fixed() {
+        let mut h = headers(&[
+            ("session-id", "third"),
+            ("x-claude-code-session-id", "first"),
+        ]);
+        h.append("x-claude-code-session-id", "again".parse().unwrap());
+        h.append(
+            "x-claude-code-agent-id",
+            axum::http::HeaderValue::from_bytes(b"\xff").unwrap(),
+        );
+        h.append("x-claude-code-agent-id", "valid".parse().unwrap());
+        let a = of(&h, None);
+        assert_eq!(a.session.as_deref(), Some("first"));
+        // Its first value is not text: no agent (the second is not read).
+        assert_eq!(a.agent, None);
     }
 }
