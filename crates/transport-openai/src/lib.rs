@@ -26,7 +26,7 @@ use polygw_core::ports::Clock;
 use polygw_core::request::ClientCredential;
 use polygw_core::source::{SourceApi, SourceAuth};
 use polygw_core::SourceConfig;
-use reqwest::header::{HeaderValue, ACCEPT, AUTHORIZATION, CONTENT_TYPE};
+use reqwest::header::{HeaderName, HeaderValue, ACCEPT, AUTHORIZATION, CONTENT_TYPE};
 
 /// Default cap of a response body and of accumulated content (16 MiB).
 pub const DEFAULT_MAX_BYTES: usize = 16 * 1024 * 1024;
@@ -334,16 +334,17 @@ impl OpenAiTransport {
                 }),
             )
             .body(body);
+        // Header names as `HeaderName`s, not strings parsed again per request.
         if let Ok(v) = HeaderValue::from_str(call_id) {
-            rb = rb.header("x-polygw-call-id", v);
+            rb = rb.header(HeaderName::from_static("x-polygw-call-id"), v);
         }
         if let Some((bearer, key)) = cred.filter(|(_, k)| !k.is_empty()) {
             // An invalid key (control characters) is sent as no header at all rather
             // than risking the key in an error message; the upstream answers 401.
             let (name, value) = if bearer {
-                (AUTHORIZATION.as_str(), format!("Bearer {key}"))
+                (AUTHORIZATION, format!("Bearer {key}"))
             } else {
-                ("x-api-key", key.to_string())
+                (HeaderName::from_static("x-api-key"), key.to_string())
             };
             if let Ok(mut v) = HeaderValue::from_str(&value) {
                 v.set_sensitive(true);
