@@ -980,7 +980,7 @@ mod checks {
             if r.kind == RowKind::Attempt && r.error.as_deref() == Some("rate_limited") {
                 *rate_limited.entry(r.logical_call_id.as_str()).or_default() += 1;
             }
-            if r.scope != ev.scope || r.operation != "chat" {
+            if *r.scope != *ev.scope || &*r.operation != "chat" {
                 v.push(format!(
                     "row {} has scope {} / operation {}",
                     r.call_id, r.scope, r.operation

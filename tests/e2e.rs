@@ -450,7 +450,7 @@ mod features_over_http {
         let rows = polygw_telemetry_sql::read_rows(&db, None).await.unwrap();
         assert_eq!(rows.len(), 1);
         let r = &rows[0];
-        assert_eq!(r.operation, "ocr");
+        assert_eq!(&*r.operation, "ocr");
         assert_eq!(r.usage_source, UsageSource::Measured);
         assert_eq!((r.prompt_tokens, r.completion_tokens), (Some(0), Some(0)));
         assert_eq!(r.cost, Some(0.003));

@@ -22,7 +22,7 @@ fn now_ms() -> i64 {
 fn attempt(scope: &str, call: &str, id: &str, source: &str, at: i64, lat: u64) -> TelemetryRow {
     let mut r = TelemetryRow::new(RowKind::Attempt, id, call, scope, "chat", at);
     r.source = Some(source.into());
-    r.provider = source.split('-').next().map(str::to_string);
+    r.provider = source.split('-').next().map(Into::into);
     r.model = Some("m".into());
     r.latency_ms = Some(lat);
     r
@@ -368,9 +368,9 @@ async fn postgres_report_of_one_scope() {
     let now = now_ms();
     let rows: Vec<TelemetryRow> = recent_rows(now - 600_000)
         .into_iter()
-        .filter(|r| r.scope == "LLM")
+        .filter(|r| &*r.scope == "LLM")
         .map(|mut r| {
-            r.scope = scope.clone();
+            r.scope = scope.as_str().into();
             r.call_id = format!("{scope}-{}", r.call_id);
             r.logical_call_id = format!("{scope}-{}", r.logical_call_id);
             r

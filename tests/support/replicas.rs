@@ -801,7 +801,7 @@ impl Deployment {
             .await
             .expect("read the telemetry rows")
             .into_iter()
-            .filter(|r| r.scope == self.scope)
+            .filter(|r| *r.scope == *self.scope)
             .collect()
     }
 

@@ -253,7 +253,7 @@ async fn run_once(
         .await
         .context("reading the telemetry back")?
         .into_iter()
-        .filter(|r| r.scope == scope && measured.contains(&r.logical_call_id))
+        .filter(|r| *r.scope == *scope && measured.contains(&r.logical_call_id))
         .collect();
     Ok(Run {
         scope,

@@ -918,7 +918,7 @@ pub async fn run(args: ReportArgs) -> anyhow::Result<ExitCode> {
     };
     reader.close().await;
     let rows = read.with_context(|| format!("cannot read telemetry rows from {db}"))?;
-    let scopes_present: BTreeSet<String> = rows.iter().map(|r| r.scope.clone()).collect();
+    let scopes_present: BTreeSet<String> = rows.iter().map(|r| r.scope.to_string()).collect();
     let rows: Vec<_> = match &args.scope {
         Some(s) => rows
             .into_iter()
@@ -926,7 +926,7 @@ pub async fn run(args: ReportArgs) -> anyhow::Result<ExitCode> {
             .collect(),
         None => rows,
     };
-    let row_scopes: BTreeSet<String> = rows.iter().map(|r| r.scope.clone()).collect();
+    let row_scopes: BTreeSet<String> = rows.iter().map(|r| r.scope.to_string()).collect();
     let (book, prices) = price_book(&row_scopes);
     let mut ctx = Context {
         db,

@@ -251,10 +251,10 @@ async fn restore_key_spend(loaded: &Loaded) {
     let bound = |r: &polygw::core::TelemetryRow| {
         let src = loaded
             .settings
-            .get(&r.scope)?
+            .get(&*r.scope)?
             .sources
             .iter()
-            .find(|s| Some(&s.name) == r.source.as_ref())?;
+            .find(|s| Some(s.name.as_str()) == r.source.as_deref())?;
         let allowance = src.max_output_tokens.unwrap_or(DEFAULT_MAX_OUTPUT_TOKENS);
         gap_cost_range(
             r.est_prompt_tokens.unwrap_or(0),

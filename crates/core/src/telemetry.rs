@@ -3,6 +3,8 @@
 //! prompt-cache prices (SPEC §20.1); and the books of rows against a provider's invoice —
 //! the accounting gap as tokens and as a cost range (SPEC §20.4).
 
+use std::sync::Arc;
+
 use serde::{Deserialize, Serialize};
 
 use crate::error::ErrorLabel;
@@ -52,17 +54,17 @@ pub struct TelemetryRow {
     /// The logical call it belongs to.
     pub logical_call_id: String,
     /// Scope name.
-    pub scope: String,
+    pub scope: Arc<str>,
     /// `chat`, `embedding` or `ocr`.
-    pub operation: String,
+    pub operation: Arc<str>,
     /// attempt / cache_hit / terminal_failure.
     pub kind: RowKind,
     /// Source name (`{provider}-{n}`); `None` on cache hits and terminal rows.
-    pub source: Option<String>,
+    pub source: Option<Arc<str>>,
     /// Provider segment, lower-case.
-    pub provider: Option<String>,
+    pub provider: Option<Arc<str>>,
     /// The model asked for (or that answered, when known).
-    pub model: Option<String>,
+    pub model: Option<Arc<str>>,
     /// 0-based index of the attempt within its logical call.
     pub attempt_index: Option<u32>,
     /// The attempt was an extra hedge leg.
@@ -195,8 +197,8 @@ impl TelemetryRow {
         kind: RowKind,
         call_id: impl Into<String>,
         logical_call_id: impl Into<String>,
-        scope: impl Into<String>,
-        operation: impl Into<String>,
+        scope: impl Into<Arc<str>>,
+        operation: impl Into<Arc<str>>,
         created_at_ms: i64,
     ) -> Self {
         TelemetryRow {

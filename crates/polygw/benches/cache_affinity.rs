@@ -186,7 +186,7 @@ fn rows_of(rec: &RecordingTelemetry) -> Vec<Row> {
         .filter(|r| r.kind == RowKind::Attempt)
         .map(|r| Row {
             call_id: r.call_id,
-            source: r.source.unwrap_or_default(),
+            source: r.source.as_deref().unwrap_or_default().to_string(),
             cost_bits: r.cost.map(f64::to_bits),
         })
         .collect()

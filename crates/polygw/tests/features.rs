@@ -99,7 +99,7 @@ mod embeddings {
         );
         let r = rows.rows_of(&e.logical_call_id);
         assert_eq!(r.len(), 4);
-        assert!(r.iter().all(|x| x.operation == "embedding"));
+        assert!(r.iter().all(|x| &*x.operation == "embedding"));
         assert_eq!(r.iter().filter(|x| !x.ok).count(), 1);
     }
 
@@ -164,7 +164,7 @@ mod ocr {
         assert_eq!(t.text, "text of image/png (8 bytes)");
         assert_eq!(t.cost, Some(0.002));
         let row = &rows.rows_of(&t.logical_call_id)[0];
-        assert_eq!(row.operation, "ocr");
+        assert_eq!(&*row.operation, "ocr");
         assert_eq!(row.usage_source, UsageSource::Measured);
         assert_eq!(
             (row.prompt_tokens, row.completion_tokens),

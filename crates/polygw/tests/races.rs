@@ -182,7 +182,7 @@ fn attempt_labels(h: &H) -> Vec<(String, String)> {
         .filter(|r| r.kind == RowKind::Attempt)
         .map(|r| {
             (
-                r.source.clone().unwrap_or_default(),
+                r.source.as_deref().unwrap_or_default().to_string(),
                 r.error.clone().unwrap_or_else(|| "ok".into()),
             )
         })

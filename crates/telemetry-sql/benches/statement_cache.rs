@@ -104,8 +104,8 @@ async fn insert(c: &mut SqliteConnection, rows: &[TelemetryRow], persistent: boo
         q = q
             .bind(r.call_id.as_str())
             .bind(r.logical_call_id.as_str())
-            .bind(r.scope.as_str())
-            .bind(r.operation.as_str())
+            .bind(&*r.scope)
+            .bind(&*r.operation)
             .bind(r.kind.as_str())
             .bind(r.source.as_deref())
             .bind(r.provider.as_deref())

@@ -904,12 +904,12 @@ macro_rules! decode_row {
         let created_at_ms: i64 = $created_at(row, id)?;
         Ok(TelemetryRow {
             logical_call_id: get(row, "logical_call_id", id, url)?,
-            scope: get(row, "scope", id, url)?,
-            operation: get(row, "operation", id, url)?,
+            scope: get::<_, String>(row, "scope", id, url)?.into(),
+            operation: get::<_, String>(row, "operation", id, url)?.into(),
             kind,
-            source: get(row, "source", id, url)?,
-            provider: get(row, "provider", id, url)?,
-            model: get(row, "model", id, url)?,
+            source: get::<_, Option<String>>(row, "source", id, url)?.map(Into::into),
+            provider: get::<_, Option<String>>(row, "provider", id, url)?.map(Into::into),
+            model: get::<_, Option<String>>(row, "model", id, url)?.map(Into::into),
             attempt_index: unsigned(int("attempt_index")?, "attempt_index", id)?,
             is_hedge: flag("is_hedge")?,
             stream: flag("stream")?,

@@ -335,9 +335,9 @@ mod common {
     }
 
     fn from_source(mut r: TelemetryRow, s: &SourceConfig) -> TelemetryRow {
-        r.source = Some(s.name.clone());
-        r.provider = Some(s.provider.clone());
-        r.model = Some(s.model.clone());
+        r.source = Some(s.name.as_str().into());
+        r.provider = Some(s.provider.as_str().into());
+        r.model = Some(s.model.as_str().into());
         r
     }
 

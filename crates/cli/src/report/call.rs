@@ -77,7 +77,10 @@ impl CallView {
         let Some(first) = self.rows.first() else {
             return vec![format!("Database: {}", self.db)];
         };
-        let mut what = vec![format!("scope {}", first.scope), first.operation.clone()];
+        let mut what = vec![
+            format!("scope {}", first.scope),
+            first.operation.to_string(),
+        ];
         if self.rows.iter().any(|r| r.stream) {
             what.push("streamed".into());
         }
@@ -181,7 +184,7 @@ impl CallView {
                     r.attempt_index
                         .map_or_else(|| "—".to_string(), |i| i.to_string()),
                     r.call_id.clone(),
-                    r.source.clone().unwrap_or_else(|| "—".into()),
+                    r.source.as_deref().unwrap_or("—").to_string(),
                     role,
                     outcome,
                     ms(r.latency_ms.map(|v| v as f64)),

@@ -454,8 +454,8 @@ pub fn summarize_priced(rows: &[TelemetryRow], book: &PriceBook) -> Summary {
         let gap = in_gap(r);
         sum.gap += u64::from(gap);
 
-        let sc = scopes.entry(r.scope.clone()).or_default();
-        sc.stats.operations.insert(r.operation.clone());
+        let sc = scopes.entry(r.scope.to_string()).or_default();
+        sc.stats.operations.insert(r.operation.to_string());
         sc.stats.gap += u64::from(gap);
         sc.stats.tokens.add(r);
         let call = sc.calls.entry(r.logical_call_id.clone()).or_default();
@@ -480,14 +480,14 @@ pub fn summarize_priced(rows: &[TelemetryRow], book: &PriceBook) -> Summary {
                 call.hedge_won |= r.ok && r.is_hedge;
                 call.ok |= r.ok;
 
-                let source = r.source.clone().unwrap_or_else(|| NO_SOURCE.to_string());
+                let source = r.source.as_deref().unwrap_or(NO_SOURCE).to_string();
                 let acc = sources
-                    .entry((r.scope.clone(), source.clone()))
+                    .entry((r.scope.to_string(), source.clone()))
                     .or_insert_with(|| {
-                        let priced = book.contains_key(&(r.scope.clone(), source.clone()));
+                        let priced = book.contains_key(&(r.scope.to_string(), source.clone()));
                         SourceAcc {
                             stats: SourceStats {
-                                scope: r.scope.clone(),
+                                scope: r.scope.to_string(),
                                 source: source.clone(),
                                 cache: CacheTally {
                                     saving: priced.then_some(0.0),
@@ -500,7 +500,7 @@ pub fn summarize_priced(rows: &[TelemetryRow], book: &PriceBook) -> Summary {
                             ..SourceAcc::default()
                         }
                     });
-                let prices = book.get(&(r.scope.clone(), source.clone()));
+                let prices = book.get(&(r.scope.to_string(), source.clone()));
                 let s = &mut acc.stats;
                 s.cache.add(r, prices.map(|p| &p.prices));
                 s.accounts.add(
@@ -534,7 +534,7 @@ pub fn summarize_priced(rows: &[TelemetryRow], book: &PriceBook) -> Summary {
                     *s.errors.entry(label()).or_default() += 1;
                     if let Some(d) = &r.error_detail {
                         *details
-                            .entry((r.scope.clone(), source, label(), d.clone()))
+                            .entry((r.scope.to_string(), source, label(), d.clone()))
                             .or_default() += 1;
                     }
                 }
@@ -556,7 +556,12 @@ pub fn summarize_priced(rows: &[TelemetryRow], book: &PriceBook) -> Summary {
                 }
                 if let Some(d) = &r.error_detail {
                     *details
-                        .entry((r.scope.clone(), CALL_LEVEL.to_string(), reason, d.clone()))
+                        .entry((
+                            r.scope.to_string(),
+                            CALL_LEVEL.to_string(),
+                            reason,
+                            d.clone(),
+                        ))
                         .or_default() += 1;
                 }
             }
@@ -762,7 +767,7 @@ fn slowest_calls(rows: &[TelemetryRow], max: usize) -> (u64, u64, u64, Vec<SlowC
             let count = |why: &str| t.legs.iter().filter(|l| l.why == why).count();
             SlowCall {
                 logical_call_id: r.logical_call_id.clone(),
-                scope: r.scope.clone(),
+                scope: r.scope.to_string(),
                 duration_ms: t.duration,
                 rounds: t.rounds.len().max(usize::from(!t.legs.is_empty())),
                 legs: t.legs.len(),
@@ -857,8 +862,8 @@ pub(crate) mod tests {
         latency_ms: u64,
     ) -> TelemetryRow {
         let mut r = TelemetryRow::new(RowKind::Attempt, id, call, scope, "chat", at_ms);
-        r.source = Some(source.to_string());
-        r.provider = source.split('-').next().map(str::to_string);
+        r.source = Some(source.into());
+        r.provider = source.split('-').next().map(Into::into);
         r.latency_ms = Some(latency_ms);
         r
     }

@@ -167,7 +167,7 @@ impl CallTimeline {
     pub fn of(trace: &CallTrace, rows: &[&TelemetryRow]) -> CallTimeline {
         let (logical_call_id, scope) = rows
             .first()
-            .map(|r| (r.logical_call_id.clone(), r.scope.clone()))
+            .map(|r| (r.logical_call_id.clone(), r.scope.to_string()))
             .unwrap_or_default();
         let mut legs: Vec<LegSpan> = Vec::new();
         let mut rounds = Vec::new();

@@ -516,10 +516,10 @@ impl FinishedCall {
             (attr::USAGE_SOURCE, s(r.usage_source.as_str())),
         ];
         if let Some(p) = &r.provider {
-            a.push((attr::PROVIDER_NAME, s(p)));
+            a.push((attr::PROVIDER_NAME, s(&**p)));
         }
         if let Some(src) = &r.source {
-            a.push((attr::SOURCE, s(src)));
+            a.push((attr::SOURCE, s(&**src)));
         }
         if let Some(i) = r.attempt_index {
             a.push((attr::ATTEMPT_INDEX, int(u64::from(i))));
@@ -627,13 +627,13 @@ impl FinishedCall {
                 ),
             ];
             if let Some(p) = &r.provider {
-                base.push((attr::PROVIDER_NAME, s(p)));
+                base.push((attr::PROVIDER_NAME, s(&**p)));
             }
             if let Some(h) = &x.server_address {
                 base.push((attr::SERVER_ADDRESS, s(h)));
             }
             if let Some(src) = &r.source {
-                base.push((attr::SOURCE, s(src)));
+                base.push((attr::SOURCE, s(&**src)));
             }
             let mut dur = base.clone();
             if let (false, Some(e)) = (r.ok, &r.error) {

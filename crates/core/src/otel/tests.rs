@@ -7,9 +7,9 @@ const T0: u64 = 1_800_000_000_000 * MS;
 
 fn row(call_id: &str, source: &str, index: u32) -> TelemetryRow {
     let mut r = TelemetryRow::new(RowKind::Attempt, call_id, "call-1", "default", "chat", 0);
-    r.source = Some(source.to_string());
-    r.provider = Some(source.split('-').next().unwrap_or("x").to_string());
-    r.model = Some(format!("model-of-{source}"));
+    r.source = Some(source.into());
+    r.provider = Some(source.split('-').next().unwrap_or("x").into());
+    r.model = Some(format!("model-of-{source}").into());
     r.attempt_index = Some(index);
     r.stream = true;
     r

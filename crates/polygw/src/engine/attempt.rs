@@ -301,18 +301,18 @@ impl AttemptGuard {
         info: &LegInfo,
         stream: bool,
     ) -> Self {
-        let src = &engine.scope.sources[info.source_idx];
         let mut base = TelemetryRow::new(
             RowKind::Attempt,
             info.call_id.clone(),
             call.logical_call_id.clone(),
-            engine.scope.name.clone(),
-            engine.kind.operation(),
+            engine.row_names.scope.clone(),
+            engine.row_names.operation.clone(),
             0,
         );
-        base.source = Some(src.name.clone());
-        base.provider = Some(src.provider.clone());
-        base.model = Some(src.model.clone());
+        let [name, provider, model] = &engine.row_names.sources[info.source_idx];
+        base.source = Some(name.clone());
+        base.provider = Some(provider.clone());
+        base.model = Some(model.clone());
         base.attempt_index = Some(info.attempt_index);
         base.is_hedge = info.is_hedge;
         base.stream = stream;
@@ -390,7 +390,9 @@ impl AttemptGuard {
         row.ok = true;
         row.http_status = Some(facts.http_status);
         if let Some(m) = &facts.model {
-            row.model = Some(m.clone());
+            if row.model.as_deref() != Some(m.as_str()) {
+                row.model = Some(m.as_str().into());
+            }
         }
         row.cost = cost(
             if facts.per_call_cost {

@@ -111,8 +111,8 @@ impl Engine {
             kind,
             new_id(),
             call.logical_call_id.clone(),
-            self.scope.name.clone(),
-            self.kind.operation(),
+            self.row_names.scope.clone(),
+            self.row_names.operation.clone(),
             self.ports.clock.unix_ms(),
         );
         r.stream = call.stream;
@@ -155,7 +155,7 @@ impl Engine {
         r.ok = true;
         r.cache_hit = true;
         r.cost = Some(0.0);
-        r.model = Some(model.to_string());
+        r.model = Some(model.into());
         self.ports.telemetry.record(r);
     }
 }

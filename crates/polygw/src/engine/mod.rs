@@ -91,10 +91,24 @@ pub(crate) struct Engine {
     pub source_addresses: Vec<String>,
     /// Each source's host and port (the spans' `server.address`/`server.port`).
     pub source_servers: Vec<(Option<String>, Option<u16>)>,
+    /// The names a telemetry row carries, shared by every row (issue 42: not copied per
+    /// call): the scope's, the operation's, and each source's name, provider and model.
+    pub row_names: RowNames,
     /// Signalled (`notify_one`) whenever an attempt of this client ends, freeing its slot
     /// and settling its reservation: one call waiting for a runnable source looks again
     /// at once (SPEC §14.6).
     pub freed: tokio::sync::Notify,
+}
+
+/// Names shared by the rows of an engine ([`Engine::row_names`]).
+#[derive(Debug)]
+pub struct RowNames {
+    /// The scope's name.
+    pub scope: Arc<str>,
+    /// `chat`, `embedding` or `ocr`.
+    pub operation: Arc<str>,
+    /// Each source's name, provider and model, indexed like `scope.sources`.
+    pub sources: Vec<[Arc<str>; 3]>,
 }
 
 impl Engine {
@@ -129,7 +143,23 @@ impl Engine {
             .iter()
             .map(|s| crate::otel::server_of(&s.base_url))
             .collect();
+        let row_names = RowNames {
+            scope: scope.name.as_str().into(),
+            operation: kind.operation().into(),
+            sources: scope
+                .sources
+                .iter()
+                .map(|s| {
+                    [
+                        s.name.as_str().into(),
+                        s.provider.as_str().into(),
+                        s.model.as_str().into(),
+                    ]
+                })
+                .collect(),
+        };
         Engine {
+            row_names,
             scope,
             kind,
             ports,
