@@ -127,20 +127,26 @@ fn chat_fields(source: &SourceConfig, req: &ChatRequest) -> Map<String, Value> {
     // An overlay or `EXTRA_BODY` cannot set the messages either.
     body.remove("messages");
     body.insert("stream".into(), json!(req.stream));
-    if req.stream {
-        let opts = body
-            .entry("stream_options")
-            .or_insert_with(|| Value::Object(Map::new()));
-        if !opts.is_object() {
-            *opts = Value::Object(Map::new());
-        }
-        if let Value::Object(o) = opts {
-            o.insert("include_usage".into(), Value::Bool(true));
-        }
-    } else {
-        body.remove("stream_options");
-    }
+    stream_options(&mut body, req.stream);
     body
+}
+
+/// A stream asks for usage (`stream_options.include_usage = true`, the client's other
+/// options kept); a plain call sends no `stream_options`.
+pub(crate) fn stream_options(body: &mut Map<String, Value>, stream: bool) {
+    if !stream {
+        body.remove("stream_options");
+        return;
+    }
+    let opts = body
+        .entry("stream_options")
+        .or_insert_with(|| Value::Object(Map::new()));
+    if !opts.is_object() {
+        *opts = Value::Object(Map::new());
+    }
+    if let Value::Object(o) = opts {
+        o.insert("include_usage".into(), Value::Bool(true));
+    }
 }
 
 #[cfg(test)]

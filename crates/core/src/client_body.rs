@@ -227,19 +227,7 @@ pub fn chat_body_edited(wire: &WireBody, source: &SourceConfig, stream: bool) ->
     for k in ["model", "messages", "stream"] {
         edited.remove(k);
     }
-    if stream {
-        let opts = edited
-            .entry("stream_options")
-            .or_insert_with(|| Value::Object(Map::new()));
-        if !opts.is_object() {
-            *opts = Value::Object(Map::new());
-        }
-        if let Value::Object(o) = opts {
-            o.insert("include_usage".into(), Value::Bool(true));
-        }
-    } else {
-        edited.remove("stream_options");
-    }
+    crate::body::stream_options(&mut edited, stream);
     for (k, v) in &edited {
         sep(&mut out);
         let _ = serde_json::to_writer(&mut out, k);

@@ -959,6 +959,13 @@ mod byte_path {
             })
     }
 
+    /// One of these spellings.
+    fn spelled(xs: &'static [&'static str]) -> BoxedStrategy<String> {
+        proptest::sample::select(xs)
+            .prop_map(str::to_string)
+            .boxed()
+    }
+
     /// Known fields (sometimes `null`, sometimes spelled oddly) and unknown ones, in
     /// any order, with repeated keys.
     fn body() -> impl Strategy<Value = String> {
@@ -967,32 +974,17 @@ mod byte_path {
             prop_oneof![Just("\"model\""), Just("\"mod\\u0065l\"")],
             text().prop_filter("a model", |t| t.len() > 2),
             proptest::collection::vec(message(), 1..4),
-            opt(prop_oneof![
-                Just("1".to_string()),
-                Just("0.7".to_string()),
-                Just("1e0".to_string()),
-                Just("-0".to_string())
-            ]
-            .boxed()),
-            opt(prop_oneof![
-                Just("100".to_string()),
-                Just("100.0".to_string()),
-                Just("1e2".to_string()),
-                Just("4294967295".to_string())
-            ]
-            .boxed()),
-            opt(Just(r#"{"type":"json_object","x":null}"#.to_string()).boxed()),
-            opt(Just(
-                r#"[{"type":"function","function":{"name":"f","parameters":{"a":null}}}]"#
-                    .to_string(),
-            )
-            .boxed()),
-            opt(prop_oneof![Just("true".to_string()), Just("false".to_string())].boxed()),
-            opt(prop_oneof![
-                Just(r#"{"include_usage":true}"#.to_string()),
-                Just(r#"{"include_usage":false,"x":null}"#.to_string())
-            ]
-            .boxed()),
+            opt(spelled(&["1", "0.7", "1e0", "-0"])),
+            opt(spelled(&["100", "100.0", "1e2", "4294967295"])),
+            opt(spelled(&[r#"{"type":"json_object","x":null}"#])),
+            opt(spelled(&[
+                r#"[{"type":"function","function":{"name":"f","parameters":{"a":null}}}]"#,
+            ])),
+            opt(spelled(&["true", "false"])),
+            opt(spelled(&[
+                r#"{"include_usage":true}"#,
+                r#"{"include_usage":false,"x":null}"#,
+            ])),
             proptest::collection::vec((key(), value()), 0..4),
             any::<prop::sample::Index>(),
             any::<bool>(),
