@@ -638,24 +638,41 @@ impl AsyncRead for ConnIo {
             }
             let span = buf.remaining().min(this.read_span);
             let unfilled = buf.initialize_unfilled_to(span);
-            match this.stream.try_read(unfilled) {
-                Ok(0) => {
+            let offered = unfilled.len();
+            // The read runs inside `try_io`, which takes the socket's readiness before
+            // it: a read that did not fill the buffer drained the socket (epoll is
+            // edge-triggered; tokio's own reads assume the same), so that readiness is
+            // forgotten (`WouldBlock`), and the end-of-client watch
+            // ([`ConnCtx::closed`]) waits for the next event instead of peeking with a
+            // system call that finds nothing (issue 27). Only that readiness: bytes
+            // that arrive after the read raise a newer one, which stays. (Clearing a
+            // readiness taken after the read lost the event of a body that came right
+            // after its head — a request then waited for `--body-timeout-s`.) A close
+            // the driver has seen stays visible.
+            let stream = &this.stream;
+            let mut got = None;
+            let read = stream.try_io(tokio::io::Interest::READABLE, || {
+                let n = stream.try_read(unfilled)?;
+                got = Some(n);
+                if n > 0 && n < offered {
+                    Err(io::ErrorKind::WouldBlock.into())
+                } else {
+                    Ok(n)
+                }
+            });
+            let n = match (read, got) {
+                (Ok(n), _) => n,
+                (Err(e), Some(n)) if e.kind() == io::ErrorKind::WouldBlock => n,
+                (Err(e), _) if e.kind() == io::ErrorKind::WouldBlock => continue,
+                (Err(e), _) => return Poll::Ready(Err(e)),
+            };
+            match n {
+                0 => {
                     this.ctx.mark_eof();
                     return Poll::Ready(Ok(()));
                 }
-                Ok(n) => {
-                    this.read_span = next_read_span(this.read_span, n, unfilled.len());
-                    if n < unfilled.len() {
-                        // A read that did not fill the buffer drained the socket (epoll
-                        // is edge-triggered; tokio's own reads assume the same): forget
-                        // the readiness, so that the end-of-client watch
-                        // ([`ConnCtx::closed`]) waits for the next event instead of
-                        // peeking with a system call that finds nothing (issue 27). A
-                        // close the driver has seen stays visible.
-                        let _ = this.stream.try_io(tokio::io::Interest::READABLE, || {
-                            Err::<(), _>(io::ErrorKind::WouldBlock.into())
-                        });
-                    }
+                n => {
+                    this.read_span = next_read_span(this.read_span, n, offered);
                     buf.advance(n);
                     if let Err(status) = this.on_bytes(&buf.filled()[before..]) {
                         // Not handed to hyper: the answer is ours.
@@ -667,8 +684,6 @@ impl AsyncRead for ConnIo {
                     }
                     return Poll::Ready(Ok(()));
                 }
-                Err(e) if e.kind() == io::ErrorKind::WouldBlock => continue,
-                Err(e) => return Poll::Ready(Err(e)),
             }
         }
         // Nothing to read: the phase's timer.
