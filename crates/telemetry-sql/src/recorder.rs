@@ -183,17 +183,33 @@ struct Writer {
     label: String,
 }
 
+/// What a wake of the writer writes.
+#[derive(Debug, Clone, Copy)]
+enum Drain {
+    /// Everything queued: a flush, a retry after a failure, the close.
+    All,
+    /// The interval's tick: one batch (however small: a row waits at most about one
+    /// interval), then full ones.
+    Tick,
+    /// A full batch was queued: full batches only (a partial rest waits for the tick).
+    Full,
+}
+
 impl Writer {
-    /// Writes what is queued, batch by batch: everything (`all`: a flush, a retry, the
-    /// close), else one batch and then only full ones — a partial rest waits for the
-    /// next tick or for a full batch, so that under load every transaction is a full
-    /// batch instead of what arrived while the last one was written (issue 42: 54 rows
-    /// a transaction at 10 000 calls/s, about one WAL write per row). Stops at the
-    /// first failure (the failed batch is back at the front of the queue).
-    async fn drain(&self, all: bool) -> Result<(), String> {
+    /// Writes what is queued, batch by batch, as `drain` says ([`Drain`]): under load
+    /// every transaction is a full batch instead of what arrived while the last one
+    /// was written (issue 42: 54 rows a transaction at 10 000 calls/s, about one WAL
+    /// write per row). Stops at the first failure (the failed batch is back at the
+    /// front of the queue).
+    async fn drain(&self, drain: Drain) -> Result<(), String> {
         let mut first = true;
         loop {
-            if !std::mem::take(&mut first) && !all && !self.shared.has_full_batch() {
+            let partial_ok = match drain {
+                Drain::All => true,
+                Drain::Tick => std::mem::take(&mut first),
+                Drain::Full => false,
+            };
+            if !partial_ok && !self.shared.has_full_batch() {
                 return Ok(());
             }
             let batch = self.shared.take_batch();
@@ -313,18 +329,18 @@ impl Writer {
         let mut idle_wait = true;
         while !self.shared.closing.load(Ordering::SeqCst) {
             // After a failure, or when asked to flush: everything queued.
-            let mut all = !idle_wait;
+            let mut drain = if idle_wait { Drain::Full } else { Drain::All };
             if idle_wait && !self.shared.has_full_batch() {
                 tokio::select! {
                     _ = self.shared.wake.notified() => {}
-                    _ = self.shared.urgent.notified() => all = true,
-                    _ = tokio::time::sleep(self.cfg.flush_interval) => {}
+                    _ = self.shared.urgent.notified() => drain = Drain::All,
+                    _ = tokio::time::sleep(self.cfg.flush_interval) => drain = Drain::Tick,
                 }
                 if self.shared.closing.load(Ordering::SeqCst) {
                     break;
                 }
             }
-            match self.drain(all).await {
+            match self.drain(drain).await {
                 Ok(()) => {
                     self.on_success(st);
                     idle_wait = true;
@@ -344,7 +360,7 @@ impl Writer {
         }
         // Closing: write what is queued, retrying with backoff (bounded by `run`).
         while !self.shared.is_empty() {
-            match self.drain(true).await {
+            match self.drain(Drain::All).await {
                 Ok(()) => self.on_success(st),
                 Err(e) => {
                     self.on_failure(st, &e);

@@ -1456,6 +1456,40 @@ mod lifecycle {
         rec.shutdown().await;
     }
 
+    /// A full batch wakes the writer for full batches only: the rest waits for the
+    /// interval's tick or a flush, so under load every transaction is a full batch
+    /// (issue 42: writing whatever had arrived meant a transaction every few rows and
+    /// about one WAL write per row). The interval here never ticks.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_full_batch_wakes_the_writer_for_full_batches_only() {
+        let db = TestDb::sqlite();
+        let cfg = RecorderConfig {
+            batch_size: 16,
+            flush_interval: Duration::from_secs(3600),
+            ..fast_config()
+        };
+        let rec = SqlRecorder::connect(db.url(), cfg).await.unwrap();
+        for r in numbered("f", 0, 40) {
+            rec.record(r);
+        }
+        wait_until(
+            "two full batches written",
+            Duration::from_secs(30),
+            || async { rec.snapshot().written == 32 },
+        )
+        .await;
+        // The 8 left stay queued: no partial transaction on a full batch's wake. (The
+        // pause gives a wrong writer time to write them; a right one never does.)
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        let s = rec.snapshot();
+        assert_eq!((s.written, s.pending), (32, 8), "{s:?}");
+        // A flush writes them.
+        let report = rec.flush().await.unwrap();
+        assert_eq!((report.written, report.pending), (40, 0), "{report:?}");
+        assert_eq!(db.count().await, 40);
+        rec.shutdown().await;
+    }
+
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn concurrent_records_are_all_accounted_for() {
         // Four threads record at once into a small queue while the writer writes: every
