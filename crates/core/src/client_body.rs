@@ -101,17 +101,40 @@ impl<'de> Visitor<'de> for TopVisitor<'_> {
             };
             let v: &'de RawValue = map.next_value()?;
             let at = offset(body, v.get());
-            let m = Member {
+            members.push(Member {
                 key,
                 value: at..at + v.get().len(),
-            };
-            let name = key_str(body, &m.key);
-            if let Some(i) = members.iter().position(|o| key_str(body, &o.key) == name) {
-                members.remove(i);
-            }
-            members.push(m);
+            });
         }
+        keep_last(&mut members, body);
         Ok(members)
+    }
+}
+
+/// Keeps the last of each repeated key, in its place. A body holds a handful of
+/// members: compared pairwise; a hostile one with thousands goes through a set (a
+/// pairwise pass over 100 000 keys would be 5·10⁹ comparisons).
+fn keep_last(members: &mut Vec<Member>, body: &str) {
+    const PAIRWISE: usize = 16;
+    let later = |i: usize, members: &[Member]| {
+        let k = key_str(body, &members[i].key);
+        members[i + 1..].iter().any(|m| key_str(body, &m.key) == k)
+    };
+    let drop: Vec<bool> = if members.len() <= PAIRWISE {
+        (0..members.len()).map(|i| later(i, members)).collect()
+    } else {
+        let mut seen = std::collections::HashSet::with_capacity(members.len());
+        let mut drop: Vec<bool> = members
+            .iter()
+            .rev()
+            .map(|m| !seen.insert(key_str(body, &m.key)))
+            .collect();
+        drop.reverse();
+        drop
+    };
+    if drop.iter().any(|d| *d) {
+        let mut d = drop.into_iter();
+        members.retain(|_| !d.next().unwrap_or(false));
     }
 }
 
@@ -145,11 +168,6 @@ impl WireBody {
             members
         };
         Ok(WireBody { text, members })
-    }
-
-    /// The body as received.
-    pub fn bytes(&self) -> &[u8] {
-        self.text.as_bytes()
     }
 
     /// The top-level members: each key with its value's text as sent.
@@ -328,6 +346,13 @@ mod tests {
             ]
         );
         assert_eq!(w.get("x"), Some("1.50"));
+        // Many members (the set's path): the last of each key, in its place.
+        let many: Vec<String> = (0..40).map(|i| format!("\"k{}\":{i}", i % 20)).collect();
+        let w = WireBody::scan(format!("{{{}}}", many.join(",")).into_bytes()).unwrap();
+        let kept: Vec<_> = w.members().collect();
+        assert_eq!(kept.len(), 20);
+        assert_eq!(kept[0], ("k0", "20"));
+        assert_eq!(kept[19], ("k19", "39"));
         assert!(WireBody::scan(b"[1]".to_vec()).is_err());
         assert!(WireBody::scan(b"{\"a\":1} x".to_vec()).is_err());
     }
